@@ -1,0 +1,158 @@
+"""Loads lowbit's shared libraries once and registers every XLA FFI target.
+
+`TARGETS` is the one table of FFI targets: target name -> handler symbol prefix. The CPU
+library (lib/liblowbit.so) exports `<prefix>Cpu` for every target and is registered for
+platform "cpu" always; the CUDA library (lib/liblowbit_cuda.so, present when lowbit was
+built with nvcc) exports `<prefix>Cuda` and is registered for platform "CUDA" when a GPU is
+visible. A missing or stale library raises `LowbitLibraryError` saying how to rebuild.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+from pathlib import Path
+
+import jax
+
+ABI_VERSION = 1
+
+TARGETS: dict[str, str] = {
+    "lowbit_amax": "LowbitAmax",
+    "lowbit_encode": "LowbitEncode",
+    "lowbit_decode": "LowbitDecode",
+}
+
+_REBUILD = (
+    "rebuild it from the source tree with `pip install --no-build-isolation -e .` "
+    "(or `pip install .`), or point LOWBIT_LIBRARY_DIR at a folder holding a current build"
+)
+
+
+class LowbitLibraryError(RuntimeError):
+    """The native library is missing, stale, or lacks the backend an op was lowered for."""
+
+
+class _State:
+    lock = threading.Lock()
+    cpu: ctypes.CDLL | None = None
+    cpu_path: Path | None = None
+    cuda: ctypes.CDLL | None = None
+    cuda_path: Path | None = None
+    cuda_error: str | None = None
+    cuda_registered = False
+    loaded = False
+
+
+def _search_dirs() -> list[Path]:
+    dirs = []
+    if os.environ.get("LOWBIT_LIBRARY_DIR"):
+        dirs.append(Path(os.environ["LOWBIT_LIBRARY_DIR"]))
+    import lowbit
+
+    # Editable installs spread the package over the source tree and site-packages.
+    for entry in getattr(lowbit, "__path__", []):
+        dirs.append(Path(entry) / "lib")
+    return dirs
+
+
+def _find(name: str) -> Path | None:
+    for d in _search_dirs():
+        if (d / name).is_file():
+            return d / name
+    return None
+
+
+def _check(lib: ctypes.CDLL, path: Path, suffix: str) -> None:
+    try:
+        abi = lib.LowbitAbiVersion()
+    except AttributeError:
+        abi = None
+    missing = [p + suffix for p in TARGETS.values() if not hasattr(lib, p + suffix)]
+    if abi != ABI_VERSION or missing:
+        raise LowbitLibraryError(
+            f"lowbit: {path} is stale (ABI {abi}, this lowbit expects {ABI_VERSION}"
+            + (f"; missing handlers {', '.join(missing)}" if missing else "")
+            + f"): {_REBUILD}"
+        )
+
+
+def _gpu_present() -> bool:
+    try:
+        return len(jax.devices("gpu")) > 0
+    except RuntimeError:
+        return False
+
+
+def load() -> None:
+    """Loads the libraries and registers their targets; later calls return at once."""
+    if _State.loaded:
+        return
+    with _State.lock:
+        if _State.loaded:
+            return
+        path = _find("liblowbit.so")
+        if path is None:
+            raise LowbitLibraryError(
+                "lowbit: liblowbit.so was not found in "
+                + ", ".join(str(d) for d in _search_dirs())
+                + f": the package was installed without its native library; {_REBUILD}"
+            )
+        lib = ctypes.cdll.LoadLibrary(str(path))
+        _check(lib, path, "Cpu")
+        for target, prefix in TARGETS.items():
+            fn = getattr(lib, prefix + "Cpu")
+            jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(fn), platform="cpu")
+        _State.cpu, _State.cpu_path = lib, path
+
+        cuda_path = _find("liblowbit_cuda.so")
+        if cuda_path is None:
+            _State.cuda_error = "lowbit was built without CUDA (no liblowbit_cuda.so)"
+        elif _gpu_present():
+            try:
+                cuda_lib = ctypes.cdll.LoadLibrary(str(cuda_path))
+            except OSError as e:
+                _State.cuda_error = f"cannot load {cuda_path}: {e}"
+            else:
+                _check(cuda_lib, cuda_path, "Cuda")
+                for target, prefix in TARGETS.items():
+                    fn = getattr(cuda_lib, prefix + "Cuda")
+                    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(fn), platform="CUDA")
+                _State.cuda, _State.cuda_path = cuda_lib, cuda_path
+                _State.cuda_registered = True
+        else:
+            _State.cuda_path = cuda_path
+            _State.cuda_error = "no GPU is visible to JAX"
+        _State.loaded = True
+
+
+def require_platform(op: str, platform: str) -> None:
+    """Raises a clear error when `op` is lowered for a platform lowbit has no handler for."""
+    load()
+    if platform == "cuda" and not _State.cuda_registered:
+        raise LowbitLibraryError(
+            f"{op}: cannot lower for CUDA: {_State.cuda_error}. Rebuild lowbit on a machine "
+            "with nvcc (CUDA 12.8+) to get liblowbit_cuda.so, or run on the CPU with "
+            "JAX_PLATFORMS=cpu."
+        )
+
+
+def info() -> dict:
+    """What was loaded, for `python -m lowbit`."""
+    load()
+    build = _State.cpu.LowbitBuildInfo
+    build.restype = ctypes.c_char_p
+    out = {
+        "cpu_library": str(_State.cpu_path),
+        "cpu_build": build().decode(),
+        "cuda_library": str(_State.cuda_path) if _State.cuda_path else None,
+        "cuda_registered": _State.cuda_registered,
+        "cuda_note": _State.cuda_error,
+        "platforms": ["cpu"] + (["CUDA"] if _State.cuda_registered else []),
+    }
+    if _State.cuda is not None:
+        cuda_build = _State.cuda.LowbitBuildInfo
+        cuda_build.restype = ctypes.c_char_p
+        out["cuda_build"] = cuda_build().decode()
+    return out
