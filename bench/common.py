@@ -1,0 +1,71 @@
+"""Shared benchmark plumbing: timing, the measured copy-bandwidth ceiling, result tables.
+
+Timing: each function is jitted, warmed up, then run `iters` times back to back on
+rotating input sets (so repeated runs do not measure the L2 cache); the median of
+`repeats` such batches, divided by `iters`, is reported. Device time is read as wall
+time around block_until_ready, which on one GPU stream equals event timing within the
+launch overhead of the first call of a batch.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def device_name() -> str:
+    d = jax.devices()[0]
+    return getattr(d, "device_kind", d.platform).replace(" ", "_")
+
+
+def time_fn(fn, input_sets, iters: int = 20, repeats: int = 5, warmup: int = 3) -> float:
+    """Median seconds per call of jit(fn)(*inputs), rotating over `input_sets`."""
+    f = jax.jit(fn)
+    for i in range(warmup):
+        jax.block_until_ready(f(*input_sets[i % len(input_sets)]))
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        out = None
+        for i in range(iters):
+            out = f(*input_sets[i % len(input_sets)])
+        jax.block_until_ready(out)
+        samples.append((time.perf_counter() - start) / iters)
+    return statistics.median(samples)
+
+
+def copy_bandwidth(nbytes: int = 1 << 30) -> float:
+    """Measured device copy bandwidth in bytes/s, counting bytes read plus written."""
+    n = nbytes // 4
+    sets = [(jnp.arange(n, dtype=jnp.float32) + i,) for i in range(2)]
+    t = time_fn(lambda x: x + 1.0, sets)  # one read and one write per element
+    return 2 * n * 4 / t
+
+
+def write_results(name: str, payload: dict) -> Path:
+    RESULTS.mkdir(exist_ok=True)
+    path = RESULTS / f"{name}_{device_name()}.json"
+    payload = {"device": device_name(), "jax": jax.__version__, **payload}
+    path.write_text(json.dumps(payload, indent=2, default=float))
+    return path
+
+
+def print_table(rows: list[dict], columns: list[str]) -> None:
+    widths = {c: max(len(c), *(len(_fmt(r.get(c))) for r in rows)) for c in columns}
+    print("  ".join(c.ljust(widths[c]) for c in columns))
+    for r in rows:
+        print("  ".join(_fmt(r.get(c)).ljust(widths[c]) for c in columns))
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float | np.floating):
+        return f"{v:.4g}"
+    return str(v)
