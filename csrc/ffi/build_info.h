@@ -8,7 +8,7 @@
 #define LOWBIT_VERSION_STRING "0.1.0"
 #endif
 #if defined(LOWBIT_CUDA_HANDLERS)
-#define LOWBIT_BUILD_FLAVOR "cuda"
+#define LOWBIT_BUILD_FLAVOR "cuda=" LOWBIT_CUDA_VERSION_STRING
 #else
 #define LOWBIT_BUILD_FLAVOR "cpu"
 #endif

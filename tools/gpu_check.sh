@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# One command for the GPU machine (run through the device tool from the repository root):
+# builds lowbit for sm_90a, prints the environment report, runs the GPU tests and the
+# whole suite on the CUDA backend, compute-sanitizer over the kernel tests, and the quick
+# benchmarks. Logs go to $OUT (at most 8 files come back: keep it that way).
+#
+#   tools/gpu_check.sh                 # every stage
+#   tools/gpu_check.sh build test      # some stages: build test sanitize bench
+#   BENCH="bench/bench_quantize.py bench/bench_gemm.py" tools/gpu_check.sh build bench
+#   SANITIZE_K="amax or codecs" tools/gpu_check.sh build sanitize
+set -uo pipefail
+OUT=${OUT:-/tmp/lowbit_out}
+mkdir -p "$OUT"
+stages=${*:-build test sanitize bench}
+PY=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1
+status=0
+has() { [[ " $stages " == *" $1 "* ]]; }
+step() {  # step NAME LOGFILE TIMEOUT_S CMD...: runs CMD with a time limit, logs, tracks failure
+  local name=$1 log=$2 limit=$3; shift 3
+  echo "=== $name ($(date +%T), limit ${limit}s)" | tee -a "$OUT/$log"
+  timeout "$limit" "$@" >>"$OUT/$log" 2>&1
+  local rc=$?
+  echo "=== $name: rc=$rc" | tee -a "$OUT/$log"
+  [ $rc -eq 0 ] || status=1
+  return $rc
+}
+
+if has build; then
+  {
+    nvidia-smi --query-gpu=name,compute_cap,driver_version,memory.total --format=csv
+    nvcc --version | tail -1
+    $PY -c "import jax, flax; print('jax', jax.__version__, 'flax', flax.__version__, jax.devices())"
+  } >"$OUT/env.log" 2>&1
+  export SKBUILD_CMAKE_DEFINE="LOWBIT_CUDA=ON;LOWBIT_CUDA_ARCH_FLAGS=${LOWBIT_CUDA_ARCH_FLAGS:--gencode=arch=compute_90a,code=sm_90a}"
+  step "build" build.log 400 $PY -m pip install --no-build-isolation --no-deps -v -e . || { echo "build failed"; tail -40 "$OUT/build.log"; exit 1; }
+  step "report" env.log 120 $PY -m lowbit
+fi
+
+if has test; then
+  step "gpu tests" tests.log 240 $PY -m pytest -q -m gpu -p no:cacheprovider tests
+  step "suite on CUDA" tests.log 300 $PY -m pytest -q -m "not gpu" -p no:cacheprovider -x tests
+  grep -E "passed|failed|error" "$OUT/tests.log" | tail -5
+fi
+
+if has sanitize; then
+  # One buffer per allocation, so memcheck sees out-of-bounds accesses of our kernels
+  # instead of hits inside XLA's memory pool.
+  export XLA_PYTHON_CLIENT_ALLOCATOR=platform
+  step "compute-sanitizer memcheck" sanitizer.log 300 compute-sanitizer --tool memcheck \
+    --error-exitcode 3 $PY -m pytest -q -m gpu -p no:cacheprovider -k "${SANITIZE_K:-cuda or device}" tests
+  grep -E "ERROR SUMMARY|passed|failed" "$OUT/sanitizer.log" | tail -5
+  unset XLA_PYTHON_CLIENT_ALLOCATOR
+fi
+
+if has bench; then
+  for script in ${BENCH:-$(ls bench/bench_*.py 2>/dev/null)}; do
+    step "$script" bench.log 240 $PY "$script" || true
+  done
+  tar -cf "$OUT/bench_results.tar" bench/results 2>/dev/null
+  grep -vE "^\s*$" "$OUT/bench.log" | tail -60
+fi
+exit $status
