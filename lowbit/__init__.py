@@ -3,5 +3,15 @@
 __version__ = "0.1.0"
 
 from lowbit import ops  # noqa: E402
+from lowbit import quantize, recipe  # noqa: E402
+from lowbit.quantize.helper import autocast, fp8_autocast, get_global_recipe  # noqa: E402
 
-__all__ = ["ops", "__version__"]
+__all__ = [
+    "ops",
+    "quantize",
+    "recipe",
+    "autocast",
+    "fp8_autocast",
+    "get_global_recipe",
+    "__version__",
+]

@@ -7,8 +7,8 @@ cd "$(dirname "$0")/.."
 req=${1:-requirements-dev.txt}
 
 find_python() {
-  for cand in "${PYTHON:-}" python3.13 python3.12 python3 \
-              "$HOME"/.pyenv/versions/3.13*/bin/python3 "$HOME"/.pyenv/versions/3.12*/bin/python3; do
+  for cand in "${PYTHON:-}" python3.12 python3.13 python3 \
+              "$HOME"/.pyenv/versions/3.12*/bin/python3 "$HOME"/.pyenv/versions/3.13*/bin/python3; do
     [ -n "$cand" ] || continue
     command -v "$cand" >/dev/null 2>&1 || continue
     if "$cand" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 12) else 1)' 2>/dev/null; then
