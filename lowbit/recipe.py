@@ -1,0 +1,250 @@
+"""lowbit.recipe: the quantization recipes, as in TransformerEngine's `common.recipe`.
+
+A recipe is static configuration: a frozen, hashable dataclass that can be a `jit` static
+argument or a Flax module field. It says which number formats the forward tensors (x,
+kernel) and the gradients use and how their scales are made; `lowbit.quantize` turns a
+recipe into quantizers. Every recipe validates its fields on construction and raises
+`ValueError` naming the field.
+
+`Format` keeps TE's shape: `Format.HYBRID.value.max_fwd == 448`, `.max_bwd == 57344`; the
+dtypes are `Format.HYBRID.fwd_dtype` (float8_e4m3fn) and `.bwd_dtype` (float8_e5m2).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import NamedTuple
+
+import jax.numpy as jnp
+
+__all__ = [
+    "Format",
+    "Recipe",
+    "DelayedScaling",
+    "Float8CurrentScaling",
+    "MXFP8BlockScaling",
+    "Float8BlockScaling",
+    "NVFP4BlockScaling",
+    "AMAX_COMPUTE_ALGOS",
+]
+
+AMAX_COMPUTE_ALGOS = ("max", "most_recent")
+# 2**margin must stay a finite fp32 power of two.
+MAX_MARGIN = 127
+FP8_BLOCKS = ((1, 128), (128, 128))
+
+
+class FormatMaxima(NamedTuple):
+    max_fwd: float
+    max_bwd: float
+
+
+class Format(enum.Enum):
+    """Number formats: forward (x, kernel) and backward (gradients) maxima."""
+
+    E4M3 = FormatMaxima(max_fwd=448.0, max_bwd=448.0)
+    E5M2 = FormatMaxima(max_fwd=57344.0, max_bwd=57344.0)
+    HYBRID = FormatMaxima(max_fwd=448.0, max_bwd=57344.0)  # E4M3 forward, E5M2 gradients
+    E2M1 = FormatMaxima(max_fwd=6.0, max_bwd=6.0)
+
+    @property
+    def max_fwd(self) -> float:
+        return self.value.max_fwd
+
+    @property
+    def max_bwd(self) -> float:
+        return self.value.max_bwd
+
+    @property
+    def fwd_dtype(self):
+        return _FWD_DTYPE[self]
+
+    @property
+    def bwd_dtype(self):
+        return _BWD_DTYPE[self]
+
+
+_FWD_DTYPE = {
+    Format.E4M3: jnp.float8_e4m3fn,
+    Format.E5M2: jnp.float8_e5m2,
+    Format.HYBRID: jnp.float8_e4m3fn,
+    Format.E2M1: jnp.float4_e2m1fn,
+}
+_BWD_DTYPE = {
+    Format.E4M3: jnp.float8_e4m3fn,
+    Format.E5M2: jnp.float8_e5m2,
+    Format.HYBRID: jnp.float8_e5m2,
+    Format.E2M1: jnp.float4_e2m1fn,
+}
+# E5M2 has too few mantissa bits for activations and weights; TE rejects it as well.
+FP8_TRAINING_FORMATS = (Format.E4M3, Format.HYBRID)
+
+
+def _fail(recipe: str, field: str, expected: str, got) -> None:
+    raise ValueError(f"lowbit.recipe.{recipe}: {field}: expected {expected}, got {got!r}")
+
+
+def _check_bool(recipe: str, field: str, value) -> None:
+    if not isinstance(value, bool):
+        _fail(recipe, field, "a bool", value)
+
+
+def _check_fp8_format(recipe: str, value) -> None:
+    if value not in FP8_TRAINING_FORMATS:
+        _fail(
+            recipe,
+            "fp8_format",
+            "Format.E4M3 or Format.HYBRID (pure E5M2 is not a forward format)",
+            value,
+        )
+
+
+class Recipe:
+    """Base class of the recipes: the dtypes of the forward tensors and of the gradients."""
+
+    fp8_format: Format
+
+    @property
+    def fwd_dtype(self):
+        """The quantized dtype of x and kernel."""
+        return self.fp8_format.fwd_dtype
+
+    @property
+    def bwd_dtype(self):
+        """The quantized dtype of the gradients."""
+        return self.fp8_format.bwd_dtype
+
+    @property
+    def is_stateful(self) -> bool:
+        """True when quantizers carry state between steps (scales, amax histories)."""
+        return False
+
+    def delayed(self) -> bool:
+        return isinstance(self, DelayedScaling)
+
+    def float8_current_scaling(self) -> bool:
+        return isinstance(self, Float8CurrentScaling)
+
+    def mxfp8(self) -> bool:
+        return isinstance(self, MXFP8BlockScaling)
+
+    def float8_block_scaling(self) -> bool:
+        return isinstance(self, Float8BlockScaling)
+
+    def nvfp4(self) -> bool:
+        return isinstance(self, NVFP4BlockScaling)
+
+
+@dataclasses.dataclass(frozen=True)
+class DelayedScaling(Recipe):
+    """Per-tensor scales from an amax history: step t casts with the scale made at step
+    t-1 (`lowbit.quantize.delayed.update_delayed_scaling` has the exact rule).
+
+    margin: the scale is divided by 2**margin. amax_history_len: the history length L.
+    amax_compute_algo: "max" over the history or "most_recent". reduce_amax: reduce the
+    amax over the devices (data parallel) before it enters the history.
+    """
+
+    margin: int = 0
+    fp8_format: Format = Format.HYBRID
+    amax_history_len: int = 1024
+    amax_compute_algo: str = "max"
+    reduce_amax: bool = True
+
+    def __post_init__(self):
+        name = "DelayedScaling"
+        if isinstance(self.margin, bool) or not isinstance(self.margin, int):
+            _fail(name, "margin", "an int", self.margin)
+        if not 0 <= self.margin <= MAX_MARGIN:
+            _fail(name, "margin", f"0 <= margin <= {MAX_MARGIN}", self.margin)
+        _check_fp8_format(name, self.fp8_format)
+        if isinstance(self.amax_history_len, bool) or not isinstance(self.amax_history_len, int):
+            _fail(name, "amax_history_len", "an int", self.amax_history_len)
+        if self.amax_history_len < 1:
+            _fail(name, "amax_history_len", ">= 1", self.amax_history_len)
+        if self.amax_compute_algo not in AMAX_COMPUTE_ALGOS:
+            _fail(name, "amax_compute_algo", f"one of {AMAX_COMPUTE_ALGOS}", self.amax_compute_algo)
+        _check_bool(name, "reduce_amax", self.reduce_amax)
+
+    @property
+    def is_stateful(self) -> bool:
+        return True
+
+
+@dataclasses.dataclass(frozen=True)
+class Float8CurrentScaling(Recipe):
+    """Per-tensor scales from each tensor's own amax (`scale = max_fp8 / amax`), optionally
+    rounded down to a power of two."""
+
+    fp8_format: Format = Format.HYBRID
+    use_power_2_scales: bool = False
+
+    def __post_init__(self):
+        _check_fp8_format("Float8CurrentScaling", self.fp8_format)
+        _check_bool("Float8CurrentScaling", "use_power_2_scales", self.use_power_2_scales)
+
+
+@dataclasses.dataclass(frozen=True)
+class MXFP8BlockScaling(Recipe):
+    """MXFP8: 32-element blocks along the contracting dim with E8M0 (power-of-two) scales."""
+
+    fp8_format: Format = Format.E4M3
+
+    def __post_init__(self):
+        _check_fp8_format("MXFP8BlockScaling", self.fp8_format)
+
+
+@dataclasses.dataclass(frozen=True)
+class Float8BlockScaling(Recipe):
+    """FP8 with fp32 block scales (DeepSeek-V3 style, runs on Hopper): 1x128 tiles for
+    activations and gradients, 128x128 for weights. Power-of-two scales by default, as in
+    TE's PyTorch recipe."""
+
+    fp8_format: Format = Format.E4M3
+    use_power_2_scales: bool = True
+    x_block: tuple[int, int] = (1, 128)
+    w_block: tuple[int, int] = (128, 128)
+    grad_block: tuple[int, int] = (1, 128)
+
+    def __post_init__(self):
+        name = "Float8BlockScaling"
+        _check_fp8_format(name, self.fp8_format)
+        _check_bool(name, "use_power_2_scales", self.use_power_2_scales)
+        for field in ("x_block", "w_block", "grad_block"):
+            block = getattr(self, field)
+            block = tuple(block) if isinstance(block, (tuple, list)) else block
+            if block not in FP8_BLOCKS:
+                _fail(name, field, f"one of {FP8_BLOCKS}", getattr(self, field))
+            object.__setattr__(self, field, block)
+
+
+@dataclasses.dataclass(frozen=True)
+class NVFP4BlockScaling(Recipe):
+    """NVFP4: E2M1 data in 16-value blocks with E4M3 block scales under a per-tensor fp32
+    scale; 16x16 2-D blocks for weights, stochastic rounding of gradients and a random
+    Hadamard transform on the copies that feed wgrad, each of which can be turned off."""
+
+    disable_rht: bool = False
+    disable_stochastic_rounding: bool = False
+    disable_2d_quantization: bool = False
+
+    def __post_init__(self):
+        for field in ("disable_rht", "disable_stochastic_rounding", "disable_2d_quantization"):
+            _check_bool("NVFP4BlockScaling", field, getattr(self, field))
+
+    @property
+    def fp4_format(self) -> Format:
+        return Format.E2M1
+
+    @property
+    def fp8_format(self) -> Format:  # the block scales' format
+        return Format.E4M3
+
+    @property
+    def fwd_dtype(self):
+        return Format.E2M1.fwd_dtype
+
+    @property
+    def bwd_dtype(self):
+        return Format.E2M1.bwd_dtype
