@@ -1,0 +1,140 @@
+// XLA FFI handlers for lowbit_gemm (gemm/gemm.h): out (M, N) = a_scale_inv * b_scale_inv *
+// a (M, K) @ b (N, K)^T + bias. Compiled into liblowbit.so as LowbitGemmCpu (the C++
+// reference) and, with LOWBIT_CUDA_HANDLERS, into liblowbit_cuda.so as LowbitGemmCuda
+// (cuBLASLt, workspace from XLA's scratch allocator). Both validate identically.
+#include <optional>
+#include <string>
+
+#include "ffi/ffi_util.h"
+#include "gemm/gemm.h"
+
+#if defined(LOWBIT_CUDA_HANDLERS)
+#include <cuda_runtime_api.h>
+#endif
+
+namespace lowbit {
+namespace {
+
+std::string Dims(ffi::Span<const int64_t> dims) {
+  std::string s = "(";
+  for (size_t i = 0; i < dims.size(); ++i) s += (i ? ", " : "") + std::to_string(dims[i]);
+  return s + (dims.size() == 1 ? ",)" : ")");
+}
+
+Status Invalid(const char* arg, const std::string& what) {
+  return Status::InvalidArgument(std::string("lowbit_gemm: ") + arg + ": " + what);
+}
+
+// Checks every buffer against the others and fills `args` (pointers, types, sizes).
+Status GemmArgsFromBuffers(const ffi::AnyBuffer& a, const ffi::AnyBuffer& b,
+                           const ffi::Buffer<ffi::F32>& a_scale_inv,
+                           const ffi::Buffer<ffi::F32>& b_scale_inv, const ffi::AnyBuffer& bias,
+                           ffi::AnyBuffer& out, bool use_split_accumulator, GemmArgs* args) {
+  const auto ad = a.dimensions(), bd = b.dimensions(), od = out.dimensions();
+  if (ad.size() != 2) return Invalid("a", "expected rank 2 (M, K), got shape " + Dims(ad));
+  if (bd.size() != 2) return Invalid("b", "expected rank 2 (N, K), got shape " + Dims(bd));
+  if (bd[1] != ad[1]) {
+    return Invalid("b", "expected (N, " + std::to_string(ad[1]) + ") to match a " + Dims(ad) +
+                            ", got " + Dims(bd));
+  }
+  if (od.size() != 2 || od[0] != ad[0] || od[1] != bd[0]) {
+    return Invalid("out", "expected shape (" + std::to_string(ad[0]) + ", " +
+                              std::to_string(bd[0]) + "), got " + Dims(od));
+  }
+  if (a_scale_inv.element_count() != 1) {
+    return Invalid("a_scale_inv", "expected one f32, got shape " + Dims(a_scale_inv.dimensions()));
+  }
+  if (b_scale_inv.element_count() != 1) {
+    return Invalid("b_scale_inv", "expected one f32, got shape " + Dims(b_scale_inv.dimensions()));
+  }
+  args->a_type = ToDType(a.element_type());
+  args->b_type = ToDType(b.element_type());
+  args->out_type = ToDType(out.element_type());
+  LOWBIT_RETURN_IF_ERROR(CheckGemmTypes(args->a_type, args->b_type, args->out_type));
+  const int64_t bias_count = int64_t(bias.element_count());
+  if (bias.dimensions().size() != 1 || (bias_count != 0 && bias_count != bd[0])) {
+    return Invalid("bias", "expected shape (" + std::to_string(bd[0]) + ",) or (0,), got " +
+                               Dims(bias.dimensions()));
+  }
+  if (bias_count != 0 && ToDType(bias.element_type()) != args->out_type) {
+    return Invalid("bias", std::string("expected the out type ") + DTypeName(args->out_type) +
+                               ", got " + DTypeName(ToDType(bias.element_type())));
+  }
+  args->a = a.untyped_data();
+  args->b = b.untyped_data();
+  args->a_scale_inv = a_scale_inv.typed_data();
+  args->b_scale_inv = b_scale_inv.typed_data();
+  args->bias = bias_count != 0 ? bias.untyped_data() : nullptr;
+  args->out = out.untyped_data();
+  args->m = ad[0];
+  args->n = bd[0];
+  args->k = ad[1];
+  args->use_split_accumulator = use_split_accumulator;
+  return Status::Ok();
+}
+
+#if !defined(LOWBIT_CUDA_HANDLERS)
+
+ffi::Error GemmCpu(ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Buffer<ffi::F32> a_scale_inv,
+                   ffi::Buffer<ffi::F32> b_scale_inv, ffi::AnyBuffer bias,
+                   ffi::Result<ffi::AnyBuffer> out, bool use_split_accumulator) {
+  GemmArgs args;
+  Status s = GemmArgsFromBuffers(a, b, a_scale_inv, b_scale_inv, bias, *out,
+                                 use_split_accumulator, &args);
+  if (s.ok()) s = GemmRef(args);
+  return ToFfiError(s);
+}
+
+#else
+
+ffi::Error GemmGpu(cudaStream_t stream, int32_t device_ordinal, ffi::ScratchAllocator scratch,
+                   ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Buffer<ffi::F32> a_scale_inv,
+                   ffi::Buffer<ffi::F32> b_scale_inv, ffi::AnyBuffer bias,
+                   ffi::Result<ffi::AnyBuffer> out, bool use_split_accumulator) {
+  GemmArgs args;
+  Status s = GemmArgsFromBuffers(a, b, a_scale_inv, b_scale_inv, bias, *out,
+                                 use_split_accumulator, &args);
+  if (!s.ok()) return ToFfiError(s);
+  if (args.m == 0 || args.n == 0) return ffi::Error::Success();
+  // Freed when `scratch` goes out of scope; XLA's allocator is stream-ordered, so the
+  // memory is reused only by work enqueued after this GEMM.
+  std::optional<void*> workspace = scratch.Allocate(kGemmWorkspaceBytes, 256);
+  if (!workspace.has_value()) {
+    return ToFfiError(Status::Internal("lowbit_gemm: cannot allocate " +
+                                       std::to_string(kGemmWorkspaceBytes) +
+                                       " bytes of workspace from XLA's scratch allocator"));
+  }
+  return ToFfiError(GemmCuda(args, device_ordinal, *workspace, stream));
+}
+
+#endif
+
+}  // namespace
+}  // namespace lowbit
+
+namespace xffi = ::xla::ffi;
+
+#if !defined(LOWBIT_CUDA_HANDLERS)
+LOWBIT_FFI_HANDLER(LowbitGemmCpu, lowbit::GemmCpu,
+                   xffi::Ffi::Bind()
+                       .Arg<xffi::AnyBuffer>()             // a: (M, K) fp8 / bf16 / f16, row-major
+                       .Arg<xffi::AnyBuffer>()             // b: (N, K) same family as a, row-major
+                       .Arg<xffi::Buffer<xffi::F32>>()     // a_scale_inv: (1,)
+                       .Arg<xffi::Buffer<xffi::F32>>()     // b_scale_inv: (1,)
+                       .Arg<xffi::AnyBuffer>()             // bias: (N,) in out's type, or (0,)
+                       .Ret<xffi::AnyBuffer>()             // out: (M, N) bf16 / f16 / f32
+                       .Attr<bool>("use_split_accumulator"));  // FP8 on GPU: false = fast accumulation
+#else
+LOWBIT_FFI_HANDLER(LowbitGemmCuda, lowbit::GemmGpu,
+                   xffi::Ffi::Bind()
+                       .Ctx<xffi::PlatformStream<cudaStream_t>>()  // stream
+                       .Ctx<xffi::DeviceOrdinal>()         // device: picks the cuBLASLt handle and plans
+                       .Ctx<xffi::ScratchAllocator>()      // workspace: kGemmWorkspaceBytes per call
+                       .Arg<xffi::AnyBuffer>()             // a: (M, K) fp8 / bf16 / f16, row-major
+                       .Arg<xffi::AnyBuffer>()             // b: (N, K) same family as a, row-major
+                       .Arg<xffi::Buffer<xffi::F32>>()     // a_scale_inv: (1,)
+                       .Arg<xffi::Buffer<xffi::F32>>()     // b_scale_inv: (1,)
+                       .Arg<xffi::AnyBuffer>()             // bias: (N,) in out's type, or (0,)
+                       .Ret<xffi::AnyBuffer>()             // out: (M, N) bf16 / f16 / f32
+                       .Attr<bool>("use_split_accumulator"));  // FP8: false = fast accumulation
+#endif

@@ -1,0 +1,391 @@
+// lowbit_gemm on cuBLASLt (layout and numerics in gemm.h).
+//
+// Handles and plans: one process-wide CublasLtCache (created on first use, never destroyed,
+// so that no cuBLASLt call runs after the CUDA runtime has shut down at exit) owns one
+// cuBLASLt handle per device, created lazily, and one plan per (device, M, N, K, types,
+// bias epilogue, fast accumulation, pointer alignments). A plan is the matmul descriptor,
+// the three matrix layouts and the algorithm cublasLtMatmulAlgoGetHeuristic picked for a
+// 32 MiB workspace; every descriptor lives in a unique_ptr with its destroy function, so a
+// check that fails halfway through building a plan leaks nothing. A map lookup under a
+// mutex per call is far below the GEMM's own launch cost; instantiate-stage FFI state would
+// save it, at the price of a registered state type per handler.
+//
+// Per call, the data pointers that cuBLASLt reads from the descriptor (A/B scale pointers,
+// bias pointer) are written under the plan's own mutex together with the cublasLtMatmul
+// enqueue, so concurrent calls of one plan from different threads cannot mix them up.
+//
+// cuBLASLt's A is our b and its B is our a: D^T (N x M, ld N) = op_T(b: K x N, ld K) *
+// (a: K x M, ld K). The FP8 scale of cuBLASLt's A is therefore b_scale_inv.
+#include <cublasLt.h>
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <type_traits>
+#include <unordered_map>
+
+#include "common/cuda_check.h"
+#include "gemm/gemm.h"
+#include "gemm/gemm_epilogue.h"
+
+namespace lowbit {
+namespace {
+
+// FP8 tensor-core GEMMs exist from compute capability 8.9 (Ada) and 9.0 (Hopper); cuBLASLt
+// documents FP8 matmul for sm_89+ (cublasLtMatmul, "FP8" data type table, CUDA 12.0+).
+constexpr int kMinFp8ComputeCapability = 89;
+
+std::string Problem(const GemmArgs& args) {
+  return "M=" + std::to_string(args.m) + " N=" + std::to_string(args.n) + " K=" +
+         std::to_string(args.k) + " (a " + DTypeName(args.a_type) + ", b " +
+         DTypeName(args.b_type) + ", out " + DTypeName(args.out_type) + ")";
+}
+
+Status CublasStatus(cublasStatus_t status, const char* what, const GemmArgs& args) {
+  if (status == CUBLAS_STATUS_SUCCESS) return Status::Ok();
+  const StatusCode code = status == CUBLAS_STATUS_NOT_SUPPORTED ? StatusCode::kUnimplemented
+                                                                : StatusCode::kInternal;
+  std::string msg = std::string("lowbit_gemm: ") + what + " failed: " +
+                    cublasLtGetStatusName(status) + " for " + Problem(args);
+  return code == StatusCode::kUnimplemented ? Status::Unimplemented(msg) : Status::Internal(msg);
+}
+
+cudaDataType_t CudaType(DType t) {
+  switch (t) {
+    case DType::kE4M3: return CUDA_R_8F_E4M3;
+    case DType::kE5M2: return CUDA_R_8F_E5M2;
+    case DType::kBF16: return CUDA_R_16BF;
+    case DType::kF16: return CUDA_R_16F;
+    default: return CUDA_R_32F;
+  }
+}
+
+// Largest power of two (at most 256) dividing the address: what the heuristic must assume.
+uint32_t Alignment(const void* p) {
+  const uintptr_t address = reinterpret_cast<uintptr_t>(p);
+  uint32_t alignment = 256;
+  while (alignment > 1 && address % alignment != 0) alignment /= 2;
+  return alignment;
+}
+
+// ---------------------------------------------------------------- RAII descriptors
+
+struct HandleDeleter {
+  void operator()(cublasLtHandle_t h) const { cublasLtDestroy(h); }
+};
+struct DescDeleter {
+  void operator()(cublasLtMatmulDesc_t d) const { cublasLtMatmulDescDestroy(d); }
+};
+struct LayoutDeleter {
+  void operator()(cublasLtMatrixLayout_t l) const { cublasLtMatrixLayoutDestroy(l); }
+};
+struct PreferenceDeleter {
+  void operator()(cublasLtMatmulPreference_t p) const { cublasLtMatmulPreferenceDestroy(p); }
+};
+using UniqueHandle = std::unique_ptr<std::remove_pointer_t<cublasLtHandle_t>, HandleDeleter>;
+using UniqueDesc = std::unique_ptr<std::remove_pointer_t<cublasLtMatmulDesc_t>, DescDeleter>;
+using UniqueLayout = std::unique_ptr<std::remove_pointer_t<cublasLtMatrixLayout_t>, LayoutDeleter>;
+using UniquePreference =
+    std::unique_ptr<std::remove_pointer_t<cublasLtMatmulPreference_t>, PreferenceDeleter>;
+
+// Makes `device` current for its lifetime (cuBLASLt handles belong to the current device).
+class ScopedDevice {
+ public:
+  explicit ScopedDevice(int device) {
+    if (cudaGetDevice(&previous_) == cudaSuccess && previous_ != device) {
+      switched_ = cudaSetDevice(device) == cudaSuccess;
+    }
+  }
+  ~ScopedDevice() {
+    if (switched_) cudaSetDevice(previous_);
+  }
+  ScopedDevice(const ScopedDevice&) = delete;
+  ScopedDevice& operator=(const ScopedDevice&) = delete;
+
+ private:
+  int previous_ = -1;
+  bool switched_ = false;
+};
+
+// ---------------------------------------------------------------- plans
+
+struct PlanKey {
+  int device;
+  int64_t m, n, k;
+  DType a_type, b_type, out_type;
+  bool bias_epilogue, fast_accum;
+  uint32_t align_a, align_b, align_out, align_bias;
+
+  bool operator==(const PlanKey& o) const {
+    return device == o.device && m == o.m && n == o.n && k == o.k && a_type == o.a_type &&
+           b_type == o.b_type && out_type == o.out_type && bias_epilogue == o.bias_epilogue &&
+           fast_accum == o.fast_accum && align_a == o.align_a && align_b == o.align_b &&
+           align_out == o.align_out && align_bias == o.align_bias;
+  }
+};
+
+struct PlanKeyHash {
+  size_t operator()(const PlanKey& key) const {
+    uint64_t h = 1469598103934665603ull;
+    auto mix = [&h](uint64_t v) { h = (h ^ v) * 1099511628211ull; };
+    mix(uint64_t(key.device));
+    mix(uint64_t(key.m));
+    mix(uint64_t(key.n));
+    mix(uint64_t(key.k));
+    mix(uint64_t(key.a_type) | uint64_t(key.b_type) << 8 | uint64_t(key.out_type) << 16 |
+        uint64_t(key.bias_epilogue) << 24 | uint64_t(key.fast_accum) << 25);
+    mix(uint64_t(key.align_a) | uint64_t(key.align_b) << 16 | uint64_t(key.align_out) << 32 |
+        uint64_t(key.align_bias) << 48);
+    return size_t(h);
+  }
+};
+
+struct Plan {
+  UniqueDesc desc;
+  UniqueLayout layout_a, layout_b, layout_d;  // cuBLASLt's A (our b), B (our a), C = D (out)
+  cublasLtMatmulAlgo_t algo{};
+  size_t workspace_bytes = 0;
+  std::mutex mutex;  // guards the descriptor's pointer attributes from set to enqueue
+};
+
+// The data pointers a plan's descriptor holds; written before every cublasLtMatmul.
+Status SetPointers(cublasLtMatmulDesc_t desc, const PlanKey& key, const GemmArgs& args) {
+  if (IsFp8(key.a_type)) {
+    const void* scale_a = args.b_scale_inv;  // cuBLASLt's A is our b
+    const void* scale_b = args.a_scale_inv;
+    LOWBIT_RETURN_IF_ERROR(CublasStatus(
+        cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &scale_a,
+                                       sizeof(scale_a)),
+        "cublasLtMatmulDescSetAttribute(A_SCALE_POINTER)", args));
+    LOWBIT_RETURN_IF_ERROR(CublasStatus(
+        cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &scale_b,
+                                       sizeof(scale_b)),
+        "cublasLtMatmulDescSetAttribute(B_SCALE_POINTER)", args));
+  }
+  if (key.bias_epilogue) {
+    const void* bias = args.bias;
+    LOWBIT_RETURN_IF_ERROR(CublasStatus(
+        cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)),
+        "cublasLtMatmulDescSetAttribute(BIAS_POINTER)", args));
+  }
+  return Status::Ok();
+}
+
+template <typename T>
+Status SetDesc(cublasLtMatmulDesc_t desc, cublasLtMatmulDescAttributes_t attr, const T& value,
+               const char* what, const GemmArgs& args) {
+  return CublasStatus(cublasLtMatmulDescSetAttribute(desc, attr, &value, sizeof(value)), what, args);
+}
+
+Status MakeLayout(cudaDataType_t type, int64_t rows, int64_t cols, int64_t ld, const char* what,
+                  const GemmArgs& args, UniqueLayout* out) {
+  cublasLtMatrixLayout_t layout = nullptr;
+  LOWBIT_RETURN_IF_ERROR(CublasStatus(
+      cublasLtMatrixLayoutCreate(&layout, type, uint64_t(rows), uint64_t(cols), ld), what, args));
+  out->reset(layout);
+  return Status::Ok();
+}
+
+Status BuildPlan(cublasLtHandle_t handle, const PlanKey& key, const GemmArgs& args, Plan* plan) {
+  cublasLtMatmulDesc_t raw_desc = nullptr;
+  LOWBIT_RETURN_IF_ERROR(CublasStatus(cublasLtMatmulDescCreate(&raw_desc, CUBLAS_COMPUTE_32F, CUDA_R_32F),
+                                      "cublasLtMatmulDescCreate", args));
+  plan->desc.reset(raw_desc);
+  cublasLtMatmulDesc_t desc = plan->desc.get();
+  LOWBIT_RETURN_IF_ERROR(SetDesc(desc, CUBLASLT_MATMUL_DESC_TRANSA, int32_t(CUBLAS_OP_T),
+                                 "cublasLtMatmulDescSetAttribute(TRANSA)", args));
+  LOWBIT_RETURN_IF_ERROR(SetDesc(desc, CUBLASLT_MATMUL_DESC_TRANSB, int32_t(CUBLAS_OP_N),
+                                 "cublasLtMatmulDescSetAttribute(TRANSB)", args));
+  if (IsFp8(key.a_type)) {
+    LOWBIT_RETURN_IF_ERROR(SetDesc(desc, CUBLASLT_MATMUL_DESC_FAST_ACCUM, int8_t(key.fast_accum),
+                                   "cublasLtMatmulDescSetAttribute(FAST_ACCUM)", args));
+  } else {
+    LOWBIT_RETURN_IF_ERROR(SetDesc(desc, CUBLASLT_MATMUL_DESC_POINTER_MODE,
+                                   int32_t(CUBLASLT_POINTER_MODE_DEVICE),
+                                   "cublasLtMatmulDescSetAttribute(POINTER_MODE)", args));
+  }
+  if (key.bias_epilogue) {
+    LOWBIT_RETURN_IF_ERROR(SetDesc(desc, CUBLASLT_MATMUL_DESC_EPILOGUE, uint32_t(CUBLASLT_EPILOGUE_BIAS),
+                                   "cublasLtMatmulDescSetAttribute(EPILOGUE)", args));
+    LOWBIT_RETURN_IF_ERROR(SetDesc(desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE,
+                                   int32_t(CudaType(key.out_type)),
+                                   "cublasLtMatmulDescSetAttribute(BIAS_DATA_TYPE)", args));
+  }
+  LOWBIT_RETURN_IF_ERROR(SetPointers(desc, key, args));
+
+  LOWBIT_RETURN_IF_ERROR(MakeLayout(CudaType(key.b_type), key.k, key.n, key.k,
+                                    "cublasLtMatrixLayoutCreate(b)", args, &plan->layout_a));
+  LOWBIT_RETURN_IF_ERROR(MakeLayout(CudaType(key.a_type), key.k, key.m, key.k,
+                                    "cublasLtMatrixLayoutCreate(a)", args, &plan->layout_b));
+  LOWBIT_RETURN_IF_ERROR(MakeLayout(CudaType(key.out_type), key.n, key.m, key.n,
+                                    "cublasLtMatrixLayoutCreate(out)", args, &plan->layout_d));
+
+  cublasLtMatmulPreference_t raw_pref = nullptr;
+  LOWBIT_RETURN_IF_ERROR(CublasStatus(cublasLtMatmulPreferenceCreate(&raw_pref),
+                                      "cublasLtMatmulPreferenceCreate", args));
+  UniquePreference pref(raw_pref);
+  auto set_pref = [&](cublasLtMatmulPreferenceAttributes_t attr, auto value, const char* what) {
+    return CublasStatus(cublasLtMatmulPreferenceSetAttribute(pref.get(), attr, &value, sizeof(value)),
+                        what, args);
+  };
+  LOWBIT_RETURN_IF_ERROR(set_pref(CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                                  uint64_t(kGemmCublasWorkspaceBytes), "preference MAX_WORKSPACE_BYTES"));
+  LOWBIT_RETURN_IF_ERROR(set_pref(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, key.align_b,
+                                  "preference MIN_ALIGNMENT_A_BYTES"));
+  LOWBIT_RETURN_IF_ERROR(set_pref(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, key.align_a,
+                                  "preference MIN_ALIGNMENT_B_BYTES"));
+  LOWBIT_RETURN_IF_ERROR(set_pref(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, key.align_out,
+                                  "preference MIN_ALIGNMENT_C_BYTES"));
+  LOWBIT_RETURN_IF_ERROR(set_pref(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, key.align_out,
+                                  "preference MIN_ALIGNMENT_D_BYTES"));
+
+  cublasLtMatmulHeuristicResult_t result{};
+  int found = 0;
+  LOWBIT_RETURN_IF_ERROR(CublasStatus(
+      cublasLtMatmulAlgoGetHeuristic(handle, desc, plan->layout_a.get(), plan->layout_b.get(),
+                                     plan->layout_d.get(), plan->layout_d.get(), pref.get(), 1,
+                                     &result, &found),
+      "cublasLtMatmulAlgoGetHeuristic", args));
+  if (found == 0 || result.state != CUBLAS_STATUS_SUCCESS) {
+    return Status::Unimplemented("lowbit_gemm: cuBLASLt has no algorithm for " + Problem(args) +
+                                 (key.fast_accum ? " with fast accumulation" : ""));
+  }
+  plan->algo = result.algo;
+  plan->workspace_bytes = result.workspaceSize;
+  return Status::Ok();
+}
+
+// ---------------------------------------------------------------- the process-wide cache
+
+class CublasLtCache {
+ public:
+  static CublasLtCache& Get() {
+    static CublasLtCache* cache = new CublasLtCache();  // never destroyed: see the preamble
+    return *cache;
+  }
+
+  // The handle and compute capability (major * 10 + minor) of `device`, created on first use.
+  Status Device(int device, const GemmArgs& args, cublasLtHandle_t* handle, int* capability) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = devices_.find(device);
+    if (it == devices_.end()) {
+      DeviceState state;
+      int major = 0, minor = 0;
+      LOWBIT_RETURN_IF_ERROR(CudaStatus(
+          cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device), "lowbit_gemm",
+          "cudaDeviceGetAttribute(compute capability)"));
+      LOWBIT_RETURN_IF_ERROR(CudaStatus(
+          cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device), "lowbit_gemm",
+          "cudaDeviceGetAttribute(compute capability)"));
+      state.capability = major * 10 + minor;
+      ScopedDevice scoped(device);
+      cublasLtHandle_t raw = nullptr;
+      LOWBIT_RETURN_IF_ERROR(CublasStatus(cublasLtCreate(&raw), "cublasLtCreate", args));
+      state.handle.reset(raw);
+      it = devices_.emplace(device, std::move(state)).first;
+    }
+    *handle = it->second.handle.get();
+    *capability = it->second.capability;
+    return Status::Ok();
+  }
+
+  // The plan for `key`, built on first use. Plans are never evicted (a training run uses a
+  // few dozen shapes), so the returned pointer stays valid.
+  Status GetPlan(cublasLtHandle_t handle, const PlanKey& key, const GemmArgs& args, Plan** out) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = plans_.find(key);
+    if (it == plans_.end()) {
+      auto plan = std::make_unique<Plan>();
+      LOWBIT_RETURN_IF_ERROR(BuildPlan(handle, key, args, plan.get()));
+      it = plans_.emplace(key, std::move(plan)).first;
+    }
+    *out = it->second.get();
+    return Status::Ok();
+  }
+
+ private:
+  struct DeviceState {
+    UniqueHandle handle;
+    int capability = 0;
+  };
+  std::mutex mutex_;
+  std::unordered_map<int, DeviceState> devices_;
+  std::unordered_map<PlanKey, std::unique_ptr<Plan>, PlanKeyHash> plans_;
+};
+
+Status CheckFp8Problem(const GemmArgs& args, int device, int capability) {
+  if (capability < kMinFp8ComputeCapability) {
+    return Status::Unimplemented("lowbit_gemm: FP8 GEMMs need compute capability 8.9+ (Ada, "
+                                 "Hopper or newer); device " + std::to_string(device) + " is " +
+                                 std::to_string(capability / 10) + "." +
+                                 std::to_string(capability % 10));
+  }
+  if (args.k % kFp8DimMultiple != 0 || args.n % kFp8DimMultiple != 0) {
+    return Status::InvalidArgument(
+        "lowbit_gemm: FP8 on cuBLASLt needs K and N (the leading dimensions) to be multiples "
+        "of 16, got " + Problem(args) + "; lowbit.ops.gemm pads them with zeros");
+  }
+  if (Alignment(args.a) < 16 || Alignment(args.b) < 16 || Alignment(args.out) < 16 ||
+      (args.bias && Alignment(args.bias) < 16)) {
+    return Status::InvalidArgument("lowbit_gemm: FP8 on cuBLASLt needs 16-byte aligned a, b, "
+                                   "out and bias buffers, for " + Problem(args));
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
+Status GemmCuda(const GemmArgs& args, int device_ordinal, void* workspace, GpuStream stream) {
+  LOWBIT_RETURN_IF_ERROR(CheckGemmTypes(args.a_type, args.b_type, args.out_type));
+  if (args.m == 0 || args.n == 0) return Status::Ok();
+  if (args.k <= 0) {
+    return Status::InvalidArgument("lowbit_gemm: K must be positive on CUDA, got " + Problem(args));
+  }
+  CublasLtCache& cache = CublasLtCache::Get();
+  cublasLtHandle_t handle = nullptr;
+  int capability = 0;
+  LOWBIT_RETURN_IF_ERROR(cache.Device(device_ordinal, args, &handle, &capability));
+  const bool fp8 = IsFp8(args.a_type);
+  if (fp8) LOWBIT_RETURN_IF_ERROR(CheckFp8Problem(args, device_ordinal, capability));
+
+  // f32 outputs take their bias from GemmBiasAddF32Cuda (see gemm_epilogue.h).
+  const bool bias_epilogue = args.bias != nullptr && args.out_type != DType::kF32;
+  const PlanKey key{device_ordinal, args.m, args.n, args.k, args.a_type, args.b_type,
+                    args.out_type, bias_epilogue, fp8 && !args.use_split_accumulator,
+                    Alignment(args.a), Alignment(args.b), Alignment(args.out),
+                    bias_epilogue ? Alignment(args.bias) : 0u};
+  Plan* plan = nullptr;
+  LOWBIT_RETURN_IF_ERROR(cache.GetPlan(handle, key, args, &plan));
+
+  // Scalars first, then cuBLASLt's workspace (kGemmScalarBytes keeps it 256-byte aligned).
+  float* alpha_beta = static_cast<float*>(workspace);
+  void* cublas_workspace = static_cast<char*>(workspace) + kGemmScalarBytes;
+  const float host_one = 1.0f, host_zero = 0.0f;
+  const void* alpha = &host_one;
+  const void* beta = &host_zero;
+  if (!fp8) {
+    LOWBIT_RETURN_IF_ERROR(GemmAlphaBetaCuda(args.a_scale_inv, args.b_scale_inv, alpha_beta, stream));
+    alpha = alpha_beta;
+    beta = alpha_beta + 1;
+  }
+  {
+    std::lock_guard<std::mutex> lock(plan->mutex);
+    LOWBIT_RETURN_IF_ERROR(SetPointers(plan->desc.get(), key, args));
+    LOWBIT_RETURN_IF_ERROR(CublasStatus(
+        cublasLtMatmul(handle, plan->desc.get(), alpha, args.b, plan->layout_a.get(), args.a,
+                       plan->layout_b.get(), beta, args.out, plan->layout_d.get(), args.out,
+                       plan->layout_d.get(), &plan->algo, cublas_workspace, plan->workspace_bytes,
+                       stream),
+        "cublasLtMatmul", args));
+  }
+  if (args.bias != nullptr && !bias_epilogue) {
+    LOWBIT_RETURN_IF_ERROR(GemmBiasAddF32Cuda(static_cast<float*>(args.out),
+                                              static_cast<const float*>(args.bias), args.m,
+                                              args.n, stream));
+  }
+  return Status::Ok();
+}
+
+}  // namespace lowbit
