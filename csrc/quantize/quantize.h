@@ -1,0 +1,63 @@
+// FP8 per-tensor quantization (delayed or current scaling): one pass over a
+// high-precision tensor that writes any of a rowwise FP8 copy, a transposed (colwise)
+// FP8 copy, the tensor's amax and the column sums (dbias), and the inverse op.
+//
+// Data: x is rows x cols, row-major, f32/f16/bf16. rowwise is rows x cols and colwise
+// cols x rows (the transpose), both E4M3 or E5M2 bytes; dbias has `cols` values, f32 or
+// x's dtype. `scale` and `scale_inv` point at one f32 (host memory for the references,
+// device memory for the CUDA launchers).
+// Numerics (DESIGN.md §4), identical in the reference and the kernels:
+//   q = encode_rne(clip(float(x) * scale, -max, +max)), one fp32 multiply, encoded by
+//   FloatToE4m3 / FloatToE5m2 (which saturate, so clip is implied; NaN stays NaN);
+//   amax = max |x| chosen by comparing fp32 bit patterns as unsigned (NaN beats inf,
+//   empty -> 0), as lowbit_amax does; dbias = column sums accumulated in fp32, rounded
+//   once to its dtype (the reference sums rows in order; the kernel sums per 64-row
+//   tile, then the tiles in order: deterministic, equal to the reference within fp32
+//   rounding); dequantize: out = round(decode(q) * scale_inv) to out's dtype.
+#pragma once
+
+#include <cstdint>
+
+#include "common/dtype.h"
+#include "common/gpu_stream.h"
+#include "common/status.h"
+
+namespace lowbit {
+
+struct QuantizeFp8Args {
+  const void* x = nullptr;
+  DType x_dtype = DType::kInvalid;  // f32, f16 or bf16
+  int64_t rows = 0;
+  int64_t cols = 0;
+  const float* scale = nullptr;     // one value
+  DType out_dtype = DType::kInvalid;  // kE4M3 or kE5M2, for rowwise and colwise
+  uint8_t* rowwise = nullptr;       // rows x cols, or null when not requested
+  uint8_t* colwise = nullptr;       // cols x rows, or null when not requested
+  float* amax = nullptr;            // one value, always written
+  void* dbias = nullptr;            // cols values, or null when not requested
+  DType dbias_dtype = DType::kInvalid;  // f32 or x_dtype
+};
+
+// CPU reference (quantize_ref.cc).
+Status QuantizeFp8Ref(const QuantizeFp8Args& args);
+Status DequantizeFp8Ref(const uint8_t* data, DType data_dtype, int64_t n, const float* scale_inv,
+                        void* out, DType out_dtype);
+
+// CUDA tile geometry, shared with the workspace size below: a block quantizes
+// kQuantizeTileRows x kQuantizeTileCols elements at a time.
+constexpr int64_t kQuantizeTileRows = 64;
+constexpr int64_t kQuantizeTileCols = 128;
+
+// Device workspace QuantizeFp8Cuda needs: per-tile-row column partial sums for dbias.
+inline int64_t QuantizeFp8WorkspaceBytes(int64_t rows, int64_t cols, bool dbias) {
+  if (!dbias || rows == 0 || cols == 0) return 0;
+  return (rows + kQuantizeTileRows - 1) / kQuantizeTileRows * cols * int64_t(sizeof(float));
+}
+
+// CUDA launchers (quantize_fp8.cu): enqueue on `stream`, no host sync. `workspace`
+// holds QuantizeFp8WorkspaceBytes(...) bytes (may be null when that is 0).
+Status QuantizeFp8Cuda(const QuantizeFp8Args& args, void* workspace, GpuStream stream);
+Status DequantizeFp8Cuda(const uint8_t* data, DType data_dtype, int64_t n, const float* scale_inv,
+                         void* out, DType out_dtype, GpuStream stream);
+
+}  // namespace lowbit
