@@ -1,0 +1,241 @@
+// XLA FFI handlers for lowbit_quantize_fp8 and lowbit_dequantize_fp8 (quantize/quantize.h).
+// Compiled twice: into liblowbit.so as the CPU handlers (LowbitQuantizeFp8Cpu, ...) and,
+// with LOWBIT_CUDA_HANDLERS, into liblowbit_cuda.so as the CUDA ones. Both validate
+// identically, then call the reference or the launcher.
+//
+// Quantize: x (any rank >= 1) is viewed as rows x cols with rows = prod(shape[:flatten_axis]).
+// A result with 0 elements is "not requested" (rowwise, colwise, dbias); amax is always
+// written.
+#include <string>
+#include <vector>
+
+#include "ffi/ffi_util.h"
+#include "quantize/quantize.h"
+
+#if defined(LOWBIT_CUDA_HANDLERS)
+#include <cuda_runtime_api.h>
+#endif
+
+namespace lowbit {
+namespace {
+
+constexpr const char* kQuantizeOp = "lowbit_quantize_fp8";
+constexpr const char* kDequantizeOp = "lowbit_dequantize_fp8";
+
+using Dims = std::vector<int64_t>;
+
+template <typename B>
+Dims DimsOf(const B& b) {
+  auto d = b.dimensions();
+  return Dims(d.begin(), d.end());
+}
+
+std::string ShapeString(const Dims& d) {
+  std::string s = "(";
+  for (size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + std::to_string(d[i]);
+  return s + (d.size() == 1 ? ",)" : ")");
+}
+
+std::string Describe(ffi::DataType t, const Dims& d) {
+  return std::string(DTypeName(ToDType(t))) + " of shape " + ShapeString(d);
+}
+
+Status Invalid(const char* op, const char* arg, const std::string& what) {
+  return Status::InvalidArgument(std::string(op) + ": " + arg + ": " + what);
+}
+
+Status ExpectScalarF32(const char* op, const char* arg, const ffi::AnyBuffer& b) {
+  const Dims d = DimsOf(b);
+  if (b.element_type() == ffi::DataType::F32 && d == Dims{1}) return Status::Ok();
+  return Invalid(op, arg, "expected f32 of shape (1,), got " + Describe(b.element_type(), d));
+}
+
+// An fp8 result that is either empty (not requested) or has exactly `want` dims.
+Status CheckFp8Result(const char* arg, const ffi::Result<ffi::AnyBuffer>& r, const Dims& want,
+                      bool* requested) {
+  const Dims d = DimsOf(*r);
+  *requested = r->element_count() != 0;
+  if (!*requested) return Status::Ok();
+  if (!IsFp8(ToDType(r->element_type())) || d != want) {
+    return Invalid(kQuantizeOp, arg, "expected f8e4m3fn or f8e5m2 of shape " + ShapeString(want) +
+                                         " or an empty result, got " + Describe(r->element_type(), d));
+  }
+  return Status::Ok();
+}
+
+// Decodes and validates every quantize buffer into `a`.
+Status QuantizeArgs(const ffi::AnyBuffer& x, const ffi::AnyBuffer& scale,
+                    ffi::Result<ffi::AnyBuffer>& rowwise, ffi::Result<ffi::AnyBuffer>& colwise,
+                    ffi::Result<ffi::AnyBuffer>& amax, ffi::Result<ffi::AnyBuffer>& dbias,
+                    int32_t flatten_axis, QuantizeFp8Args* a) {
+  LOWBIT_RETURN_IF_ERROR(ExpectHighPrecision(kQuantizeOp, "x", x));
+  LOWBIT_RETURN_IF_ERROR(ExpectScalarF32(kQuantizeOp, "scale", scale));
+  const Dims shape = DimsOf(x);
+  const int rank = int(shape.size());
+  if (rank < 1) return Invalid(kQuantizeOp, "x", "expected rank >= 1, got a scalar");
+  if (flatten_axis < 0 || flatten_axis >= rank) {
+    return Invalid(kQuantizeOp, "flatten_axis",
+                   "expected a value in [0, " + std::to_string(rank - 1) + "] for x of shape " +
+                       ShapeString(shape) + ", got " + std::to_string(flatten_axis));
+  }
+  a->rows = 1;
+  a->cols = 1;
+  for (int i = 0; i < rank; ++i) (i < flatten_axis ? a->rows : a->cols) *= shape[size_t(i)];
+  const Dims col_dims(shape.begin() + flatten_axis, shape.end());
+  Dims colwise_dims = col_dims;
+  colwise_dims.insert(colwise_dims.end(), shape.begin(), shape.begin() + flatten_axis);
+
+  bool want_rowwise = false, want_colwise = false;
+  LOWBIT_RETURN_IF_ERROR(CheckFp8Result("rowwise", rowwise, shape, &want_rowwise));
+  LOWBIT_RETURN_IF_ERROR(CheckFp8Result("colwise", colwise, colwise_dims, &want_colwise));
+  if (want_rowwise && want_colwise && rowwise->element_type() != colwise->element_type()) {
+    return Invalid(kQuantizeOp, "colwise",
+                   std::string("expected the rowwise dtype ") +
+                       DTypeName(ToDType(rowwise->element_type())) + ", got " +
+                       DTypeName(ToDType(colwise->element_type())));
+  }
+  const int64_t n = a->rows * a->cols;
+  if (n != 0 && !want_rowwise && !want_colwise) {
+    return Invalid(kQuantizeOp, "rowwise", "neither rowwise nor colwise output requested");
+  }
+  if (amax->element_type() != ffi::DataType::F32 || DimsOf(*amax) != Dims{1}) {
+    return Invalid(kQuantizeOp, "amax",
+                   "expected f32 of shape (1,), got " + Describe(amax->element_type(), DimsOf(*amax)));
+  }
+  const bool want_dbias = dbias->element_count() != 0;
+  const ffi::DataType dbias_type = dbias->element_type();
+  if (want_dbias && ((dbias_type != x.element_type() && dbias_type != ffi::DataType::F32) ||
+                     DimsOf(*dbias) != col_dims)) {
+    return Invalid(kQuantizeOp, "dbias",
+                   std::string("expected ") + DTypeName(ToDType(x.element_type())) +
+                       " or f32 of shape " + ShapeString(col_dims) + " or an empty result, got " +
+                       Describe(dbias_type, DimsOf(*dbias)));
+  }
+
+  a->x = x.untyped_data();
+  a->x_dtype = ToDType(x.element_type());
+  a->scale = static_cast<const float*>(scale.untyped_data());
+  a->out_dtype = ToDType((want_rowwise ? rowwise : colwise)->element_type());
+  if (!want_rowwise && !want_colwise) a->out_dtype = DType::kE4M3;  // empty x: unused
+  a->rowwise = want_rowwise ? static_cast<uint8_t*>(rowwise->untyped_data()) : nullptr;
+  a->colwise = want_colwise ? static_cast<uint8_t*>(colwise->untyped_data()) : nullptr;
+  a->amax = static_cast<float*>(amax->untyped_data());
+  a->dbias = want_dbias ? dbias->untyped_data() : nullptr;
+  a->dbias_dtype = ToDType(dbias_type);
+  return Status::Ok();
+}
+
+Status DequantizeArgs(const ffi::AnyBuffer& data, const ffi::AnyBuffer& scale_inv,
+                      const ffi::Result<ffi::AnyBuffer>& out) {
+  if (!IsFp8(ToDType(data.element_type()))) {
+    return Invalid(kDequantizeOp, "data", std::string("expected f8e4m3fn or f8e5m2, got ") +
+                                              DTypeName(ToDType(data.element_type())));
+  }
+  LOWBIT_RETURN_IF_ERROR(ExpectScalarF32(kDequantizeOp, "scale_inv", scale_inv));
+  if (!IsHighPrecision(ToDType(out->element_type())) || DimsOf(*out) != DimsOf(data)) {
+    return Invalid(kDequantizeOp, "out",
+                   "expected f32, f16 or bf16 of shape " + ShapeString(DimsOf(data)) + ", got " +
+                       Describe(out->element_type(), DimsOf(*out)));
+  }
+  return Status::Ok();
+}
+
+#if !defined(LOWBIT_CUDA_HANDLERS)
+
+ffi::Error QuantizeCpu(ffi::AnyBuffer x, ffi::AnyBuffer scale, ffi::Result<ffi::AnyBuffer> rowwise,
+                       ffi::Result<ffi::AnyBuffer> colwise, ffi::Result<ffi::AnyBuffer> amax,
+                       ffi::Result<ffi::AnyBuffer> dbias, int32_t flatten_axis) {
+  QuantizeFp8Args a;
+  Status s = QuantizeArgs(x, scale, rowwise, colwise, amax, dbias, flatten_axis, &a);
+  if (s.ok()) s = QuantizeFp8Ref(a);
+  return ToFfiError(s);
+}
+
+ffi::Error DequantizeCpu(ffi::AnyBuffer data, ffi::AnyBuffer scale_inv, ffi::Result<ffi::AnyBuffer> out) {
+  Status s = DequantizeArgs(data, scale_inv, out);
+  if (s.ok()) {
+    s = DequantizeFp8Ref(static_cast<const uint8_t*>(data.untyped_data()), ToDType(data.element_type()),
+                         ElementCount(data), static_cast<const float*>(scale_inv.untyped_data()),
+                         out->untyped_data(), ToDType(out->element_type()));
+  }
+  return ToFfiError(s);
+}
+
+#else
+
+ffi::Error QuantizeGpu(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer x,
+                       ffi::AnyBuffer scale, ffi::Result<ffi::AnyBuffer> rowwise,
+                       ffi::Result<ffi::AnyBuffer> colwise, ffi::Result<ffi::AnyBuffer> amax,
+                       ffi::Result<ffi::AnyBuffer> dbias, int32_t flatten_axis) {
+  QuantizeFp8Args a;
+  Status s = QuantizeArgs(x, scale, rowwise, colwise, amax, dbias, flatten_axis, &a);
+  void* workspace = nullptr;
+  if (s.ok()) {
+    const int64_t bytes = QuantizeFp8WorkspaceBytes(a.rows, a.cols, a.dbias != nullptr);
+    if (bytes > 0) {
+      auto allocation = scratch.Allocate(size_t(bytes), 16);
+      if (allocation.has_value()) {
+        workspace = *allocation;
+      } else {
+        s = Status::Internal(std::string(kQuantizeOp) + ": dbias: cannot allocate " +
+                             std::to_string(bytes) + " bytes of workspace");
+      }
+    }
+  }
+  if (s.ok()) s = QuantizeFp8Cuda(a, workspace, stream);
+  return ToFfiError(s);
+}
+
+ffi::Error DequantizeGpu(cudaStream_t stream, ffi::AnyBuffer data, ffi::AnyBuffer scale_inv,
+                         ffi::Result<ffi::AnyBuffer> out) {
+  Status s = DequantizeArgs(data, scale_inv, out);
+  if (s.ok()) {
+    s = DequantizeFp8Cuda(static_cast<const uint8_t*>(data.untyped_data()),
+                          ToDType(data.element_type()), ElementCount(data),
+                          static_cast<const float*>(scale_inv.untyped_data()), out->untyped_data(),
+                          ToDType(out->element_type()), stream);
+  }
+  return ToFfiError(s);
+}
+
+#endif
+
+}  // namespace
+}  // namespace lowbit
+
+namespace xffi = ::xla::ffi;
+
+#if !defined(LOWBIT_CUDA_HANDLERS)
+LOWBIT_FFI_HANDLER(LowbitQuantizeFp8Cpu, lowbit::QuantizeCpu,
+                   xffi::Ffi::Bind()
+                       .Arg<xffi::AnyBuffer>()   // x: f32/f16/bf16, rank >= 1
+                       .Arg<xffi::AnyBuffer>()   // scale: f32 (1,)
+                       .Ret<xffi::AnyBuffer>()   // rowwise: fp8, x's shape, or (0,)
+                       .Ret<xffi::AnyBuffer>()   // colwise: fp8, shape[fa:] + shape[:fa], or (0,)
+                       .Ret<xffi::AnyBuffer>()   // amax: f32 (1,), max |x|
+                       .Ret<xffi::AnyBuffer>()   // dbias: x's dtype or f32, shape[fa:], or (0,)
+                       .Attr<int32_t>("flatten_axis"));
+LOWBIT_FFI_HANDLER(LowbitDequantizeFp8Cpu, lowbit::DequantizeCpu,
+                   xffi::Ffi::Bind()
+                       .Arg<xffi::AnyBuffer>()   // data: fp8 E4M3 or E5M2
+                       .Arg<xffi::AnyBuffer>()   // scale_inv: f32 (1,)
+                       .Ret<xffi::AnyBuffer>()); // out: f32/f16/bf16, data's shape
+#else
+LOWBIT_FFI_HANDLER(LowbitQuantizeFp8Cuda, lowbit::QuantizeGpu,
+                   xffi::Ffi::Bind()
+                       .Ctx<xffi::PlatformStream<cudaStream_t>>()  // stream
+                       .Ctx<xffi::ScratchAllocator>()  // dbias workspace
+                       .Arg<xffi::AnyBuffer>()   // x: f32/f16/bf16, rank >= 1
+                       .Arg<xffi::AnyBuffer>()   // scale: f32 (1,)
+                       .Ret<xffi::AnyBuffer>()   // rowwise: fp8, x's shape, or (0,)
+                       .Ret<xffi::AnyBuffer>()   // colwise: fp8, shape[fa:] + shape[:fa], or (0,)
+                       .Ret<xffi::AnyBuffer>()   // amax: f32 (1,), max |x|
+                       .Ret<xffi::AnyBuffer>()   // dbias: x's dtype or f32, shape[fa:], or (0,)
+                       .Attr<int32_t>("flatten_axis"));
+LOWBIT_FFI_HANDLER(LowbitDequantizeFp8Cuda, lowbit::DequantizeGpu,
+                   xffi::Ffi::Bind()
+                       .Ctx<xffi::PlatformStream<cudaStream_t>>()  // stream
+                       .Arg<xffi::AnyBuffer>()   // data: fp8 E4M3 or E5M2
+                       .Arg<xffi::AnyBuffer>()   // scale_inv: f32 (1,)
+                       .Ret<xffi::AnyBuffer>()); // out: f32/f16/bf16, data's shape
+#endif
