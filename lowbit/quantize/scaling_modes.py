@@ -1,0 +1,124 @@
+"""Scaling modes and quantize layouts: what a quantized tensor's scales look like.
+
+A tensor of any rank is viewed as 2-D: rows = prod(shape[:flatten_axis]), columns =
+prod(shape[flatten_axis:]) (the contracting dim of x in `x @ kernel`). `block_shape` is
+the (rows, columns) extent one scale covers in that view: None for tensor scaling (one
+fp32 scale for the whole tensor) and for NO_SCALING.
+
+A layout names the copies a quantizer makes: ROWWISE (the tensor as is), COLWISE (the
+copy the other GEMM operand needs: for tensor scaling, the transposed tensor) or both.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import jax.numpy as jnp
+
+__all__ = ["ScalingMode", "QuantizeLayout", "DataFamily"]
+
+
+class DataFamily(enum.Enum):
+    """The element format of quantized data."""
+
+    HIGH_PRECISION = "high_precision"  # not quantized
+    FP8 = "fp8"  # float8_e4m3fn or float8_e5m2
+    FP4 = "fp4"  # float4_e2m1fn
+
+
+class ScalingMode(enum.Enum):
+    NO_SCALING = "no_scaling"
+    DELAYED_TENSOR_SCALING = "delayed_tensor_scaling"
+    CURRENT_TENSOR_SCALING = "current_tensor_scaling"
+    MXFP8_1D_SCALING = "mxfp8_1d_scaling"
+    FP8_BLOCK_1x128 = "fp8_block_1x128"
+    FP8_BLOCK_128x128 = "fp8_block_128x128"
+    NVFP4_1D_SCALING = "nvfp4_1d_scaling"
+    NVFP4_2D_SCALING = "nvfp4_2d_scaling"
+
+    @property
+    def is_tensor_scaling(self) -> bool:
+        """One fp32 scale per tensor (delayed or current)."""
+        return self in (ScalingMode.DELAYED_TENSOR_SCALING, ScalingMode.CURRENT_TENSOR_SCALING)
+
+    @property
+    def is_block_scaling(self) -> bool:
+        return self.block_shape is not None
+
+    @property
+    def is_nvfp4(self) -> bool:
+        return self in (ScalingMode.NVFP4_1D_SCALING, ScalingMode.NVFP4_2D_SCALING)
+
+    @property
+    def block_shape(self) -> tuple[int, int] | None:
+        """(rows, columns) covered by one scale in the 2-D view; None for one scale per tensor."""
+        return _BLOCK_SHAPE.get(self)
+
+    @property
+    def scale_dtype(self):
+        """dtype of the stored scales (scale_inv); None for NO_SCALING."""
+        return _SCALE_DTYPE.get(self)
+
+    @property
+    def data_family(self) -> DataFamily:
+        if self == ScalingMode.NO_SCALING:
+            return DataFamily.HIGH_PRECISION
+        return DataFamily.FP4 if self.is_nvfp4 else DataFamily.FP8
+
+    @property
+    def data_dtypes(self) -> tuple:
+        """The quantized dtypes this mode accepts."""
+        return _DATA_DTYPES[self.data_family]
+
+    @property
+    def colwise_is_transposed(self) -> bool:
+        """True when the colwise copy is stored transposed (tensor scaling: Hopper's FP8
+        GEMMs take both operands K-major), False when it keeps the input's shape."""
+        return self.is_tensor_scaling
+
+
+_BLOCK_SHAPE = {
+    ScalingMode.MXFP8_1D_SCALING: (1, 32),
+    ScalingMode.FP8_BLOCK_1x128: (1, 128),
+    ScalingMode.FP8_BLOCK_128x128: (128, 128),
+    ScalingMode.NVFP4_1D_SCALING: (1, 16),
+    ScalingMode.NVFP4_2D_SCALING: (16, 16),
+}
+_SCALE_DTYPE = {
+    ScalingMode.DELAYED_TENSOR_SCALING: jnp.float32,
+    ScalingMode.CURRENT_TENSOR_SCALING: jnp.float32,
+    ScalingMode.MXFP8_1D_SCALING: jnp.float8_e8m0fnu,
+    ScalingMode.FP8_BLOCK_1x128: jnp.float32,
+    ScalingMode.FP8_BLOCK_128x128: jnp.float32,
+    ScalingMode.NVFP4_1D_SCALING: jnp.float8_e4m3fn,
+    ScalingMode.NVFP4_2D_SCALING: jnp.float8_e4m3fn,
+}
+_DATA_DTYPES = {
+    DataFamily.HIGH_PRECISION: (jnp.float32, jnp.float16, jnp.bfloat16),
+    DataFamily.FP8: (jnp.float8_e4m3fn, jnp.float8_e5m2),
+    DataFamily.FP4: (jnp.float4_e2m1fn,),
+}
+
+
+class QuantizeLayout(enum.Enum):
+    ROWWISE = "rowwise"
+    COLWISE = "colwise"
+    ROWWISE_COLWISE = "rowwise_colwise"
+
+    @property
+    def has_rowwise(self) -> bool:
+        return self != QuantizeLayout.COLWISE
+
+    @property
+    def has_colwise(self) -> bool:
+        return self != QuantizeLayout.ROWWISE
+
+    @classmethod
+    def of(cls, rowwise: bool, colwise: bool) -> QuantizeLayout:
+        if rowwise and colwise:
+            return cls.ROWWISE_COLWISE
+        if rowwise:
+            return cls.ROWWISE
+        if colwise:
+            return cls.COLWISE
+        raise ValueError("QuantizeLayout: at least one of rowwise and colwise must be set")
