@@ -1,0 +1,239 @@
+"""autocast, the active recipe, and QuantizerFactory (recipe -> quantizers).
+
+`with lowbit.autocast(enabled=True, recipe=r, mesh_resource=m):` makes `r` the recipe that
+`get_global_recipe()` returns and `QuantizerFactory.create_set()` uses. enabled=False (the
+default) turns quantization off inside the block whatever `recipe` says; enabled=True with
+no recipe means `DelayedScaling()`, as in TE. Blocks nest; the state lives in a
+contextvars.ContextVar, so threads do not see each other's blocks.
+
+`mesh_resource` is stored for the sharding work to come (`lowbit.sharding.MeshResource`):
+any object or None is accepted, None keeping the enclosing block's value, and
+`get_global_mesh_resource()` returns it.
+
+The recipe is read when a function is traced: a function jitted outside an autocast block
+keeps its traced (unquantized) program inside one. Pass the recipe to functions that jit.
+
+QuantizerSet per recipe (x, kernel, dgrad):
+  DelayedScaling        DelayedScaleQuantizer x3 (fwd, fwd, bwd dtype), fresh state
+  Float8CurrentScaling  CurrentScaleQuantizer x3
+  MXFP8BlockScaling     BlockScaleQuantizer(MXFP8_1D_SCALING) x3
+  Float8BlockScaling    BlockScaleQuantizer with the recipe's x / w / grad block modes
+  NVFP4BlockScaling     NVFP4Quantizer: 1-D x; 2-D kernel unless disable_2d_quantization;
+                        gradients with stochastic rounding; RHT for x and gradients
+All quantizers get layout ROWWISE_COLWISE (every operand feeds two GEMMs).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from typing import Any, NamedTuple
+
+from lowbit.quantize.quantizer import (
+    BlockScaleQuantizer,
+    CurrentScaleQuantizer,
+    DelayedScaleQuantizer,
+    NVFP4Quantizer,
+    Quantizer,
+    QuantizerSet,
+)
+from lowbit.quantize.scaling_modes import QuantizeLayout, ScalingMode
+from lowbit.recipe import (
+    DelayedScaling,
+    Float8BlockScaling,
+    Float8CurrentScaling,
+    MXFP8BlockScaling,
+    NVFP4BlockScaling,
+    Recipe,
+)
+
+__all__ = [
+    "autocast",
+    "fp8_autocast",
+    "get_global_recipe",
+    "get_global_mesh_resource",
+    "is_quantization_enabled",
+    "QuantizerFactory",
+]
+
+
+class AutocastState(NamedTuple):
+    recipe: Recipe | None
+    mesh_resource: Any
+
+
+_STATE: contextvars.ContextVar[AutocastState] = contextvars.ContextVar(
+    "lowbit_autocast", default=AutocastState(recipe=None, mesh_resource=None)
+)
+
+
+@contextlib.contextmanager
+def autocast(enabled: bool = False, recipe: Recipe | None = None, mesh_resource: Any = None):
+    """Quantize with `recipe` inside the block when `enabled` (see the module docstring)."""
+    if recipe is not None and not isinstance(recipe, Recipe):
+        raise TypeError(f"lowbit.autocast: recipe: expected a lowbit.recipe recipe, got {recipe!r}")
+    if enabled and recipe is None:
+        recipe = DelayedScaling()
+    outer = _STATE.get()
+    state = AutocastState(
+        recipe=recipe if enabled else None,
+        mesh_resource=outer.mesh_resource if mesh_resource is None else mesh_resource,
+    )
+    token = _STATE.set(state)
+    try:
+        yield
+    finally:
+        _STATE.reset(token)
+
+
+fp8_autocast = autocast  # TE's older name
+
+
+def get_global_recipe() -> Recipe | None:
+    """The recipe of the innermost enabled autocast block, or None."""
+    return _STATE.get().recipe
+
+
+def get_global_mesh_resource() -> Any:
+    return _STATE.get().mesh_resource
+
+
+def is_quantization_enabled() -> bool:
+    return get_global_recipe() is not None
+
+
+def _block_mode(block: tuple[int, int]) -> ScalingMode:
+    return ScalingMode.FP8_BLOCK_1x128 if block == (1, 128) else ScalingMode.FP8_BLOCK_128x128
+
+
+def _quantizer_set(recipe: Recipe) -> QuantizerSet:
+    layout = QuantizeLayout.ROWWISE_COLWISE
+    fwd, bwd = recipe.fwd_dtype, recipe.bwd_dtype
+    if isinstance(recipe, DelayedScaling):
+
+        def delayed(q_dtype):
+            return DelayedScaleQuantizer.create(
+                q_dtype,
+                amax_history_len=recipe.amax_history_len,
+                margin=recipe.margin,
+                amax_compute_algo=recipe.amax_compute_algo,
+                q_layout=layout,
+            )
+
+        return QuantizerSet(x=delayed(fwd), kernel=delayed(fwd), dgrad=delayed(bwd))
+    if isinstance(recipe, Float8CurrentScaling):
+
+        def current(q_dtype):
+            return CurrentScaleQuantizer(
+                q_dtype=q_dtype, q_layout=layout, use_power_2_scales=recipe.use_power_2_scales
+            )
+
+        return QuantizerSet(x=current(fwd), kernel=current(fwd), dgrad=current(bwd))
+    if isinstance(recipe, MXFP8BlockScaling):
+
+        def mxfp8(q_dtype):
+            return BlockScaleQuantizer(
+                q_dtype=q_dtype, q_layout=layout, mode=ScalingMode.MXFP8_1D_SCALING
+            )
+
+        return QuantizerSet(x=mxfp8(fwd), kernel=mxfp8(fwd), dgrad=mxfp8(bwd))
+    if isinstance(recipe, Float8BlockScaling):
+
+        def block(q_dtype, tile):
+            return BlockScaleQuantizer(
+                q_dtype=q_dtype,
+                q_layout=layout,
+                mode=_block_mode(tile),
+                use_power_2_scales=recipe.use_power_2_scales,
+            )
+
+        return QuantizerSet(
+            x=block(fwd, recipe.x_block),
+            kernel=block(fwd, recipe.w_block),
+            dgrad=block(bwd, recipe.grad_block),
+        )
+    if isinstance(recipe, NVFP4BlockScaling):
+        use_rht = not recipe.disable_rht
+        kernel_mode = (
+            ScalingMode.NVFP4_1D_SCALING
+            if recipe.disable_2d_quantization
+            else ScalingMode.NVFP4_2D_SCALING
+        )
+        return QuantizerSet(
+            x=NVFP4Quantizer(q_layout=layout, use_rht=use_rht),
+            kernel=NVFP4Quantizer(q_layout=layout, mode=kernel_mode),
+            dgrad=NVFP4Quantizer(
+                q_layout=layout,
+                use_rht=use_rht,
+                stochastic_rounding=not recipe.disable_stochastic_rounding,
+            ),
+        )
+    raise TypeError(f"QuantizerFactory: recipe: unsupported recipe {recipe!r}")
+
+
+class QuantizerFactory:
+    """Makes quantizers from a recipe (or from the active autocast recipe)."""
+
+    @staticmethod
+    def create(
+        scaling_mode: ScalingMode,
+        q_dtype,
+        *,
+        q_layout: QuantizeLayout = QuantizeLayout.ROWWISE_COLWISE,
+        amax_history_len: int = 1024,
+        margin: int = 0,
+        amax_compute_algo: str = "max",
+        use_power_2_scales: bool = False,
+    ) -> Quantizer | None:
+        """One quantizer for `scaling_mode`; None for NO_SCALING."""
+        if scaling_mode == ScalingMode.NO_SCALING:
+            return None
+        if scaling_mode == ScalingMode.DELAYED_TENSOR_SCALING:
+            return DelayedScaleQuantizer.create(
+                q_dtype,
+                amax_history_len=amax_history_len,
+                margin=margin,
+                amax_compute_algo=amax_compute_algo,
+                q_layout=q_layout,
+            )
+        if scaling_mode == ScalingMode.CURRENT_TENSOR_SCALING:
+            return CurrentScaleQuantizer(
+                q_dtype=q_dtype, q_layout=q_layout, use_power_2_scales=use_power_2_scales
+            )
+        if scaling_mode.is_nvfp4:
+            return NVFP4Quantizer(q_dtype=q_dtype, q_layout=q_layout, mode=scaling_mode)
+        return BlockScaleQuantizer(
+            q_dtype=q_dtype,
+            q_layout=q_layout,
+            mode=scaling_mode,
+            use_power_2_scales=use_power_2_scales,
+        )
+
+    @staticmethod
+    def create_set(
+        recipe: Recipe | None = None,
+        *,
+        fp8_recipe: Recipe | None = None,
+        n_quantizer_sets: int = 1,
+        n_groups: int | None = None,
+    ) -> QuantizerSet | tuple[QuantizerSet, ...]:
+        """The QuantizerSet of `recipe` (TE's keyword `fp8_recipe` works too), else of the
+        active autocast recipe; a set of None (no quantization) when there is neither. With
+        n_quantizer_sets > 1, a tuple of independent sets."""
+        op = "QuantizerFactory.create_set"
+        if recipe is not None and fp8_recipe is not None:
+            raise ValueError(f"{op}: pass recipe or fp8_recipe, not both")
+        if n_groups is not None:
+            raise NotImplementedError(f"{op}: n_groups: grouped quantizers land with the grouped GEMM")
+        count = n_quantizer_sets
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise ValueError(f"{op}: n_quantizer_sets: expected an int >= 1, got {count!r}")
+        recipe = recipe if recipe is not None else fp8_recipe
+        recipe = recipe if recipe is not None else get_global_recipe()
+        if recipe is not None and not isinstance(recipe, Recipe):
+            raise TypeError(f"{op}: recipe: expected a lowbit.recipe recipe, got {recipe!r}")
+        sets = tuple(
+            QuantizerSet() if recipe is None else _quantizer_set(recipe)
+            for _ in range(count)
+        )
+        return sets[0] if count == 1 else sets

@@ -1,0 +1,300 @@
+"""Quantizers: immutable pytrees that turn a high-precision tensor into a ScaledTensor.
+
+`quantizer.quantize(x, ...) -> (ScaledTensor, dbias | None)` never changes the quantizer;
+`quantizer.update(amax) -> Quantizer` returns the next step's quantizer. State (delayed
+scaling's scale and amax history) is made of pytree leaves; the configuration (q_dtype,
+layout, margin, ...) is static metadata. A training step therefore reads
+
+    tensor, _ = q.quantize(x, is_colwise=True)
+    q = q.update(tensor.amax)          # delayed: the scale for the next step
+
+and carries `q` through jit, lax.scan or a Flax variable collection.
+
+Tensor scaling calls `lowbit.ops.quantize.quantize_fp8` (one fused pass: cast, the
+transposed colwise copy, amax, optionally dbias):
+  - DelayedScaleQuantizer casts with its stored scale (made from earlier steps' amaxes);
+  - CurrentScaleQuantizer needs this tensor's amax before the cast. It runs two kernels
+    on the device, with no host round trip: amax = lowbit.ops.amax(x), then
+    scale = delayed.compute_scale(amax) (a few scalar jnp ops), then quantize_fp8(x, scale).
+`scale_inv = 1 / scale` (fp32 division). Block-scaling modes (MXFP8, FP8 block, NVFP4)
+have placeholders that raise NotImplementedError until their kernels exist.
+
+Gradients: quantization is piecewise constant, so its derivative is zero almost
+everywhere, and that is what `jax.grad` sees: x and the scale enter the kernels through
+`lax.stop_gradient`. A straight-through estimator is not offered here because JAX's
+cotangent of an fp8 array is itself fp8 (it would quantize the gradient). The gradients of
+quantized computations are defined by the custom_vjp functions (dense, layernorm_dense,
+...) that own the forward and backward dataflow.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from lowbit.ops.amax import amax, check_high_precision
+from lowbit.ops.quantize import quantize_fp8
+from lowbit.quantize.delayed import compute_scale, update_delayed_scaling
+from lowbit.quantize.scaling_modes import QuantizeLayout, ScalingMode
+from lowbit.quantize.tensor import ScaledTensor, ScaledTensor1x, ScaledTensor2x
+from lowbit.recipe import AMAX_COMPUTE_ALGOS
+
+__all__ = [
+    "Quantizer",
+    "DelayedScaleQuantizer",
+    "CurrentScaleQuantizer",
+    "BlockScaleQuantizer",
+    "NVFP4Quantizer",
+    "QuantizerSet",
+    "noop_quantizer_set",
+    "KERNELS_PENDING",
+]
+
+KERNELS_PENDING = "{mode} quantization kernels land with issue Quantization II"
+
+
+def _normalize_flatten_axis(op: str, x: jax.Array, flatten_axis: int) -> int:
+    axis = flatten_axis + x.ndim if flatten_axis < 0 else flatten_axis
+    if x.ndim == 0 or not 0 <= axis < x.ndim:
+        raise ValueError(f"{op}: flatten_axis: expected an axis of x {x.shape}, got {flatten_axis}")
+    return axis
+
+
+@dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
+class Quantizer:
+    """Base class: q_dtype is the quantized dtype, q_layout the copies the recipe wants
+    (callers read `q_layout.has_colwise`; `quantize` makes the copies it is asked for)."""
+
+    q_dtype: np.dtype
+    q_layout: QuantizeLayout = QuantizeLayout.ROWWISE_COLWISE
+
+    def __post_init__(self):
+        # Runs on pytree unflattening too, so it may touch static fields only.
+        object.__setattr__(self, "q_dtype", jnp.dtype(self.q_dtype))
+        allowed = [jnp.dtype(d) for d in self.scaling_mode.data_dtypes]
+        if self.q_dtype not in allowed:
+            raise ValueError(
+                f"{type(self).__name__}: q_dtype: expected one of "
+                f"{[d.name for d in allowed]} for {self.scaling_mode.name}, got {self.q_dtype}"
+            )
+
+    @property
+    def scaling_mode(self) -> ScalingMode:
+        raise NotImplementedError
+
+    def is_2x2x(self) -> bool:
+        return self.q_layout == QuantizeLayout.ROWWISE_COLWISE
+
+    def update(self, new_amax) -> Quantizer:
+        """The quantizer for the next step; stateless quantizers return themselves."""
+        del new_amax
+        return self
+
+    def quantize(
+        self,
+        x,
+        *,
+        is_rowwise: bool = True,
+        is_colwise: bool = False,
+        flatten_axis: int = -1,
+        dq_dtype=None,
+        compute_dbias: bool = False,
+    ) -> tuple[ScaledTensor, jax.Array | None]:
+        raise NotImplementedError
+
+
+@dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
+class _TensorScaleQuantizer(Quantizer):
+    """Shared cast path of the two per-tensor fp32-scale quantizers."""
+
+    def _scale(self, x: jax.Array) -> jax.Array:
+        raise NotImplementedError
+
+    @property
+    def fp8_max(self) -> float:
+        return float(jnp.finfo(self.q_dtype).max)
+
+    def quantize(
+        self,
+        x,
+        *,
+        is_rowwise: bool = True,
+        is_colwise: bool = False,
+        flatten_axis: int = -1,
+        dq_dtype=None,
+        compute_dbias: bool = False,
+    ) -> tuple[ScaledTensor, jax.Array | None]:
+        """Returns (ScaledTensor1x, or ScaledTensor2x when both copies are asked for; dbias,
+        the sums of x over its rows, or None)."""
+        op = f"{type(self).__name__}.quantize"
+        x = jnp.asarray(x)
+        check_high_precision(op, "x", x)
+        axis = _normalize_flatten_axis(op, x, flatten_axis)
+        QuantizeLayout.of(is_rowwise, is_colwise)
+        dq_dtype = jnp.dtype(x.dtype if dq_dtype is None else dq_dtype)
+
+        x = jax.lax.stop_gradient(x)
+        scale = jax.lax.stop_gradient(self._scale(x)).reshape(1)
+        out = quantize_fp8(
+            x,
+            scale,
+            out_dtype=self.q_dtype,
+            rowwise=is_rowwise,
+            colwise=is_colwise,
+            flatten_axis=axis,
+            compute_dbias=compute_dbias,
+        )
+        scale_inv = jnp.float32(1.0) / scale
+        x_amax = jnp.asarray(out.amax, jnp.float32).reshape(1)
+
+        def copy(data, colwise: bool) -> ScaledTensor1x:
+            return ScaledTensor1x(
+                data=data,
+                scale_inv=scale_inv,
+                amax=x_amax,
+                scaling_mode=self.scaling_mode,
+                dq_dtype=dq_dtype,
+                is_colwise=colwise,
+                flatten_axis=axis,
+            )
+
+        if is_rowwise and is_colwise:
+            tensor = ScaledTensor2x(copy(out.rowwise, False), copy(out.colwise, True))
+        elif is_colwise:
+            tensor = copy(out.colwise, True)
+        else:
+            tensor = copy(out.rowwise, False)
+        return tensor, (out.dbias if compute_dbias else None)
+
+
+@dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
+class DelayedScaleQuantizer(_TensorScaleQuantizer):
+    """Casts with `scale` (1,), made by `update` from the amax history (L,)."""
+
+    margin: int = 0
+    amax_compute_algo: str = "max"
+    scale: jax.Array = dataclasses.field(default_factory=lambda: jnp.ones((1,), jnp.float32))
+    amax_history: jax.Array = dataclasses.field(
+        default_factory=lambda: jnp.zeros((1024,), jnp.float32)
+    )
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.amax_compute_algo not in AMAX_COMPUTE_ALGOS:
+            raise ValueError(
+                f"DelayedScaleQuantizer: amax_compute_algo: expected one of {AMAX_COMPUTE_ALGOS}, "
+                f"got {self.amax_compute_algo!r}"
+            )
+
+    @classmethod
+    def create(
+        cls,
+        q_dtype,
+        *,
+        amax_history_len: int = 1024,
+        margin: int = 0,
+        amax_compute_algo: str = "max",
+        q_layout: QuantizeLayout = QuantizeLayout.ROWWISE_COLWISE,
+    ) -> DelayedScaleQuantizer:
+        """A fresh quantizer: scale 1, a zero history of length amax_history_len."""
+        return cls(
+            q_dtype=q_dtype,
+            q_layout=q_layout,
+            margin=margin,
+            amax_compute_algo=amax_compute_algo,
+            scale=jnp.ones((1,), jnp.float32),
+            amax_history=jnp.zeros((amax_history_len,), jnp.float32),
+        )
+
+    @property
+    def scaling_mode(self) -> ScalingMode:
+        return ScalingMode.DELAYED_TENSOR_SCALING
+
+    def _scale(self, x: jax.Array) -> jax.Array:
+        return self.scale
+
+    def update(self, new_amax) -> DelayedScaleQuantizer:
+        """Records `new_amax` (this step's globally reduced max|x|) and makes the next scale."""
+        history, scale = update_delayed_scaling(
+            self.amax_history,
+            self.scale,
+            new_amax,
+            fp8_max=self.fp8_max,
+            margin=self.margin,
+            amax_compute_algo=self.amax_compute_algo,
+        )
+        return dataclasses.replace(self, scale=scale.reshape(1), amax_history=history)
+
+
+@dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
+class CurrentScaleQuantizer(_TensorScaleQuantizer):
+    """Stateless: the scale comes from the tensor's own amax (`delayed.compute_scale`)."""
+
+    use_power_2_scales: bool = False
+
+    @property
+    def scaling_mode(self) -> ScalingMode:
+        return ScalingMode.CURRENT_TENSOR_SCALING
+
+    def _scale(self, x: jax.Array) -> jax.Array:
+        return compute_scale(
+            amax(x), fp8_max=self.fp8_max, use_power_2_scales=self.use_power_2_scales
+        )
+
+
+@dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
+class BlockScaleQuantizer(Quantizer):
+    """MXFP8 and FP8 block scaling (1x128, 128x128): configuration only for now."""
+
+    mode: ScalingMode = ScalingMode.MXFP8_1D_SCALING
+    use_power_2_scales: bool = False
+
+    @property
+    def scaling_mode(self) -> ScalingMode:
+        return self.mode
+
+    def quantize(self, x, **kwargs):
+        raise NotImplementedError(KERNELS_PENDING.format(mode=self.mode.name))
+
+
+@dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
+class NVFP4Quantizer(Quantizer):
+    """NVFP4 (1-D 16-value blocks, or 16x16 for weights): configuration only for now."""
+
+    q_dtype: np.dtype = jnp.float4_e2m1fn
+    mode: ScalingMode = ScalingMode.NVFP4_1D_SCALING
+    stochastic_rounding: bool = False
+    use_rht: bool = False
+
+    @property
+    def scaling_mode(self) -> ScalingMode:
+        return self.mode
+
+    def quantize(self, x, **kwargs):
+        raise NotImplementedError(KERNELS_PENDING.format(mode=self.mode.name))
+
+
+for _cls, _leaves in (
+    (DelayedScaleQuantizer, ["scale", "amax_history"]),
+    (CurrentScaleQuantizer, []),
+    (BlockScaleQuantizer, []),
+    (NVFP4Quantizer, []),
+):
+    _static = [f.name for f in dataclasses.fields(_cls) if f.name not in _leaves]
+    jax.tree_util.register_dataclass(_cls, data_fields=_leaves, meta_fields=_static)
+
+
+class QuantizerSet(NamedTuple):
+    """The quantizers of one GEMM: its input x, its kernel and the incoming gradient.
+    None entries mean no quantization."""
+
+    x: Quantizer | None = None
+    kernel: Quantizer | None = None
+    dgrad: Quantizer | None = None
+
+
+noop_quantizer_set = QuantizerSet()
