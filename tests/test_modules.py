@@ -1,0 +1,294 @@
+"""lowbit.flax Linen modules against plain-Flax equivalents with the same parameters.
+
+No recipe: lowbit's modules compute what nn.LayerNorm / nn.RMSNorm / nn.DenseGeneral /
+nn.gelu compose to, up to fp32 rounding (the norm runs in lowbit's C++ reference: 1e-5).
+With a recipe the GEMM operands are FP8 (E4M3 rounding: 2^-4 relative per operand); we
+allow 8% of the output's norm (relative Frobenius error), after one delayed-scaling update
+for DelayedScaling (its first step casts with scale 1). Small shapes: the file runs in
+seconds on the CPU.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import linen as nn
+
+import lowbit
+from lowbit.flax import OVERWRITE_WITH_GRADIENT
+from lowbit.flax.module import DenseGeneral, LayerNorm, LayerNormDenseGeneral, LayerNormMLP, Softmax
+from lowbit.recipe import DelayedScaling, Float8CurrentScaling, MXFP8BlockScaling
+
+FP8_TOL = 0.08
+B, T, H, F = 2, 8, 32, 64
+OWG = OVERWRITE_WITH_GRADIENT
+
+
+def rel_err(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def x_in(seed=0, shape=(B, T, H)):
+    return jax.random.normal(jax.random.PRNGKey(seed), shape, jnp.float32)
+
+
+def init(module, x, **kw):
+    return nn.meta.unbox(module.init({"params": jax.random.PRNGKey(1), "dropout": jax.random.PRNGKey(2)}, x, **kw))
+
+
+def output(out):
+    return out[0] if isinstance(out, tuple) else out
+
+
+def one_update(module, variables, x, **kw):
+    """Variables after one training step's overwrite-with-gradient of the quantizer state."""
+    grads = jax.grad(lambda v: jnp.sum(output(module.apply(v, x, **kw)) ** 2))(variables)
+    return {**variables, OWG: grads[OWG]}
+
+
+class RefMLP(nn.Module):
+    """Plain Flax: LayerNorm -> DenseGeneral (H, n_act, F) -> activations -> DenseGeneral."""
+
+    ffn: int
+    acts: tuple
+    use_bias: bool = True
+
+    @nn.compact
+    def __call__(self, x):
+        ln = nn.LayerNorm(epsilon=1e-6, name="ln")(x)
+        h = nn.DenseGeneral((len(self.acts), self.ffn), use_bias=self.use_bias, name="wi")(ln)
+        fns = {"gelu": nn.gelu, "silu": nn.silu, "relu": nn.relu, "linear": lambda v: v}
+        a = fns[self.acts[0]](h[..., 0, :])
+        for i, name in enumerate(self.acts[1:], 1):
+            a = a * fns[name](h[..., i, :])
+        return nn.Dense(x.shape[-1], use_bias=self.use_bias, name="wo")(a)
+
+
+def mlp_ref_params(p, use_bias=True):
+    ref = {"ln": {"scale": p["scale"], "bias": p["ln_bias"]},
+           "wi": {"kernel": p["wi_kernel"]}, "wo": {"kernel": p["wo_kernel"]}}
+    if use_bias:
+        ref["wi"]["bias"], ref["wo"]["bias"] = p["wi_bias"], p["wo_bias"]
+    return {"params": ref}
+
+
+def _cases():
+    """(lowbit module, plain-Flax module, params -> plain-Flax variables)."""
+    return {
+        "dense": (DenseGeneral(16, use_bias=True, bias_init=nn.initializers.normal(1.0)),
+                  nn.DenseGeneral(16), lambda p: {"params": p}),
+        "dense_2axes": (DenseGeneral((4, 4), axis=(-2, -1)), nn.DenseGeneral((4, 4), axis=(-2, -1)),
+                        lambda p: {"params": p}),
+        "layernorm": (LayerNorm(bias_init=nn.initializers.normal(1.0)),
+                      nn.LayerNorm(epsilon=1e-6),
+                      lambda p: {"params": {"scale": p["scale"], "bias": p["ln_bias"]}}),
+        "rmsnorm": (LayerNorm(layernorm_type="rmsnorm", scale_init=nn.initializers.normal(1.0)),
+                    nn.RMSNorm(epsilon=1e-6), lambda p: {"params": p}),
+        "ln_dense": (LayerNormDenseGeneral(24, use_bias=True, return_layernorm_output=False),
+                     nn.Sequential([nn.LayerNorm(epsilon=1e-6), nn.DenseGeneral(24)]),
+                     lambda p: {"params": {"layers_0": {"scale": p["scale"], "bias": p["ln_bias"]},
+                                           "layers_1": {"kernel": p["kernel"], "bias": p["bias"]}}}),
+        "mlp_fused": (LayerNormMLP(F, activations=("gelu", "linear"), use_bias=True,
+                                   return_layernorm_output=False, intermediate_dropout_rate=0.0),
+                      RefMLP(F, ("gelu", "linear")), mlp_ref_params),
+        "mlp_composed": (LayerNormMLP(F, activations=("silu",), use_bias=True),
+                         RefMLP(F, ("silu",)), mlp_ref_params),
+    }
+
+
+CASES = _cases()
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_no_recipe_matches_plain_flax(name):
+    module, ref, to_ref = CASES[name]
+    x = x_in(shape=(B, T, 2, H // 2)) if name == "dense_2axes" else x_in()
+    kw = {"deterministic": True} if name.startswith("mlp") else {}
+    v = init(module, x, **kw)
+    y = output(module.apply(v, x, **kw))
+    y_ref = ref.apply(to_ref(v["params"]), x)
+    np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["dense", "rmsnorm", "ln_dense", "mlp_fused", "mlp_composed"])
+def test_no_recipe_gradients_match_plain_flax(name):
+    module, ref, to_ref = CASES[name]
+    x = x_in()
+    kw = {"deterministic": True} if name.startswith("mlp") else {}
+    v = init(module, x, **kw)
+    ct = x_in(7, output(module.apply(v, x, **kw)).shape)
+    loss = lambda p, x: jnp.sum(output(module.apply({"params": p}, x, **kw)) * ct)  # noqa: E731
+    loss_ref = lambda p, x: jnp.sum(ref.apply(to_ref(p), x) * ct)  # noqa: E731
+    g = jax.grad(loss, argnums=(0, 1))(v["params"], x)
+    g_ref = jax.grad(loss_ref, argnums=(0, 1))(v["params"], x)
+    for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g_ref)):
+        np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-4)
+
+
+@pytest.mark.parametrize("recipe", [Float8CurrentScaling(), DelayedScaling(amax_history_len=4)],
+                         ids=["current", "delayed"])
+@pytest.mark.parametrize("name", ["dense", "ln_dense", "mlp_fused", "mlp_composed"])
+def test_recipe_within_fp8_tolerance(name, recipe):
+    module, ref, to_ref = CASES[name]
+    module = module.clone(quantization_recipe=recipe)
+    x = x_in()
+    kw = {"deterministic": True} if name.startswith("mlp") else {}
+    v = init(module, x, **kw)
+    if isinstance(recipe, DelayedScaling):
+        assert OWG in v
+        v = one_update(module, v, x, **kw)
+    y = output(module.apply(v, x, **kw))
+    assert rel_err(y, ref.apply(to_ref(v["params"]), x)) < FP8_TOL
+
+
+def test_autocast_recipe_and_explicit_recipe_agree():
+    module = DenseGeneral(16)
+    x = x_in()
+    v = init(module, x)
+    with lowbit.autocast(enabled=True, recipe=Float8CurrentScaling()):
+        y_auto = module.apply(v, x)
+    y_explicit = module.clone(quantization_recipe=Float8CurrentScaling()).apply(v, x)
+    np.testing.assert_array_equal(y_auto, y_explicit)
+    assert rel_err(y_auto, module.apply(v, x)) > 0  # quantized inside the block only
+
+
+def test_missing_kernels_surface_not_implemented():
+    with pytest.raises(NotImplementedError, match="MXFP8"):
+        init(DenseGeneral(16, quantization_recipe=MXFP8BlockScaling()), x_in())
+
+
+def test_delayed_state_updates_step_to_step():
+    recipe = DelayedScaling(amax_history_len=4)
+    module = DenseGeneral(16, quantization_recipe=recipe)
+    x = x_in()
+    v = init(module, x)
+    state = v[OWG]
+    np.testing.assert_array_equal(state["x_scale"], [1.0])
+    np.testing.assert_array_equal(state["x_amax_history"], np.zeros(4))
+    v1 = one_update(module, v, x)
+    amax = float(jnp.max(jnp.abs(x)))
+    np.testing.assert_allclose(v1[OWG]["x_amax_history"], [0, 0, 0, amax], rtol=1e-6)
+    np.testing.assert_allclose(v1[OWG]["x_scale"], [448.0 / amax], rtol=1e-6)
+    kernel_amax = float(jnp.max(jnp.abs(v["params"]["kernel"])))
+    np.testing.assert_allclose(v1[OWG]["kernel_scale"], [448.0 / kernel_amax], rtol=1e-6)
+    assert float(v1[OWG]["grad_scale"][0]) != 1.0
+    v2 = one_update(module, v1, 2 * x)
+    np.testing.assert_allclose(v2[OWG]["x_amax_history"], [0, 0, amax, 2 * amax], rtol=1e-6)
+    np.testing.assert_allclose(v2[OWG]["x_scale"], [448.0 / (2 * amax)], rtol=1e-6)
+
+
+def test_mlp_state_names_per_gemm():
+    module = LayerNormMLP(F, return_layernorm_output=False, intermediate_dropout_rate=0.0,
+                          quantization_recipe=DelayedScaling(amax_history_len=8))
+    state = init(module, x_in())[OWG]
+    assert sorted(state) == sorted(f"{q}_{i}_{s}" for q in ("x", "kernel", "grad") for i in (0, 1)
+                                   for s in ("scale", "amax_history"))
+    assert state["grad_1_amax_history"].shape == (8,)
+
+
+def test_te_parameter_names_and_shapes():
+    x = x_in()
+    mlp = LayerNormMLP(F, activations=("gelu", "linear"), use_bias=True,
+                       enable_low_rank_adaptation=True, low_rank_adaptation_dim=4)
+    shapes = jax.tree.map(jnp.shape, init(mlp, x, deterministic=True)["params"])
+    assert shapes == {"scale": (H,), "ln_bias": (H,), "wi_kernel": (H, 2, F), "wo_kernel": (F, H),
+                      "wi_bias": (2, F), "wo_bias": (H,), "wi_lora_a_kernel": (H, 2, 4),
+                      "wi_lora_b_kernel": (2, 4, F), "wo_lora_a_kernel": (F, 4),
+                      "wo_lora_b_kernel": (4, H)}
+    dense = DenseGeneral((3, 8), enable_low_rank_adaptation=True, low_rank_adaptation_dim=4)
+    shapes = jax.tree.map(jnp.shape, init(dense, x)["params"])
+    assert shapes == {"kernel": (H, 3, 8), "bias": (3, 8), "lora_a_kernel": (H, 3, 4),
+                      "lora_b_kernel": (3, 4, 8)}
+    ln_dense = LayerNormDenseGeneral(8, layernorm_type="rmsnorm")
+    assert jax.tree.map(jnp.shape, init(ln_dense, x)["params"]) == {"scale": (H,), "kernel": (H, 8)}
+
+
+@pytest.mark.parametrize("module", [
+    DenseGeneral(16, enable_low_rank_adaptation=True, low_rank_adaptation_dim=4),
+    LayerNormDenseGeneral(16, enable_low_rank_adaptation=True, low_rank_adaptation_dim=4),
+    LayerNormMLP(F, enable_low_rank_adaptation=True, low_rank_adaptation_dim=4,
+                 intermediate_dropout_rate=0.0),
+], ids=["dense", "ln_dense", "mlp"])
+def test_lora(module):
+    x = x_in()
+    v = init(module, x)
+    base = module.clone(enable_low_rank_adaptation=False)
+    base_params = {k: p for k, p in v["params"].items() if "lora" not in k}
+    y0 = output(base.apply({"params": base_params}, x))
+    np.testing.assert_allclose(output(module.apply(v, x)), y0, rtol=1e-6, atol=1e-6)
+    if isinstance(module, DenseGeneral):  # TE's formula with a non-zero adapter
+        alpha = 2.0
+        a = v["params"]["lora_a_kernel"]
+        b = x_in(3, v["params"]["lora_b_kernel"].shape)
+        p = {**v["params"], "lora_b_kernel": b}
+        y = module.clone(low_rank_adaptation_alpha=alpha).apply({"params": p}, x)
+        np.testing.assert_allclose(y, y0 + (x @ a @ b) * alpha / 4, rtol=1e-5, atol=1e-5)
+
+
+def test_layernorm_dense_outputs_and_depth_scaling():
+    module = LayerNormDenseGeneral(16, depth_scaling=4.0)
+    x = x_in()
+    v = init(module, x)
+    y, ln = module.apply(v, x)
+    np.testing.assert_allclose(ln, nn.LayerNorm(epsilon=1e-6).apply(
+        {"params": {"scale": v["params"]["scale"], "bias": v["params"]["ln_bias"]}}, x), atol=1e-5)
+    np.testing.assert_allclose(y, ln @ v["params"]["kernel"] / 4.0, rtol=1e-5, atol=1e-5)
+
+
+def test_mlp_dropout_composed_path():
+    module = LayerNormMLP(F, intermediate_dropout_rate=0.5, return_layernorm_output=False,
+                          quantization_recipe=Float8CurrentScaling())
+    x = x_in()
+    v = init(module, x, deterministic=True)
+    run = lambda seed: module.apply(v, x, rngs={"dropout": jax.random.PRNGKey(seed)})[0]  # noqa: E731
+    y_det = module.apply(v, x, deterministic=True)[0]
+    assert not np.allclose(run(0), run(1))
+    assert not np.allclose(run(0), y_det)
+    np.testing.assert_array_equal(run(0), run(0))
+
+
+@pytest.mark.parametrize("fusion", ["scaled", "scaled_masked", "scaled_upper_triang"])
+def test_softmax(fusion):
+    logits = x_in(0, (2, 2, 8, 8))
+    bias = x_in(1, (1, 2, 8, 8))
+    causal = jnp.triu(jnp.ones((8, 8), jnp.uint8), 1)[None, None]
+    mask = None if fusion == "scaled_upper_triang" else jnp.broadcast_to(causal, (2, 1, 8, 8))
+    y = Softmax(scale_factor=0.5, softmax_fusion_type=fusion).apply({}, logits, mask, bias)
+    ref = jax.nn.softmax(jnp.where(causal > 0, -jnp.inf, 0.5 * (logits + bias)), axis=-1)
+    np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_logical_axis_rules_shard_params():
+    module = LayerNormMLP(F, intermediate_dropout_rate=0.0, return_layernorm_output=False)
+    x = x_in()
+    abstract = jax.eval_shape(lambda: module.init(jax.random.PRNGKey(0), x))
+    specs = nn.get_partition_spec(abstract)["params"]
+    assert specs["wi_kernel"] == jax.sharding.PartitionSpec("embed", "act", "mlp")
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("model",))
+    rules = (("embed", None), ("act", None), ("mlp", "model"))
+    shardings = nn.logical_to_mesh_sharding(nn.get_partition_spec(abstract), mesh, rules)
+    with mesh, nn.logical_axis_rules(rules):
+        v = jax.jit(lambda: module.init(jax.random.PRNGKey(0), x), out_shardings=shardings)()
+        y = jax.jit(lambda v, x: module.apply(v, x)[0])(v, x)
+    wi = v["params"]["wi_kernel"].value
+    assert wi.sharding.spec == jax.sharding.PartitionSpec(None, None, "model")
+    assert wi.addressable_shards[0].data.shape == (H, 1, F // 2)
+    np.testing.assert_allclose(y, module.apply(nn.meta.unbox(v), x)[0], rtol=1e-5, atol=1e-5)
+
+
+def test_orbax_checkpoint_roundtrip(tmp_path):
+    ocp = pytest.importorskip("orbax.checkpoint")
+    module = LayerNormMLP(F, intermediate_dropout_rate=0.0, return_layernorm_output=False,
+                          quantization_recipe=DelayedScaling(amax_history_len=4))
+    x = x_in()
+    v = one_update(module, init(module, x), x)
+    with ocp.StandardCheckpointer() as ckpt:
+        ckpt.save(tmp_path / "step1", v)
+        ckpt.wait_until_finished()
+        restored = ckpt.restore(tmp_path / "step1", jax.tree.map(ocp.utils.to_shape_dtype_struct, v))
+    jax.tree.map(np.testing.assert_array_equal, restored, v)
+    assert float(restored[OWG]["x_0_scale"][0]) != 1.0
+    np.testing.assert_array_equal(module.apply(restored, x)[0], module.apply(v, x)[0])
