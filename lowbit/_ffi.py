@@ -24,6 +24,7 @@ TARGETS: dict[str, str] = {
     "lowbit_decode": "LowbitDecode",
     "lowbit_quantize_fp8": "LowbitQuantizeFp8",
     "lowbit_dequantize_fp8": "LowbitDequantizeFp8",
+    "lowbit_gemm": "LowbitGemm",
 }
 
 _REBUILD = (

@@ -2,6 +2,7 @@
 
 from lowbit.ops.amax import amax
 from lowbit.ops.formats import decode, encode
+from lowbit.ops.gemm import gemm
 from lowbit.ops.quantize import Fp8Quantized, dequantize_fp8, quantize_fp8
 
-__all__ = ["amax", "decode", "encode", "Fp8Quantized", "dequantize_fp8", "quantize_fp8"]
+__all__ = ["amax", "decode", "encode", "gemm", "Fp8Quantized", "dequantize_fp8", "quantize_fp8"]

@@ -1,0 +1,329 @@
+"""lowbit.ops.gemm: a jnp reference and the exact summation order of the CPU handler, every
+type combination, out dtypes, bias, odd shapes, jit, vmap, sharding over virtual CPU devices,
+bad input, and the cuBLASLt handler against the CPU one within a derived tolerance."""
+
+from __future__ import annotations
+
+import importlib
+import itertools
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from conftest import run_on
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import lowbit
+
+gemm_mod = importlib.import_module("lowbit.ops.gemm")  # the module; lowbit.ops.gemm is the function
+
+
+def gemm_ref(a, b, sa=1.0, sb=1.0, bias=None, out_dtype=jnp.bfloat16):
+    acc = jnp.dot(a.astype(jnp.float32), b.astype(jnp.float32).T, precision=jax.lax.Precision.HIGHEST)
+    acc = acc * (jnp.float32(sa) * jnp.float32(sb))
+    return (acc if bias is None else acc + bias.astype(jnp.float32)).astype(out_dtype)
+
+
+def sequential_ref(a, b, sa, sb, bias, out_dtype):
+    """The CPU handler's documented order in numpy: exact fp32 products, summed k ascending
+    (cumsum is sequential), then fl(fl(sa*sb) * acc), + bias, rounded to out_dtype."""
+    a32 = np.asarray(a).astype(np.float32).reshape(-1, a.shape[-1])
+    b32 = np.asarray(b).astype(np.float32)
+    prod = a32[:, None, :] * b32[None, :, :]
+    acc = np.cumsum(prod, axis=-1, dtype=np.float32)[..., -1]
+    y = np.float32(np.float32(sa) * np.float32(sb)) * acc
+    if bias is not None:
+        y = y + np.asarray(bias).astype(np.float32)
+    return y.astype(out_dtype).reshape(*a.shape[:-1], b.shape[0])
+
+
+def gemm_atol(a, b, sa, sb, out_dtype, *, fast_accum=False):
+    """Per-element bound on |x - y| for two GEMMs that both sum exact fp32 products in fp32,
+    in different orders. Any order's sum is within (K-1)*u*sum|a_k*b_k| of the exact one
+    (u = 2^-24; Higham, gamma_{K-1}), so two orders differ by at most 2*K*u*sum|a_k*b_k|, times
+    |sa*sb|; scaling and the bias add add two more roundings (4*u*|y|); rounding both to the
+    out dtype adds at most one ulp of it (eps_out*|y|, plus its smallest normal near zero).
+    Hopper's FP8 fast accumulation keeps about 14 significant bits and is not promoted to
+    fp32; modelled as rounding errors of 2^-12 relative that grow like a random walk,
+    sqrt(K) * 2^-12 * sum|a_k*b_k| (DeepSeek-V3 reports ~2% max relative error at K=4096,
+    well inside this)."""
+    a32 = np.asarray(a).astype(np.float64).reshape(-1, a.shape[-1])
+    b32 = np.asarray(b).astype(np.float64)
+    k = a32.shape[-1]
+    abs_dot = (np.abs(a32) @ np.abs(b32).T) * abs(float(sa) * float(sb))
+    gamma = np.sqrt(k) * 2.0**-12 if fast_accum else 2 * k * 2.0**-24
+    y = np.abs(np.asarray(gemm_ref(a, b, sa, sb, None, jnp.float32), np.float64)).reshape(abs_dot.shape)
+    info = ml_dtypes.finfo(out_dtype)
+    atol = gamma * abs_dot + (4 * 2.0**-24 + float(info.eps)) * y + float(info.smallest_normal)
+    return atol.reshape(*a.shape[:-1], b.shape[0])
+
+
+def assert_close_gemm(got, want, atol, *, max_rel_frobenius=None):
+    """Elementwise within `atol`; with fast accumulation, whose bound is loose, also a
+    relative Frobenius error that a wrong layout or scale could never meet."""
+    got64, want64 = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    err = np.abs(got64 - want64)
+    bad = ~(err <= atol)
+    assert not bad.any(), (f"{bad.sum()} of {bad.size} elements off; worst excess "
+                           f"{np.max(np.where(bad, err - atol, 0)):.3g} at {np.argwhere(bad)[0]}")
+    if max_rel_frobenius is None:
+        return
+    rel = np.linalg.norm(got64 - want64) / max(np.linalg.norm(want64), 1e-30)
+    assert rel <= max_rel_frobenius, f"relative Frobenius error {rel:.3g} > {max_rel_frobenius}"
+
+
+E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
+BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
+FP8_PAIRS = [(E4M3, E4M3), (E4M3, E5M2), (E5M2, E4M3)]
+TYPE_CASES = ([(x, y, o) for (x, y) in FP8_PAIRS for o in (BF16, F16, F32)]
+              + [(BF16, BF16, BF16), (BF16, BF16, F32), (F16, F16, F16), (F16, F16, F32)])
+CASE_IDS = [f"{jnp.dtype(x).name}x{jnp.dtype(y).name}->{jnp.dtype(o).name}" for x, y, o in TYPE_CASES]
+
+
+def operands(rng, m, n, k, a_dtype, b_dtype, out_dtype, with_bias=True, scale=2.0):
+    a = (rng.standard_normal((m, k)) * scale).astype(np.float32).astype(a_dtype)
+    b = (rng.standard_normal((n, k)) * scale).astype(np.float32).astype(b_dtype)
+    sa, sb = np.float32(rng.uniform(0.25, 2.0)), np.float32(rng.uniform(0.25, 2.0))
+    bias = (rng.standard_normal(n) * 4).astype(np.float32).astype(out_dtype) if with_bias else None
+    return a, b, sa, sb, bias
+
+
+@pytest.mark.parametrize("a_dtype,b_dtype,out_dtype", TYPE_CASES, ids=CASE_IDS)
+@pytest.mark.parametrize("m,k,n", [(1, 16, 1), (7, 48, 17), (33, 1000, 64), (33, 16, 17)], ids=str)
+@pytest.mark.parametrize("with_bias", [False, True], ids=["nobias", "bias"])
+def test_cpu_matches_references(a_dtype, b_dtype, out_dtype, m, k, n, with_bias, rng):
+    a, b, sa, sb, bias = operands(rng, m, n, k, a_dtype, b_dtype, out_dtype, with_bias)
+    got = jax.jit(lambda *x: lowbit.ops.gemm(*x, out_dtype=out_dtype))(a, b, sa, sb, bias)
+    assert got.dtype == jnp.dtype(out_dtype) and got.shape == (m, n)
+    want = sequential_ref(a, b, sa, sb, bias, out_dtype)
+    np.testing.assert_array_equal(np.asarray(got).view(np.uint8), want.view(np.uint8))
+    assert_close_gemm(got, gemm_ref(a, b, sa, sb, bias, out_dtype), gemm_atol(a, b, sa, sb, out_dtype))
+
+
+def test_leading_dims_defaults_and_eager(rng):
+    a = rng.standard_normal((2, 3, 32)).astype(E4M3)
+    b = rng.standard_normal((48, 32)).astype(E4M3)
+    got = lowbit.ops.gemm(a, b)  # scale_invs default to 1, out bf16, eager
+    assert got.shape == (2, 3, 48) and got.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(got), sequential_ref(a, b, 1.0, 1.0, None, BF16))
+    scalar_scales = lowbit.ops.gemm(a, b, jnp.float32(0.5), np.full((1,), 4.0, np.float32))
+    np.testing.assert_array_equal(np.asarray(scalar_scales), sequential_ref(a, b, 0.5, 4.0, None, BF16))
+
+
+def test_empty_and_k_zero(rng):
+    b = rng.standard_normal((5, 0)).astype(BF16)
+    bias = np.arange(5, dtype=np.float32).astype(BF16)
+    got = lowbit.ops.gemm(np.zeros((3, 0), BF16), b, bias=bias)
+    np.testing.assert_array_equal(np.asarray(got), np.broadcast_to(bias, (3, 5)))
+    assert lowbit.ops.gemm(np.zeros((0, 16), E4M3), np.zeros((4, 16), E4M3)).shape == (0, 4)
+
+
+def test_nan_and_inf_propagate():
+    a = np.ones((2, 16), np.float32).astype(E5M2)
+    a[0, 3] = np.inf
+    a[1, 5] = np.nan
+    b = np.ones((16, 16), np.float32).astype(E4M3)
+    got = np.asarray(lowbit.ops.gemm(a, b, out_dtype=F32))
+    assert np.isposinf(got[0]).all() and np.isnan(got[1]).all()
+
+
+@pytest.mark.parametrize("a_dtype,b_dtype", FP8_PAIRS, ids=str)
+def test_padded_lowering_path_equals_direct(a_dtype, b_dtype, rng):
+    """The CUDA lowering pads K and N of FP8 GEMMs to multiples of 16; on the CPU handler
+    the padded computation must give the unpadded result bit for bit."""
+    a, b, sa, sb, bias = operands(rng, 7, 17, 40, a_dtype, b_dtype, BF16)
+    args = (a, b, sa.reshape(1), sb.reshape(1), bias)
+    padded = jax.jit(lambda *x: gemm_mod.gemm_padded(*x, out_dtype=jnp.dtype(BF16),
+                                                     use_split_accumulator=np.bool_(True)))(*args)
+    np.testing.assert_array_equal(np.asarray(padded), sequential_ref(a, b, sa, sb, bias, BF16))
+
+
+def test_vmap(rng):
+    a = rng.standard_normal((4, 5, 32)).astype(E4M3)
+    b = rng.standard_normal((3, 32)).astype(E4M3)
+    bs = rng.standard_normal((4, 3, 32)).astype(E4M3)
+    bias = rng.standard_normal((3,)).astype(BF16)
+    f = lambda x, y: lowbit.ops.gemm(x, y, bias=bias)
+    want = np.stack([sequential_ref(a[i], b, 1.0, 1.0, bias, BF16) for i in range(4)])
+    np.testing.assert_array_equal(np.asarray(jax.jit(jax.vmap(f, in_axes=(0, None)))(a, b)), want)
+    want_both = np.stack([sequential_ref(a[i], bs[i], 1.0, 1.0, bias, BF16) for i in range(4)])
+    np.testing.assert_array_equal(np.asarray(jax.vmap(f)(a, bs)), want_both)
+    moved = jax.vmap(f, in_axes=(1, None))(a, b)  # batch over a's axis 1
+    np.testing.assert_array_equal(np.asarray(moved), np.swapaxes(want, 0, 1))
+    nested = jax.vmap(jax.vmap(f, in_axes=(0, None)), in_axes=(0, None))(a.reshape(2, 2, 5, 32), b)
+    np.testing.assert_array_equal(np.asarray(nested), want.reshape(2, 2, 5, 3))
+    scales = rng.uniform(0.5, 2.0, (4,)).astype(np.float32)
+    per_scale = jax.vmap(lambda s: lowbit.ops.gemm(a[0], b, s))(scales)
+    want_scale = np.stack([sequential_ref(a[0], b, s, 1.0, None, BF16) for s in scales])
+    np.testing.assert_array_equal(np.asarray(per_scale), want_scale)
+
+
+COLLECTIVES = ("all-reduce", "all-gather", "all-to-all", "collective-permute", "reduce-scatter")
+
+
+def _collectives(hlo: str) -> set[str]:
+    return {c for c in COLLECTIVES if c in hlo}
+
+
+# (a spec, b spec, bias spec, a shape, collectives expected)
+SHARDINGS = [
+    (P("x", None), P(), P(), (64, 96), set()),                        # data parallel
+    (P(("x", "y"), None), P(), P(), (64, 96), set()),                 # M over both axes
+    (P("x", "y", None), P(), P(), (4, 16, 96), set()),                # batch and sequence
+    (P(), P("y", None), P("y"), (64, 96), set()),                     # column-parallel TP
+    (P("x", None), P("y", None), P("y"), (64, 96), set()),            # DP x TP
+    (P(None, "y"), P(None, "y"), P(), (64, 96), {"all-reduce"}),      # row-parallel TP
+    (P("x", "y"), P(None, "y"), P(), (64, 96), {"all-reduce"}),       # DP x row-parallel TP
+]
+
+
+@pytest.mark.parametrize("a_spec,b_spec,bias_spec,a_shape,expected", SHARDINGS,
+                         ids=[f"{s[0]}-{s[1]}" for s in SHARDINGS])
+@pytest.mark.parametrize("with_bias", [False, True], ids=["nobias", "bias"])
+def test_sharded_equals_unsharded(a_spec, b_spec, bias_spec, a_shape, expected, with_bias, rng):
+    mesh = jax.make_mesh((2, 2), ("x", "y"), devices=jax.devices("cpu")[:4])
+    k, n = a_shape[-1], 64
+    a = rng.standard_normal(a_shape).astype(E4M3)
+    b = rng.standard_normal((n, k)).astype(E5M2)
+    bias = rng.standard_normal(n).astype(BF16) if with_bias else None
+    sa, sb = np.float32(0.75), np.float32(1.5)
+    put = lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec))
+    args = (put(a, a_spec), put(b, b_spec), sa, sb) + ((put(bias, bias_spec),) if with_bias else ())
+    f = jax.jit(lambda a, b, sa, sb, *bias: lowbit.ops.gemm(a, b, sa, sb, *bias))
+    got = np.asarray(f(*args))
+    want = sequential_ref(a, b, sa, sb, bias, BF16)
+    if expected:  # partial sums over K: fp32 psum in a different order, then one rounding
+        assert_close_gemm(got, want, gemm_atol(a, b, sa, sb, BF16))
+    else:
+        np.testing.assert_array_equal(got, want)
+    hlo = f.lower(*args).compile().as_text()
+    assert "lowbit_gemm" in hlo
+    assert _collectives(hlo) == expected, f"collectives {_collectives(hlo)}, expected {expected}"
+
+
+BAD = [
+    (lambda: lowbit.ops.gemm(np.ones((2, 16), E4M3), np.ones((3, 16), BF16)), TypeError,
+     r"lowbit.ops.gemm: b: expected both operands FP8 or neither"),
+    (lambda: lowbit.ops.gemm(np.ones((2, 16), E5M2), np.ones((3, 16), E5M2)), TypeError,
+     r"lowbit.ops.gemm: b: float8_e5m2 x float8_e5m2"),
+    (lambda: lowbit.ops.gemm(np.ones((2, 16), F32), np.ones((3, 16), F32)), TypeError,
+     r"lowbit.ops.gemm: b: expected a and b both FP8, both bfloat16 or both float16"),
+    (lambda: lowbit.ops.gemm(np.ones((2, 16), E4M3), np.ones((3, 8), E4M3)), ValueError,
+     r"lowbit.ops.gemm: b: expected \(N, 16\) to match a \(2, 16\), got \(3, 8\)"),
+    (lambda: lowbit.ops.gemm(np.ones((2, 16), E4M3), np.ones((16,), E4M3)), ValueError,
+     r"lowbit.ops.gemm: b: expected shape \(N, K\)"),
+    (lambda: lowbit.ops.gemm(np.ones((2, 16), BF16), np.ones((3, 16), BF16), out_dtype=F16), TypeError,
+     r"lowbit.ops.gemm: out_dtype: with bfloat16 operands expected bfloat16 or float32, got float16"),
+    (lambda: lowbit.ops.gemm(np.ones((2, 16), E4M3), np.ones((3, 16), E4M3), out_dtype=E4M3), TypeError,
+     r"lowbit.ops.gemm: out_dtype: expected bfloat16, float16 or float32"),
+    (lambda: lowbit.ops.gemm(np.ones((2, 16), E4M3), np.ones((3, 16), E4M3), np.ones((1,), F16)), TypeError,
+     r"lowbit.ops.gemm: a_scale_inv: expected float32, got float16"),
+    (lambda: lowbit.ops.gemm(np.ones((2, 16), E4M3), np.ones((3, 16), E4M3), None, np.ones((2,), F32)),
+     ValueError, r"lowbit.ops.gemm: b_scale_inv: expected one value"),
+    (lambda: lowbit.ops.gemm(np.ones((2, 16), E4M3), np.ones((3, 16), E4M3), bias=np.ones((4,), BF16)),
+     ValueError, r"lowbit.ops.gemm: bias: expected shape \(3,\), got \(4,\)"),
+    (lambda: lowbit.ops.gemm(np.ones((2, 16), E4M3), np.ones((3, 16), E4M3), bias=np.ones((3,), F32)),
+     TypeError, r"lowbit.ops.gemm: bias: expected out_dtype bfloat16, got float32"),
+]
+
+
+@pytest.mark.parametrize("call,exc,match", BAD, ids=range(len(BAD)))
+def test_bad_input(call, exc, match):
+    with pytest.raises(exc, match=match):
+        call()
+
+
+def test_handler_validates_too():
+    """The raw primitive reaches the C++ checks, which name the op and the argument."""
+    one = np.ones((1,), np.float32)
+    bind = lambda a, b, bias, out: gemm_mod.gemm_p.bind(
+        a, b, one, one, bias, out_dtype=jnp.dtype(out), use_split_accumulator=np.bool_(True))
+    with pytest.raises(Exception, match=r"lowbit_gemm: bias: expected the out type bf16, got f32"):
+        jax.block_until_ready(bind(np.ones((2, 16), E4M3), np.ones((3, 16), E4M3), np.ones((3,), F32), BF16))
+    with pytest.raises(Exception, match=r"lowbit_gemm: b: f8e5m2 x f8e5m2"):
+        jax.block_until_ready(bind(np.ones((2, 16), E5M2), np.ones((3, 16), E5M2), np.ones((0,), BF16), BF16))
+
+
+# ---------------------------------------------------------------- GPU: cuBLASLt vs the CPU handler
+
+GPU_SHAPES = [(128, 256, 512), (1000, 2048, 4096)]  # (M, N, K)
+
+
+def _cuda_vs_cpu(rng, cpu, gpu, m, n, k, a_dtype, b_dtype, out_dtype, with_bias, split):
+    a, b, sa, sb, bias = operands(rng, m, n, k, a_dtype, b_dtype, out_dtype, with_bias)
+    f = lambda *x: lowbit.ops.gemm(*x, out_dtype=out_dtype, use_split_accumulator=split)
+    args = (a, b, sa, sb) + ((bias,) if with_bias else ())
+    g, c = run_on(gpu, f, *args), run_on(cpu, f, *args)
+    fast = jnp.dtype(a_dtype) in gemm_mod.FP8 and not split
+    assert_close_gemm(g, c, gemm_atol(a, b, sa, sb, out_dtype, fast_accum=fast),
+                      max_rel_frobenius=2.0**-7 if fast else None)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("a_dtype,b_dtype", FP8_PAIRS, ids=str)
+@pytest.mark.parametrize("split", [True, False], ids=["split", "fast"])
+@pytest.mark.parametrize("m,n,k", GPU_SHAPES, ids=str)
+def test_cuda_fp8_matches_cpu(a_dtype, b_dtype, split, m, n, k, rng, cpu, gpu):
+    _cuda_vs_cpu(rng, cpu, gpu, m, n, k, a_dtype, b_dtype, BF16, True, split)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("a_dtype,b_dtype,out_dtype", TYPE_CASES, ids=CASE_IDS)
+@pytest.mark.parametrize("with_bias", [False, True], ids=["nobias", "bias"])
+def test_cuda_every_type_case_matches_cpu(a_dtype, b_dtype, out_dtype, with_bias, rng, cpu, gpu):
+    _cuda_vs_cpu(rng, cpu, gpu, 128, 256, 512, a_dtype, b_dtype, out_dtype, with_bias, True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n,k", [(1, 1, 16), (7, 17, 48), (33, 64, 1000), (5, 100, 16)], ids=str)
+def test_cuda_odd_shapes_are_padded(m, n, k, rng, cpu, gpu):
+    _cuda_vs_cpu(rng, cpu, gpu, m, n, k, E4M3, E5M2, BF16, True, True)
+    _cuda_vs_cpu(rng, cpu, gpu, m, n, k, BF16, BF16, F32, True, True)
+
+
+@pytest.mark.gpu
+def test_cuda_plan_cache_takes_new_pointers_and_scales(rng, cpu, gpu):
+    """Calls of one cached plan with other buffers, scales and bias must not reuse old ones."""
+    f = jax.jit(lambda *x: lowbit.ops.gemm(*x, out_dtype=BF16))
+    for _ in range(3):
+        a, b, sa, sb, bias = operands(rng, 64, 128, 256, E4M3, E4M3, BF16)
+        args = jax.device_put((a, b, sa, sb, bias), gpu)
+        g = np.asarray(f(*args))
+        c = run_on(cpu, f, a, b, sa, sb, bias)
+        assert_close_gemm(g, c, gemm_atol(a, b, sa, sb, BF16))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("a_dtype", [E4M3, BF16], ids=str)
+def test_cuda_program_contains_lowbit_gemm(a_dtype, gpu):
+    a = jax.device_put(jnp.ones((64, 128), a_dtype), gpu)
+    b = jax.device_put(jnp.ones((32, 128), a_dtype), gpu)
+    hlo = jax.jit(lambda x, y: lowbit.ops.gemm(x, y)).lower(a, b).compile().as_text()
+    assert "lowbit_gemm" in hlo
+    assert "cublas" not in hlo.lower()  # no XLA dot rewritten to its own cuBLAS call
+
+
+@pytest.mark.gpu
+def test_cuda_rejects_e5m2_pair_from_handler(gpu):
+    one = jax.device_put(np.ones((1,), np.float32), gpu)
+    x = jax.device_put(np.ones((16, 16), E5M2), gpu)
+    empty = jax.device_put(np.zeros((0,), BF16), gpu)
+    f = jax.jit(lambda x, s, e: gemm_mod.gemm_p.bind(x, x, s, s, e, out_dtype=jnp.dtype(BF16),
+                                                     use_split_accumulator=np.bool_(True)))
+    with pytest.raises(Exception, match=r"lowbit_gemm: b: f8e5m2 x f8e5m2"):
+        jax.block_until_ready(f(x, one, empty))
+
+
+def test_type_cases_cover_every_valid_combination():
+    dtypes = [E4M3, E5M2, BF16, F16, F32]
+    valid = set()
+    for a, b, o in itertools.product(dtypes, dtypes, [BF16, F16, F32]):
+        try:
+            jax.eval_shape(lambda x, y, o=o: lowbit.ops.gemm(x, y, out_dtype=o),
+                           jax.ShapeDtypeStruct((1, 16), a), jax.ShapeDtypeStruct((1, 16), b))
+            valid.add((jnp.dtype(a), jnp.dtype(b), jnp.dtype(o)))
+        except TypeError:
+            pass
+    assert valid == {(jnp.dtype(a), jnp.dtype(b), jnp.dtype(o)) for a, b, o in TYPE_CASES}
