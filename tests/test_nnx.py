@@ -1,0 +1,158 @@
+"""lowbit.flax.nnx twins against the Linen modules with the same parameters and state.
+
+The two front ends share their math (lowbit/flax/_common.py), so with the same parameters
+(and, for DelayedScaling, the same state) the outputs are equal bit for bit; the NNX
+training step (nnx.grad over Param + QuantizerState, update_quantizer_state) is checked
+against the Linen overwrite-with-gradient step.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import linen as nn
+from flax import nnx
+
+import lowbit
+from lowbit.flax import OVERWRITE_WITH_GRADIENT, module as linen
+from lowbit.flax import nnx as lnnx
+from lowbit.recipe import DelayedScaling, Float8CurrentScaling
+
+B, T, H, F = 2, 8, 32, 64
+OWG = OVERWRITE_WITH_GRADIENT
+
+
+def x_in(seed=0, shape=(B, T, H)):
+    return jax.random.normal(jax.random.PRNGKey(seed), shape, jnp.float32)
+
+
+def out0(y):
+    return y[0] if isinstance(y, tuple) else y
+
+
+def pair(name, recipe=None):
+    """(Linen module, NNX module) with the same configuration."""
+    rngs = nnx.Rngs(0)
+    if name == "dense":
+        return (linen.DenseGeneral((4, 8), use_bias=True, quantization_recipe=recipe),
+                lnnx.DenseGeneral(H, (4, 8), use_bias=True, quantization_recipe=recipe, rngs=rngs))
+    if name == "layernorm":
+        return linen.LayerNorm(layernorm_type="rmsnorm"), lnnx.LayerNorm(H, layernorm_type="rmsnorm", rngs=rngs)
+    if name == "ln_dense":
+        kw = dict(use_bias=True, enable_low_rank_adaptation=True, low_rank_adaptation_dim=4,
+                  low_rank_adaptation_alpha=8.0, quantization_recipe=recipe)
+        return linen.LayerNormDenseGeneral(24, **kw), lnnx.LayerNormDenseGeneral(H, 24, **kw, rngs=rngs)
+    kw = dict(activations=("relu",), use_bias=True, return_layernorm_output=False,
+              intermediate_dropout_rate=0.0, quantization_recipe=recipe)
+    return linen.LayerNormMLP(F, **kw), lnnx.LayerNormMLP(H, F, **kw, rngs=rngs)
+
+
+def load_linen_into_nnx(nnx_module, variables):
+    """Copies Linen params and quantizer state into the NNX module (same names)."""
+    for collection in ("params", OWG):
+        for name, value in variables.get(collection, {}).items():
+            getattr(nnx_module, name)[...] = value
+
+
+def linen_vars(module, x):
+    v = nn.meta.unbox(module.init(jax.random.PRNGKey(1), x))
+    # Random LoRA b (zero at init) so that LoRA is exercised.
+    return jax.tree_util.tree_map_with_path(
+        lambda p, a: x_in(5, a.shape) * 0.1 if "lora_b" in jax.tree_util.keystr(p) else a, v)
+
+
+@pytest.mark.parametrize("name", ["dense", "layernorm", "ln_dense", "mlp"])
+def test_same_params_same_output(name):
+    lin, mod = pair(name)
+    x = x_in()
+    v = linen_vars(lin, x)
+    load_linen_into_nnx(mod, v)
+    ya, yb = lin.apply(v, x), mod(x)
+    jax.tree.map(np.testing.assert_array_equal, ya, yb)
+
+
+@pytest.mark.parametrize("name", ["dense", "ln_dense", "mlp"])
+def test_parameter_names_shapes_and_axes_match_linen(name):
+    lin, mod = pair(name)
+    x = x_in()
+    shapes = jax.tree.map(jnp.shape, linen_vars(lin, x)["params"])
+    nnx_params = nnx.state(mod, nnx.Param)
+    assert {k[0]: v.shape for k, v in nnx.to_flat_state(nnx_params)} == shapes
+    linen_specs = nn.get_partition_spec(lin.init(jax.random.PRNGKey(1), x))["params"]
+    nnx_specs = nnx.get_partition_spec(nnx_params)
+    for k, spec in linen_specs.items():
+        assert tuple(nnx_specs[k].get_value()) == tuple(spec), k
+
+
+@pytest.mark.parametrize("name", ["dense", "ln_dense", "mlp"])
+def test_delayed_scaling_training_step_matches_linen(name):
+    recipe = DelayedScaling(amax_history_len=4)
+    lin, mod = pair(name, recipe)
+    x = x_in()
+    v = linen_vars(lin, x)
+    load_linen_into_nnx(mod, v)
+    lin_grads = jax.grad(lambda v: jnp.sum(out0(lin.apply(v, x)) ** 2))(v)
+    diff = nnx.DiffState(0, nnx.Any(nnx.Param, lnnx.QuantizerState))
+    grads = nnx.grad(lambda m: jnp.sum(out0(m(x)) ** 2), argnums=diff)(mod)
+    param_grads = lnnx.update_quantizer_state(mod, grads)
+    for k, g in lin_grads["params"].items():
+        np.testing.assert_allclose(param_grads[k].get_value(), g, rtol=1e-6, atol=1e-6)
+    for k, s in lin_grads[OWG].items():  # the new state, written into the NNX module
+        np.testing.assert_array_equal(getattr(mod, k)[...], s)
+    assert float(mod.x_scale[...][0] if name != "mlp" else mod.x_0_scale[...][0]) != 1.0
+    v1 = {**v, OWG: lin_grads[OWG]}
+    jax.tree.map(np.testing.assert_array_equal, lin.apply(v1, x), mod(x))
+
+
+def test_optimizer_leaves_quantizer_state_alone():
+    _, mod = pair("mlp", DelayedScaling(amax_history_len=4))
+    x = x_in()
+    opt = nnx.Optimizer(mod, optax.sgd(0.1), wrt=nnx.Param)
+    diff = nnx.DiffState(0, nnx.Any(nnx.Param, lnnx.QuantizerState))
+
+    @nnx.jit
+    def step(model, optimizer, x):
+        grads = nnx.grad(lambda m: jnp.mean(m(x)[0] ** 2), argnums=diff)(model)
+        optimizer.update(model, lnnx.update_quantizer_state(model, grads))
+
+    wo = np.asarray(mod.wo_kernel[...])
+    step(mod, opt, x)
+    history1 = np.asarray(mod.grad_1_amax_history[...])
+    step(mod, opt, x)
+    assert not np.array_equal(wo, mod.wo_kernel[...])
+    assert np.count_nonzero(history1) == 1 and np.count_nonzero(mod.grad_1_amax_history[...]) == 2
+
+
+def test_autocast_at_construction_and_call():
+    x = x_in()
+    with lowbit.autocast(enabled=True, recipe=DelayedScaling(amax_history_len=4)):
+        mod = lnnx.DenseGeneral(H, 8, rngs=nnx.Rngs(0))
+        y = mod(x)
+    assert mod.x_amax_history[...].shape == (4,)
+    plain = lnnx.DenseGeneral(H, 8, rngs=nnx.Rngs(0))
+    with lowbit.autocast(enabled=True, recipe=DelayedScaling(amax_history_len=4)):
+        with pytest.raises(ValueError, match="DelayedScaling needs its state"):
+            plain(x)
+    with lowbit.autocast(enabled=True, recipe=Float8CurrentScaling()):
+        y_current = plain(x)
+    assert np.linalg.norm(y_current - plain(x)) / np.linalg.norm(plain(x)) < 0.08
+    assert y.shape == (B, T, 8)
+
+
+def test_dropout_uses_its_rng_stream():
+    mod = lnnx.LayerNormMLP(H, F, intermediate_dropout_rate=0.5, return_layernorm_output=False,
+                            rngs=nnx.Rngs(params=0, dropout=1))
+    x = x_in()
+    a, b = mod(x)[0], mod(x)[0]
+    assert not np.allclose(a, b)
+    np.testing.assert_array_equal(mod(x, deterministic=True)[0], mod(x, deterministic=True)[0])
+
+
+def test_softmax_twin():
+    logits = x_in(0, (1, 2, 8, 8))
+    np.testing.assert_array_equal(
+        lnnx.Softmax(0.5, "scaled_upper_triang")(logits),
+        linen.Softmax(0.5, "scaled_upper_triang").apply({}, logits))
