@@ -140,6 +140,26 @@ def test_padded_lowering_path_equals_direct(a_dtype, b_dtype, rng):
     np.testing.assert_array_equal(np.asarray(padded), sequential_ref(a, b, sa, sb, bias, BF16))
 
 
+def test_cuda_lowering_pads_fp8_k_and_n(monkeypatch):
+    """Lowered for CUDA (no GPU needed): FP8 K and N padded to 16, the result sliced back;
+    16-bit and aligned FP8 GEMMs go to lowbit_gemm unchanged."""
+    monkeypatch.setattr(gemm_mod._ffi, "require_platform", lambda op, platform: None)
+
+    def lowered(a_shape, b_shape, dtype):
+        args = (jax.ShapeDtypeStruct(a_shape, dtype), jax.ShapeDtypeStruct(b_shape, dtype),
+                jax.ShapeDtypeStruct((b_shape[0],), BF16))
+        f = jax.jit(lambda a, b, bias: lowbit.ops.gemm(a, b, bias=bias))
+        return f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+    text = lowered((7, 40), (17, 40), E4M3)
+    assert "stablehlo.custom_call @lowbit_gemm" in text and "use_split_accumulator = true" in text
+    assert "(tensor<7x48xf8E4M3FN>, tensor<32x48xf8E4M3FN>, tensor<1xf32>, tensor<1xf32>, tensor<32xbf16>) -> tensor<7x32xbf16>" in text
+    assert "stablehlo.slice" in text
+    for shape, dtype in [((7, 48), E4M3), ((7, 40), BF16)]:
+        text = lowered(shape, (17, shape[1]) if dtype == BF16 else (32, 48), dtype)
+        assert "stablehlo.pad" not in text and "stablehlo.custom_call @lowbit_gemm" in text
+
+
 def test_vmap(rng):
     a = rng.standard_normal((4, 5, 32)).astype(E4M3)
     b = rng.standard_normal((3, 32)).astype(E4M3)

@@ -1,18 +1,20 @@
 // lowbit_gemm on cuBLASLt (layout and numerics in gemm.h).
 //
-// Handles and plans: one process-wide CublasLtCache (created on first use, never destroyed,
-// so that no cuBLASLt call runs after the CUDA runtime has shut down at exit) owns one
-// cuBLASLt handle per device, created lazily, and one plan per (device, M, N, K, types,
-// bias epilogue, fast accumulation, pointer alignments). A plan is the matmul descriptor,
-// the three matrix layouts and the algorithm cublasLtMatmulAlgoGetHeuristic picked for a
-// 32 MiB workspace; every descriptor lives in a unique_ptr with its destroy function, so a
-// check that fails halfway through building a plan leaks nothing. A map lookup under a
-// mutex per call is far below the GEMM's own launch cost; instantiate-stage FFI state would
-// save it, at the price of a registered state type per handler.
+// Handles and plans: a process-wide CublasLtCache (created on first use, never destroyed,
+// so that no cuBLASLt call runs after the CUDA runtime has shut down at exit) holds one
+// DeviceState per device, created lazily: a cuBLASLt handle, and one plan per (M, N, K,
+// types, bias epilogue, fast accumulation, pointer alignments). A plan is the matmul
+// descriptor, the three matrix layouts and the algorithm cublasLtMatmulAlgoGetHeuristic
+// picked for a 32 MiB workspace; every descriptor lives in a unique_ptr with its destroy
+// function, so a check that fails halfway through building a plan leaks nothing. Plans are
+// never evicted (a training run uses a few dozen shapes).
 //
-// Per call, the data pointers that cuBLASLt reads from the descriptor (A/B scale pointers,
-// bias pointer) are written under the plan's own mutex together with the cublasLtMatmul
-// enqueue, so concurrent calls of one plan from different threads cannot mix them up.
+// Locking: everything that touches a device's handle or plans (lookup, build, writing the
+// per-call data pointers into the descriptor, the cublasLtMatmul enqueue) runs under that
+// device's mutex, so concurrent calls from several threads cannot mix up the A/B scale or
+// bias pointers of a shared descriptor. Holding it costs one map lookup and an enqueue per
+// call, far below the GEMM; instantiate-stage FFI state would avoid the lookup, at the
+// price of a registered state type and a second handler stage.
 //
 // cuBLASLt's A is our b and its B is our a: D^T (N x M, ld N) = op_T(b: K x N, ld K) *
 // (a: K x M, ld K). The FP8 scale of cuBLASLt's A is therefore b_scale_inv.
@@ -147,7 +149,6 @@ struct Plan {
   UniqueLayout layout_a, layout_b, layout_d;  // cuBLASLt's A (our b), B (our a), C = D (out)
   cublasLtMatmulAlgo_t algo{};
   size_t workspace_bytes = 0;
-  std::mutex mutex;  // guards the descriptor's pointer attributes from set to enqueue
 };
 
 // The data pointers a plan's descriptor holds; written before every cublasLtMatmul.
@@ -259,6 +260,25 @@ Status BuildPlan(cublasLtHandle_t handle, const PlanKey& key, const GemmArgs& ar
 
 // ---------------------------------------------------------------- the process-wide cache
 
+struct DeviceState {
+  std::mutex mutex;  // guards everything below and every use of `handle`
+  UniqueHandle handle;
+  int capability = 0;  // compute capability, major * 10 + minor
+  std::unordered_map<PlanKey, std::unique_ptr<Plan>, PlanKeyHash> plans;
+
+  // The plan for `key`, built on first use; call with `mutex` held.
+  Status GetPlan(const PlanKey& key, const GemmArgs& args, Plan** out) {
+    auto it = plans.find(key);
+    if (it == plans.end()) {
+      auto plan = std::make_unique<Plan>();
+      LOWBIT_RETURN_IF_ERROR(BuildPlan(handle.get(), key, args, plan.get()));
+      it = plans.emplace(key, std::move(plan)).first;
+    }
+    *out = it->second.get();
+    return Status::Ok();
+  }
+};
+
 class CublasLtCache {
  public:
   static CublasLtCache& Get() {
@@ -266,12 +286,12 @@ class CublasLtCache {
     return *cache;
   }
 
-  // The handle and compute capability (major * 10 + minor) of `device`, created on first use.
-  Status Device(int device, const GemmArgs& args, cublasLtHandle_t* handle, int* capability) {
+  // The state of `device`, with its handle created on first use. The pointer stays valid.
+  Status Device(int device, const GemmArgs& args, DeviceState** out) {
     std::lock_guard<std::mutex> lock(mutex_);
     auto it = devices_.find(device);
     if (it == devices_.end()) {
-      DeviceState state;
+      auto state = std::make_unique<DeviceState>();
       int major = 0, minor = 0;
       LOWBIT_RETURN_IF_ERROR(CudaStatus(
           cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device), "lowbit_gemm",
@@ -279,40 +299,20 @@ class CublasLtCache {
       LOWBIT_RETURN_IF_ERROR(CudaStatus(
           cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device), "lowbit_gemm",
           "cudaDeviceGetAttribute(compute capability)"));
-      state.capability = major * 10 + minor;
+      state->capability = major * 10 + minor;
       ScopedDevice scoped(device);
       cublasLtHandle_t raw = nullptr;
       LOWBIT_RETURN_IF_ERROR(CublasStatus(cublasLtCreate(&raw), "cublasLtCreate", args));
-      state.handle.reset(raw);
+      state->handle.reset(raw);
       it = devices_.emplace(device, std::move(state)).first;
-    }
-    *handle = it->second.handle.get();
-    *capability = it->second.capability;
-    return Status::Ok();
-  }
-
-  // The plan for `key`, built on first use. Plans are never evicted (a training run uses a
-  // few dozen shapes), so the returned pointer stays valid.
-  Status GetPlan(cublasLtHandle_t handle, const PlanKey& key, const GemmArgs& args, Plan** out) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    auto it = plans_.find(key);
-    if (it == plans_.end()) {
-      auto plan = std::make_unique<Plan>();
-      LOWBIT_RETURN_IF_ERROR(BuildPlan(handle, key, args, plan.get()));
-      it = plans_.emplace(key, std::move(plan)).first;
     }
     *out = it->second.get();
     return Status::Ok();
   }
 
  private:
-  struct DeviceState {
-    UniqueHandle handle;
-    int capability = 0;
-  };
-  std::mutex mutex_;
-  std::unordered_map<int, DeviceState> devices_;
-  std::unordered_map<PlanKey, std::unique_ptr<Plan>, PlanKeyHash> plans_;
+  std::mutex mutex_;  // guards devices_
+  std::unordered_map<int, std::unique_ptr<DeviceState>> devices_;
 };
 
 Status CheckFp8Problem(const GemmArgs& args, int device, int capability) {
@@ -343,12 +343,10 @@ Status GemmCuda(const GemmArgs& args, int device_ordinal, void* workspace, GpuSt
   if (args.k <= 0) {
     return Status::InvalidArgument("lowbit_gemm: K must be positive on CUDA, got " + Problem(args));
   }
-  CublasLtCache& cache = CublasLtCache::Get();
-  cublasLtHandle_t handle = nullptr;
-  int capability = 0;
-  LOWBIT_RETURN_IF_ERROR(cache.Device(device_ordinal, args, &handle, &capability));
+  DeviceState* device = nullptr;
+  LOWBIT_RETURN_IF_ERROR(CublasLtCache::Get().Device(device_ordinal, args, &device));
   const bool fp8 = IsFp8(args.a_type);
-  if (fp8) LOWBIT_RETURN_IF_ERROR(CheckFp8Problem(args, device_ordinal, capability));
+  if (fp8) LOWBIT_RETURN_IF_ERROR(CheckFp8Problem(args, device_ordinal, device->capability));
 
   // f32 outputs take their bias from GemmBiasAddF32Cuda (see gemm_epilogue.h).
   const bool bias_epilogue = args.bias != nullptr && args.out_type != DType::kF32;
@@ -356,8 +354,6 @@ Status GemmCuda(const GemmArgs& args, int device_ordinal, void* workspace, GpuSt
                     args.out_type, bias_epilogue, fp8 && !args.use_split_accumulator,
                     Alignment(args.a), Alignment(args.b), Alignment(args.out),
                     bias_epilogue ? Alignment(args.bias) : 0u};
-  Plan* plan = nullptr;
-  LOWBIT_RETURN_IF_ERROR(cache.GetPlan(handle, key, args, &plan));
 
   // Scalars first, then cuBLASLt's workspace (kGemmScalarBytes keeps it 256-byte aligned).
   float* alpha_beta = static_cast<float*>(workspace);
@@ -371,11 +367,13 @@ Status GemmCuda(const GemmArgs& args, int device_ordinal, void* workspace, GpuSt
     beta = alpha_beta + 1;
   }
   {
-    std::lock_guard<std::mutex> lock(plan->mutex);
+    std::lock_guard<std::mutex> lock(device->mutex);
+    Plan* plan = nullptr;
+    LOWBIT_RETURN_IF_ERROR(device->GetPlan(key, args, &plan));
     LOWBIT_RETURN_IF_ERROR(SetPointers(plan->desc.get(), key, args));
     LOWBIT_RETURN_IF_ERROR(CublasStatus(
-        cublasLtMatmul(handle, plan->desc.get(), alpha, args.b, plan->layout_a.get(), args.a,
-                       plan->layout_b.get(), beta, args.out, plan->layout_d.get(), args.out,
+        cublasLtMatmul(device->handle.get(), plan->desc.get(), alpha, args.b, plan->layout_a.get(),
+                       args.a, plan->layout_b.get(), beta, args.out, plan->layout_d.get(), args.out,
                        plan->layout_d.get(), &plan->algo, cublas_workspace, plan->workspace_bytes,
                        stream),
         "cublasLtMatmul", args));
