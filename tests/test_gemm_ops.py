@@ -180,6 +180,21 @@ def test_vmap(rng):
     np.testing.assert_array_equal(np.asarray(per_scale), want_scale)
 
 
+def test_primitive_batching_rule(rng):
+    """gemm_p's own rule (used when vmap reaches the primitive directly): fold or map."""
+    a = rng.standard_normal((3, 5, 32)).astype(E4M3)
+    b = rng.standard_normal((3, 4, 32)).astype(E4M3)
+    one, empty = np.ones((1,), np.float32), np.zeros((0,), BF16)
+    bind = lambda x, y: gemm_mod.gemm_p.bind(x, y, one, one, empty, out_dtype=jnp.dtype(BF16),
+                                             use_split_accumulator=np.bool_(True))
+    for in_axes, pick in [((0, None), lambda i: (a[i], b[0])), ((0, 0), lambda i: (a[i], b[i])),
+                          ((None, 0), lambda i: (a[0], b[i])), ((1, None), lambda i: (a[:, i], b[0]))]:
+        got = np.asarray(jax.vmap(bind, in_axes=in_axes)(a if in_axes[0] is not None else a[0],
+                                                          b if in_axes[1] is not None else b[0]))
+        for i in range(got.shape[0]):
+            np.testing.assert_array_equal(got[i], sequential_ref(*pick(i), 1.0, 1.0, None, BF16))
+
+
 COLLECTIVES = ("all-reduce", "all-gather", "all-to-all", "collective-permute", "reduce-scatter")
 
 

@@ -92,10 +92,10 @@ def _gemm_2d(a, b, a_scale_inv, b_scale_inv, bias, out_dtype, use_split_accumula
 def _gemm_p_batch(args, dims, *, out_dtype, use_split_accumulator):
     a, b, sa, sb, bias = args
     da, *rest = dims
-    if all(d is batching.not_mapped for d in rest):  # only a batched: fold the batch into M
+    if all(d is None for d in rest):  # only a batched: fold the batch into M
         a = jnp.moveaxis(a, da, 0)
         return _gemm_2d(a, b, sa, sb, bias, out_dtype, use_split_accumulator), 0
-    size = next(x.shape[d] for x, d in zip(args, dims) if d is not batching.not_mapped)
+    size = next(x.shape[d] for x, d in zip(args, dims) if d is not None)
     args = [batching.bdim_at_front(x, d, size) for x, d in zip(args, dims)]
     out = jax.lax.map(
         lambda xs: gemm_p.bind(*xs, out_dtype=out_dtype, use_split_accumulator=use_split_accumulator),
