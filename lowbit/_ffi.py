@@ -22,6 +22,8 @@ TARGETS: dict[str, str] = {
     "lowbit_amax": "LowbitAmax",
     "lowbit_encode": "LowbitEncode",
     "lowbit_decode": "LowbitDecode",
+    "lowbit_norm_forward": "LowbitNormForward",
+    "lowbit_norm_backward": "LowbitNormBackward",
     "lowbit_quantize_fp8": "LowbitQuantizeFp8",
     "lowbit_dequantize_fp8": "LowbitDequantizeFp8",
     "lowbit_gemm": "LowbitGemm",
