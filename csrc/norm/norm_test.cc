@@ -1,0 +1,142 @@
+// GoogleTest checks of the normalization CPU reference: hand-computed rows, RMSNorm,
+// zero-centered gamma, the fused FP8 outputs (rowwise, transposed, amax), backward
+// against central differences, and argument errors.
+#include "norm/norm.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <vector>
+
+#include "common/formats.h"
+
+namespace lowbit {
+namespace {
+
+NormForwardArgs Forward(NormType type, const std::vector<float>& x, int64_t hidden,
+                        const std::vector<float>& gamma, const std::vector<float>& beta,
+                        std::vector<float>* y, std::vector<float>* mu,
+                        std::vector<float>* rsigma) {
+  NormForwardArgs a;
+  a.norm_type = type;
+  a.rows = int64_t(x.size()) / hidden;
+  a.hidden = hidden;
+  a.x_dtype = a.gamma_dtype = DType::kF32;
+  a.x = x.data();
+  a.gamma = gamma.data();
+  a.beta = type == NormType::kLayerNorm ? beta.data() : nullptr;
+  y->resize(x.size());
+  mu->resize(size_t(a.rows));
+  rsigma->resize(size_t(a.rows));
+  a.y = y->data();
+  a.mu = type == NormType::kLayerNorm ? mu->data() : nullptr;
+  a.rsigma = rsigma->data();
+  return a;
+}
+
+TEST(NormRef, LayerNormRow) {
+  std::vector<float> x = {1, 2, 3, 4}, gamma = {1, 1, 2, 2}, beta = {0, 0, 0, 1}, y, mu, rs;
+  NormForwardArgs a = Forward(NormType::kLayerNorm, x, 4, gamma, beta, &y, &mu, &rs);
+  a.epsilon = 0.0f;
+  ASSERT_TRUE(NormForwardRef(a).ok());
+  EXPECT_EQ(mu[0], 2.5f);
+  EXPECT_FLOAT_EQ(rs[0], 1.0f / std::sqrt(1.25f));
+  EXPECT_FLOAT_EQ(y[0], -1.5f * rs[0]);
+  EXPECT_FLOAT_EQ(y[3], 1.5f * rs[0] * 2 + 1);
+}
+
+TEST(NormRef, RmsNormAndZeroCenteredGamma) {
+  std::vector<float> x = {3, -4}, gamma = {0, 1}, beta, y, mu, rs;
+  NormForwardArgs a = Forward(NormType::kRmsNorm, x, 2, gamma, beta, &y, &mu, &rs);
+  a.epsilon = 0.0f;
+  a.zero_centered_gamma = true;  // w = {1, 2}
+  ASSERT_TRUE(NormForwardRef(a).ok());
+  EXPECT_FLOAT_EQ(rs[0], 1.0f / std::sqrt(12.5f));
+  EXPECT_FLOAT_EQ(y[0], 3 * rs[0]);
+  EXPECT_FLOAT_EQ(y[1], -8 * rs[0]);
+}
+
+TEST(NormRef, QuantizedOutputsAndAmax) {
+  std::vector<float> x = {1, 5, 2, 8, -3, 0}, gamma(3, 1.0f), beta(3, 0.0f), y, mu, rs;
+  NormForwardArgs a = Forward(NormType::kLayerNorm, x, 3, gamma, beta, &y, &mu, &rs);
+  std::vector<uint8_t> q_row(6), q_col(6);
+  float scale = 100.0f, amax = -1.0f;
+  a.scale = &scale;
+  a.q_dtype = DType::kE4M3;
+  a.q_rowwise = q_row.data();
+  a.q_colwise = q_col.data();
+  a.amax = &amax;
+  ASSERT_TRUE(NormForwardRef(a).ok());
+  float expect_amax = 0.0f;
+  for (int r = 0; r < 2; ++r) {
+    for (int c = 0; c < 3; ++c) {
+      const float v = y[r * 3 + c];
+      expect_amax = std::fmax(expect_amax, std::fabs(v));
+      EXPECT_EQ(q_row[r * 3 + c], FloatToE4m3(v * scale));  // saturates: |y * 100| > 448
+      EXPECT_EQ(q_col[c * 2 + r], q_row[r * 3 + c]);
+    }
+  }
+  EXPECT_EQ(amax, expect_amax);
+}
+
+TEST(NormRef, BackwardMatchesFiniteDifferences) {
+  const int64_t h = 5;
+  std::vector<float> x = {0.3f, -1.2f, 2.0f, 0.7f, -0.4f}, gamma = {1.1f, 0.9f, -0.5f, 2.0f, 1.0f};
+  std::vector<float> beta = {0.1f, 0.2f, 0.3f, 0.4f, 0.5f}, dz = {0.5f, -1.0f, 0.25f, 2.0f, 1.5f};
+  for (NormType type : {NormType::kLayerNorm, NormType::kRmsNorm}) {
+    std::vector<float> y, mu, rs;
+    NormForwardArgs f = Forward(type, x, h, gamma, beta, &y, &mu, &rs);
+    ASSERT_TRUE(NormForwardRef(f).ok());
+    std::vector<float> dx(h), dgamma(h), dbeta(h);
+    NormBackwardArgs b;
+    b.norm_type = type;
+    b.rows = 1;
+    b.hidden = h;
+    b.x_dtype = b.gamma_dtype = DType::kF32;
+    b.dz = dz.data();
+    b.x = x.data();
+    b.mu = f.mu;
+    b.rsigma = rs.data();
+    b.gamma = gamma.data();
+    b.dx = dx.data();
+    b.dgamma = dgamma.data();
+    b.dbeta = type == NormType::kLayerNorm ? dbeta.data() : nullptr;
+    ASSERT_TRUE(NormBackwardRef(b).ok());
+    auto loss = [&](const std::vector<float>& xv) {
+      std::vector<float> yy, mm, rr;
+      NormForwardArgs g = Forward(type, xv, h, gamma, beta, &yy, &mm, &rr);
+      EXPECT_TRUE(NormForwardRef(g).ok());
+      double s = 0;
+      for (int64_t c = 0; c < h; ++c) s += double(yy[c]) * dz[c];
+      return s;
+    };
+    for (int64_t c = 0; c < h; ++c) {
+      std::vector<float> xp = x, xm = x;
+      xp[c] += 1e-2f;
+      xm[c] -= 1e-2f;
+      EXPECT_NEAR(dx[c], (loss(xp) - loss(xm)) / 2e-2, 2e-3) << "column " << c;
+      EXPECT_NEAR(dgamma[c], dz[c] * (x[c] - (f.mu ? mu[0] : 0.0f)) * rs[0], 1e-5);
+    }
+  }
+}
+
+TEST(NormRef, Errors) {
+  std::vector<float> x(4), gamma(4), beta(4), y, mu, rs;
+  NormForwardArgs a = Forward(NormType::kLayerNorm, x, 4, gamma, beta, &y, &mu, &rs);
+  a.hidden = 20000;
+  Status s = NormForwardRef(a);
+  ASSERT_FALSE(s.ok());
+  EXPECT_EQ(s.message(),
+            "lowbit_norm_forward: x: hidden size 20000 exceeds the supported maximum 16384");
+  a.hidden = 4;
+  a.gamma_dtype = DType::kF16;
+  EXPECT_NE(NormForwardRef(a).message().find("gamma: expected f32 or x's dtype"),
+            std::string::npos);
+  a.gamma_dtype = DType::kF32;
+  a.beta = nullptr;
+  EXPECT_NE(NormForwardRef(a).message().find("beta, mu: required for layernorm"),
+            std::string::npos);
+}
+
+}  // namespace
+}  // namespace lowbit
