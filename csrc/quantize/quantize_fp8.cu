@@ -10,6 +10,9 @@
 //                          row). Per-tile column sums go to a workspace row per tile row.
 //   DbiasFinalizeKernel    sums the workspace rows in a fixed order (deterministic).
 //   DequantizeKernel       flat, 8 codes per thread step.
+// Encoding: sm_89+ converts two values per cvt.rn.satfinite instruction, bit-identical to
+// the formats.h codecs except for NaN; chunks that may hold a NaN product use the codecs
+// (EncodeChunk), so the result equals the CPU reference bit for bit.
 // amax: each block reduces |x| bit patterns, then one unsigned atomicMax on the zeroed
 // result (order-independent, so deterministic). Partial tiles and unaligned data take
 // bounds-checked scalar paths; nothing is read or written outside the tensors.
@@ -40,14 +43,72 @@ __device__ __forceinline__ uint32_t Pack4(const uint8_t* q) {
   return uint32_t(q[0]) | (uint32_t(q[1]) << 8) | (uint32_t(q[2]) << 16) | (uint32_t(q[3]) << 24);
 }
 
+// Hardware FP8 conversion, sm_89 and later (PTX ISA 7.8: cvt.rn.satfinite.{e4m3x2,e5m2x2}.f32,
+// https://docs.nvidia.com/cuda/parallel-thread-execution/#data-movement-and-conversion-instructions-cvt):
+// round to nearest even, out-of-range values and inf saturate to +-max. That is exactly
+// FloatToE4m3 / FloatToE5m2 except for NaN (the hardware drops its sign), so chunks whose
+// products may be NaN take the formats.h codec instead (see EncodeChunk).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+#define LOWBIT_HAS_CVT_FP8X2 1
+#else
+#define LOWBIT_HAS_CVT_FP8X2 0
+#endif
+
+#if LOWBIT_HAS_CVT_FP8X2
+// Two codes in the low 16 bits: `lo` in bits 0-7, `hi` in bits 8-15.
+__device__ __forceinline__ uint32_t CvtX2(E4m3Fmt, float lo, float hi) {
+  uint16_t pair;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(pair) : "f"(hi), "f"(lo));
+  return pair;
+}
+__device__ __forceinline__ uint32_t CvtX2(E5m2Fmt, float lo, float hi) {
+  uint16_t pair;
+  asm("cvt.rn.satfinite.e5m2x2.f32 %0, %1, %2;" : "=h"(pair) : "f"(hi), "f"(lo));
+  return pair;
+}
+#endif
+
+// True when scale is finite and non-zero: then x * scale is NaN only where x is NaN.
+__device__ __forceinline__ bool ScaleKeepsFinite(float scale) {
+  const uint32_t bits = AbsBitsOf(scale);
+  return bits != 0 && bits < 0x7F800000u;
+}
+
+// Encodes kN values (a multiple of 4) into kN / 4 little-endian words of codes.
+// `no_nan`: no product can be NaN (finite non-zero scale, no NaN in v), so the hardware
+// conversion gives the formats.h codec's bits.
+template <typename Fmt, int kN>
+__device__ __forceinline__ void EncodeChunk(Fmt fmt, const float (&v)[kN], float scale, bool no_nan,
+                                            uint32_t (&words)[kN / 4]) {
+#if LOWBIT_HAS_CVT_FP8X2
+  if (no_nan) {
+#pragma unroll
+    for (int j = 0; j < kN; j += 4) {
+      words[j / 4] = CvtX2(fmt, v[j] * scale, v[j + 1] * scale) |
+                     (CvtX2(fmt, v[j + 2] * scale, v[j + 3] * scale) << 16);
+    }
+    return;
+  }
+#endif
+  uint8_t q[kN];
+#pragma unroll
+  for (int j = 0; j < kN; ++j) q[j] = EncodeScaled(fmt, v[j], scale);
+#pragma unroll
+  for (int j = 0; j < kN; j += 4) words[j / 4] = Pack4(q + j);
+}
+
+__device__ __forceinline__ uint8_t CodeAt(const uint32_t* words, int j) {
+  return uint8_t(words[j / 4] >> (8 * (j % 4)));
+}
+
 // Stores kVec codes (4 or 8 bytes) with one aligned store.
 template <int kVec>
-__device__ __forceinline__ void StoreCodesVec(uint8_t* dst, const uint8_t (&q)[kVec]) {
+__device__ __forceinline__ void StoreCodesVec(uint8_t* dst, const uint32_t (&words)[kVec / 4]) {
   if constexpr (kVec == 4) {
-    *reinterpret_cast<uint32_t*>(dst) = Pack4(q);
+    *reinterpret_cast<uint32_t*>(dst) = words[0];
   } else {
     static_assert(kVec == 8, "4 or 8 codes per chunk");
-    *reinterpret_cast<uint2*>(dst) = make_uint2(Pack4(q), Pack4(q + 4));
+    *reinterpret_cast<uint2*>(dst) = make_uint2(words[0], words[1]);
   }
 }
 
@@ -58,6 +119,7 @@ __global__ void __launch_bounds__(kThreads)
                           uint32_t* __restrict__ amax) {
   using T = typename Tag::Storage;
   const float scale = __ldg(scale_ptr);
+  const bool scale_ok = ScaleKeepsFinite(scale);
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
   const int64_t first = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   uint32_t best = 0;
@@ -69,14 +131,17 @@ __global__ void __launch_bounds__(kThreads)
       const uint4 packed = __ldg(vec + i);
       T vals[kVec];
       memcpy(vals, &packed, sizeof(packed));
-      uint8_t q[kVec];
+      float v[kVec];
+      uint32_t chunk_max = 0;
 #pragma unroll
       for (int j = 0; j < kVec; ++j) {
-        const float v = LoadAsFloat(Tag{}, vals[j]);
-        best = max(best, AbsBitsOf(v));
-        q[j] = EncodeScaled(Fmt{}, v, scale);
+        v[j] = LoadAsFloat(Tag{}, vals[j]);
+        chunk_max = max(chunk_max, AbsBitsOf(v[j]));
       }
-      StoreCodesVec<kVec>(rowwise + i * kVec, q);
+      best = max(best, chunk_max);
+      uint32_t words[kVec / 4];
+      EncodeChunk(Fmt{}, v, scale, scale_ok && chunk_max <= 0x7F800000u, words);
+      StoreCodesVec<kVec>(rowwise + i * kVec, words);
     }
     done = nvec * kVec;
   }
@@ -107,6 +172,7 @@ __global__ void __launch_bounds__(kThreads)
   __shared__ float col_partial[kRowsPerPass][kTileCols];
 
   const float scale = __ldg(scale_ptr);
+  const bool scale_ok = ScaleKeepsFinite(scale);
   const int64_t tiles_c = (cols + kTileCols - 1) / kTileCols;
   const int64_t tiles = (rows + kTileRows - 1) / kTileRows * tiles_c;
   const int chunk_col = (threadIdx.x % kThreadsPerRow) * kVec;  // first column of my chunk
@@ -144,28 +210,31 @@ __global__ void __launch_bounds__(kThreads)
     for (int p = 0; p < kPasses; ++p) {
       const int local_row = p * kRowsPerPass + chunk_row;
       const int64_t r = r0 + local_row;
-      uint8_t q[kVec];
+      float v[kVec];
+      uint32_t chunk_max = 0;
 #pragma unroll
       for (int j = 0; j < kVec; ++j) {
-        const float v = LoadAsFloat(Tag{}, vals[p][j]);
-        best = max(best, AbsBitsOf(v));
-        q[j] = EncodeScaled(Fmt{}, v, scale);
-        col_sum[j] += v;
+        v[j] = LoadAsFloat(Tag{}, vals[p][j]);
+        chunk_max = max(chunk_max, AbsBitsOf(v[j]));
+        col_sum[j] += v[j];
       }
+      best = max(best, chunk_max);
+      uint32_t words[kVec / 4];
+      EncodeChunk(Fmt{}, v, scale, scale_ok && chunk_max <= 0x7F800000u, words);
       if (rowwise != nullptr && r < rows) {
         if (kVectorIO && c < cols) {
-          StoreCodesVec<kVec>(rowwise + r * cols + c, q);
+          StoreCodesVec<kVec>(rowwise + r * cols + c, words);
         } else {
 #pragma unroll
           for (int j = 0; j < kVec; ++j) {
-            if (c + j < cols) rowwise[r * cols + c + j] = q[j];
+            if (c + j < cols) rowwise[r * cols + c + j] = CodeAt(words, j);
           }
         }
       }
       if (colwise != nullptr) {
 #pragma unroll
         for (int j = 0; j < kVec; j += 4) {
-          *reinterpret_cast<uint32_t*>(&codes[local_row][chunk_col + j]) = Pack4(q + j);
+          *reinterpret_cast<uint32_t*>(&codes[local_row][chunk_col + j]) = words[j / 4];
         }
       }
     }
