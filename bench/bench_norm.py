@@ -1,0 +1,121 @@
+"""LayerNorm/RMSNorm forward (plain, and fused with FP8 rowwise + colwise quantization) and
+backward through lowbit.ops, beside XLA's fused jnp LayerNorm (+ jnp quantization) in the
+same run. Prints time, GB/s, % of the measured device copy bandwidth and the speedup over
+XLA; writes bench/results/norm_<device>.json.
+
+Bytes counted: forward reads x and gamma (+ beta) and writes y (and q rowwise + colwise,
+one byte each); backward reads dz, x and gamma and writes dx (mu/rsigma/dgamma are
+per-row or per-column, negligible at these shapes, and are not counted).
+
+    python bench/bench_norm.py            # GPU: 16384 x 4096 and 16384 x 8192, bf16
+    python bench/bench_norm.py --small    # CPU smoke run at tiny sizes
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
+
+from lowbit.ops import norm_backward, norm_forward  # noqa: E402
+
+E4M3_MAX = 448.0
+
+
+def jnp_layernorm(x, gamma, beta, eps=1e-6):
+    xf = x.astype(jnp.float32)
+    mu = jnp.mean(xf, -1, keepdims=True)
+    rs = jax.lax.rsqrt(jnp.mean(jnp.square(xf - mu), -1, keepdims=True) + eps)
+    return ((xf - mu) * rs * gamma + beta), mu, rs
+
+
+def jnp_fwd(x, gamma, beta):
+    y, _, _ = jnp_layernorm(x, gamma, beta)
+    return y.astype(x.dtype)
+
+
+def jnp_fwd_quant(x, gamma, beta, scale):
+    y, _, _ = jnp_layernorm(x, gamma, beta)
+    q = jnp.clip(y * scale, -E4M3_MAX, E4M3_MAX).astype(jnp.float8_e4m3fn)
+    return y.astype(x.dtype), q, q.T, jnp.max(jnp.abs(y))
+
+
+def jnp_bwd(dz, x, gamma, beta):
+    _, vjp = jax.vjp(lambda x, g, b: jnp_layernorm(x, g, b)[0].astype(x.dtype), x, gamma, beta)
+    return vjp(dz)
+
+
+def lowbit_fwd(x, gamma, beta):
+    return norm_forward(x, gamma, beta).y
+
+
+def lowbit_fwd_quant(x, gamma, beta, scale):
+    o = norm_forward(x, gamma, beta, quant_scale=scale, colwise=True)
+    return o.y, o.q_rowwise, o.q_colwise, o.amax
+
+
+def make_lowbit_bwd(x, gamma, beta):
+    o = jax.jit(lambda x: norm_forward(x, gamma, beta))(x)
+    return lambda dz, x, g, b: norm_backward(dz, x, o.mu, o.rsigma, g)
+
+
+def run(rows: int, hidden: int, dtype, copy_bw: float, iters: int) -> list[dict]:
+    key = jax.random.PRNGKey(0)
+    sets = []
+    for i in range(2):
+        k1, k2 = jax.random.split(jax.random.fold_in(key, i))
+        x = jax.random.normal(k1, (rows, hidden), jnp.float32).astype(dtype)
+        dz = jax.random.normal(k2, (rows, hidden), jnp.float32).astype(dtype)
+        sets.append((x, dz))
+    gamma = jnp.ones((hidden,), jnp.float32)
+    beta = jnp.zeros((hidden,), jnp.float32)
+    scale = jnp.float32(64.0)
+    n, es = rows * hidden, jnp.dtype(dtype).itemsize
+    gb = 2 * hidden * 4
+    cases = [  # name, lowbit fn, jnp fn, inputs, bytes
+        ("fwd", lowbit_fwd, jnp_fwd, [(x, gamma, beta) for x, _ in sets], 2 * n * es + gb),
+        ("fwd+quant(row+col)", lowbit_fwd_quant, jnp_fwd_quant,
+         [(x, gamma, beta, scale) for x, _ in sets], 2 * n * es + 2 * n + gb),
+    ]
+    bwd = make_lowbit_bwd(sets[0][0], gamma, beta)
+    cases.append(("bwd", bwd, jnp_bwd, [(dz, sets[0][0], gamma, beta) for _, dz in sets],
+                  3 * n * es + hidden * 4))
+    out = []
+    for name, ours, theirs, inputs, nbytes in cases:
+        t_ours = common.time_fn(ours, inputs, iters=iters)
+        t_xla = common.time_fn(theirs, inputs, iters=iters)
+        out.append({
+            "op": name, "rows": rows, "hidden": hidden, "dtype": jnp.dtype(dtype).name,
+            "time_us": t_ours * 1e6, "GB/s": nbytes / t_ours / 1e9,
+            "%copy": 100 * nbytes / t_ours / copy_bw, "xla_us": t_xla * 1e6,
+            "xla_%copy": 100 * nbytes / t_xla / copy_bw, "speedup": t_xla / t_ours,
+        })
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--small", action="store_true", help="tiny CPU smoke run")
+    parser.add_argument("--iters", type=int, default=20)
+    args = parser.parse_args()
+    shapes = [(64, 256), (32, 512)] if args.small else [(16384, 4096), (16384, 8192)]
+    copy_bw = common.copy_bandwidth(1 << 22 if args.small else 1 << 30)
+    print(f"device {common.device_name()}, copy bandwidth {copy_bw / 1e9:.0f} GB/s")
+    rows = []
+    for r, h in shapes:
+        rows += run(r, h, jnp.bfloat16, copy_bw, 3 if args.small else args.iters)
+    common.print_table(rows, ["op", "rows", "hidden", "dtype", "time_us", "GB/s", "%copy",
+                              "xla_us", "xla_%copy", "speedup"])
+    if not args.small:
+        path = common.write_results("norm", {"copy_bandwidth": copy_bw, "rows": rows})
+        print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
