@@ -1,0 +1,327 @@
+// CUDA activation forward (act + quantize + transpose + amax) and backward (dact + dbias
+// + quantize + transpose + amax), one pass over the data. Layouts and numerics:
+// activation.h; formulas: activation_math.h (shared with the CPU reference, bit-identical).
+//
+// ActTiledKernel: blocks loop over 64-row x 128-column tiles of the H input columns. Each
+// thread first loads all its 16-byte chunks of the tile (x, the gate half, dz), then
+// computes 1 or 2 output "planes" per element (2 for the gated backward: d x_a goes to
+// columns [0, H), d x_g to [H, 2H)). Per plane it stores the high-precision output and the
+// rowwise codes, keeps the codes in shared memory for the transposed store (8 lanes write
+// 64 contiguous bytes of a colwise row), and writes per-tile column sums for dbias to a
+// workspace row per tile row; DbiasFinalizeKernel then adds those rows in a fixed order.
+// amax: block max of |v| bit patterns, one unsigned atomicMax (order independent).
+// Unaligned data or H % (16 / sizeof(T)) != 0 take the bounds-checked scalar path.
+#include <cuda_runtime.h>
+
+#include <cstring>
+#include <string>
+
+#include "activation/activation.h"
+#include "common/cuda_check.h"
+#include "common/element.h"
+#include "common/reduce.cuh"
+#include "quantize/fp8_codec.h"
+
+namespace lowbit {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kTileRows = int(kActTileRows);
+constexpr int kTileCols = int(kActTileCols);
+constexpr int kCodeStride = kTileCols + 4;  // bytes per shared row of codes (4-aligned)
+
+template <typename T>
+struct ActKernelArgs {
+  ActParams act;
+  int64_t rows, hidden, out_cols, in_cols;
+  const T* x;
+  const T* dz;
+  const float* scale;
+  T* out;
+  uint8_t* q_rowwise;
+  uint8_t* q_colwise;
+  bool colwise_vec;  // q_colwise 8-byte aligned and rows % 8 == 0
+  uint32_t* amax;
+  float* partials;   // tile_rows x out_cols, or null
+};
+
+template <typename T, int kVec>
+__device__ __forceinline__ void LoadChunk(const T* src, bool valid, T (&dst)[kVec]) {
+  uint4 packed = make_uint4(0, 0, 0, 0);
+  if (valid) packed = __ldg(reinterpret_cast<const uint4*>(src));
+  memcpy(dst, &packed, sizeof(packed));
+}
+
+template <int kVec>
+__device__ __forceinline__ void StoreCodes(uint8_t* dst, const uint8_t (&q)[kVec]) {
+  if constexpr (kVec == 4) {
+    uint32_t w;
+    memcpy(&w, q, 4);
+    *reinterpret_cast<uint32_t*>(dst) = w;
+  } else {
+    uint2 w;
+    memcpy(&w, q, 8);
+    *reinterpret_cast<uint2*>(dst) = w;
+  }
+}
+
+template <typename Tag, typename Fmt, bool kBackward, bool kGated, bool kVectorIO>
+__global__ void __launch_bounds__(kThreads) ActTiledKernel(ActKernelArgs<typename Tag::Storage> p) {
+  using T = typename Tag::Storage;
+  constexpr int kPlanes = kBackward && kGated ? 2 : 1;
+  constexpr int kVec = 16 / int(sizeof(T));
+  constexpr int kThreadsPerRow = kTileCols / kVec;
+  constexpr int kRowsPerPass = kThreads / kThreadsPerRow;
+  constexpr int kPasses = kTileRows / kRowsPerPass;
+  __shared__ __align__(16) uint8_t codes[kPlanes][kTileRows][kCodeStride];
+  __shared__ float col_partial[kPlanes][kRowsPerPass][kTileCols];
+
+  const bool quantize = p.q_rowwise != nullptr || p.q_colwise != nullptr;
+  const float scale = quantize ? __ldg(p.scale) : 1.0f;
+  const int64_t tiles_c = (p.hidden + kTileCols - 1) / kTileCols;
+  const int64_t tiles = (p.rows + kTileRows - 1) / kTileRows * tiles_c;
+  const int chunk_col = (threadIdx.x % kThreadsPerRow) * kVec;
+  const int chunk_row = threadIdx.x / kThreadsPerRow;
+  uint32_t best = 0;
+
+  for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+    const int64_t tile_row = tile / tiles_c;
+    const int64_t r0 = tile_row * kTileRows;
+    const int64_t c0 = (tile % tiles_c) * kTileCols;
+    const int64_t c = c0 + chunk_col;
+
+    // 1. All loads of this thread's chunks first (out of range -> 0, masked below).
+    T xa[kPasses][kVec], xg[kPasses][kVec], g[kPasses][kVec];
+#pragma unroll
+    for (int s = 0; s < kPasses; ++s) {
+      const int64_t r = r0 + s * kRowsPerPass + chunk_row;
+      if constexpr (kVectorIO) {
+        const bool ok = r < p.rows && c < p.hidden;
+        LoadChunk<T, kVec>(p.x + r * p.in_cols + c, ok, xa[s]);
+        if constexpr (kGated) LoadChunk<T, kVec>(p.x + r * p.in_cols + p.hidden + c, ok, xg[s]);
+        if constexpr (kBackward) LoadChunk<T, kVec>(p.dz + r * p.hidden + c, ok, g[s]);
+      } else {
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) {
+          const bool ok = r < p.rows && c + j < p.hidden;
+          xa[s][j] = ok ? p.x[r * p.in_cols + c + j] : T(0);
+          if constexpr (kGated) xg[s][j] = ok ? p.x[r * p.in_cols + p.hidden + c + j] : T(0);
+          if constexpr (kBackward) g[s][j] = ok ? p.dz[r * p.hidden + c + j] : T(0);
+        }
+      }
+    }
+
+    // 2. Compute and store each plane; keep codes and column sums.
+    float col_sum[kPlanes][kVec];
+#pragma unroll
+    for (int k = 0; k < kPlanes; ++k) {
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) col_sum[k][j] = 0.0f;
+    }
+#pragma unroll
+    for (int s = 0; s < kPasses; ++s) {
+      const int local_row = s * kRowsPerPass + chunk_row;
+      const int64_t r = r0 + local_row;
+      float v[kPlanes][kVec];
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) {
+        const float a = LoadAsFloat(Tag{}, xa[s][j]);
+        const float gate = kGated ? LoadAsFloat(Tag{}, xg[s][j]) : 0.0f;
+        if constexpr (kBackward) {
+          float da, dg;
+          ActBackwardValue(p.act, LoadAsFloat(Tag{}, g[s][j]), a, gate, &da, &dg);
+          v[0][j] = da;
+          if constexpr (kPlanes == 2) v[1][j] = dg;
+        } else {
+          v[0][j] = ActForwardValue(p.act, a, gate);
+        }
+      }
+#pragma unroll
+      for (int k = 0; k < kPlanes; ++k) {
+        const int64_t oc = k * p.hidden + c;  // output column of element j = 0
+        uint8_t q[kVec];
+        T hp[kVec];
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) {
+          const bool ok = r < p.rows && c + j < p.hidden;
+          if (ok) {
+            best = max(best, AbsBitsOf(v[k][j]));
+            col_sum[k][j] += v[k][j];
+          }
+          q[j] = EncodeScaled(Fmt{}, v[k][j], scale);
+          hp[j] = StoreFromFloat(Tag{}, v[k][j]);
+        }
+        if (r < p.rows) {
+          if (kVectorIO && c < p.hidden) {
+            if (p.out != nullptr) {
+              uint4 w;
+              memcpy(&w, hp, sizeof(w));
+              *reinterpret_cast<uint4*>(p.out + r * p.out_cols + oc) = w;
+            }
+            if (p.q_rowwise != nullptr) StoreCodes<kVec>(p.q_rowwise + r * p.out_cols + oc, q);
+          } else {
+#pragma unroll
+            for (int j = 0; j < kVec; ++j) {
+              if (c + j >= p.hidden) break;
+              if (p.out != nullptr) p.out[r * p.out_cols + oc + j] = hp[j];
+              if (p.q_rowwise != nullptr) p.q_rowwise[r * p.out_cols + oc + j] = q[j];
+            }
+          }
+        }
+        if (p.q_colwise != nullptr) {
+#pragma unroll
+          for (int j = 0; j < kVec; j += 4) {
+            uint32_t w;
+            memcpy(&w, q + j, 4);
+            *reinterpret_cast<uint32_t*>(&codes[k][local_row][chunk_col + j]) = w;
+          }
+        }
+      }
+    }
+
+    // 3. dbias: this tile's column sums, its rows combined in a fixed order.
+    if (p.partials != nullptr) {
+#pragma unroll
+      for (int k = 0; k < kPlanes; ++k) {
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) col_partial[k][chunk_row][chunk_col + j] = col_sum[k][j];
+      }
+      __syncthreads();
+      for (int i = threadIdx.x; i < kPlanes * kTileCols; i += kThreads) {
+        const int k = i / kTileCols, col = i % kTileCols;
+        float sum = 0.0f;
+#pragma unroll
+        for (int y = 0; y < kRowsPerPass; ++y) sum += col_partial[k][y][col];
+        if (c0 + col < p.hidden) p.partials[tile_row * p.out_cols + k * p.hidden + c0 + col] = sum;
+      }
+    }
+
+    // 4. colwise: 8-byte words of 8 consecutive rows of one column; 8 lanes per 64 bytes.
+    if (p.q_colwise != nullptr) {
+      __syncthreads();
+      constexpr int kWords = kTileCols * kTileRows / 8;
+      for (int w = threadIdx.x; w < kPlanes * kWords; w += kThreads) {
+        const int k = w / kWords, col = (w % kWords) >> 3, row8 = (w & 7) * 8;
+        const int64_t oc = c0 + col;
+        if (oc >= p.hidden) continue;
+        uint8_t b[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) b[i] = codes[k][row8 + i][col];
+        const int64_t r = r0 + row8;
+        uint8_t* dst = p.q_colwise + (k * p.hidden + oc) * p.rows + r;
+        if (p.colwise_vec && r + 8 <= p.rows) {
+          uint2 word;
+          memcpy(&word, b, 8);
+          *reinterpret_cast<uint2*>(dst) = word;
+        } else {
+#pragma unroll
+          for (int i = 0; i < 8; ++i) {
+            if (r + i < p.rows) dst[i] = b[i];
+          }
+        }
+      }
+    }
+    if (p.q_colwise != nullptr || p.partials != nullptr) __syncthreads();
+  }
+  best = BlockMaxU32(best);
+  if (threadIdx.x == 0 && best != 0) atomicMax(p.amax, best);
+}
+
+// blockDim (32, 8): row y of the block sums workspace rows y, y + 8, ...; the 8 sums are
+// then added in order. Fixed order: the same bits on every run.
+template <typename Tag>
+__global__ void DbiasFinalizeKernel(const float* __restrict__ partials, int64_t tile_rows,
+                                    int64_t cols, typename Tag::Storage* __restrict__ dbias) {
+  __shared__ float sums[8][32];
+  const int64_t c = int64_t(blockIdx.x) * 32 + threadIdx.x;
+  float s = 0.0f;
+  if (c < cols) {
+    for (int64_t t = threadIdx.y; t < tile_rows; t += 8) s += partials[t * cols + c];
+  }
+  sums[threadIdx.y][threadIdx.x] = s;
+  __syncthreads();
+  if (threadIdx.y == 0 && c < cols) {
+    float total = 0.0f;
+#pragma unroll
+    for (int y = 0; y < 8; ++y) total += sums[y][threadIdx.x];
+    dbias[c] = StoreFromFloat(Tag{}, total);
+  }
+}
+
+bool Aligned(const void* p, uintptr_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
+
+template <typename Tag, typename Fmt, bool kBackward, bool kGated>
+Status Launch(const ActArgs& a, void* workspace, GpuStream stream, const char* op) {
+  using T = typename Tag::Storage;
+  constexpr int kVec = 16 / int(sizeof(T));
+  ActKernelArgs<T> p;
+  p.act = a.params;
+  p.rows = a.rows;
+  p.hidden = a.hidden;
+  p.out_cols = ActOutCols(a, kBackward);
+  p.in_cols = kGated ? 2 * a.hidden : a.hidden;
+  p.x = static_cast<const T*>(a.x);
+  p.dz = static_cast<const T*>(a.dz);
+  p.scale = a.scale;
+  p.out = static_cast<T*>(a.out);
+  p.q_rowwise = a.q_rowwise;
+  p.q_colwise = a.q_colwise;
+  p.colwise_vec = a.q_colwise != nullptr && Aligned(a.q_colwise, 8) && a.rows % 8 == 0;
+  p.amax = reinterpret_cast<uint32_t*>(a.amax);
+  p.partials = kBackward && a.dbias != nullptr ? static_cast<float*>(workspace) : nullptr;
+  if (kBackward && a.dbias != nullptr && workspace == nullptr) {
+    return Status::Internal(std::string(op) + ": dbias: no workspace");
+  }
+  const bool vec = a.hidden % kVec == 0 && Aligned(a.x, 16) && Aligned(a.dz, 16) &&
+                   Aligned(a.out, 16) && Aligned(a.q_rowwise, 16);
+  const int64_t tile_rows = (a.rows + kTileRows - 1) / kTileRows;
+  const int64_t tiles = tile_rows * ((a.hidden + kTileCols - 1) / kTileCols);
+  const int blocks = GridStrideBlocks(tiles * kThreads, kThreads, 8);
+  if (vec) {
+    ActTiledKernel<Tag, Fmt, kBackward, kGated, true><<<blocks, kThreads, 0, stream>>>(p);
+  } else {
+    ActTiledKernel<Tag, Fmt, kBackward, kGated, false><<<blocks, kThreads, 0, stream>>>(p);
+  }
+  LOWBIT_RETURN_IF_ERROR(LaunchStatus(op));
+  if (p.partials == nullptr) return Status::Ok();
+  const int64_t finalize_blocks = (p.out_cols + 31) / 32;
+  if (finalize_blocks > 0x7FFFFFFF) return Status::InvalidArgument(std::string(op) + ": x: too many columns");
+  DbiasFinalizeKernel<Tag><<<unsigned(finalize_blocks), dim3(32, 8), 0, stream>>>(
+      p.partials, tile_rows, p.out_cols, static_cast<T*>(a.dbias));
+  return LaunchStatus(op);
+}
+
+Status Run(const ActArgs& a, void* workspace, GpuStream stream, bool backward) {
+  const char* op = backward ? "lowbit_act_backward" : "lowbit_act_forward";
+  if (a.amax == nullptr) return Status::InvalidArgument(std::string(op) + ": amax: missing");
+  const bool quantize = a.q_rowwise != nullptr || a.q_colwise != nullptr;
+  if (quantize && a.scale == nullptr) return Status::InvalidArgument(std::string(op) + ": scale: missing");
+  LOWBIT_RETURN_IF_ERROR(CudaStatus(cudaMemsetAsync(a.amax, 0, sizeof(float), stream), op, "cudaMemsetAsync"));
+  return DispatchHighPrecision(a.dtype, op, "x", [&](auto tag) {
+    using Tag = decltype(tag);
+    if (a.rows == 0 || a.hidden == 0) {
+      if (!backward || a.dbias == nullptr || a.hidden == 0) return Status::Ok();
+      const size_t bytes = size_t(ActOutCols(a, true)) * sizeof(typename Tag::Storage);
+      return CudaStatus(cudaMemsetAsync(a.dbias, 0, bytes, stream), op, "cudaMemsetAsync");
+    }
+    return DispatchFp8(quantize ? a.q_dtype : DType::kE4M3, op, "q", [&](auto fmt) {
+      using Fmt = decltype(fmt);
+      if (backward) {
+        return a.params.gated ? Launch<Tag, Fmt, true, true>(a, workspace, stream, op)
+                              : Launch<Tag, Fmt, true, false>(a, workspace, stream, op);
+      }
+      return a.params.gated ? Launch<Tag, Fmt, false, true>(a, workspace, stream, op)
+                            : Launch<Tag, Fmt, false, false>(a, workspace, stream, op);
+    });
+  });
+}
+
+}  // namespace
+
+Status ActForwardCuda(const ActArgs& a, GpuStream stream) { return Run(a, nullptr, stream, false); }
+
+Status ActBackwardCuda(const ActArgs& a, void* workspace, GpuStream stream) {
+  return Run(a, workspace, stream, true);
+}
+
+}  // namespace lowbit

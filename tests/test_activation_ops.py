@@ -1,0 +1,306 @@
+"""lowbit.ops.act_forward / act_backward and lowbit.activation: values and gradients against
+a jnp reference, the fused quantization, dbias, jit, vmap, sharding over virtual CPU
+devices, bad input, and the CUDA kernels against the CPU ones.
+
+Tolerances: lowbit computes exp with its own fp32 routine (csrc/common/fp32_math.h), the
+reference with XLA's, so transcendental activations differ by a few fp32 ulps (rtol 2e-6
+plus a small atol near zero crossings); outputs rounded to f16/bf16 then differ by at most
+one unit in the last place, and FP8 codes by at most one code (a value next to a rounding
+tie). Activations without exp (linear, relu, squared_relu) match bit for bit. CPU and CUDA
+run the same formulas and match bit for bit, except dbias (summation order).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.test_util  # noqa: F401  (check_grads)
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from conftest import run_on
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import lowbit
+
+K0, K1 = np.float32(0.7978845608028654), np.float32(0.044715)
+
+
+def act_ref(x, act_type, gated=False, limit=7.0, alpha=1.702):
+    """fp32 y of the activation (x (..., H) or gated (..., 2, H))."""
+    x = jnp.asarray(x).astype(jnp.float32)
+    a, g = (x[..., 0, :], x[..., 1, :]) if gated else (x, None)
+    sig = jax.nn.sigmoid
+    if act_type == "gelu":
+        y = a * sig(2 * K0 * (a * (1.0 + K1 * a * a)))  # = 0.5 a (1 + tanh(u)), stable
+    elif act_type == "silu":
+        y = a * sig(a)
+    elif act_type == "relu":
+        y = jnp.maximum(a, 0.0)
+    elif act_type == "quick_gelu":
+        y = a * sig(np.float32(1.702) * a)
+    elif act_type == "squared_relu":
+        y = jnp.maximum(a, 0.0) ** 2
+    elif act_type == "clamped_silu":
+        c = jnp.where(a <= limit, a, np.float32(limit))
+        y = c * sig(np.float32(alpha) * c)
+        lim = np.float32(limit)  # TE: the gradient passes at |g| == limit
+        g = jnp.where(g > lim, lim, jnp.where(g < -lim, -lim, g)) + 1.0
+    else:
+        y = a
+    return y * g if gated else y
+
+
+def q_ref(y, scale, dtype):
+    return (y * scale).clip(-float(jnp.finfo(dtype).max), float(jnp.finfo(dtype).max)).astype(dtype)
+
+
+def code_index(q):
+    c = np.asarray(q).view(np.uint8).astype(np.int32)
+    return np.where(c & 0x80, -(c & 0x7F), c & 0x7F)
+
+
+def assert_codes_close(got, want, exact=False):
+    d = np.abs(code_index(got) - code_index(want))
+    assert d.max(initial=0) <= (0 if exact else 1), f"{(d > 0).sum()} codes differ, max {d.max()}"
+
+
+EXACT = {"linear", "relu", "squared_relu"}
+TYPES = [("gelu", False), ("silu", False), ("relu", False), ("quick_gelu", False),
+         ("squared_relu", False), ("linear", False), ("gelu", True), ("silu", True),
+         ("relu", True), ("quick_gelu", True), ("squared_relu", True), ("clamped_silu", True)]
+DTYPES = [np.float32, np.float16, ml_dtypes.bfloat16]
+SHAPES = [(1, 1), (3, 7), (257, 128), (2, 3, 1000)]
+
+
+def make_x(rng, shape, gated, dtype, scale=3.0):
+    full = (*shape[:-1], 2, shape[-1]) if gated else shape
+    return (rng.standard_normal(full) * scale).astype(dtype)
+
+
+def assert_y_close(got, want_f32, dtype, exact):
+    got = np.asarray(got, np.float32)
+    want = np.asarray(jnp.asarray(want_f32).astype(dtype), np.float32)
+    if exact:
+        np.testing.assert_array_equal(got, want)
+        return
+    eps = float(jnp.finfo(dtype).eps)
+    np.testing.assert_allclose(got, want, rtol=max(2e-6, eps), atol=1e-6 + eps * 1e-3)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("act,gated", TYPES, ids=lambda v: str(v))
+def test_forward_matches_reference(act, gated, dtype, shape, rng):
+    x = make_x(rng, shape, gated, dtype)
+    scale = np.float32(4.0)
+    out = jax.jit(lambda v, s: lowbit.ops.act_forward(v, act, gated=gated, quant_scale=s,
+                                                      rowwise=True, colwise=True))(x, scale)
+    want = act_ref(x, act, gated)
+    exact = act in EXACT
+    assert out.y.dtype == x.dtype and out.y.shape == shape
+    assert_y_close(out.y, want, dtype, exact)
+    assert out.q_rowwise.shape == shape and out.q_rowwise.dtype == jnp.float8_e4m3fn
+    assert_codes_close(out.q_rowwise, q_ref(want, scale, jnp.float8_e4m3fn), exact)
+    rows = int(np.prod(shape[:-1]))
+    assert out.q_colwise.shape == (shape[-1], rows)
+    np.testing.assert_array_equal(np.asarray(out.q_colwise).view(np.uint8),
+                                  np.asarray(out.q_rowwise).reshape(rows, -1).T.view(np.uint8))
+    np.testing.assert_allclose(float(out.amax[0]), float(jnp.max(jnp.abs(want))), rtol=0 if exact else 4e-6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("act,gated", TYPES, ids=lambda v: str(v))
+def test_backward_matches_vjp(act, gated, dtype, rng):
+    shape = (37, 129)
+    x = make_x(rng, shape, gated, dtype)
+    dz = rng.standard_normal(shape).astype(dtype)
+    scale = np.float32(2.0)
+    out = jax.jit(lambda d, v, s: lowbit.ops.act_backward(
+        d, v, act, gated=gated, quant_scale=s, colwise=True, compute_dbias=True))(dz, x, scale)
+    _, vjp = jax.vjp(lambda v: act_ref(v, act, gated), jnp.asarray(x, jnp.float32))
+    (want,) = vjp(jnp.asarray(dz, jnp.float32))
+    exact = act in EXACT and dtype == np.float32
+    assert out.dx.shape == x.shape and out.dx.dtype == x.dtype
+    assert_y_close(out.dx, want, dtype, exact)
+    cols = 2 * shape[-1] if gated else shape[-1]
+    want2d = want.reshape(shape[0], cols)
+    assert out.q_rowwise.shape == (shape[0], cols) and out.q_rowwise.dtype == jnp.float8_e5m2
+    assert_codes_close(out.q_rowwise, q_ref(want2d, scale, jnp.float8_e5m2), exact)
+    np.testing.assert_array_equal(np.asarray(out.q_colwise).view(np.uint8),
+                                  np.asarray(out.q_rowwise).T.view(np.uint8))
+    np.testing.assert_allclose(float(out.amax[0]), float(jnp.max(jnp.abs(want))), rtol=1e-5)
+    assert out.dbias.shape == (cols,)
+    eps = float(jnp.finfo(dtype).eps)
+    np.testing.assert_allclose(np.asarray(out.dbias, np.float32).reshape(-1),
+                               np.asarray(jnp.sum(want2d, axis=0)), rtol=max(eps, 1e-5), atol=1e-4)
+
+
+def test_clamped_swiglu_limit_alpha(rng):
+    x = (rng.standard_normal((16, 2, 33)) * 6).astype(np.float32)
+    out = lowbit.ops.act_forward(x, "clamped_silu", gated=True, limit=3.0, alpha=1.0)
+    np.testing.assert_allclose(out.y, act_ref(x, "clamped_silu", True, 3.0, 1.0), rtol=2e-6, atol=1e-6)
+    dz = np.ones((16, 33), np.float32)
+    dx = lowbit.ops.act_backward(dz, x, "clamped_silu", gated=True, limit=3.0, alpha=1.0).dx
+    assert np.all(np.asarray(dx)[:, 0][x[:, 0] > 3.0] == 0)
+    assert np.all(np.asarray(dx)[:, 1][np.abs(x[:, 1]) > 3.0] == 0)
+
+
+TE_TYPES = [("gelu",), ("silu",), ("relu",), ("quick_gelu",), ("squared_relu",), ("linear",),
+            ("gelu", "linear"), ("silu", "linear"), ("relu", "linear"), ("quick_gelu", "linear"),
+            ("squared_relu", "linear"), ("clamped_silu", "clamped_linear")]
+
+
+@pytest.mark.parametrize("activation_type", TE_TYPES, ids=str)
+def test_public_activation_grads(activation_type, rng):
+    gated = len(activation_type) == 2
+    x = make_x(rng, (5, 24), gated, np.float32, 1.5)
+    x = np.where(np.abs(x) < 0.05, 0.3, x).astype(np.float32)  # away from relu kinks
+    f = lambda v: lowbit.activation(v, activation_type)  # noqa: E731
+    act = "clamped_silu" if activation_type[0] == "clamped_silu" else activation_type[0]
+    np.testing.assert_allclose(jax.jit(f)(x), act_ref(x, act, gated), rtol=2e-6, atol=1e-6)
+    jax.test_util.check_grads(f, (x,), order=1, modes=["rev"], atol=2e-2, rtol=2e-2)
+    g = jax.grad(lambda v: jnp.sum(f(v) * jnp.arange(24.0)))(x)
+    g_ref = jax.grad(lambda v: jnp.sum(act_ref(v, act, gated) * jnp.arange(24.0)))(x)
+    np.testing.assert_allclose(g, g_ref, rtol=3e-5, atol=3e-5)
+
+
+def test_public_activation_te_layout_and_quantizer(rng):
+    x = rng.standard_normal((4, 1, 16)).astype(np.float32)
+    np.testing.assert_allclose(lowbit.activation(x, ("gelu",)), act_ref(x[:, 0], "gelu"), rtol=2e-6)
+    from lowbit.quantize.quantizer import DelayedScaleQuantizer
+
+    q = DelayedScaleQuantizer(q_dtype=jnp.float8_e4m3fn)
+    t = lowbit.activation(x, ("gelu",), quantizer=q)
+    np.testing.assert_allclose(np.asarray(t.dequantize(), np.float32), act_ref(x[:, 0], "gelu"),
+                               rtol=0.07, atol=1e-2)
+    with pytest.raises(TypeError, match="lowbit.activation: quantizer"):
+        lowbit.activation(x, ("gelu",), quantizer=object())
+
+
+def test_no_quantization_and_outputs_off(rng):
+    x = make_x(rng, (9, 40), True, ml_dtypes.bfloat16)
+    out = lowbit.ops.act_forward(x, "silu", gated=True)
+    assert out.q_rowwise is None and out.q_colwise is None and out.amax is None
+    q = lowbit.ops.act_forward(x, "silu", gated=True, quant_scale=np.float32(1), rowwise=False,
+                               colwise=True, return_y=False)
+    assert q.y is None and q.q_rowwise is None and q.q_colwise.shape == (40, 9)
+    b = lowbit.ops.act_backward(np.ones((9, 40), ml_dtypes.bfloat16), x, "silu", gated=True,
+                                compute_dbias=True, return_dx=False)
+    assert b.dx is None and b.dbias.shape == (80,)
+
+
+def test_vmap_keeps_per_example_amax(rng):
+    x = make_x(rng, (3, 5, 64), False, np.float32)
+    x[1] *= 10
+    f = lambda v: lowbit.ops.act_forward(v, "gelu", quant_scale=np.float32(1.0), colwise=True)  # noqa: E731
+    out = jax.jit(jax.vmap(f))(x)
+    for i in range(3):
+        one = f(x[i])
+        np.testing.assert_array_equal(out.y[i], one.y)
+        np.testing.assert_array_equal(out.amax[i], one.amax)
+        np.testing.assert_array_equal(np.asarray(out.q_colwise[i]).view(np.uint8),
+                                      np.asarray(one.q_colwise).view(np.uint8))
+    gb = jax.vmap(lambda d, v: lowbit.ops.act_backward(d, v, "silu", compute_dbias=True).dbias)(x, x)
+    for i in range(3):
+        np.testing.assert_array_equal(gb[i], lowbit.ops.act_backward(x[i], x[i], "silu", compute_dbias=True).dbias)
+    gv = jax.vmap(jax.grad(lambda v: jnp.sum(lowbit.activation(v, ("silu",)))))(x)
+    np.testing.assert_allclose(gv, jax.grad(lambda v: jnp.sum(act_ref(v, "silu")))(x), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("spec", [P("a", "b"), P("a", None), P(None, "b"), P(("a", "b"), None)], ids=str)
+def test_sharded_equals_unsharded(gated, spec, rng):
+    mesh = jax.make_mesh((2, 2), ("a", "b"), devices=jax.devices("cpu")[:4])
+    x = make_x(rng, (16, 64), gated, np.float32)
+    dz = rng.standard_normal((16, 64)).astype(np.float32)
+    xspec = P(spec[0], None, spec[1]) if gated else spec
+    xs = jax.device_put(x, NamedSharding(mesh, xspec))
+    dzs = jax.device_put(dz, NamedSharding(mesh, spec))
+    s = np.float32(8.0)
+
+    def f(d, v):
+        fw = lowbit.ops.act_forward(v, "silu", gated=gated, quant_scale=s, colwise=True)
+        bw = lowbit.ops.act_backward(d, v, "silu", gated=gated, quant_scale=s, colwise=True,
+                                     compute_dbias=True)
+        return fw, bw
+
+    got, want = jax.jit(f)(dzs, xs), f(dz, x)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        if g.dtype in (jnp.float8_e4m3fn, jnp.float8_e5m2):
+            np.testing.assert_array_equal(np.asarray(g).view(np.uint8), np.asarray(w).view(np.uint8))
+        elif g.shape == (128,) or g.shape == (64,):  # dbias: partial sums in another order
+            np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
+        else:
+            np.testing.assert_array_equal(g, w)
+    assert "lowbit_act_forward" in jax.jit(f).lower(dzs, xs).compile().as_text()
+
+
+def test_bad_input():
+    x = np.ones((4, 8), np.float32)
+    with pytest.raises(ValueError, match="lowbit.ops.act_forward: act_type"):
+        lowbit.ops.act_forward(x, "tanh")
+    with pytest.raises(ValueError, match="act_type: 'clamped_silu'"):
+        lowbit.ops.act_forward(x, "clamped_silu")
+    with pytest.raises(ValueError, match=r"act_forward: x: gated activations take shape \(\.\.\., 2, H\)"):
+        lowbit.ops.act_forward(x, "gelu", gated=True)
+    with pytest.raises(TypeError, match="act_forward: x: expected float32, float16 or bfloat16"):
+        lowbit.ops.act_forward(np.ones((4, 8), np.int32), "gelu")
+    with pytest.raises(TypeError, match="act_forward: quant_dtype"):
+        lowbit.ops.act_forward(x, "gelu", quant_scale=np.float32(1), quant_dtype=jnp.int8)
+    with pytest.raises(ValueError, match="lowbit.ops.act_backward: dz: expected float32 of shape"):
+        lowbit.ops.act_backward(np.ones((4, 7), np.float32), x, "gelu")
+    with pytest.raises(TypeError, match="act_backward: quant_scale"):
+        lowbit.ops.act_backward(x, x, "gelu", quant_scale=np.ones(2, np.float32))
+    with pytest.raises(ValueError, match="lowbit.activation: activation_type"):
+        lowbit.activation(x, ("gelu", "gelu"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("act,gated", TYPES, ids=lambda v: str(v))
+@pytest.mark.parametrize("shape", [(4099, 1000), (64, 8192), (1, 7), (300, 129)], ids=str)
+def test_cuda_equals_cpu(shape, act, gated, dtype, rng, cpu, gpu):
+    x = make_x(rng, shape, gated, dtype, 4.0)
+    flat = x.reshape(-1)
+    flat[rng.choice(flat.size, min(6, flat.size), replace=False)] = [np.inf, -np.inf, np.nan, 0, 500, -500][:min(6, flat.size)]
+    dz = rng.standard_normal(shape).astype(dtype)
+    s = np.float32(16.0)
+
+    def f(d, v):
+        fw = lowbit.ops.act_forward(v, act, gated=gated, quant_scale=s, colwise=True)
+        bw = lowbit.ops.act_backward(d, v, act, gated=gated, quant_scale=s, colwise=True,
+                                     compute_dbias=True)
+        return fw, bw
+
+    g, c = run_on(gpu, f, dz, x), run_on(cpu, f, dz, x)
+    for name in ("y", "q_rowwise", "q_colwise", "amax"):
+        a, b = getattr(g[0], name), getattr(c[0], name)
+        np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8), err_msg=f"forward {name}")
+    for name in ("dx", "q_rowwise", "q_colwise", "amax"):
+        a, b = getattr(g[1], name), getattr(c[1], name)
+        np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8), err_msg=f"backward {name}")
+    # dbias: fp32 sums in another order; NaN/inf columns must agree in kind.
+    a, b = g[1].dbias.astype(np.float32), c[1].dbias.astype(np.float32)
+    np.testing.assert_array_equal(np.isnan(a), np.isnan(b))
+    fin = np.isfinite(a) & np.isfinite(b)
+    eps = float(jnp.finfo(dtype).eps)
+    tol = 1e-4 * np.sqrt(shape[0]) * (1 + np.abs(b[fin]))
+    assert np.all(np.abs(a[fin] - b[fin]) <= tol + 2 * eps * np.abs(b[fin]))
+
+
+@pytest.mark.gpu
+def test_cuda_unaligned_and_3d(rng, cpu, gpu):
+    x = rng.standard_normal((3, 101, 2, 77)).astype(ml_dtypes.bfloat16)
+    f = lambda v: lowbit.ops.act_forward(v[1:], "gelu", gated=True, quant_scale=np.float32(2), colwise=True)  # noqa: E731
+    for a, b in zip(jax.tree.leaves(run_on(gpu, f, x)), jax.tree.leaves(run_on(cpu, f, x))):
+        np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
+
+
+@pytest.mark.gpu
+def test_cuda_dbias_deterministic(rng, gpu):
+    x = rng.standard_normal((8192, 2, 512)).astype(ml_dtypes.bfloat16)
+    dz = rng.standard_normal((8192, 512)).astype(ml_dtypes.bfloat16)
+    f = lambda d, v: lowbit.ops.act_backward(d, v, "silu", gated=True, compute_dbias=True).dbias  # noqa: E731
+    a, b = run_on(gpu, f, dz, x), run_on(gpu, f, dz, x)
+    np.testing.assert_array_equal(a.view(np.uint16), b.view(np.uint16))
