@@ -1,0 +1,112 @@
+"""Activation + quantize forward, dact + dbias + quantize backward (gelu and swiglu) and the
+fused softmax forward/backward, lowbit against XLA's jnp version of the same computation, in
+one run. Prints time, GB/s (bytes the fused op must read + write), % of the measured copy
+bandwidth, and the speedup over XLA; writes bench/results/activation_<device>.json.
+
+    python bench/bench_activation.py            # GPU: 16384 x 16384 bf16, softmax (4, 32, 2048, 2048)
+    python bench/bench_activation.py --small    # CPU smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
+
+import lowbit  # noqa: E402
+from lowbit.ops.softmax import softmax_backward_reference, softmax_reference  # noqa: E402
+
+E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
+
+
+def _act(a, act):
+    a = a.astype(jnp.float32)
+    if act == "gelu":
+        return 0.5 * a * (1 + jnp.tanh(0.7978845608 * a * (1 + 0.044715 * a * a)))
+    return a * jax.nn.sigmoid(a)
+
+
+def xla_forward(x, scale, act, gated):
+    """What XLA fuses from jnp: y, rowwise + transposed fp8 copies, amax."""
+    y = _act(x[..., 0, :], act) * x[..., 1, :].astype(jnp.float32) if gated else _act(x, act)
+    q = (y * scale).clip(-448, 448).astype(E4M3)
+    return y.astype(x.dtype), q, q.T, jnp.max(jnp.abs(y))
+
+
+def xla_backward(dz, x, scale, act, gated):
+    f = (lambda v: _act(v[..., 0, :], act) * v[..., 1, :]) if gated else (lambda v: _act(v, act))
+    _, vjp = jax.vjp(f, x.astype(jnp.float32))
+    (dx,) = vjp(dz.astype(jnp.float32))
+    dx2 = dx.reshape(dx.shape[0], -1)
+    q = (dx2 * scale).clip(-57344, 57344).astype(E5M2)
+    return dx.astype(x.dtype), q, q.T, jnp.max(jnp.abs(dx2)), jnp.sum(dx2, 0).astype(x.dtype)
+
+
+def lowbit_forward(x, scale, act, gated):
+    return lowbit.ops.act_forward(x, "silu" if act == "swiglu" else act, gated=gated, quant_scale=scale,
+                                  rowwise=True, colwise=True)
+
+
+def lowbit_backward(dz, x, scale, act, gated):
+    return lowbit.ops.act_backward(dz, x, "silu" if act == "swiglu" else act, gated=gated,
+                                   quant_scale=scale, rowwise=True, colwise=True, compute_dbias=True)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--small", action="store_true", help="small shapes (CPU smoke run)")
+    parser.add_argument("--iters", type=int, default=20)
+    args = parser.parse_args()
+    rows, hidden = (256, 512) if args.small else (16384, 16384)
+    sm_shape = (1, 2, 64, 64) if args.small else (4, 32, 2048, 2048)
+    iters = 2 if args.small else args.iters
+    copy_bw = common.copy_bandwidth(1 << 22 if args.small else 1 << 30)
+    rng = np.random.default_rng(0)
+    scale = jnp.ones((1,), jnp.float32)
+    rows_out = []
+
+    def record(name, bytes_moved, t_lowbit, t_xla):
+        gbs = bytes_moved / t_lowbit / 1e9
+        rows_out.append(dict(op=name, lowbit_us=t_lowbit * 1e6, xla_us=t_xla * 1e6, GBps=gbs,
+                             pct_copy=100 * bytes_moved / t_lowbit / copy_bw, speedup=t_xla / t_lowbit))
+
+    for act, gated in (("gelu", False), ("swiglu", True)):
+        in_shape = (rows, 2, hidden) if gated else (rows, hidden)
+        sets = [(jnp.asarray(rng.standard_normal(in_shape), jnp.bfloat16), scale) for _ in range(2)]
+        a = "silu" if act == "swiglu" else act
+        n_in, n_out = int(np.prod(in_shape)), rows * hidden
+        t_l = common.time_fn(lambda x, s: lowbit_forward(x, s, act, gated), sets, iters=iters)
+        t_x = common.time_fn(lambda x, s: xla_forward(x, s, a, gated), sets, iters=iters)
+        record(f"{act} fwd+q", 2 * n_in + 2 * n_out + 2 * n_out, t_l, t_x)
+        dsets = [(jnp.asarray(rng.standard_normal((rows, hidden)), jnp.bfloat16), x, s) for x, s in sets]
+        t_l = common.time_fn(lambda d, x, s: lowbit_backward(d, x, s, act, gated), dsets, iters=iters)
+        t_x = common.time_fn(lambda d, x, s: xla_backward(d, x, s, a, gated), dsets, iters=iters)
+        record(f"d{act}+dbias+q", 2 * n_out + 2 * n_in + 2 * n_in + 2 * n_in, t_l, t_x)
+
+    x = [(jnp.asarray(rng.standard_normal(sm_shape), jnp.bfloat16),) for _ in range(2)]
+    n = int(np.prod(sm_shape))
+    t_l = common.time_fn(lambda v: lowbit.ops.softmax_forward(v, None, 0.125), x, iters=iters)
+    t_x = common.time_fn(lambda v: softmax_reference(v, None, 0.125), x, iters=iters)
+    record("softmax fwd", 4 * n, t_l, t_x)
+    y = [(v, lowbit.ops.softmax_forward(v, None, 0.125)) for (v,) in x]
+    t_l = common.time_fn(lambda d, yy: lowbit.ops.softmax_backward(d, yy, 0.125), y, iters=iters)
+    t_x = common.time_fn(lambda d, yy: softmax_backward_reference(d, yy, 0.125), y, iters=iters)
+    record("softmax bwd", 6 * n, t_l, t_x)
+
+    print(f"copy bandwidth {copy_bw / 1e9:.1f} GB/s; activations {rows} x {hidden} bf16, "
+          f"softmax {sm_shape} bf16")
+    common.print_table(rows_out, ["op", "lowbit_us", "xla_us", "GBps", "pct_copy", "speedup"])
+    path = common.write_results("activation", dict(copy_GBps=copy_bw / 1e9, rows=rows, hidden=hidden,
+                                                   softmax_shape=list(sm_shape), results=rows_out))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,61 @@
+"""lowbit.softmax: TE's `softmax(logits, mask, scale_factor, softmax_fusion_type)` with a
+custom_vjp over lowbit's fused softmax ops (lowbit.ops.softmax_forward / softmax_backward).
+
+softmax_fusion_type: SoftmaxType.SCALED, SCALED_MASKED or SCALED_UPPER_TRIANG_MASKED (TE's
+names), or the strings "scaled", "scaled_masked", "scaled_upper_triang". Semantics, mask
+convention (1 = masked out, logit -> -10000) and limits: lowbit/ops/softmax.py. The backward
+uses the forward output only: dx = scale * (y * dy - y * sum(y * dy)); the mask gets no
+gradient.
+"""
+
+from __future__ import annotations
+
+import enum
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+
+from lowbit.ops.softmax import softmax_backward, softmax_forward
+
+
+class SoftmaxType(enum.Enum):
+    SCALED = "scaled"
+    SCALED_MASKED = "scaled_masked"
+    SCALED_UPPER_TRIANG_MASKED = "scaled_upper_triang"
+
+
+def _fusion_name(t) -> str:
+    if isinstance(t, enum.Enum):
+        t = SoftmaxType[t.name].value if t.name in SoftmaxType.__members__ else t.value
+    if t == "scaled_upper_triang_masked":
+        t = "scaled_upper_triang"
+    if t not in ("scaled", "scaled_masked", "scaled_upper_triang"):
+        raise ValueError(f"lowbit.softmax: softmax_fusion_type: expected a SoftmaxType or one of "
+                         f"'scaled', 'scaled_masked', 'scaled_upper_triang', got {t!r}")
+    return t
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _softmax(logits, mask, scale_factor, fusion):
+    return softmax_forward(logits, mask, scale_factor, fusion)
+
+
+def _fwd(logits, mask, scale_factor, fusion):
+    y = softmax_forward(logits, mask, scale_factor, fusion)
+    return y, y
+
+
+def _bwd(scale_factor, fusion, y, dy):
+    return softmax_backward(dy, y, scale_factor, fusion), None
+
+
+_softmax.defvjp(_fwd, _bwd)
+
+
+def softmax(logits, mask=None, scale_factor=1.0, softmax_fusion_type=SoftmaxType.SCALED):
+    """Fused scaled (masked / causal) softmax over the last axis of (batch, heads, q, k)."""
+    fusion = _fusion_name(softmax_fusion_type)
+    if fusion != "scaled_masked":
+        mask = None
+    return _softmax(jnp.asarray(logits), mask, float(scale_factor), fusion)
