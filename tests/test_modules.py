@@ -10,6 +10,8 @@ seconds on the CPU.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -36,7 +38,20 @@ def x_in(seed=0, shape=(B, T, H)):
 
 
 def init(module, x, **kw):
-    return nn.meta.unbox(module.init({"params": jax.random.PRNGKey(1), "dropout": jax.random.PRNGKey(2)}, x, **kw))
+    rngs = {"params": jax.random.PRNGKey(1), "dropout": jax.random.PRNGKey(2)}
+    return nn.meta.unbox(jax.jit(functools.partial(module.init, **kw))(rngs, x))
+
+
+def shapes(module, x, **kw):
+    """Parameter shapes, from an abstract init (nothing runs)."""
+    rngs = {"params": jax.random.PRNGKey(1), "dropout": jax.random.PRNGKey(2)}
+    abstract = nn.meta.unbox(jax.eval_shape(functools.partial(module.init, **kw), rngs, x))
+    return jax.tree.map(lambda a: a.shape, abstract["params"])
+
+
+def run(module, variables, x, **kw):
+    """module.apply under jit (one compile instead of one per op: faster on the CPU)."""
+    return jax.jit(functools.partial(module.apply, **kw))(variables, x)
 
 
 def output(out):
@@ -45,7 +60,7 @@ def output(out):
 
 def one_update(module, variables, x, **kw):
     """Variables after one training step's overwrite-with-gradient of the quantizer state."""
-    grads = jax.grad(lambda v: jnp.sum(output(module.apply(v, x, **kw)) ** 2))(variables)
+    grads = jax.jit(jax.grad(lambda v: jnp.sum(output(module.apply(v, x, **kw)) ** 2)))(variables)
     return {**variables, OWG: grads[OWG]}
 
 
@@ -108,7 +123,7 @@ def test_no_recipe_matches_plain_flax(name):
     x = x_in(shape=(B, T, 2, H // 2)) if name == "dense_2axes" else x_in()
     kw = {"deterministic": True} if name.startswith("mlp") else {}
     v = init(module, x, **kw)
-    y = output(module.apply(v, x, **kw))
+    y = output(run(module, v, x, **kw))
     y_ref = ref.apply(to_ref(v["params"]), x)
     np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-5)
 
@@ -119,10 +134,10 @@ def test_no_recipe_gradients_match_plain_flax(name):
     x = x_in()
     kw = {"deterministic": True} if name.startswith("mlp") else {}
     v = init(module, x, **kw)
-    ct = x_in(7, output(module.apply(v, x, **kw)).shape)
+    ct = x_in(7, output(run(module, v, x, **kw)).shape)
     loss = lambda p, x: jnp.sum(output(module.apply({"params": p}, x, **kw)) * ct)  # noqa: E731
     loss_ref = lambda p, x: jnp.sum(ref.apply(to_ref(p), x) * ct)  # noqa: E731
-    g = jax.grad(loss, argnums=(0, 1))(v["params"], x)
+    g = jax.jit(jax.grad(loss, argnums=(0, 1)))(v["params"], x)
     g_ref = jax.grad(loss_ref, argnums=(0, 1))(v["params"], x)
     for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g_ref)):
         np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-4)
@@ -140,7 +155,7 @@ def test_recipe_within_fp8_tolerance(name, recipe):
     if isinstance(recipe, DelayedScaling):
         assert OWG in v
         v = one_update(module, v, x, **kw)
-    y = output(module.apply(v, x, **kw))
+    y = output(run(module, v, x, **kw))
     assert rel_err(y, ref.apply(to_ref(v["params"]), x)) < FP8_TOL
 
 
@@ -149,10 +164,10 @@ def test_autocast_recipe_and_explicit_recipe_agree():
     x = x_in()
     v = init(module, x)
     with lowbit.autocast(enabled=True, recipe=Float8CurrentScaling()):
-        y_auto = module.apply(v, x)
-    y_explicit = module.clone(quantization_recipe=Float8CurrentScaling()).apply(v, x)
+        y_auto = run(module, v, x)
+    y_explicit = run(module.clone(quantization_recipe=Float8CurrentScaling()), v, x)
     np.testing.assert_array_equal(y_auto, y_explicit)
-    assert rel_err(y_auto, module.apply(v, x)) > 0  # quantized inside the block only
+    assert rel_err(y_auto, run(module, v, x)) > 0  # quantized inside the block only
 
 
 def test_missing_kernels_surface_not_implemented():
@@ -183,7 +198,8 @@ def test_delayed_state_updates_step_to_step():
 def test_mlp_state_names_per_gemm():
     module = LayerNormMLP(F, return_layernorm_output=False, intermediate_dropout_rate=0.0,
                           quantization_recipe=DelayedScaling(amax_history_len=8))
-    state = init(module, x_in())[OWG]
+    rngs = {"params": jax.random.PRNGKey(1)}
+    state = jax.eval_shape(module.init, rngs, x_in())[OWG]
     assert sorted(state) == sorted(f"{q}_{i}_{s}" for q in ("x", "kernel", "grad") for i in (0, 1)
                                    for s in ("scale", "amax_history"))
     assert state["grad_1_amax_history"].shape == (8,)
@@ -193,17 +209,15 @@ def test_te_parameter_names_and_shapes():
     x = x_in()
     mlp = LayerNormMLP(F, activations=("gelu", "linear"), use_bias=True,
                        enable_low_rank_adaptation=True, low_rank_adaptation_dim=4)
-    shapes = jax.tree.map(jnp.shape, init(mlp, x, deterministic=True)["params"])
-    assert shapes == {"scale": (H,), "ln_bias": (H,), "wi_kernel": (H, 2, F), "wo_kernel": (F, H),
+    assert shapes(mlp, x, deterministic=True) == {"scale": (H,), "ln_bias": (H,), "wi_kernel": (H, 2, F), "wo_kernel": (F, H),
                       "wi_bias": (2, F), "wo_bias": (H,), "wi_lora_a_kernel": (H, 2, 4),
                       "wi_lora_b_kernel": (2, 4, F), "wo_lora_a_kernel": (F, 4),
                       "wo_lora_b_kernel": (4, H)}
     dense = DenseGeneral((3, 8), enable_low_rank_adaptation=True, low_rank_adaptation_dim=4)
-    shapes = jax.tree.map(jnp.shape, init(dense, x)["params"])
-    assert shapes == {"kernel": (H, 3, 8), "bias": (3, 8), "lora_a_kernel": (H, 3, 4),
+    assert shapes(dense, x) == {"kernel": (H, 3, 8), "bias": (3, 8), "lora_a_kernel": (H, 3, 4),
                       "lora_b_kernel": (3, 4, 8)}
     ln_dense = LayerNormDenseGeneral(8, layernorm_type="rmsnorm")
-    assert jax.tree.map(jnp.shape, init(ln_dense, x)["params"]) == {"scale": (H,), "kernel": (H, 8)}
+    assert shapes(ln_dense, x) == {"scale": (H,), "kernel": (H, 8)}
 
 
 @pytest.mark.parametrize("module", [
@@ -217,14 +231,14 @@ def test_lora(module):
     v = init(module, x)
     base = module.clone(enable_low_rank_adaptation=False)
     base_params = {k: p for k, p in v["params"].items() if "lora" not in k}
-    y0 = output(base.apply({"params": base_params}, x))
-    np.testing.assert_allclose(output(module.apply(v, x)), y0, rtol=1e-6, atol=1e-6)
+    y0 = output(run(base, {"params": base_params}, x))
+    np.testing.assert_allclose(output(run(module, v, x)), y0, rtol=1e-6, atol=1e-6)
     if isinstance(module, DenseGeneral):  # TE's formula with a non-zero adapter
         alpha = 2.0
         a = v["params"]["lora_a_kernel"]
         b = x_in(3, v["params"]["lora_b_kernel"].shape)
         p = {**v["params"], "lora_b_kernel": b}
-        y = module.clone(low_rank_adaptation_alpha=alpha).apply({"params": p}, x)
+        y = run(module.clone(low_rank_adaptation_alpha=alpha), {"params": p}, x)
         np.testing.assert_allclose(y, y0 + (x @ a @ b) * alpha / 4, rtol=1e-5, atol=1e-5)
 
 
@@ -232,7 +246,7 @@ def test_layernorm_dense_outputs_and_depth_scaling():
     module = LayerNormDenseGeneral(16, depth_scaling=4.0)
     x = x_in()
     v = init(module, x)
-    y, ln = module.apply(v, x)
+    y, ln = run(module, v, x)
     np.testing.assert_allclose(ln, nn.LayerNorm(epsilon=1e-6).apply(
         {"params": {"scale": v["params"]["scale"], "bias": v["params"]["ln_bias"]}}, x), atol=1e-5)
     np.testing.assert_allclose(y, ln @ v["params"]["kernel"] / 4.0, rtol=1e-5, atol=1e-5)
@@ -243,11 +257,12 @@ def test_mlp_dropout_composed_path():
                           quantization_recipe=Float8CurrentScaling())
     x = x_in()
     v = init(module, x, deterministic=True)
-    run = lambda seed: module.apply(v, x, rngs={"dropout": jax.random.PRNGKey(seed)})[0]  # noqa: E731
-    y_det = module.apply(v, x, deterministic=True)[0]
-    assert not np.allclose(run(0), run(1))
-    assert not np.allclose(run(0), y_det)
-    np.testing.assert_array_equal(run(0), run(0))
+    apply = jax.jit(lambda v, x, key: module.apply(v, x, rngs={"dropout": key})[0])
+    drop = lambda seed: apply(v, x, jax.random.PRNGKey(seed))  # noqa: E731
+    y_det = run(module, v, x, deterministic=True)[0]
+    assert not np.allclose(drop(0), drop(1))
+    assert not np.allclose(drop(0), y_det)
+    np.testing.assert_array_equal(drop(0), drop(0))
 
 
 @pytest.mark.parametrize("fusion", ["scaled", "scaled_masked", "scaled_upper_triang"])
@@ -270,13 +285,13 @@ def test_logical_axis_rules_shard_params():
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("model",))
     rules = (("embed", None), ("act", None), ("mlp", "model"))
     shardings = nn.logical_to_mesh_sharding(nn.get_partition_spec(abstract), mesh, rules)
-    with mesh, nn.logical_axis_rules(rules):
+    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
         v = jax.jit(lambda: module.init(jax.random.PRNGKey(0), x), out_shardings=shardings)()
         y = jax.jit(lambda v, x: module.apply(v, x)[0])(v, x)
     wi = v["params"]["wi_kernel"].value
     assert wi.sharding.spec == jax.sharding.PartitionSpec(None, None, "model")
     assert wi.addressable_shards[0].data.shape == (H, 1, F // 2)
-    np.testing.assert_allclose(y, module.apply(nn.meta.unbox(v), x)[0], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(y, run(module, nn.meta.unbox(v), x)[0], rtol=1e-5, atol=1e-5)
 
 
 def test_orbax_checkpoint_roundtrip(tmp_path):
@@ -291,4 +306,4 @@ def test_orbax_checkpoint_roundtrip(tmp_path):
         restored = ckpt.restore(tmp_path / "step1", jax.tree.map(ocp.utils.to_shape_dtype_struct, v))
     jax.tree.map(np.testing.assert_array_equal, restored, v)
     assert float(restored[OWG]["x_0_scale"][0]) != 1.0
-    np.testing.assert_array_equal(module.apply(restored, x)[0], module.apply(v, x)[0])
+    np.testing.assert_array_equal(run(module, restored, x)[0], run(module, v, x)[0])

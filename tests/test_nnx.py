@@ -29,6 +29,11 @@ def x_in(seed=0, shape=(B, T, H)):
     return jax.random.normal(jax.random.PRNGKey(seed), shape, jnp.float32)
 
 
+def call(mod, x, **kw):
+    """mod(x) under nnx.jit (one compile instead of one per op: faster on the CPU)."""
+    return nnx.jit(lambda m, x: m(x, **kw))(mod, x)
+
+
 def out0(y):
     return y[0] if isinstance(y, tuple) else y
 
@@ -70,7 +75,7 @@ def test_same_params_same_output(name):
     x = x_in()
     v = linen_vars(lin, x)
     load_linen_into_nnx(mod, v)
-    ya, yb = lin.apply(v, x), mod(x)
+    ya, yb = jax.jit(lin.apply)(v, x), call(mod, x)
     jax.tree.map(np.testing.assert_array_equal, ya, yb)
 
 
@@ -94,9 +99,9 @@ def test_delayed_scaling_training_step_matches_linen(name):
     x = x_in()
     v = linen_vars(lin, x)
     load_linen_into_nnx(mod, v)
-    lin_grads = jax.grad(lambda v: jnp.sum(out0(lin.apply(v, x)) ** 2))(v)
+    lin_grads = jax.jit(jax.grad(lambda v: jnp.sum(out0(lin.apply(v, x)) ** 2)))(v)
     diff = nnx.DiffState(0, nnx.Any(nnx.Param, lnnx.QuantizerState))
-    grads = nnx.grad(lambda m: jnp.sum(out0(m(x)) ** 2), argnums=diff)(mod)
+    grads = nnx.jit(nnx.grad(lambda m: jnp.sum(out0(m(x)) ** 2), argnums=diff))(mod)
     param_grads = lnnx.update_quantizer_state(mod, grads)
     for k, g in lin_grads["params"].items():
         np.testing.assert_allclose(param_grads[k].get_value(), g, rtol=1e-6, atol=1e-6)
@@ -104,7 +109,7 @@ def test_delayed_scaling_training_step_matches_linen(name):
         np.testing.assert_array_equal(getattr(mod, k)[...], s)
     assert float(mod.x_scale[...][0] if name != "mlp" else mod.x_0_scale[...][0]) != 1.0
     v1 = {**v, OWG: lin_grads[OWG]}
-    jax.tree.map(np.testing.assert_array_equal, lin.apply(v1, x), mod(x))
+    jax.tree.map(np.testing.assert_array_equal, jax.jit(lin.apply)(v1, x), call(mod, x))
 
 
 def test_optimizer_leaves_quantizer_state_alone():
