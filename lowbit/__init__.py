@@ -1,12 +1,32 @@
-"""lowbit: FP8 and FP4 training for JAX and Flax on NVIDIA GPUs, with an exact CPU path."""
+"""lowbit: FP8 and FP4 training for JAX and Flax on NVIDIA GPUs, with an exact CPU path.
+
+Functions with their own backward (output in the input's dtype): `dense`, `layernorm`,
+`layernorm_dense`, `layernorm_mlp`, `activation`, `softmax`. Recipes: `lowbit.recipe`;
+quantizers: `lowbit.quantize`; Flax modules: `lowbit.flax` (imported on first use).
+"""
+
+import importlib
 
 __version__ = "0.1.0"
 
 from lowbit import ops  # noqa: E402
 from lowbit import quantize, recipe  # noqa: E402
-from lowbit.quantize.helper import autocast, fp8_autocast, get_global_recipe  # noqa: E402
 from lowbit.activation import activation  # noqa: E402
+from lowbit.dense import dense  # noqa: E402
+from lowbit.layernorm import layernorm  # noqa: E402
+from lowbit.layernorm_dense import layernorm_dense  # noqa: E402
+from lowbit.layernorm_mlp import layernorm_mlp  # noqa: E402
+from lowbit.quantize.helper import autocast, fp8_autocast, get_global_recipe  # noqa: E402
 from lowbit.softmax import softmax  # noqa: E402
+
+_LAZY = ("flax", "checkpoint_policies", "sharding")
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        return importlib.import_module(f"lowbit.{name}")
+    raise AttributeError(f"module 'lowbit' has no attribute {name!r}")
+
 
 __all__ = [
     "ops",
@@ -16,6 +36,12 @@ __all__ = [
     "fp8_autocast",
     "get_global_recipe",
     "activation",
+    "dense",
+    "layernorm",
+    "layernorm_dense",
+    "layernorm_mlp",
     "softmax",
+    "flax",
+    "checkpoint_policies",
     "__version__",
 ]

@@ -62,6 +62,8 @@ def test_sharded_equals_unsharded(spec, rng):
     assert "lowbit_amax" in hlo
     if spec != P():
         assert "all-reduce" in hlo and "all-gather" not in hlo
+    x[5, 7] = np.nan
+    assert np.isnan(float(f(jax.device_put(x, NamedSharding(mesh, spec)))))
 
 
 def test_rejects_integer_input():

@@ -48,6 +48,13 @@ def _amax_local(x):
     return amax_rows_p.bind(x, rows=1)[0]
 
 
+def pmax_nonnegative(v, axes):
+    """Max over mesh `axes` of non-negative floats, comparing their bit patterns so that NaN
+    beats inf (a float pmax may drop NaN)."""
+    bits = jax.lax.bitcast_convert_type(v, jnp.uint32)
+    return jax.lax.bitcast_convert_type(jax.lax.pmax(bits, axes), jnp.float32)
+
+
 def _sharded_axes(sharding) -> tuple[str, ...]:
     axes: list[str] = []
     for entry in sharding.spec:
@@ -66,7 +73,7 @@ def _partition(mesh, arg_shapes, result_shape):
 
     def lower(x):
         local = _amax_local(x)
-        return jax.lax.pmax(local, axes) if axes else local
+        return pmax_nonnegative(local, axes) if axes else local
 
     return mesh, lower, NamedSharding(mesh, PartitionSpec()), (sharding,)
 

@@ -1,0 +1,135 @@
+"""Seed Dense (x: 8x2048x8192 bf16 -> 32768 features) forward+backward, side by side in one
+run: bf16 Flax, Flax's FP8 (`Fp8DirectDotGeneralOp`), and lowbit per recipe. Prints time,
+speedup over bf16, the compiled step's peak memory, and the GEMM-only floor: the three
+lowbit FP8 GEMMs of the step (fwd, dgrad, wgrad) timed alone, beside the FP8 GEMM ceiling
+measured at 8192^3.
+
+    python bench/bench_dense.py            # GPU, seed shape
+    python bench/bench_dense.py --small    # CPU smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+from flax import linen as nn
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
+import common  # noqa: E402
+from quickstart_jax_utils import make_step  # noqa: E402
+
+import lowbit  # noqa: E402
+from lowbit.recipe import DelayedScaling, Float8CurrentScaling  # noqa: E402
+
+
+class DenseBlock(nn.Module):
+    features: int
+    dot_general_cls: object = None
+    flax_fp8: bool = False
+
+    @nn.compact
+    def __call__(self, x):
+        if self.flax_fp8:
+            return nn.Dense(self.features, dtype=x.dtype, dot_general_cls=nn.Fp8DirectDotGeneralOp)(x)
+        dg = self.dot_general_cls() if self.dot_general_cls else None
+        return nn.Dense(self.features, dtype=x.dtype, dot_general=dg)(x)
+
+
+def variants():
+    return {
+        "bf16": DenseBlock,
+        "flax_fp8": lambda features: DenseBlock(features, flax_fp8=True),
+        "lowbit_delayed": lambda features: DenseBlock(
+            features, lowbit.flax.make_dot_general_cls(DelayedScaling())),
+        "lowbit_current": lambda features: DenseBlock(
+            features, lowbit.flax.make_dot_general_cls(Float8CurrentScaling())),
+    }
+
+
+def peak_bytes(compiled) -> int | None:
+    m = compiled.memory_analysis()
+    if m is None:
+        return None
+    return int(m.temp_size_in_bytes + m.argument_size_in_bytes + m.output_size_in_bytes
+               - m.alias_size_in_bytes)
+
+
+def gemm_floor(m, k, n, iters):
+    """Seconds of the step's three FP8 GEMMs alone (fwd fast accumulation, bwd split)."""
+    key = jax.random.PRNGKey(3)
+    f8 = jnp.float8_e4m3fn
+    e5 = jnp.float8_e5m2
+    a = jax.random.normal(key, (m, k)).astype(f8)          # x rowwise
+    w_t = jax.random.normal(key, (n, k)).astype(f8)        # kernel colwise
+    w = jax.random.normal(key, (k, n)).astype(f8)          # kernel rowwise
+    dy = jax.random.normal(key, (m, n)).astype(e5)         # dy rowwise
+    dy_t = jax.random.normal(key, (n, m)).astype(e5)       # dy colwise
+    a_t = jax.random.normal(key, (k, m)).astype(f8)        # x colwise
+    one = jnp.ones((1,), jnp.float32)
+    g = lowbit.ops.gemm
+    t_fwd = common.time_fn(lambda a, b: g(a, b, one, one, out_dtype=jnp.bfloat16, use_split_accumulator=False), [(a, w_t)], iters)
+    t_dgrad = common.time_fn(lambda a, b: g(a, b, one, one, out_dtype=jnp.bfloat16), [(dy, w)], iters)
+    t_wgrad = common.time_fn(lambda a, b: g(a, b, one, one, out_dtype=jnp.bfloat16), [(a_t, dy_t)], iters)
+    return t_fwd, t_dgrad, t_wgrad
+
+
+def fp8_ceiling(size, iters):
+    a = jax.random.normal(jax.random.PRNGKey(0), (size, size)).astype(jnp.float8_e4m3fn)
+    one = jnp.ones((1,), jnp.float32)
+    t = common.time_fn(lambda a, b: lowbit.ops.gemm(a, b, one, one, out_dtype=jnp.bfloat16, use_split_accumulator=False), [(a, a)], iters)
+    return 2 * size**3 / t / 1e12
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--small", action="store_true")
+    parser.add_argument("--iters", type=int, default=None)
+    args = parser.parse_args(argv)
+    b, s, h, f = (2, 64, 256, 512) if args.small else (8, 2048, 8192, 32768)
+    iters = args.iters or (2 if args.small else 20)
+    key = jax.random.PRNGKey(0)
+    x = jax.random.normal(key, (b, s, h), jnp.bfloat16)
+    dy = jax.random.normal(jax.random.PRNGKey(1), (b, s, f), jnp.bfloat16)
+    flops = 3 * 2 * b * s * h * f
+
+    rows, results = [], {}
+    params = None
+    for name, make in variants().items():
+        model = make(f)
+        variables = model.init(key, x)
+        if params is None:
+            params = variables["params"]
+        variables = {**variables, "params": params}
+        step = make_step(model.apply, {})
+        compiled = step.lower(variables, x, dy).compile()
+        t = common.time_fn(lambda v, x, dy: step(v, x, dy)[1:], [(variables, x, dy)], iters)
+        results[name] = {"ms": t * 1e3, "tflops": flops / t / 1e12, "peak_bytes": peak_bytes(compiled)}
+    base = results["bf16"]["ms"]
+    for name, r in results.items():
+        r["speedup_vs_bf16"] = base / r["ms"]
+        rows.append({"variant": name, "ms": r["ms"], "TFLOP/s": r["tflops"],
+                     "x bf16": r["speedup_vs_bf16"],
+                     "peak GiB": (r["peak_bytes"] or 0) / 2**30})
+    t_fwd, t_dgrad, t_wgrad = gemm_floor(b * s, h, f, iters)
+    floor_ms = (t_fwd + t_dgrad + t_wgrad) * 1e3
+    ceiling = fp8_ceiling(1024 if args.small else 8192, iters)
+    common.print_table(rows, ["variant", "ms", "TFLOP/s", "x bf16", "peak GiB"])
+    print(f"FP8 GEMM-only floor of the step: {floor_ms:.3f} ms (fwd {t_fwd*1e3:.3f}, dgrad "
+          f"{t_dgrad*1e3:.3f}, wgrad {t_wgrad*1e3:.3f}) = {flops / (floor_ms / 1e3) / 1e12:.0f} TFLOP/s; "
+          f"FP8 GEMM ceiling at 8192^3: {ceiling:.0f} TFLOP/s")
+    path = common.write_results("dense" + ("_small" if args.small else ""), {
+        "shape": {"batch": b, "seq": s, "hidden": h, "features": f},
+        "variants": results, "gemm_floor_ms": floor_ms,
+        "gemm_ms": {"fwd": t_fwd * 1e3, "dgrad": t_dgrad * 1e3, "wgrad": t_wgrad * 1e3},
+        "fp8_gemm_ceiling_tflops": ceiling,
+    })
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

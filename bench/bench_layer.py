@@ -1,0 +1,75 @@
+"""Seed transformer layer (batch 4, seq 2048, hidden 4096, ffn 16384, 32 heads; the code of
+examples/te_integration_layer.py) forward+backward, side by side in one run: bf16 Flax,
+Flax's FP8 (`Fp8DirectDotGeneralOp` in every Dense), and lowbit per recipe. Prints time,
+ratio to bf16 and to Flax's FP8, and the compiled step's peak memory.
+
+    python bench/bench_layer.py            # GPU, seed shape
+    python bench/bench_layer.py --small    # CPU smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+from flax import linen as nn
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
+import common  # noqa: E402
+from bench_dense import peak_bytes  # noqa: E402
+from quickstart_jax_utils import make_step  # noqa: E402
+from te_integration_layer import FlaxTransformerLayer  # noqa: E402
+
+import lowbit  # noqa: E402
+from lowbit.recipe import DelayedScaling, Float8CurrentScaling  # noqa: E402
+
+VARIANTS = {
+    "bf16": lambda: None,
+    "flax_fp8": lambda: nn.Fp8DirectDotGeneralOp(),
+    "lowbit_delayed": lowbit.flax.make_dot_general_cls(DelayedScaling()),
+    "lowbit_current": lowbit.flax.make_dot_general_cls(Float8CurrentScaling()),
+}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--small", action="store_true")
+    parser.add_argument("--iters", type=int, default=None)
+    args = parser.parse_args(argv)
+    b, s, h, f, heads = (2, 64, 128, 512, 4) if args.small else (4, 2048, 4096, 16384, 32)
+    iters = args.iters or (2 if args.small else 20)
+    key, dropout_key = jax.random.split(jax.random.PRNGKey(42))
+    x = jax.random.normal(key, (b, s, h)).astype(jnp.bfloat16)
+    dy = jax.random.normal(key, (b, s, h)).astype(jnp.bfloat16)
+    kwargs = {"attention_mask": None, "deterministic": False}
+
+    results, params = {}, None
+    for name, cls in VARIANTS.items():
+        layer = FlaxTransformerLayer(hidden_size=h, ffn_hidden_size=f, num_attention_heads=heads,
+                                     dot_general_cls=cls)
+        variables = layer.init(key, x, attention_mask=None, deterministic=False)
+        if params is None:
+            params = variables["params"]
+        variables = {**variables, "params": params}
+        step = make_step(layer.apply, kwargs, rngs={"dropout": dropout_key})
+        compiled = step.lower(variables, x, dy).compile()
+        t = common.time_fn(lambda v, x, dy: step(v, x, dy)[1:], [(variables, x, dy)], iters)
+        results[name] = {"ms": t * 1e3, "peak_bytes": peak_bytes(compiled)}
+    rows = []
+    for name, r in results.items():
+        r["speedup_vs_bf16"] = results["bf16"]["ms"] / r["ms"]
+        r["speedup_vs_flax_fp8"] = results["flax_fp8"]["ms"] / r["ms"]
+        rows.append({"variant": name, "ms": r["ms"], "x bf16": r["speedup_vs_bf16"],
+                     "x flax_fp8": r["speedup_vs_flax_fp8"], "peak GiB": (r["peak_bytes"] or 0) / 2**30})
+    common.print_table(rows, ["variant", "ms", "x bf16", "x flax_fp8", "peak GiB"])
+    path = common.write_results("layer" + ("_small" if args.small else ""), {
+        "shape": {"batch": b, "seq": s, "hidden": h, "ffn": f, "heads": heads}, "variants": results})
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,197 @@
+"""lowbit.dense: a quantized GEMM layer, y = x . kernel (+ bias), with its own backward.
+
+Dataflow (tensor scaling; every GEMM in the "TN" form lowbit.ops.gemm takes, both
+operands K-major), with x viewed as (M, K) and the kernel as (K, N):
+
+    forward   x  -> rowwise (M,K) + colwise (K,M)      kernel -> rowwise (K,N) + colwise (N,K)
+              y  = gemm(x.rowwise, kernel.colwise) + bias                     (M,N)
+    backward  dy -> rowwise (M,N) + colwise (N,M), dbias fused into that quantize
+              dx = gemm(dy.rowwise, kernel.rowwise)                           (M,K)
+              dw = gemm(x.colwise,  dy.colwise)                               (K,N)
+
+Only the FP8 copies the backward needs (x.colwise, kernel.rowwise) are saved, not the
+high-precision inputs. The quantizer set is a differentiable argument whose "gradient" is
+the set updated with this step's amaxes (the overwrite-with-gradient convention of Flax's
+FP8 ops): with DelayedScaling, step t casts with the scale made at step t-1.
+
+Accumulation: the forward GEMM uses the fast FP8 accumulation, the two backward GEMMs the
+split (more precise) one, as TransformerEngine does by default. With an empty quantizer set
+(no recipe) dense is a plain `lax.dot_general`. `forward_gemm` and `backward_gemms` are the
+pieces layernorm_dense and layernorm_mlp reuse.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+from typing import NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+from lowbit.ops.gemm import gemm
+from lowbit.quantize.quantizer import QuantizerSet, noop_quantizer_set
+from lowbit.quantize.tensor import ScaledTensor1x, ScaledTensor2x
+
+# Names under which the GEMM outputs are visible to remat policies (checkpoint_policies.py).
+GEMM_CHECKPOINT_NAME = "lowbit_gemm"
+
+__all__ = ["dense", "GEMM_CHECKPOINT_NAME"]
+
+
+def _normalize_dims(op: str, arg: str, dims: Sequence[int], ndim: int) -> tuple[int, ...]:
+    out = []
+    for d in dims:
+        if not -ndim <= d < ndim:
+            raise ValueError(f"{op}: contracting_dims: {arg} dim {d} is out of range for rank {ndim}")
+        out.append(d % ndim)
+    if len(set(out)) != len(out):
+        raise ValueError(f"{op}: contracting_dims: {arg} dims {tuple(dims)} repeat")
+    return tuple(out)
+
+
+def _canonical(x, kernel, contracting_dims):
+    """Transposes x so its contracting dims come last and the kernel so they come first (the
+    NN form), returning the two arrays and the number of contracting dims."""
+    op = "lowbit.dense"
+    if len(contracting_dims) != 2:
+        raise ValueError(f"{op}: contracting_dims: expected ((x dims), (kernel dims)), got {contracting_dims}")
+    xc = _normalize_dims(op, "x", contracting_dims[0], x.ndim)
+    kc = _normalize_dims(op, "kernel", contracting_dims[1], kernel.ndim)
+    if len(xc) != len(kc) or not xc:
+        raise ValueError(f"{op}: contracting_dims: x and kernel must contract as many dims, got {contracting_dims}")
+    for a, b in zip(xc, kc):
+        if x.shape[a] != kernel.shape[b]:
+            raise ValueError(
+                f"{op}: contracting_dims: x dim {a} ({x.shape[a]}) != kernel dim {b} ({kernel.shape[b]})"
+            )
+    x_free = tuple(d for d in range(x.ndim) if d not in xc)
+    k_free = tuple(d for d in range(kernel.ndim) if d not in kc)
+    if x_free + xc != tuple(range(x.ndim)):
+        x = jnp.transpose(x, x_free + xc)
+    if kc + k_free != tuple(range(kernel.ndim)):
+        kernel = jnp.transpose(kernel, kc + k_free)
+    return x, kernel, len(xc)
+
+
+def as_2d(a, n_lead: int):
+    """a viewed as (prod of its first n_lead dims, prod of the rest)."""
+    return a.reshape(math.prod(a.shape[:n_lead]), math.prod(a.shape[n_lead:]))
+
+
+def quantize_2x(quantizer, a2d) -> ScaledTensor2x:
+    """Rowwise and (transposed) colwise copies of a 2-D operand."""
+    tensor, _ = quantizer.quantize(a2d, is_rowwise=True, is_colwise=True, flatten_axis=1)
+    return tensor
+
+
+def forward_gemm(xq: ScaledTensor2x, kq: ScaledTensor2x, bias2d, out_dtype):
+    """y (M,N) = x (M,K) . kernel (K,N) + bias, from their quantized copies."""
+    x_row, k_col = xq.rowwise_tensor, kq.colwise_tensor
+    y = gemm(x_row.data, k_col.data, x_row.scale_inv, k_col.scale_inv, bias2d,
+             out_dtype=out_dtype, use_split_accumulator=False)
+    return checkpoint_name(y, GEMM_CHECKPOINT_NAME)
+
+
+def dgrad_wgrad(dyq: ScaledTensor2x, x_col: ScaledTensor1x, k_row: ScaledTensor1x, x_dtype, k_dtype):
+    """dx (M,K) = dy . kernel^T and dw (K,N) = x^T . dy from the quantized dy (M,N)."""
+    dy_row, dy_col = dyq.rowwise_tensor, dyq.colwise_tensor
+    dx = gemm(dy_row.data, k_row.data, dy_row.scale_inv, k_row.scale_inv,
+              out_dtype=x_dtype, use_split_accumulator=True)
+    dw = gemm(x_col.data, dy_col.data, x_col.scale_inv, dy_col.scale_inv,
+              out_dtype=k_dtype, use_split_accumulator=True)
+    return checkpoint_name(dx, GEMM_CHECKPOINT_NAME), checkpoint_name(dw, GEMM_CHECKPOINT_NAME)
+
+
+def backward_gemms(dy2d, x_col: ScaledTensor1x, k_row: ScaledTensor1x, dgrad_quantizer,
+                   has_bias: bool, x_dtype, k_dtype):
+    """dx (M,K), dw (K,N), dbias (N,) or None, and dy's amax, from dy (M,N); dbias comes
+    out of dy's quantize pass."""
+    dyq, dbias = dgrad_quantizer.quantize(
+        dy2d, is_rowwise=True, is_colwise=True, flatten_axis=1, compute_dbias=has_bias
+    )
+    dx, dw = dgrad_wgrad(dyq, x_col, k_row, x_dtype, k_dtype)
+    return dx, dw, dbias, dyq.amax
+
+
+def check_quantizer_set(op: str, quantizer_set: QuantizerSet) -> bool:
+    """True when the set quantizes; False for an empty set; an error for a partial one."""
+    quantizers = (quantizer_set.x, quantizer_set.kernel, quantizer_set.dgrad)
+    if all(q is None for q in quantizers):
+        return False
+    if any(q is None for q in quantizers):
+        raise ValueError(f"{op}: quantizer_set: give quantizers for x, kernel and dgrad, or none")
+    return True
+
+
+def dense(
+    x: jax.Array,
+    kernel: jax.Array,
+    bias: jax.Array | None = None,
+    contracting_dims=((1,), (0,)),
+    quantizer_set: QuantizerSet = noop_quantizer_set,
+) -> jax.Array:
+    """x . kernel over `contracting_dims` (+ bias over the kernel's free dims), quantized by
+    `quantizer_set` (see the module docstring). The output has x's free dims then the
+    kernel's free dims, in x's dtype."""
+    x, kernel = jnp.asarray(x), jnp.asarray(kernel)
+    x, kernel, n_contract = _canonical(x, kernel, contracting_dims)
+    out_free = kernel.shape[n_contract:]
+    if bias is not None and tuple(bias.shape) != tuple(out_free):
+        raise ValueError(f"lowbit.dense: bias: expected shape {tuple(out_free)}, got {tuple(bias.shape)}")
+    if not check_quantizer_set("lowbit.dense", quantizer_set):
+        dims = ((tuple(range(x.ndim - n_contract, x.ndim)), tuple(range(n_contract))), ((), ()))
+        y = jax.lax.dot_general(x, kernel, dims).astype(x.dtype)
+        return y if bias is None else y + bias.astype(y.dtype)
+    if bias is not None:
+        bias = bias.astype(x.dtype)
+    static = _Static(n_contract, tuple(x.shape), tuple(kernel.shape), jnp.dtype(x.dtype),
+                     jnp.dtype(kernel.dtype), bias is not None)
+    return _dense(x, kernel, bias, quantizer_set, static)
+
+
+class _Static(NamedTuple):
+    """Hashable facts the backward needs besides the residual arrays."""
+
+    n_contract: int
+    x_shape: tuple[int, ...]
+    kernel_shape: tuple[int, ...]
+    x_dtype: jnp.dtype
+    kernel_dtype: jnp.dtype
+    has_bias: bool
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _dense(x, kernel, bias, quantizer_set, static):
+    y, _ = _dense_fwd(x, kernel, bias, quantizer_set, static)
+    return y
+
+
+def _dense_fwd(x, kernel, bias, quantizer_set, static):
+    n_lead = x.ndim - static.n_contract
+    xq = quantize_2x(quantizer_set.x, as_2d(x, n_lead))                     # (M, K)
+    kq = quantize_2x(quantizer_set.kernel, as_2d(kernel, static.n_contract))  # (K, N)
+    bias2d = None if bias is None else bias.reshape(-1)
+    y = forward_gemm(xq, kq, bias2d, x.dtype)
+    y = y.reshape(*x.shape[:n_lead], *kernel.shape[static.n_contract:])
+    return y, (xq.colwise_tensor, kq.rowwise_tensor, quantizer_set, xq.amax, kq.amax)
+
+
+def _dense_bwd(static, residuals, dy):
+    x_col, k_row, quantizer_set, x_amax, k_amax = residuals
+    n_lead = len(static.x_shape) - static.n_contract
+    dx, dw, dbias, dy_amax = backward_gemms(
+        as_2d(dy, n_lead), x_col, k_row, quantizer_set.dgrad, static.has_bias,
+        static.x_dtype, static.kernel_dtype,
+    )
+    dbias = dbias.reshape(static.kernel_shape[static.n_contract:]) if static.has_bias else None
+    new_set = QuantizerSet(
+        x=quantizer_set.x.update(x_amax),
+        kernel=quantizer_set.kernel.update(k_amax),
+        dgrad=quantizer_set.dgrad.update(dy_amax),
+    )
+    return dx.reshape(static.x_shape), dw.reshape(static.kernel_shape), dbias, new_set
+
+
+_dense.defvjp(_dense_fwd, _dense_bwd)

@@ -1,0 +1,105 @@
+"""lowbit.flax: Flax (Linen) integration; TE-style modules in module.py, NNX twins in nnx.py.
+
+`make_dot_general_cls(recipe)` returns a module class for `nn.Dense(dot_general=cls())`:
+the Dense keeps its own parameters, initialisation and sharding; only the GEMM becomes
+lowbit's quantized `dense`. Stateful recipes (DelayedScaling) keep their state as Flax
+variables in the collection `_overwrite_with_gradient`: `x_scale (1,)`,
+`x_amax_history (L,)`, and the same for `kernel` and `grad`. Their "gradient" is the state
+for the next step, which the training loop writes back (overwrite-with-gradient); pass the
+whole variable dict, not only `params`, from step to step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+from flax import linen as nn
+
+from lowbit.dense import dense
+from lowbit.quantize.helper import QuantizerFactory
+from lowbit.quantize.quantizer import DelayedScaleQuantizer, QuantizerSet
+
+OVERWRITE_WITH_GRADIENT = "_overwrite_with_gradient"
+
+# QuantizerSet field -> variable name prefix (TE's names).
+_STATE_PREFIX = {"x": "x", "kernel": "kernel", "dgrad": "grad"}
+
+__all__ = [
+    "OVERWRITE_WITH_GRADIENT",
+    "DenseGeneral",
+    "LayerNorm",
+    "LayerNormDenseGeneral",
+    "LayerNormMLP",
+    "LowbitModuleBase",
+    "Softmax",
+    "TransformerEngineBase",
+    "make_dot_general_cls",
+    "wrap_function_in_state_module",
+    "wrap_function_in_te_state_module",
+]
+
+
+def _bind_state(module: nn.Module, quantizer_set: QuantizerSet, postfix: str = "",
+                collection: str = OVERWRITE_WITH_GRADIENT) -> QuantizerSet:
+    """Replaces the state leaves of stateful quantizers by this module's variables, named
+    `{x|kernel|grad}{postfix}_scale` / `..._amax_history` in `collection`."""
+    bound = {}
+    for field, prefix in _STATE_PREFIX.items():
+        q = getattr(quantizer_set, field)
+        if isinstance(q, DelayedScaleQuantizer):
+            length = q.amax_history.shape[0]
+            scale = module.variable(collection, f"{prefix}{postfix}_scale",
+                                    jnp.ones, (1,), jnp.float32)
+            history = module.variable(collection, f"{prefix}{postfix}_amax_history",
+                                      jnp.zeros, (length,), jnp.float32)
+            q = dataclasses.replace(q, scale=scale.value, amax_history=history.value)
+        bound[field] = q
+    return QuantizerSet(**bound)
+
+
+def wrap_function_in_state_module(f, quantization_recipe, name: str | None = None):
+    """A Linen module class whose __call__(*args, **kwargs) calls
+    f(*args, quantizer_set=<the recipe's set, bound to this module's state>, **kwargs)."""
+
+    class Wrapper(nn.Module):
+        @nn.compact
+        def __call__(self, *args, **kwargs):
+            quantizer_set = QuantizerFactory.create_set(quantization_recipe)
+            return f(*args, quantizer_set=_bind_state(self, quantizer_set), **kwargs)
+
+    Wrapper.__name__ = Wrapper.__qualname__ = f"Wrapper_{name or f.__name__}"
+    return Wrapper
+
+
+wrap_function_in_te_state_module = wrap_function_in_state_module
+
+
+def make_dot_general_cls(quantization_recipe):
+    """A module class usable as `nn.Dense(dot_general=cls())` that runs lowbit.dense."""
+
+    def dot_general(x, kernel, dimension_numbers, precision=None, preferred_element_type=None,
+                    quantizer_set=None):
+        del precision  # lowbit's GEMMs accumulate in fp32 whatever the precision asks
+        contracting, batch = dimension_numbers
+        if tuple(batch[0]) or tuple(batch[1]):
+            raise ValueError(
+                "lowbit.flax.make_dot_general_cls: dimension_numbers: batch dimensions are not "
+                f"supported by the quantized dense, got {dimension_numbers}"
+            )
+        y = dense(x, kernel, contracting_dims=contracting, quantizer_set=quantizer_set)
+        return y if preferred_element_type is None else y.astype(preferred_element_type)
+
+    return wrap_function_in_state_module(dot_general, quantization_recipe, "dot_general")
+
+
+# The TE-style modules (module.py) build on _bind_state above; NNX twins: lowbit.flax.nnx.
+from lowbit.flax.module import (  # noqa: E402
+    DenseGeneral,
+    LayerNorm,
+    LayerNormDenseGeneral,
+    LayerNormMLP,
+    LowbitModuleBase,
+    Softmax,
+    TransformerEngineBase,
+)

@@ -1,0 +1,122 @@
+"""lowbit.layernorm: LayerNorm / RMSNorm with their own backward, and the fused
+norm + quantize that layernorm_dense and layernorm_mlp feed their first GEMM with.
+
+`layernorm(x, gamma, beta, norm_type, zero_centered_gamma, epsilon)` returns the normalized
+tensor in x's dtype; its VJP runs lowbit's norm backward (dx, dgamma, dbeta). With a
+quantizer it returns the quantized output instead (a ScaledTensor with the rowwise and the
+transposed colwise copy, forward only: train through layernorm_dense / layernorm_mlp,
+which own the backward of the quantized path).
+
+norm_quantize(): with a delayed-scaling quantizer (its scale is known before the pass) the
+norm kernel writes the FP8 copies and the amax in the same pass as y; with current scaling
+the scale needs the output's amax first, so the norm writes y and the quantize op follows.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from lowbit.ops.norm import norm_backward, norm_forward
+from lowbit.quantize.quantizer import DelayedScaleQuantizer
+from lowbit.quantize.tensor import ScaledTensor1x, ScaledTensor2x
+
+NORM_TYPES = ("layernorm", "rmsnorm")
+
+__all__ = ["layernorm", "NormConfig", "norm_quantize", "fused_2x"]
+
+
+class NormConfig(NamedTuple):
+    norm_type: str = "layernorm"
+    zero_centered_gamma: bool = False
+    epsilon: float = 1e-6
+
+    def check(self, op: str, x, gamma, beta) -> None:
+        if self.norm_type not in NORM_TYPES:
+            raise ValueError(f"{op}: norm_type: expected one of {NORM_TYPES}, got {self.norm_type!r}")
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            raise TypeError(f"{op}: x: expected a float dtype, got {x.dtype}")
+        hidden = x.shape[-1]
+        if tuple(gamma.shape) != (hidden,):
+            raise ValueError(f"{op}: gamma: expected shape ({hidden},), got {tuple(gamma.shape)}")
+        if self.norm_type == "rmsnorm" and beta is not None:
+            raise ValueError(f"{op}: beta: RMSNorm has no beta, got one of shape {tuple(beta.shape)}")
+        if self.norm_type == "layernorm":
+            if beta is None:
+                raise ValueError(f"{op}: beta: LayerNorm needs beta of shape ({hidden},)")
+            if tuple(beta.shape) != (hidden,):
+                raise ValueError(f"{op}: beta: expected shape ({hidden},), got {tuple(beta.shape)}")
+
+    def kwargs(self) -> dict:
+        return dict(norm_type=self.norm_type, zero_centered_gamma=self.zero_centered_gamma)
+
+
+def fused_2x(quantizer, rowwise, colwise, amax, dq_dtype) -> ScaledTensor2x:
+    """The ScaledTensor2x of copies a fused kernel wrote with `quantizer`'s (delayed) scale."""
+    scale_inv = jnp.float32(1.0) / quantizer.scale.reshape(1)
+    amax = amax.reshape(1)
+
+    def one(data, colwise_copy):
+        return ScaledTensor1x(data=data, scale_inv=scale_inv, amax=amax,
+                              scaling_mode=quantizer.scaling_mode, dq_dtype=jnp.dtype(dq_dtype),
+                              is_colwise=colwise_copy, flatten_axis=1)
+
+    return ScaledTensor2x(one(rowwise, False), one(colwise, True))
+
+
+def norm_quantize(x2d, gamma, beta, cfg: NormConfig, quantizer, want_y: bool):
+    """Norm of x (M, H) quantized by `quantizer` into rowwise (M,H) + colwise (H,M) copies.
+    Returns (ScaledTensor2x, y in x's dtype or None, mu, rsigma)."""
+    if isinstance(quantizer, DelayedScaleQuantizer):
+        scale = quantizer.scale.reshape(1)
+        out = norm_forward(x2d, gamma, beta, epsilon=cfg.epsilon, quant_scale=scale,
+                           quant_dtype=quantizer.q_dtype, rowwise=True, colwise=True,
+                           return_y=want_y, **cfg.kwargs())
+        xq = fused_2x(quantizer, out.q_rowwise, out.q_colwise, out.amax, x2d.dtype)
+        return xq, (out.y if want_y else None), out.mu, out.rsigma
+    out = norm_forward(x2d, gamma, beta, epsilon=cfg.epsilon, **cfg.kwargs())
+    xq, _ = quantizer.quantize(out.y, is_rowwise=True, is_colwise=True, flatten_axis=1)
+    return xq, out.y, out.mu, out.rsigma
+
+
+def layernorm(
+    x: jax.Array,
+    gamma: jax.Array,
+    beta: jax.Array | None = None,
+    norm_type: str = "layernorm",
+    zero_centered_gamma: bool = False,
+    epsilon: float = 1e-6,
+    quantizer=None,
+):
+    """Normalizes x over its last dim (see the module docstring)."""
+    x, gamma = jnp.asarray(x), jnp.asarray(gamma)
+    beta = None if beta is None else jnp.asarray(beta)
+    cfg = NormConfig(norm_type, bool(zero_centered_gamma), float(epsilon))
+    cfg.check("lowbit.layernorm", x, gamma, beta)
+    if quantizer is not None:
+        xq, _, _, _ = norm_quantize(x.reshape(-1, x.shape[-1]), gamma, beta, cfg, quantizer, False)
+        return xq
+    return _layernorm(x, gamma, beta, cfg)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _layernorm(x, gamma, beta, cfg):
+    return _layernorm_fwd(x, gamma, beta, cfg)[0]
+
+
+def _layernorm_fwd(x, gamma, beta, cfg):
+    x2d = x.reshape(-1, x.shape[-1])
+    out = norm_forward(x2d, gamma, beta, epsilon=cfg.epsilon, **cfg.kwargs())
+    return out.y.reshape(x.shape), (x2d, out.mu, out.rsigma, gamma)
+
+
+def _layernorm_bwd(cfg, residuals, dy):
+    x2d, mu, rsigma, gamma = residuals
+    dx, dgamma, dbeta = norm_backward(dy.reshape(x2d.shape), x2d, mu, rsigma, gamma, **cfg.kwargs())
+    return dx.reshape(dy.shape), dgamma, (dbeta if cfg.norm_type == "layernorm" else None)
+
+
+_layernorm.defvjp(_layernorm_fwd, _layernorm_bwd)

@@ -1,0 +1,114 @@
+"""lowbit.layernorm_dense: norm -> quantize -> GEMM (+ bias) in one custom_vjp.
+
+Forward: the norm writes its output already quantized (rowwise for the GEMM, the transposed
+colwise copy for the weight gradient; one pass with delayed scaling, see
+layernorm.norm_quantize), the kernel is quantized as in dense, and
+y = gemm(ln.rowwise, kernel.colwise) + bias. Backward: dgrad and wgrad GEMMs as in dense,
+then lowbit's norm backward turns d(ln) into dx, dgamma and dbeta. Saved for the backward:
+x, mu, rsigma (the norm needs them) and the FP8 copies ln.colwise and kernel.rowwise.
+`return_layernorm_output=True` also returns the norm's output in x's dtype (its gradient
+is added to the GEMM's before the norm backward).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from lowbit.dense import as_2d, backward_gemms, check_quantizer_set, dense, forward_gemm, quantize_2x
+from lowbit.layernorm import NormConfig, layernorm, norm_quantize
+from lowbit.ops.norm import norm_backward
+from lowbit.quantize.quantizer import QuantizerSet, noop_quantizer_set
+
+__all__ = ["layernorm_dense"]
+
+
+class _Static(NamedTuple):
+    cfg: NormConfig
+    x_shape: tuple[int, ...]
+    kernel_shape: tuple[int, ...]
+    kernel_dtype: jnp.dtype
+    has_bias: bool
+    return_ln: bool
+
+
+def layernorm_dense(
+    x: jax.Array,
+    kernel: jax.Array,
+    gamma: jax.Array,
+    beta: jax.Array | None = None,
+    bias: jax.Array | None = None,
+    norm_type: str = "layernorm",
+    zero_centered_gamma: bool = False,
+    epsilon: float = 1e-6,
+    layernorm_input_axes=None,
+    dot_input_axes=None,
+    kernel_axes=None,
+    quantizer_set: QuantizerSet = noop_quantizer_set,
+    return_layernorm_output: bool = False,
+):
+    """norm(x) . kernel (+ bias): x (..., H), kernel (H, N...), output (..., N...) in x's
+    dtype; with return_layernorm_output, (output, norm(x))."""
+    del layernorm_input_axes, dot_input_axes, kernel_axes  # sharding hints: see lowbit.sharding
+    op = "lowbit.layernorm_dense"
+    x, kernel, gamma = jnp.asarray(x), jnp.asarray(kernel), jnp.asarray(gamma)
+    cfg = NormConfig(norm_type, bool(zero_centered_gamma), float(epsilon))
+    cfg.check(op, x, gamma, beta)
+    if kernel.shape[0] != x.shape[-1]:
+        raise ValueError(f"{op}: kernel: expected first dim {x.shape[-1]} (x's hidden), got {kernel.shape}")
+    out_free = kernel.shape[1:]
+    if bias is not None and tuple(bias.shape) != tuple(out_free):
+        raise ValueError(f"{op}: bias: expected shape {tuple(out_free)}, got {tuple(bias.shape)}")
+    if not check_quantizer_set(op, quantizer_set):
+        ln = layernorm(x, gamma, beta, norm_type, zero_centered_gamma, epsilon)
+        y = dense(ln, kernel, bias, contracting_dims=((x.ndim - 1,), (0,)))
+        return (y, ln) if return_layernorm_output else y
+    bias = None if bias is None else bias.astype(x.dtype)
+    static = _Static(cfg, tuple(x.shape), tuple(kernel.shape), jnp.dtype(kernel.dtype),
+                     bias is not None, bool(return_layernorm_output))
+    y, ln = _layernorm_dense(x, kernel, gamma, beta, bias, quantizer_set, static)
+    return (y, ln) if return_layernorm_output else y
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _layernorm_dense(x, kernel, gamma, beta, bias, quantizer_set, static):
+    return _fwd(x, kernel, gamma, beta, bias, quantizer_set, static)[0]
+
+
+def _fwd(x, kernel, gamma, beta, bias, quantizer_set, static):
+    x2d = x.reshape(-1, x.shape[-1])
+    xq, ln2d, mu, rsigma = norm_quantize(x2d, gamma, beta, static.cfg, quantizer_set.x, static.return_ln)
+    kq = quantize_2x(quantizer_set.kernel, as_2d(kernel, 1))
+    y = forward_gemm(xq, kq, None if bias is None else bias.reshape(-1), x.dtype)
+    y = y.reshape(*x.shape[:-1], *kernel.shape[1:])
+    ln = ln2d.reshape(x.shape) if static.return_ln else None
+    residuals = (x2d, mu, rsigma, gamma, xq.colwise_tensor, kq.rowwise_tensor, quantizer_set,
+                 xq.amax, kq.amax)
+    return (y, ln), residuals
+
+
+def _bwd(static, residuals, cotangents):
+    dy, dln_out = cotangents
+    x2d, mu, rsigma, gamma, ln_col, k_row, quantizer_set, x_amax, k_amax = residuals
+    dln, dw, dbias, dy_amax = backward_gemms(
+        as_2d(dy, len(static.x_shape) - 1), ln_col, k_row, quantizer_set.dgrad, static.has_bias,
+        x2d.dtype, static.kernel_dtype,
+    )
+    if static.return_ln:
+        dln = dln + dln_out.reshape(dln.shape).astype(dln.dtype)
+    dx, dgamma, dbeta = norm_backward(dln, x2d, mu, rsigma, gamma, **static.cfg.kwargs())
+    new_set = QuantizerSet(
+        x=quantizer_set.x.update(x_amax),
+        kernel=quantizer_set.kernel.update(k_amax),
+        dgrad=quantizer_set.dgrad.update(dy_amax),
+    )
+    dbeta = dbeta if static.cfg.norm_type == "layernorm" else None
+    dbias = dbias.reshape(static.kernel_shape[1:]) if static.has_bias else None
+    return (dx.reshape(static.x_shape), dw.reshape(static.kernel_shape), dgamma, dbeta, dbias,
+            new_set)
+
+
+_layernorm_dense.defvjp(_fwd, _bwd)

@@ -1,0 +1,186 @@
+"""lowbit.layernorm_mlp: norm -> GEMM1 (+bias) -> activation -> GEMM2 (+bias), one custom_vjp.
+
+Forward, with x viewed as (M, H), wi as (H, n_act*F) and wo as (F, H):
+    ln  = norm(x), quantized (rowwise + colwise) in the norm's pass      (delayed scaling)
+    h   = gemm(ln, wi) + wi_bias                                          checkpoint "ffn1"
+    a   = act(h) (gated: act(h[:, 0]) * h[:, 1]), quantized in the act's pass
+    out = gemm(a, wo) + wo_bias                                           checkpoint "ffn2"
+Backward:
+    da          = dgrad of GEMM2; dwo and dwo_bias from dy's quantize pass
+    dh          = dact(da, h) with dwi_bias and the quantization in the same pass
+    dln, dwi    = dgrad / wgrad of GEMM1
+    dx, dgamma, dbeta = norm backward
+With current scaling the fused kernels write the high-precision output and the quantize op
+follows (the scale needs that output's amax first). Saved for the backward: x, mu, rsigma,
+h (high precision, the activation's backward needs it) and the FP8 copies ln.colwise,
+wi.rowwise, a.colwise and wo.rowwise. `ffn1_ckpt_name` / `ffn2_ckpt_name` name h and out
+for remat policies.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+from lowbit.activation import parse_activation_type
+from lowbit.dense import as_2d, backward_gemms, check_quantizer_set, dense, dgrad_wgrad, forward_gemm, quantize_2x
+from lowbit.layernorm import NormConfig, fused_2x, layernorm, norm_quantize
+from lowbit.ops.activation import act_backward, act_forward
+from lowbit.ops.norm import norm_backward
+from lowbit.quantize.quantizer import DelayedScaleQuantizer, QuantizerSet, noop_quantizer_set
+
+__all__ = ["layernorm_mlp"]
+
+
+class _Static(NamedTuple):
+    cfg: NormConfig
+    act_type: str
+    gated: bool
+    x_shape: tuple[int, ...]
+    wi_shape: tuple[int, ...]
+    wo_shape: tuple[int, ...]
+    wi_dtype: jnp.dtype
+    wo_dtype: jnp.dtype
+    wi_bias_shape: tuple[int, ...] | None
+    has_wo_bias: bool
+    ffn1_ckpt_name: str
+    ffn2_ckpt_name: str
+
+
+def layernorm_mlp(
+    x: jax.Array,
+    gamma: jax.Array,
+    beta: jax.Array | None,
+    kernels: Sequence[jax.Array],
+    biases: Sequence[jax.Array | None] = (None, None),
+    norm_type: str = "layernorm",
+    zero_centered_gamma: bool = False,
+    epsilon: float = 1e-6,
+    norm_input_axes=None,
+    dot_1_input_axes=None,
+    dot_2_input_axes=None,
+    kernel_1_axes=None,
+    kernel_2_axes=None,
+    ffn1_ckpt_name: str = "ffn1",
+    ffn2_ckpt_name: str = "ffn2",
+    activation_type: Sequence[str] = ("gelu",),
+    quantizer_sets=(noop_quantizer_set, noop_quantizer_set),
+) -> jax.Array:
+    """The MLP block of a transformer layer: x (..., H), kernels (wi (H, n_act, F) or (H, F),
+    wo (F, H)), biases (wi_bias (n_act, F) or (F,), wo_bias (H,); None for none)."""
+    del norm_input_axes, dot_1_input_axes, dot_2_input_axes, kernel_1_axes, kernel_2_axes
+    op = "lowbit.layernorm_mlp"
+    x, gamma = jnp.asarray(x), jnp.asarray(gamma)
+    cfg = NormConfig(norm_type, bool(zero_centered_gamma), float(epsilon))
+    cfg.check(op, x, gamma, beta)
+    act_type, gated = parse_activation_type(op, activation_type)
+    wi, wo = (jnp.asarray(k) for k in kernels)
+    wi_bias, wo_bias = biases
+    hidden = x.shape[-1]
+    n_act = 2 if gated else 1
+    if wi.shape[0] != hidden or wi.size % (hidden * n_act):
+        raise ValueError(f"{op}: kernels[0]: expected (H={hidden}, {n_act}, F), got {wi.shape}")
+    ffn = wi.size // (hidden * n_act)
+    if tuple(wo.shape) != (ffn, hidden):
+        raise ValueError(f"{op}: kernels[1]: expected ({ffn}, {hidden}), got {tuple(wo.shape)}")
+    if wi_bias is not None and wi_bias.size != n_act * ffn:
+        raise ValueError(f"{op}: biases[0]: expected {n_act * ffn} values, got shape {tuple(wi_bias.shape)}")
+    if wo_bias is not None and tuple(wo_bias.shape) != (hidden,):
+        raise ValueError(f"{op}: biases[1]: expected shape ({hidden},), got {tuple(wo_bias.shape)}")
+    qs1, qs2 = quantizer_sets
+    quantized = check_quantizer_set(op, qs1)
+    if quantized != check_quantizer_set(op, qs2):
+        raise ValueError(f"{op}: quantizer_sets: quantize both GEMMs or neither")
+    if not quantized:
+        return _unquantized(x, gamma, beta, wi, wo, wi_bias, wo_bias, cfg, activation_type,
+                            ffn1_ckpt_name, ffn2_ckpt_name)
+    static = _Static(cfg, act_type, gated, tuple(x.shape), tuple(wi.shape), tuple(wo.shape),
+                     jnp.dtype(wi.dtype), jnp.dtype(wo.dtype),
+                     None if wi_bias is None else tuple(wi_bias.shape),
+                     wo_bias is not None, ffn1_ckpt_name, ffn2_ckpt_name)
+    cast = lambda b: None if b is None else jnp.asarray(b).astype(x.dtype)  # noqa: E731
+    return _layernorm_mlp(x, gamma, beta, wi, wo, cast(wi_bias), cast(wo_bias), qs1, qs2, static)
+
+
+def _unquantized(x, gamma, beta, wi, wo, wi_bias, wo_bias, cfg, activation_type, name1, name2):
+    from lowbit.activation import activation
+
+    ln = layernorm(x, gamma, beta, *cfg)
+    n_act = len(activation_type)
+    wi3 = wi.reshape(x.shape[-1], n_act, -1)
+    h = dense(ln, wi3, None if wi_bias is None else wi_bias.reshape(n_act, -1),
+              contracting_dims=((x.ndim - 1,), (0,)))
+    h = checkpoint_name(h, name1)
+    a = activation(h if n_act > 1 else h.reshape(*h.shape[:-2], -1), activation_type)
+    out = dense(a, wo, wo_bias, contracting_dims=((a.ndim - 1,), (0,)))
+    return checkpoint_name(out, name2)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(9,))
+def _layernorm_mlp(x, gamma, beta, wi, wo, wi_bias, wo_bias, qs1, qs2, static):
+    return _fwd(x, gamma, beta, wi, wo, wi_bias, wo_bias, qs1, qs2, static)[0]
+
+
+def _act_view(h2d, static):
+    """GEMM1's (M, n_act*F) output as the activation's input: (M, 2, F) gated, else (M, F)."""
+    return h2d.reshape(h2d.shape[0], 2, -1) if static.gated else h2d
+
+
+def _fwd(x, gamma, beta, wi, wo, wi_bias, wo_bias, qs1, qs2, static):
+    x2d = x.reshape(-1, x.shape[-1])
+    lnq, _, mu, rsigma = norm_quantize(x2d, gamma, beta, static.cfg, qs1.x, False)
+    wiq = quantize_2x(qs1.kernel, wi.reshape(wi.shape[0], -1))
+    h2d = forward_gemm(lnq, wiq, None if wi_bias is None else wi_bias.reshape(-1), x.dtype)
+    h2d = checkpoint_name(h2d, static.ffn1_ckpt_name)
+    h_act = _act_view(h2d, static)
+    if isinstance(qs2.x, DelayedScaleQuantizer):
+        a = act_forward(h_act, static.act_type, gated=static.gated, quant_scale=qs2.x.scale.reshape(1),
+                        quant_dtype=qs2.x.q_dtype, rowwise=True, colwise=True, return_y=False)
+        aq = fused_2x(qs2.x, a.q_rowwise, a.q_colwise, a.amax, x.dtype)
+    else:
+        a = act_forward(h_act, static.act_type, gated=static.gated)
+        aq = quantize_2x(qs2.x, a.y.reshape(x2d.shape[0], -1))
+    woq = quantize_2x(qs2.kernel, wo)
+    out = forward_gemm(aq, woq, wo_bias, x.dtype)
+    out = checkpoint_name(out, static.ffn2_ckpt_name).reshape(x.shape)
+    residuals = (x2d, mu, rsigma, gamma, lnq.colwise_tensor, wiq.rowwise_tensor, h2d,
+                 aq.colwise_tensor, woq.rowwise_tensor, qs1, qs2,
+                 (lnq.amax, wiq.amax, aq.amax, woq.amax))
+    return out, residuals
+
+
+def _bwd(static, residuals, dy):
+    (x2d, mu, rsigma, gamma, ln_col, wi_row, h2d, a_col, wo_row, qs1, qs2, amaxes) = residuals
+    ln_amax, wi_amax, a_amax, wo_amax = amaxes
+    da, dwo, dwo_bias, dy_amax = backward_gemms(
+        dy.reshape(-1, dy.shape[-1]), a_col, wo_row, qs2.dgrad, static.has_wo_bias, x2d.dtype,
+        static.wo_dtype)
+    h_act = _act_view(h2d, static)
+    if isinstance(qs1.dgrad, DelayedScaleQuantizer):
+        g = act_backward(da, h_act, static.act_type, gated=static.gated,
+                         quant_scale=qs1.dgrad.scale.reshape(1), quant_dtype=qs1.dgrad.q_dtype,
+                         rowwise=True, colwise=True, compute_dbias=(static.wi_bias_shape is not None))
+        dhq, dwi_bias, dh_amax = fused_2x(qs1.dgrad, g.q_rowwise, g.q_colwise, g.amax, x2d.dtype), g.dbias, g.amax
+    else:
+        g = act_backward(da, h_act, static.act_type, gated=static.gated)
+        dhq, dwi_bias = qs1.dgrad.quantize(as_2d(g.dx, 1), is_rowwise=True, is_colwise=True,
+                                           flatten_axis=1, compute_dbias=(static.wi_bias_shape is not None))
+        dh_amax = dhq.amax
+    dln, dwi = dgrad_wgrad(dhq, ln_col, wi_row, x2d.dtype, static.wi_dtype)
+    dx, dgamma, dbeta = norm_backward(dln, x2d, mu, rsigma, gamma, **static.cfg.kwargs())
+    new_qs1 = QuantizerSet(x=qs1.x.update(ln_amax), kernel=qs1.kernel.update(wi_amax),
+                           dgrad=qs1.dgrad.update(dh_amax))
+    new_qs2 = QuantizerSet(x=qs2.x.update(a_amax), kernel=qs2.kernel.update(wo_amax),
+                           dgrad=qs2.dgrad.update(dy_amax))
+    if static.wi_bias_shape is not None:
+        dwi_bias = dwi_bias.reshape(static.wi_bias_shape)
+    dbeta = dbeta if static.cfg.norm_type == "layernorm" else None
+    return (dx.reshape(static.x_shape), dgamma, dbeta, dwi.reshape(static.wi_shape), dwo,
+            dwi_bias, dwo_bias if static.has_wo_bias else None, new_qs1, new_qs2)
+
+
+_layernorm_mlp.defvjp(_fwd, _bwd)
