@@ -17,6 +17,10 @@ import ml_dtypes  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
+# References are fp32: on a GPU, XLA's default fp32 dot uses TF32, which would make the
+# jnp references less precise than the code they check.
+jax.config.update("jax_default_matmul_precision", "highest")
+
 
 def gpu_devices():
     try:
