@@ -25,5 +25,12 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q -r "$req"
-echo "lowbit: building (CUDA handlers too when nvcc is on PATH)"
-PATH="$PATH:/usr/local/cuda/bin" .venv/bin/python -m pip install -q --no-build-isolation --no-deps -e .
+export PATH="$PATH:/usr/local/cuda/bin"
+# The CUDA library is built when a GPU is visible (or LOWBIT_CUDA=ON/AUTO asks for it):
+# without a GPU it would only cost compile time.
+if [ -z "${LOWBIT_CUDA:-}" ]; then
+  if command -v nvcc >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then LOWBIT_CUDA=ON; else LOWBIT_CUDA=OFF; fi
+fi
+export LOWBIT_CUDA
+echo "lowbit: building (LOWBIT_CUDA=$LOWBIT_CUDA)"
+.venv/bin/python -m pip install -q --no-build-isolation --no-deps -e .

@@ -4,7 +4,9 @@
 # GPU). Exits non-zero on any failure. `.ci/run` calls exactly this.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash tools/setup_env.sh requirements-dev.txt
+# Tests build the CUDA library whenever nvcc is there (AUTO), GPU or not: CI has no GPU,
+# and this is how it notices CUDA code that no longer compiles.
+LOWBIT_CUDA=${LOWBIT_CUDA:-AUTO} bash tools/setup_env.sh requirements-dev.txt
 py=.venv/bin/python
 export PATH="$PWD/.venv/bin:$PATH"   # the pinned cmake and ninja
 
