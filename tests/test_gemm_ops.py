@@ -97,6 +97,20 @@ def assert_close_gemm(got, want, atol, *, max_rel_frobenius=None):
     assert rel <= max_rel_frobenius, f"relative Frobenius error {rel:.3g} > {max_rel_frobenius}"
 
 
+def assert_matches_handler(got, a, b, sa=1.0, sb=1.0, bias=None, out_dtype=jnp.bfloat16):
+    """`got` from the default backend against the CPU handler's order: bit for bit on the
+    CPU; on the GPU (tools/gpu_check.sh runs the suite there) within the cuBLASLt model."""
+    got = np.asarray(got)
+    want = sequential_ref(a, b, sa, sb, bias, out_dtype)
+    if jax.default_backend() == "cpu":
+        np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8))
+        return
+    model = "fp8_split" if jnp.dtype(a.dtype) in gemm_mod.FP8 else "gpu"
+    a2, b2 = np.asarray(a).reshape(-1, a.shape[-1]), np.asarray(b)
+    atol = gemm_atol(a2, b2, sa, sb, out_dtype, model=model).reshape(want.shape)
+    assert_close_gemm(got, want, atol, max_rel_frobenius=FROBENIUS[model])
+
+
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
 FP8_PAIRS = [(E4M3, E4M3), (E4M3, E5M2), (E5M2, E4M3)]
@@ -116,9 +130,10 @@ def operands(rng, m, n, k, a_dtype, b_dtype, out_dtype, with_bias=True, scale=2.
 @pytest.mark.parametrize("a_dtype,b_dtype,out_dtype", TYPE_CASES, ids=CASE_IDS)
 @pytest.mark.parametrize("m,k,n", [(1, 16, 1), (7, 48, 17), (33, 1000, 64), (33, 16, 17)], ids=str)
 @pytest.mark.parametrize("with_bias", [False, True], ids=["nobias", "bias"])
-def test_cpu_matches_references(a_dtype, b_dtype, out_dtype, m, k, n, with_bias, rng):
+def test_cpu_matches_references(a_dtype, b_dtype, out_dtype, m, k, n, with_bias, rng, cpu):
+    """The CPU handler (pinned to the CPU on every backend): its exact order and the jnp one."""
     a, b, sa, sb, bias = operands(rng, m, n, k, a_dtype, b_dtype, out_dtype, with_bias)
-    got = jax.jit(lambda *x: lowbit.ops.gemm(*x, out_dtype=out_dtype))(a, b, sa, sb, bias)
+    got = run_on(cpu, lambda *x: lowbit.ops.gemm(*x, out_dtype=out_dtype), a, b, sa, sb, bias)
     assert got.dtype == jnp.dtype(out_dtype) and got.shape == (m, n)
     want = sequential_ref(a, b, sa, sb, bias, out_dtype)
     np.testing.assert_array_equal(np.asarray(got).view(np.uint8), want.view(np.uint8))
@@ -130,9 +145,9 @@ def test_leading_dims_defaults_and_eager(rng):
     b = rng.standard_normal((48, 32)).astype(E4M3)
     got = lowbit.ops.gemm(a, b)  # scale_invs default to 1, out bf16, eager
     assert got.shape == (2, 3, 48) and got.dtype == jnp.bfloat16
-    np.testing.assert_array_equal(np.asarray(got), sequential_ref(a, b, 1.0, 1.0, None, BF16))
+    assert_matches_handler(got, a, b)
     scalar_scales = lowbit.ops.gemm(a, b, jnp.float32(0.5), np.full((1,), 4.0, np.float32))
-    np.testing.assert_array_equal(np.asarray(scalar_scales), sequential_ref(a, b, 0.5, 4.0, None, BF16))
+    assert_matches_handler(scalar_scales, a, b, 0.5, 4.0)
 
 
 def test_empty_and_k_zero(rng):
@@ -153,13 +168,15 @@ def test_nan_and_inf_propagate():
 
 
 @pytest.mark.parametrize("a_dtype,b_dtype", FP8_PAIRS, ids=str)
-def test_padded_lowering_path_equals_direct(a_dtype, b_dtype, rng):
+def test_padded_lowering_path_equals_direct(a_dtype, b_dtype, rng, cpu):
     """The CUDA lowering pads K and N of FP8 GEMMs to multiples of 16; on the CPU handler
-    the padded computation must give the unpadded result bit for bit."""
+    (pinned to the CPU on every backend) the padded computation must give the unpadded
+    result bit for bit."""
     a, b, sa, sb, bias = operands(rng, 7, 17, 40, a_dtype, b_dtype, BF16)
     args = (a, b, sa.reshape(1), sb.reshape(1), bias)
-    padded = jax.jit(lambda *x: gemm_mod.gemm_padded(*x, out_dtype=jnp.dtype(BF16),
-                                                     use_split_accumulator=np.bool_(True)))(*args)
+    padded = run_on(cpu, lambda *x: gemm_mod.gemm_padded(*x, out_dtype=jnp.dtype(BF16),
+                                                         use_split_accumulator=np.bool_(True)),
+                    *args)
     np.testing.assert_array_equal(np.asarray(padded), sequential_ref(a, b, sa, sb, bias, BF16))
 
 
@@ -176,11 +193,28 @@ def test_cuda_lowering_pads_fp8_k_and_n(monkeypatch):
 
     text = lowered((7, 40), (17, 40), E4M3)
     assert "stablehlo.custom_call @lowbit_gemm" in text and "use_split_accumulator = true" in text
-    assert "(tensor<7x48xf8E4M3FN>, tensor<32x48xf8E4M3FN>, tensor<1xf32>, tensor<1xf32>, tensor<32xbf16>) -> tensor<7x32xbf16>" in text
+    assert ("(tensor<7x48xf8E4M3FN>, tensor<32x48xf8E4M3FN>, tensor<1xf32>, tensor<1xf32>, tensor<32xbf16>)"
+            f" -> (tensor<7x32xbf16>, tensor<{gemm_mod.GEMM_WORKSPACE_BYTES}xui8>)") in text
     assert "stablehlo.slice" in text
     for shape, dtype in [((7, 48), E4M3), ((7, 40), BF16)]:
         text = lowered(shape, (17, shape[1]) if dtype == BF16 else (32, 48), dtype)
         assert "stablehlo.pad" not in text and "stablehlo.custom_call @lowbit_gemm" in text
+
+
+def test_workspace_is_a_dropped_second_result():
+    """The custom call returns (out, u8 workspace): 0 bytes on the CPU, GEMM_WORKSPACE_BYTES
+    (32 MiB + 256, XLA-planned, replacing the FFI scratch allocator) on CUDA, none when
+    empty; gemm_p itself has one result."""
+    args = (jax.ShapeDtypeStruct((5, 32), E4M3), jax.ShapeDtypeStruct((16, 32), E4M3))
+    f = jax.jit(lambda a, b: lowbit.ops.gemm(a, b))
+    text = f.trace(*args).lower(lowering_platforms=("cpu",)).as_text()
+    assert "-> (tensor<5x16xbf16>, tensor<0xui8>)" in text
+    one, empty = jax.ShapeDtypeStruct((1,), F32), jax.ShapeDtypeStruct((0,), BF16)
+    out = jax.eval_shape(lambda a, b, s, e: gemm_mod.gemm_p.bind(
+        a, b, s, s, e, out_dtype=jnp.dtype(BF16), use_split_accumulator=np.bool_(True)),
+        *args, one, empty)
+    assert out.shape == (5, 16) and out.dtype == jnp.bfloat16
+    assert gemm_mod.GEMM_WORKSPACE_BYTES == (32 << 20) + 256  # kGemmWorkspaceBytes, gemm.h
 
 
 def test_vmap(rng):
@@ -189,18 +223,19 @@ def test_vmap(rng):
     bs = rng.standard_normal((4, 3, 32)).astype(E4M3)
     bias = rng.standard_normal((3,)).astype(BF16)
     f = lambda x, y: lowbit.ops.gemm(x, y, bias=bias)
-    want = np.stack([sequential_ref(a[i], b, 1.0, 1.0, bias, BF16) for i in range(4)])
-    np.testing.assert_array_equal(np.asarray(jax.jit(jax.vmap(f, in_axes=(0, None)))(a, b)), want)
-    want_both = np.stack([sequential_ref(a[i], bs[i], 1.0, 1.0, bias, BF16) for i in range(4)])
-    np.testing.assert_array_equal(np.asarray(jax.vmap(f)(a, bs)), want_both)
-    moved = jax.vmap(f, in_axes=(1, None))(a, b)  # batch over a's axis 1
-    np.testing.assert_array_equal(np.asarray(moved), np.swapaxes(want, 0, 1))
-    nested = jax.vmap(jax.vmap(f, in_axes=(0, None)), in_axes=(0, None))(a.reshape(2, 2, 5, 32), b)
-    np.testing.assert_array_equal(np.asarray(nested), want.reshape(2, 2, 5, 3))
+    folded = np.asarray(jax.jit(jax.vmap(f, in_axes=(0, None)))(a, b))
+    both = np.asarray(jax.vmap(f)(a, bs))
+    moved = np.asarray(jax.vmap(f, in_axes=(1, None))(a, b))  # batch over a's axis 1
+    nested = np.asarray(jax.vmap(jax.vmap(f, in_axes=(0, None)), in_axes=(0, None))(a.reshape(2, 2, 5, 32), b))
+    for i in range(4):
+        assert_matches_handler(folded[i], a[i], b, bias=bias)
+        assert_matches_handler(both[i], a[i], bs[i], bias=bias)
+        assert_matches_handler(moved[:, i], a[i], b, bias=bias)
+        assert_matches_handler(nested[i // 2, i % 2], a[i], b, bias=bias)
     scales = rng.uniform(0.5, 2.0, (4,)).astype(np.float32)
-    per_scale = jax.vmap(lambda s: lowbit.ops.gemm(a[0], b, s))(scales)
-    want_scale = np.stack([sequential_ref(a[0], b, s, 1.0, None, BF16) for s in scales])
-    np.testing.assert_array_equal(np.asarray(per_scale), want_scale)
+    per_scale = np.asarray(jax.vmap(lambda s: lowbit.ops.gemm(a[0], b, s))(scales))
+    for i, s in enumerate(scales):
+        assert_matches_handler(per_scale[i], a[0], b, s)
 
 
 def test_primitive_batching_rule(rng):
@@ -215,7 +250,7 @@ def test_primitive_batching_rule(rng):
         got = np.asarray(jax.vmap(bind, in_axes=in_axes)(a if in_axes[0] is not None else a[0],
                                                           b if in_axes[1] is not None else b[0]))
         for i in range(got.shape[0]):
-            np.testing.assert_array_equal(got[i], sequential_ref(*pick(i), 1.0, 1.0, None, BF16))
+            assert_matches_handler(got[i], *pick(i))
 
 
 COLLECTIVES = ("all-reduce", "all-gather", "all-to-all", "collective-permute", "reduce-scatter")

@@ -1,8 +1,15 @@
 // XLA FFI handlers for lowbit_gemm (gemm/gemm.h): out (M, N) = a_scale_inv * b_scale_inv *
 // a (M, K) @ b (N, K)^T + bias. Compiled into liblowbit.so as LowbitGemmCpu (the C++
 // reference) and, with LOWBIT_CUDA_HANDLERS, into liblowbit_cuda.so as LowbitGemmCuda
-// (cuBLASLt, workspace from XLA's scratch allocator). Both validate identically.
-#include <optional>
+// (cuBLASLt). Both validate identically.
+//
+// Workspace: XLA's FFI ScratchAllocator hands out nothing in jax 0.11 (every call failed
+// with "cannot allocate ... bytes"), so the device workspace is a second result buffer
+// that lowbit/ops/gemm.py declares in the lowering and drops (as XLA's own cuBLAS custom
+// calls and TransformerEngine do); buffer assignment plans it like any temp. The CUDA
+// lowering makes it u8[kGemmWorkspaceBytes], the CPU lowering u8[0]; both handlers bind
+// it (one primitive lowers to both), the CPU one ignores it.
+#include <cstdint>
 #include <string>
 
 #include "ffi/ffi_util.h"
@@ -77,7 +84,9 @@ Status GemmArgsFromBuffers(const ffi::AnyBuffer& a, const ffi::AnyBuffer& b,
 
 ffi::Error GemmCpu(ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Buffer<ffi::F32> a_scale_inv,
                    ffi::Buffer<ffi::F32> b_scale_inv, ffi::AnyBuffer bias,
-                   ffi::Result<ffi::AnyBuffer> out, bool use_split_accumulator) {
+                   ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> workspace,
+                   bool use_split_accumulator) {
+  (void)workspace;  // the reference needs none; the CPU lowering passes u8[0]
   GemmArgs args;
   Status s = GemmArgsFromBuffers(a, b, a_scale_inv, b_scale_inv, bias, *out,
                                  use_split_accumulator, &args);
@@ -87,24 +96,32 @@ ffi::Error GemmCpu(ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Buffer<ffi::F32> a_s
 
 #else
 
-ffi::Error GemmGpu(cudaStream_t stream, int32_t device_ordinal, ffi::ScratchAllocator scratch,
-                   ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Buffer<ffi::F32> a_scale_inv,
+ffi::Error GemmGpu(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuffer a,
+                   ffi::AnyBuffer b, ffi::Buffer<ffi::F32> a_scale_inv,
                    ffi::Buffer<ffi::F32> b_scale_inv, ffi::AnyBuffer bias,
-                   ffi::Result<ffi::AnyBuffer> out, bool use_split_accumulator) {
+                   ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> workspace,
+                   bool use_split_accumulator) {
   GemmArgs args;
   Status s = GemmArgsFromBuffers(a, b, a_scale_inv, b_scale_inv, bias, *out,
                                  use_split_accumulator, &args);
   if (!s.ok()) return ToFfiError(s);
   if (args.m == 0 || args.n == 0) return ffi::Error::Success();
-  // Freed when `scratch` goes out of scope; XLA's allocator is stream-ordered, so the
-  // memory is reused only by work enqueued after this GEMM.
-  std::optional<void*> workspace = scratch.Allocate(kGemmWorkspaceBytes, 256);
-  if (!workspace.has_value()) {
-    return ToFfiError(Status::Internal("lowbit_gemm: cannot allocate " +
-                                       std::to_string(kGemmWorkspaceBytes) +
-                                       " bytes of workspace from XLA's scratch allocator"));
+  // XLA places the buffer; it is live only for this call, so work enqueued later may reuse
+  // it (stream order keeps that safe).
+  if (workspace->size_bytes() < kGemmWorkspaceBytes) {
+    return ToFfiError(Invalid("workspace", "expected at least " +
+                                               std::to_string(kGemmWorkspaceBytes) +
+                                               " bytes (u8), got " +
+                                               std::to_string(workspace->size_bytes())));
   }
-  return ToFfiError(GemmCuda(args, device_ordinal, *workspace, stream));
+  void* ws = workspace->untyped_data();
+  if (reinterpret_cast<uintptr_t>(ws) % kGemmWorkspaceAlignment != 0) {
+    return ToFfiError(Status::Internal(
+        "lowbit_gemm: workspace: expected a " + std::to_string(kGemmWorkspaceAlignment) +
+        "-byte aligned buffer from XLA, got address " +
+        std::to_string(reinterpret_cast<uintptr_t>(ws))));
+  }
+  return ToFfiError(GemmCuda(args, device_ordinal, ws, stream));
 }
 
 #endif
@@ -123,18 +140,19 @@ LOWBIT_FFI_HANDLER(LowbitGemmCpu, lowbit::GemmCpu,
                        .Arg<xffi::Buffer<xffi::F32>>()     // b_scale_inv: (1,)
                        .Arg<xffi::AnyBuffer>()             // bias: (N,) in out's type, or (0,)
                        .Ret<xffi::AnyBuffer>()             // out: (M, N) bf16 / f16 / f32
+                       .Ret<xffi::AnyBuffer>()             // workspace: u8 (0,) here, unused
                        .Attr<bool>("use_split_accumulator"));  // FP8 on GPU: false = fast accumulation
 #else
 LOWBIT_FFI_HANDLER(LowbitGemmCuda, lowbit::GemmGpu,
                    xffi::Ffi::Bind()
                        .Ctx<xffi::PlatformStream<cudaStream_t>>()  // stream
                        .Ctx<xffi::DeviceOrdinal>()         // device: picks the cuBLASLt handle and plans
-                       .Ctx<xffi::ScratchAllocator>()      // workspace: kGemmWorkspaceBytes per call
                        .Arg<xffi::AnyBuffer>()             // a: (M, K) fp8 / bf16 / f16, row-major
                        .Arg<xffi::AnyBuffer>()             // b: (N, K) same family as a, row-major
                        .Arg<xffi::Buffer<xffi::F32>>()     // a_scale_inv: (1,)
                        .Arg<xffi::Buffer<xffi::F32>>()     // b_scale_inv: (1,)
                        .Arg<xffi::AnyBuffer>()             // bias: (N,) in out's type, or (0,)
                        .Ret<xffi::AnyBuffer>()             // out: (M, N) bf16 / f16 / f32
+                       .Ret<xffi::AnyBuffer>()             // workspace: u8 (kGemmWorkspaceBytes,), 256-B aligned
                        .Attr<bool>("use_split_accumulator"));  // FP8: false = fast accumulation
 #endif

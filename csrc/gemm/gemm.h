@@ -80,11 +80,14 @@ Status GemmRef(const GemmArgs& args);
 // every pointer 16-byte aligned; lowbit/ops/gemm.py pads K and N before lowering for CUDA.
 constexpr int64_t kFp8DimMultiple = 16;
 
-// Device workspace the CUDA launcher wants from the caller (XLA's scratch allocator): the
-// 32 MiB cuBLASLt workspace NVIDIA recommends for Hopper, plus 256 bytes of scalars.
+// Device workspace the CUDA launcher wants from the caller: the 32 MiB cuBLASLt workspace
+// NVIDIA recommends for Hopper, plus 256 bytes of scalars in front of it. The FFI handler
+// receives it as a second result buffer, u8[kGemmWorkspaceBytes] (GEMM_WORKSPACE_BYTES in
+// lowbit/ops/gemm.py must match), which XLA aligns to 256 bytes.
 constexpr size_t kGemmCublasWorkspaceBytes = size_t(32) << 20;
 constexpr size_t kGemmScalarBytes = 256;
 constexpr size_t kGemmWorkspaceBytes = kGemmCublasWorkspaceBytes + kGemmScalarBytes;
+constexpr size_t kGemmWorkspaceAlignment = 256;
 
 // CUDA launcher (cublaslt_gemm_cuda.cc): enqueues the GEMM on `stream` of device
 // `device_ordinal`, no host sync. `workspace` is kGemmWorkspaceBytes of device memory,

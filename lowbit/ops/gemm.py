@@ -11,6 +11,12 @@ faster, less precise FP8 accumulation).
 FP8 on cuBLASLt needs K and N to be multiples of 16: the CUDA lowering zero-pads K and N
 (zero terms leave every sum unchanged) and slices the result; the CPU handler takes any shape.
 
+Workspace: the lowbit_gemm custom call has a second result, a u8 workspace that XLA's buffer
+assignment plans like any temp (XLA's FFI scratch allocator hands out nothing in jax 0.11):
+GEMM_WORKSPACE_BYTES on CUDA, 0 bytes on the CPU. It exists only in the lowering rules
+(`_lower_with_workspace`): gemm_p itself has one result, so abstract evaluation, batching
+and partitioning never see it; it is never sharded (each device's custom call gets its own).
+
 Sharding (Shardy rule + custom_partitioning): leading dims of a sharded -> each device
 multiplies its rows (data parallel); N sharded (b's rows, column-parallel TP) -> out's last
 dim and bias sharded alike; K sharded in both operands (row-parallel TP) -> each device
@@ -37,6 +43,7 @@ FP8 = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 HALF = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 OUT = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 FP8_DIM_MULTIPLE = 16  # kFp8DimMultiple in csrc/gemm/gemm.h
+GEMM_WORKSPACE_BYTES = (32 << 20) + 256  # kGemmWorkspaceBytes in csrc/gemm/gemm.h
 
 
 def _abstract(a, b, a_scale_inv, b_scale_inv, bias, *, out_dtype, use_split_accumulator):
@@ -45,8 +52,29 @@ def _abstract(a, b, a_scale_inv, b_scale_inv, bias, *, out_dtype, use_split_accu
 
 
 # a (M, K), b (N, K), a_scale_inv (1,), b_scale_inv (1,), bias (N,) or (0,) -> (M, N).
+# The custom call's second result (the workspace) is added by the lowering rules below.
 gemm_p = ffi_primitive("lowbit_gemm", "lowbit_gemm", _abstract, attrs=("use_split_accumulator",))
 _ffi_lowering = jax.ffi.ffi_lowering("lowbit_gemm")
+
+
+def _lower_with_workspace(ctx, a, b, a_scale_inv, b_scale_inv, bias, *, workspace_bytes,
+                          use_split_accumulator):
+    """Emits lowbit_gemm with results (out, workspace u8[workspace_bytes]); returns out."""
+    (out_aval,) = ctx.avals_out
+    workspace = jax.core.ShapedArray((workspace_bytes,), jnp.uint8)
+    out, _ = _ffi_lowering(ctx.replace(avals_out=[out_aval, workspace]), a, b, a_scale_inv,
+                           b_scale_inv, bias, use_split_accumulator=use_split_accumulator)
+    return [out]
+
+
+def _cpu_lowering(ctx, *args, out_dtype, use_split_accumulator):
+    del out_dtype
+    _ffi.require_platform("lowbit_gemm", "cpu")
+    return _lower_with_workspace(ctx, *args, workspace_bytes=0,
+                                 use_split_accumulator=use_split_accumulator)
+
+
+mlir.register_lowering(gemm_p, _cpu_lowering, platform="cpu")
 
 
 def _round_up(x: int, multiple: int) -> int:
@@ -74,8 +102,11 @@ def _cuda_lowering(ctx, a, b, a_scale_inv, b_scale_inv, bias, *, out_dtype, use_
                                    use_split_accumulator=use_split_accumulator)
         return mlir.lower_fun(padded, multiple_results=False)(ctx, a, b, a_scale_inv, b_scale_inv, bias)
     _ffi.require_platform("lowbit_gemm", "cuda")
-    return _ffi_lowering(ctx, a, b, a_scale_inv, b_scale_inv, bias,
-                         use_split_accumulator=use_split_accumulator)
+    m = ctx.avals_out[0].shape[0]
+    workspace_bytes = GEMM_WORKSPACE_BYTES if m and n else 0  # the handler returns early on empty
+    return _lower_with_workspace(ctx, a, b, a_scale_inv, b_scale_inv, bias,
+                                 workspace_bytes=workspace_bytes,
+                                 use_split_accumulator=use_split_accumulator)
 
 
 mlir.register_lowering(gemm_p, _cuda_lowering, platform="cuda")
