@@ -31,6 +31,9 @@ TARGETS: dict[str, str] = {
     "lowbit_quantize_fp8": "LowbitQuantizeFp8",
     "lowbit_dequantize_fp8": "LowbitDequantizeFp8",
     "lowbit_gemm": "LowbitGemm",
+    "lowbit_compute_scale": "LowbitComputeScale",
+    "lowbit_scale_inverse": "LowbitScaleInverse",
+    "lowbit_update_delayed_scaling": "LowbitUpdateDelayedScaling",
 }
 
 _REBUILD = (

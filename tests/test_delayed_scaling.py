@@ -167,3 +167,175 @@ def test_compute_scale_special_cases():
     assert scale(3.0, pow2=True) == 128.0  # 149.33 rounded down
     assert scale(448.0, pow2=True) == 1.0
     assert compute_scale(jnp.ones((1,)), fp8_max=448.0).shape == (1,)
+
+
+# ---------------------------------------------------------------- the scale FFI ops
+# The pure-jnp formulas lowbit used before the scale ops (kept as a second reference: on
+# the CPU they agree with the ops except where XLA:CPU flushes denormals).
+
+POSITIVE_INFINITY_BITS = np.uint32(0x7F800000)
+
+
+def _usable_amax_jnp(amax):
+    bits = jax.lax.bitcast_convert_type(amax, jnp.uint32)
+    return (bits != 0) & (bits < POSITIVE_INFINITY_BITS)
+
+
+def _clamp_infinite_jnp(scale):
+    return jnp.where(jnp.isinf(scale), jnp.float32(FLT_MAX), scale)
+
+
+def compute_scale_jnp(amax, fp8_max, pow2):
+    amax = jnp.asarray(amax, jnp.float32)
+    scale = _clamp_infinite_jnp(jnp.float32(fp8_max) / amax)
+    scale = jnp.where(_usable_amax_jnp(amax), scale, jnp.float32(1.0))
+    if pow2:
+        bits = jax.lax.bitcast_convert_type(scale, jnp.uint32) & np.uint32(0xFF800000)
+        scale = jax.lax.bitcast_convert_type(bits, jnp.float32)
+    return scale
+
+
+def update_jnp(history, scale, new_amax, fp8_max, margin, algo):
+    history = jnp.asarray(history, jnp.float32).at[0].set(jnp.float32(new_amax))
+    a = jnp.max(history) if algo == "max" else history[0]
+    s = jnp.float32(fp8_max) / a / jnp.float32(2.0**margin)
+    s = jnp.where(_usable_amax_jnp(a), _clamp_infinite_jnp(s), jnp.asarray(scale, jnp.float32))
+    return jnp.roll(history, -1).at[0].set(0.0), s
+
+
+def special_amaxes(rng, n=4000):
+    """Random fp32 bit patterns (every class: NaN of both signs, inf, denormals, negative)
+    plus normal magnitudes over the whole range and the edge cases."""
+    raw = rng.integers(0, 1 << 32, n, dtype=np.uint32).view(np.float32)
+    mags = (np.exp2(rng.uniform(-149, 127, n)) * rng.uniform(1, 2, n)).astype(np.float32)
+    edges = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, -np.nan, 1e-45, 1e-40, 1.1754942e-38,
+                      1.17549435e-38, 1.0, 3.0, 7.0, 448.0, 57344.0, 1e30, FLT_MAX, -1.0],
+                     np.float32)
+    return np.concatenate([raw, mags, edges])
+
+
+def inverse_ref(s):
+    with np.errstate(all="ignore"):
+        inv = np.float32(1.0) / np.float32(s)
+    if np.isnan(inv):  # the ops' NaN: canonical, with the NaN operand's sign
+        return np.uint32(0x7FC00000 | (np.array(s, np.float32).view(np.uint32) & 0x80000000))
+    return np.array(inv, np.float32).view(np.uint32)
+
+
+def u32(a):
+    return np.asarray(a, np.float32).view(np.uint32)
+
+
+@pytest.mark.parametrize("pow2", [False, True])
+@pytest.mark.parametrize("fp8_max", [448.0, 57344.0])
+def test_compute_scale_op_equals_numpy_bit_for_bit(pow2, fp8_max, rng):
+    from lowbit.ops import compute_scale as compute_scale_op
+
+    amaxes = special_amaxes(rng)
+    scale, scale_inv = jax.jit(lambda a: compute_scale_op(
+        a, fp8_max=fp8_max, use_power_2_scales=pow2))(amaxes)
+    want = np.array([current_scale_ref(a, fp8_max, pow2) for a in amaxes], np.float32)
+    np.testing.assert_array_equal(u32(scale), u32(want))
+    np.testing.assert_array_equal(u32(scale_inv), [inverse_ref(s) for s in want])
+    # The old jnp formula agrees wherever the quotient is normal (XLA:CPU may flush the rest).
+    normal = (np.abs(want) >= np.finfo(np.float32).tiny) & ~np.isnan(amaxes) & (
+        np.abs(amaxes) >= np.finfo(np.float32).tiny)
+    jnp_scale = np.asarray(jax.jit(lambda a: compute_scale_jnp(a, fp8_max, pow2))(amaxes))
+    np.testing.assert_array_equal(u32(jnp_scale)[normal], u32(want)[normal])
+
+
+def test_scale_inverse_op(rng):
+    from lowbit.ops import scale_inverse
+
+    s = special_amaxes(rng)
+    got = jax.jit(scale_inverse)(s)
+    np.testing.assert_array_equal(u32(got), [inverse_ref(v) for v in s])
+
+
+@pytest.mark.parametrize("algo", ["max", "most_recent"])
+@pytest.mark.parametrize("margin", [0, 1, 7, 140])
+def test_update_op_equals_numpy_bit_for_bit(algo, margin, rng):
+    from lowbit.ops import update_delayed_scaling as update_op
+
+    amaxes = special_amaxes(rng, 300)
+    step = jax.jit(lambda h, s, a: update_op(h, s, a, fp8_max=448.0, margin=margin,
+                                             most_recent=algo == "most_recent"))
+    for L in (1, 5):
+        h = np.abs(special_amaxes(rng, L)[:L])
+        s = np.float32(rng.uniform(0.5, 2))
+        h_ref, s_ref = h.copy(), s
+        for a in amaxes[rng.permutation(len(amaxes))[:120]]:
+            h, s, inv = step(h, np.float32(s).reshape(1), a)
+            h_ref, s_ref = update_ref(h_ref, s_ref, a, 448.0, margin, algo)
+            np.testing.assert_array_equal(u32(h), u32(h_ref))
+            # inf / inf (margin >= 128 makes 2^margin infinite): the ops' NaN is positive.
+            want = np.uint32(0x7FC00000) if np.isnan(s_ref) else u32(s_ref)
+            assert u32(s)[0] == want, (a, s, s_ref)
+            assert u32(inv)[0] == inverse_ref(np.asarray(s)[0])
+            h, s = np.asarray(h), np.asarray(s)[0]
+
+
+def test_update_op_matches_the_old_jnp_formula_on_normal_values(rng):
+    amaxes = np.abs(rng.standard_normal(50) * 10).astype(np.float32)
+    amaxes[[3, 17]] = 0.0
+    amaxes[25] = np.inf
+    for algo in ("max", "most_recent"):
+        h, s = jnp.zeros(6), jnp.ones(1)
+        hj, sj = jnp.zeros(6), jnp.ones(1)
+        for a in amaxes:
+            h, s = update_delayed_scaling(h, s, a, fp8_max=448.0, margin=1, amax_compute_algo=algo)
+            hj, sj = update_jnp(hj, sj, a, 448.0, 1, algo)
+            np.testing.assert_array_equal(u32(h), u32(hj))
+            np.testing.assert_array_equal(u32(s), u32(sj))
+
+
+def test_scale_ops_under_scan_grad_and_vmap():
+    from lowbit.ops import compute_scale as compute_scale_op
+
+    def body(carry, a):
+        h, s = carry
+        h, s = update_delayed_scaling(h, s, a, fp8_max=448.0)
+        return (h, s), s[0]
+
+    amaxes = jnp.array([1.0, 4.0, 2.0, 0.5], jnp.float32)
+    (_, _), scales = jax.lax.scan(body, (jnp.zeros(2), jnp.ones(1)), amaxes)
+    np.testing.assert_array_equal(scales, [448.0, 112.0, 112.0, 224.0])
+    g = jax.grad(lambda a: compute_scale(a, fp8_max=448.0).sum() * a.sum())(jnp.full((1,), 2.0))
+    np.testing.assert_array_equal(g, [224.0])  # the scale is a constant to autodiff
+    s, inv = jax.vmap(lambda a: compute_scale_op(a, fp8_max=448.0))(jnp.array([[1.0], [4.0]]))
+    np.testing.assert_array_equal(s, [[448.0], [112.0]])
+    np.testing.assert_array_equal(inv, [[np.float32(1) / np.float32(448)], [np.float32(1) / np.float32(112)]])
+    # vmap with an unbatched history (broadcast inside the batching rule).
+    new_h, new_s = jax.vmap(lambda a: update_delayed_scaling(jnp.zeros(3), jnp.ones(1), a, fp8_max=448.0))(
+        jnp.array([2.0, 8.0]))
+    np.testing.assert_array_equal(new_s[:, 0], [224.0, 56.0])
+    np.testing.assert_array_equal(new_h[:, -1], [2.0, 8.0])
+
+
+@pytest.mark.gpu
+def test_cuda_scale_ops_equal_cpu(rng, cpu, gpu):
+    from conftest import run_on
+
+    from lowbit.ops import compute_scale as compute_scale_op
+    from lowbit.ops import scale_inverse
+    from lowbit.ops import update_delayed_scaling as update_op
+
+    amaxes = special_amaxes(rng, 20000)
+    for fp8_max in (448.0, 57344.0):
+        for pow2 in (False, True):
+            f = lambda a: compute_scale_op(a, fp8_max=fp8_max, use_power_2_scales=pow2)  # noqa: B023,E731
+            a, b = run_on(gpu, f, amaxes), run_on(cpu, f, amaxes)
+            jax.tree.map(lambda x, y: np.testing.assert_array_equal(u32(x), u32(y)), a, b)
+    a, b = run_on(gpu, scale_inverse, amaxes), run_on(cpu, scale_inverse, amaxes)
+    np.testing.assert_array_equal(u32(a), u32(b))
+    for algo in ("max", "most_recent"):
+        for margin in (0, 3, 140):
+            f = lambda h, s, x: update_op(h, s, x, fp8_max=448.0, margin=margin,  # noqa: B023,E731
+                                          most_recent=algo == "most_recent")
+            for L in (1, 7, 1024):
+                h = np.abs(special_amaxes(rng, L)[:L]).astype(np.float32)
+                for x in amaxes[:60]:
+                    s = np.float32(rng.uniform(0.1, 10)).reshape(1)
+                    a, b = run_on(gpu, f, h, s, x), run_on(cpu, f, h, s, x)
+                    for p, q in zip(a, b):
+                        np.testing.assert_array_equal(u32(p), u32(q))

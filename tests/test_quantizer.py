@@ -346,3 +346,24 @@ def test_block_modes_raise_until_their_kernels_land(recipe):
         is_colwise=False, flatten_axis=1)
     with pytest.raises(NotImplementedError, match="Quantization II"):
         tensor.dequantize()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pow2", [False, True])
+def test_cuda_quantizers_equal_cpu(pow2, rng, cpu, gpu):
+    # Scales and scale_inv come from lowbit's scale ops (not XLA's division), so the CUDA
+    # and CPU backends agree bit for bit: data, scale_inv, amax and the delayed state.
+    from conftest import run_on
+
+    x = (rng.standard_normal((96, 130)) * 37).astype(np.float32)
+
+    def step(v):
+        t, _ = CurrentScaleQuantizer(q_dtype=jnp.float8_e4m3fn, use_power_2_scales=pow2).quantize(
+            v, is_colwise=True)
+        q = DelayedScaleQuantizer.create(jnp.float8_e5m2, amax_history_len=4, margin=1)
+        q = q.update(t.amax).update(t.amax * 3)
+        d, _ = q.quantize(v, is_colwise=True)
+        return t, d, q.scale, q.amax_history
+
+    a, b = run_on(gpu, step, x), run_on(cpu, step, x)
+    jax.tree.map(lambda p, q: np.testing.assert_array_equal(bits(p), bits(q)), a, b)

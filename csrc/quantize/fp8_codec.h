@@ -14,12 +14,39 @@ namespace lowbit {
 struct E4m3Fmt { static constexpr float kMax = kE4m3Max; };
 struct E5m2Fmt { static constexpr float kMax = kE5m2Max; };
 
+// x * s with a NaN result defined by lowbit rather than by the platform. IEEE 754 leaves
+// the sign and payload of a NaN result open: x86 returns the NaN operand (and a negative
+// default NaN for 0 * inf), NVIDIA GPUs return 0x7FFFFFFF whatever the operands. Here a
+// NaN result is always the quiet NaN 0x7FC00000 with the sign of the NaN operand (x
+// first, then s), or, for an invalid 0 * inf, sign(x) xor sign(s). Non-NaN results are
+// the plain IEEE product. Host and device run this same code.
+LOWBIT_HD float MulNanDefined(float x, float s) {
+  const float p = x * s;
+  if (!IsNanBits(FloatBits(p))) return p;
+  const uint32_t xb = FloatBits(x), sb = FloatBits(s);
+  const uint32_t sign = IsNanBits(xb) ? (xb & 0x80000000u)
+                        : IsNanBits(sb) ? (sb & 0x80000000u)
+                                        : ((xb ^ sb) & 0x80000000u);
+  return BitsToFloat(sign | 0x7FC00000u);
+}
+
 // encode_rne(clip(x * scale, -max, max)): the codecs saturate, which is the clip.
-LOWBIT_HD uint8_t EncodeScaled(E4m3Fmt, float x, float scale) { return FloatToE4m3(x * scale); }
-LOWBIT_HD uint8_t EncodeScaled(E5m2Fmt, float x, float scale) { return FloatToE5m2(x * scale); }
+LOWBIT_HD uint8_t EncodeScaled(E4m3Fmt, float x, float scale) {
+  return FloatToE4m3(MulNanDefined(x, scale));
+}
+LOWBIT_HD uint8_t EncodeScaled(E5m2Fmt, float x, float scale) {
+  return FloatToE5m2(MulNanDefined(x, scale));
+}
 
 LOWBIT_HD float Decode(E4m3Fmt, uint8_t q) { return E4m3ToFloat(q); }
 LOWBIT_HD float Decode(E5m2Fmt, uint8_t q) { return E5m2ToFloat(q); }
+
+// decode(q) * scale_inv in fp32, NaN results as MulNanDefined (so a NaN code keeps its sign
+// and the output NaN is the canonical quiet one on every platform).
+template <typename Fmt>
+LOWBIT_HD float DecodeScaled(Fmt fmt, uint8_t q, float scale_inv) {
+  return MulNanDefined(Decode(fmt, q), scale_inv);
+}
 
 // |x| as fp32 bits, the unsigned-compare key of the amax rule.
 LOWBIT_HD uint32_t AbsBitsOf(float v) { return FloatBits(v) & 0x7FFFFFFFu; }

@@ -8,12 +8,14 @@
 // device memory for the CUDA launchers).
 // Numerics (DESIGN.md §4), identical in the reference and the kernels:
 //   q = encode_rne(clip(float(x) * scale, -max, +max)), one fp32 multiply, encoded by
-//   FloatToE4m3 / FloatToE5m2 (which saturate, so clip is implied; NaN stays NaN);
+//   FloatToE4m3 / FloatToE5m2 (which saturate, so clip is implied; NaN stays NaN, its
+//   sign defined by MulNanDefined in fp8_codec.h, not by the platform's multiply);
 //   amax = max |x| chosen by comparing fp32 bit patterns as unsigned (NaN beats inf,
 //   empty -> 0), as lowbit_amax does; dbias = column sums accumulated in fp32, rounded
 //   once to its dtype (the reference sums rows in order; the kernel sums per 64-row
 //   tile, then the tiles in order: deterministic, equal to the reference within fp32
-//   rounding); dequantize: out = round(decode(q) * scale_inv) to out's dtype.
+//   rounding); dequantize: out = round(decode(q) * scale_inv) to out's dtype, a NaN
+//   result being the canonical quiet NaN with the sign MulNanDefined gives it.
 #pragma once
 
 #include <cstdint>

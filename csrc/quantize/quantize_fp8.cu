@@ -12,7 +12,8 @@
 //   DequantizeKernel       flat, 8 codes per thread step.
 // Encoding: sm_89+ converts two values per cvt.rn.satfinite instruction, bit-identical to
 // the formats.h codecs except for NaN; chunks that may hold a NaN product use the codecs
-// (EncodeChunk), so the result equals the CPU reference bit for bit.
+// (EncodeChunk), whose NaN sign comes from MulNanDefined (a GPU multiply returns the
+// sign-less 0x7FFFFFFF for any NaN), so the result equals the CPU reference bit for bit.
 // amax: each block reduces |x| bit patterns, then one unsigned atomicMax on the zeroed
 // result (order-independent, so deterministic). Partial tiles and unaligned data take
 // bounds-checked scalar paths; nothing is read or written outside the tensors.
@@ -404,7 +405,7 @@ __global__ void __launch_bounds__(kThreads)
       memcpy(q, &packed, sizeof(packed));
       T vals[kGroup];
 #pragma unroll
-      for (int j = 0; j < kGroup; ++j) vals[j] = StoreFromFloat(Tag{}, Decode(Fmt{}, q[j]) * scale_inv);
+      for (int j = 0; j < kGroup; ++j) vals[j] = StoreFromFloat(Tag{}, DecodeScaled(Fmt{}, q[j], scale_inv));
       uint4 words[sizeof(vals) / 16];
       memcpy(words, vals, sizeof(vals));
       uint4* dst = reinterpret_cast<uint4*>(out + i * kGroup);
@@ -414,7 +415,7 @@ __global__ void __launch_bounds__(kThreads)
     done = groups * kGroup;
   }
   for (int64_t i = done + first; i < n; i += stride) {
-    out[i] = StoreFromFloat(Tag{}, Decode(Fmt{}, data[i]) * scale_inv);
+    out[i] = StoreFromFloat(Tag{}, DecodeScaled(Fmt{}, data[i], scale_inv));
   }
 }
 

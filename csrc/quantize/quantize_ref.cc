@@ -64,7 +64,7 @@ Status DequantizeFp8Ref(const uint8_t* data, DType data_dtype, int64_t n, const 
       using T = typename decltype(tag)::Storage;
       T* dst = static_cast<T*>(out);
       const float s = *scale_inv;
-      for (int64_t i = 0; i < n; ++i) dst[i] = StoreFromFloat(tag, Decode(fmt, data[i]) * s);
+      for (int64_t i = 0; i < n; ++i) dst[i] = StoreFromFloat(tag, DecodeScaled(fmt, data[i], s));
       return Status::Ok();
     });
   });

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "common/formats.h"
+#include "quantize/fp8_codec.h"
 
 namespace lowbit {
 namespace {
@@ -156,6 +157,28 @@ TEST(DequantizeFp8Ref, DecodesTimesScaleInvRounded) {
   ASSERT_TRUE(DequantizeFp8Ref(e5.data(), DType::kE5M2, 2, &scale_inv, out_f32.data(), DType::kF32).ok());
   EXPECT_TRUE(std::isinf(out_f32[0]));
   EXPECT_EQ(out_f32[1], 0.75f);
+}
+
+TEST(Fp8Codec, NanResultsHaveADefinedSign) {
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  const float inf = std::numeric_limits<float>::infinity();
+  auto bits = [](float f) { return FloatBits(f); };
+  // A NaN operand gives its own sign (x before s), canonical payload.
+  EXPECT_EQ(bits(MulNanDefined(-nan, 2.0f)), 0xFFC00000u);
+  EXPECT_EQ(bits(MulNanDefined(BitsToFloat(0xFF812345u), -2.0f)), 0xFFC00000u);
+  EXPECT_EQ(bits(MulNanDefined(1.0f, -nan)), 0xFFC00000u);
+  EXPECT_EQ(bits(MulNanDefined(nan, -nan)), 0x7FC00000u);
+  // 0 * inf: sign(x) xor sign(s).
+  EXPECT_EQ(bits(MulNanDefined(0.0f, inf)), 0x7FC00000u);
+  EXPECT_EQ(bits(MulNanDefined(-0.0f, inf)), 0xFFC00000u);
+  EXPECT_EQ(bits(MulNanDefined(-inf, -0.0f)), 0x7FC00000u);
+  EXPECT_EQ(bits(MulNanDefined(-3.0f, 0.5f)), bits(-1.5f));
+  EXPECT_EQ(EncodeScaled(E4m3Fmt{}, -nan, 2.0f), 0xFFu);
+  EXPECT_EQ(EncodeScaled(E5m2Fmt{}, -nan, 2.0f), 0xFEu);
+  EXPECT_EQ(EncodeScaled(E4m3Fmt{}, -0.0f, inf), 0xFFu);
+  EXPECT_EQ(EncodeScaled(E5m2Fmt{}, 5.0f, -nan), 0xFEu);
+  EXPECT_EQ(bits(DecodeScaled(E4m3Fmt{}, 0xFF, 3.0f)), 0xFFC00000u);
+  EXPECT_EQ(bits(DecodeScaled(E5m2Fmt{}, 0xFC, 0.0f)), 0xFFC00000u);  // -inf * 0
 }
 
 }  // namespace

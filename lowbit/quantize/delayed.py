@@ -1,4 +1,7 @@
-"""Per-tensor scale formulas (DESIGN §4), as pure jnp functions of fp32 arrays.
+"""Per-tensor scale formulas (DESIGN §4), computed by lowbit's scale FFI ops
+(lowbit/ops/scale.py, csrc/scale/) with explicit IEEE fp32 operations, so that the CPU
+and CUDA backends give the same bits (XLA's fp32 division on the GPU is not correctly
+rounded). The tests keep the few-line jnp/numpy versions of these rules as references.
 
 Delayed scaling, history h of length L (`update_delayed_scaling`):
   1. h[0] = new_amax (the caller has already reduced it over the devices);
@@ -18,42 +21,57 @@ Current scaling (`compute_scale`): scale = max_fp8 / amax of the tensor itself, 
   - use_power_2_scales: the scale's mantissa bits are cleared (sign and exponent kept),
     rounding it down to a power of two, so x * scale still cannot exceed max_fp8;
     FLT_MAX becomes 2**127.
+scale_inv = 1 / scale, correctly rounded (also by the op).
 """
 
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
+from lowbit.ops import scale as scale_ops
 from lowbit.recipe import AMAX_COMPUTE_ALGOS
 
-__all__ = ["update_delayed_scaling", "compute_scale", "delayed_scale", "FLT_MAX"]
+__all__ = [
+    "update_delayed_scaling",
+    "update_delayed_scaling_with_inverse",
+    "compute_scale",
+    "compute_scale_and_inverse",
+    "scale_inverse",
+    "FLT_MAX",
+]
 
 FLT_MAX = float(np.finfo(np.float32).max)
-SIGN_AND_EXPONENT_BITS = np.uint32(0xFF800000)
-POSITIVE_INFINITY_BITS = np.uint32(0x7F800000)  # above it: NaN and every negative number
 
 
-def _clamp_infinite(scale: jax.Array) -> jax.Array:
-    return jnp.where(jnp.isinf(scale), jnp.float32(FLT_MAX), scale)
-
-
-def _usable_amax(amax: jax.Array) -> jax.Array:
-    """amax > 0 and finite, tested on the bits: XLA:CPU flushes denormals to zero in float
-    comparisons (not always: it depends on fusion), integer comparisons are exact. Any
-    denormal amax makes max_fp8 / amax overflow, so it always gives FLT_MAX."""
-    bits = jax.lax.bitcast_convert_type(amax, jnp.uint32)
-    return (bits != 0) & (bits < POSITIVE_INFINITY_BITS)
-
-
-def delayed_scale(amax, previous_scale, *, fp8_max: float, margin: int = 0) -> jax.Array:
-    """(fp8_max / amax) / 2**margin, clamped to FLT_MAX; previous_scale where amax <= 0 or
-    is not finite. Shapes broadcast; fp32 throughout."""
-    amax = jnp.asarray(amax, jnp.float32)
-    previous_scale = jnp.asarray(previous_scale, jnp.float32)
-    scale = jnp.float32(fp8_max) / amax / jnp.float32(2.0**margin)
-    return jnp.where(_usable_amax(amax), _clamp_infinite(scale), previous_scale)
+def update_delayed_scaling_with_inverse(
+    amax_history,
+    scale,
+    new_amax,
+    *,
+    fp8_max: float,
+    margin: int = 0,
+    amax_compute_algo: str = "max",
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One delayed-scaling step: (history (L,), scale (1,), new_amax scalar or (1,)) ->
+    (new history, new scale (1,), 1 / new scale (1,)), as in this module's preamble."""
+    if amax_compute_algo not in AMAX_COMPUTE_ALGOS:
+        raise ValueError(
+            f"update_delayed_scaling: amax_compute_algo: expected one of {AMAX_COMPUTE_ALGOS}, "
+            f"got {amax_compute_algo!r}"
+        )
+    amax_history = np.asarray(amax_history) if isinstance(amax_history, (list, tuple)) else amax_history
+    history_shape = np.shape(amax_history)
+    new_amax_size = int(np.prod(np.shape(new_amax)))
+    if len(history_shape) != 1 or new_amax_size != 1:
+        raise ValueError(
+            "update_delayed_scaling: expected amax_history of shape (L,) and one new_amax, got "
+            f"{history_shape} and {np.shape(new_amax)}"
+        )
+    return scale_ops.update_delayed_scaling(
+        amax_history, scale, new_amax, fp8_max=fp8_max, margin=margin,
+        most_recent=amax_compute_algo == "most_recent",
+    )
 
 
 def update_delayed_scaling(
@@ -67,31 +85,24 @@ def update_delayed_scaling(
 ) -> tuple[jax.Array, jax.Array]:
     """One delayed-scaling step: (history (L,), scale (1,), new_amax scalar or (1,)) ->
     (new history, new scale), as in this module's preamble."""
-    if amax_compute_algo not in AMAX_COMPUTE_ALGOS:
-        raise ValueError(
-            f"update_delayed_scaling: amax_compute_algo: expected one of {AMAX_COMPUTE_ALGOS}, "
-            f"got {amax_compute_algo!r}"
-        )
-    amax_history = jnp.asarray(amax_history, jnp.float32)
-    new_amax = jnp.asarray(new_amax, jnp.float32)
-    if amax_history.ndim != 1 or new_amax.size != 1:
-        raise ValueError(
-            "update_delayed_scaling: expected amax_history of shape (L,) and one new_amax, got "
-            f"{amax_history.shape} and {new_amax.shape}"
-        )
-    history = amax_history.at[0].set(new_amax.reshape(()))
-    amax = jnp.max(history) if amax_compute_algo == "max" else history[0]
-    new_scale = delayed_scale(amax, scale, fp8_max=fp8_max, margin=margin)
-    history = jnp.roll(history, -1).at[0].set(0.0)
+    history, new_scale, _ = update_delayed_scaling_with_inverse(
+        amax_history, scale, new_amax, fp8_max=fp8_max, margin=margin,
+        amax_compute_algo=amax_compute_algo,
+    )
     return history, new_scale
+
+
+def compute_scale_and_inverse(amax, *, fp8_max: float, use_power_2_scales: bool = False):
+    """Current scaling: (scale, 1 / scale), each of amax's shape, by this module's rules."""
+    return scale_ops.compute_scale(amax, fp8_max=fp8_max, use_power_2_scales=use_power_2_scales)
 
 
 def compute_scale(amax, *, fp8_max: float, use_power_2_scales: bool = False) -> jax.Array:
     """Current scaling: max_fp8 / amax with the rules of this module's preamble."""
-    amax = jnp.asarray(amax, jnp.float32)
-    scale = _clamp_infinite(jnp.float32(fp8_max) / amax)
-    scale = jnp.where(_usable_amax(amax), scale, jnp.float32(1.0))
-    if use_power_2_scales:
-        bits = jax.lax.bitcast_convert_type(scale, jnp.uint32) & SIGN_AND_EXPONENT_BITS
-        scale = jax.lax.bitcast_convert_type(bits, jnp.float32)
-    return scale
+    return compute_scale_and_inverse(
+        amax, fp8_max=fp8_max, use_power_2_scales=use_power_2_scales)[0]
+
+
+def scale_inverse(scale) -> jax.Array:
+    """1 / scale, correctly rounded fp32 on every backend."""
+    return scale_ops.scale_inverse(scale)

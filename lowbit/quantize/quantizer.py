@@ -15,8 +15,10 @@ transposed colwise copy, amax, optionally dbias):
   - DelayedScaleQuantizer casts with its stored scale (made from earlier steps' amaxes);
   - CurrentScaleQuantizer needs this tensor's amax before the cast. It runs two kernels
     on the device, with no host round trip: amax = lowbit.ops.amax(x), then
-    scale = delayed.compute_scale(amax) (a few scalar jnp ops), then quantize_fp8(x, scale).
-`scale_inv = 1 / scale` (fp32 division). Block-scaling modes (MXFP8, FP8 block, NVFP4)
+    (scale, scale_inv) = delayed.compute_scale_and_inverse(amax) (lowbit's scale op), then
+    quantize_fp8(x, scale).
+`scale_inv = 1 / scale`, correctly rounded by lowbit's scale ops (lowbit/ops/scale.py), not
+by XLA's division, so that the CPU and CUDA backends agree bit for bit. Block-scaling modes (MXFP8, FP8 block, NVFP4)
 have placeholders that raise NotImplementedError until their kernels exist.
 
 Gradients: quantization is piecewise constant, so its derivative is zero almost
@@ -38,7 +40,11 @@ import numpy as np
 
 from lowbit.ops.amax import amax, check_high_precision
 from lowbit.ops.quantize import quantize_fp8
-from lowbit.quantize.delayed import compute_scale, update_delayed_scaling
+from lowbit.quantize.delayed import (
+    compute_scale_and_inverse,
+    scale_inverse,
+    update_delayed_scaling,
+)
 from lowbit.quantize.scaling_modes import QuantizeLayout, ScalingMode
 from lowbit.quantize.tensor import ScaledTensor, ScaledTensor1x, ScaledTensor2x
 from lowbit.recipe import AMAX_COMPUTE_ALGOS
@@ -111,7 +117,8 @@ class Quantizer:
 class _TensorScaleQuantizer(Quantizer):
     """Shared cast path of the two per-tensor fp32-scale quantizers."""
 
-    def _scale(self, x: jax.Array) -> jax.Array:
+    def _scale(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """(scale, scale_inv) for casting x."""
         raise NotImplementedError
 
     @property
@@ -138,7 +145,8 @@ class _TensorScaleQuantizer(Quantizer):
         dq_dtype = jnp.dtype(x.dtype if dq_dtype is None else dq_dtype)
 
         x = jax.lax.stop_gradient(x)
-        scale = jax.lax.stop_gradient(self._scale(x)).reshape(1)
+        scale, scale_inv = jax.lax.stop_gradient(self._scale(x))
+        scale, scale_inv = scale.reshape(1), scale_inv.reshape(1)
         out = quantize_fp8(
             x,
             scale,
@@ -148,7 +156,6 @@ class _TensorScaleQuantizer(Quantizer):
             flatten_axis=axis,
             compute_dbias=compute_dbias,
         )
-        scale_inv = jnp.float32(1.0) / scale
         x_amax = jnp.asarray(out.amax, jnp.float32).reshape(1)
 
         def copy(data, colwise: bool) -> ScaledTensor1x:
@@ -214,8 +221,8 @@ class DelayedScaleQuantizer(_TensorScaleQuantizer):
     def scaling_mode(self) -> ScalingMode:
         return ScalingMode.DELAYED_TENSOR_SCALING
 
-    def _scale(self, x: jax.Array) -> jax.Array:
-        return self.scale
+    def _scale(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        return self.scale, scale_inverse(self.scale)
 
     def update(self, new_amax) -> DelayedScaleQuantizer:
         """Records `new_amax` (this step's globally reduced max|x|) and makes the next scale."""
@@ -232,7 +239,7 @@ class DelayedScaleQuantizer(_TensorScaleQuantizer):
 
 @dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
 class CurrentScaleQuantizer(_TensorScaleQuantizer):
-    """Stateless: the scale comes from the tensor's own amax (`delayed.compute_scale`)."""
+    """Stateless: the scale comes from the tensor's own amax (`delayed.compute_scale_and_inverse`)."""
 
     use_power_2_scales: bool = False
 
@@ -240,8 +247,8 @@ class CurrentScaleQuantizer(_TensorScaleQuantizer):
     def scaling_mode(self) -> ScalingMode:
         return ScalingMode.CURRENT_TENSOR_SCALING
 
-    def _scale(self, x: jax.Array) -> jax.Array:
-        return compute_scale(
+    def _scale(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        return compute_scale_and_inverse(
             amax(x), fp8_max=self.fp8_max, use_power_2_scales=self.use_power_2_scales
         )
 
