@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from lowbit.ops.norm import norm_backward, norm_forward
+from lowbit.quantize.delayed import scale_inverse
 from lowbit.quantize.quantizer import DelayedScaleQuantizer
 from lowbit.quantize.tensor import ScaledTensor1x, ScaledTensor2x
 
@@ -56,7 +57,7 @@ class NormConfig(NamedTuple):
 
 def fused_2x(quantizer, rowwise, colwise, amax, dq_dtype) -> ScaledTensor2x:
     """The ScaledTensor2x of copies a fused kernel wrote with `quantizer`'s (delayed) scale."""
-    scale_inv = jnp.float32(1.0) / quantizer.scale.reshape(1)
+    scale_inv = scale_inverse(quantizer.scale).reshape(1)  # correctly rounded on every backend
     amax = amax.reshape(1)
 
     def one(data, colwise_copy):
