@@ -26,6 +26,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import lowbit
 from lowbit.ops import norm_backward, norm_forward
+from lowbit.ops.norm import norm_backward_workspace_bytes
 
 
 def norm_ref(x, gamma, beta, norm_type, zero_centered=False, eps=1e-6):
@@ -271,21 +272,25 @@ def test_vmap_forward_and_backward(rng):
 MESH_SPECS = [P("a", "b", None), P(("a", "b"), None, None), P("a", None, "b"), P()]
 
 
+# Both sides on CPU devices: with a GPU present, an uncommitted unsharded call would run on
+# the GPU (other row-sum order, other rounding) while the mesh is made of CPU devices.
 @pytest.mark.parametrize("spec", MESH_SPECS, ids=str)
 @pytest.mark.parametrize("norm_type", NORMS)
-def test_sharded_forward_equals_unsharded(spec, norm_type, rng):
+def test_sharded_forward_equals_unsharded(spec, norm_type, rng, cpu):
     mesh = jax.make_mesh((2, 2), ("a", "b"), devices=jax.devices("cpu")[:4])
     x, gamma, beta = make(rng, (8, 12, 256), np.float32)
     x[5, 3, 17] = 50.0
     f = jax.jit(lambda x, g, b: norm_forward(x, g, b, norm_type=norm_type,
                                              quant_scale=np.float32(2.0), colwise=True))
-    want = f(x, gamma, args_for(norm_type, beta))
-    xs = jax.device_put(x, NamedSharding(mesh, spec))
-    got = f(xs, gamma, args_for(norm_type, beta))
+    with jax.default_device(cpu):
+        want = f(*jax.device_put((x, gamma, args_for(norm_type, beta)), cpu))
+        xs = jax.device_put(x, NamedSharding(mesh, spec))
+        got = f(xs, gamma, args_for(norm_type, beta))
+        hlo = f.lower(xs, gamma, args_for(norm_type, beta)).compile().as_text()
     for a, b in zip(got, want):
         if a is not None:
+            assert a.devices() <= set(mesh.devices.flat) and b.devices() == {cpu}
             np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
-    hlo = f.lower(xs, gamma, args_for(norm_type, beta)).compile().as_text()
     assert "lowbit_norm_forward" in hlo
     rows_sharded = spec != P() and (spec[0] is not None or spec[1] is not None)
     assert ("all-reduce" in hlo) == rows_sharded  # the amax pmax, nothing else
@@ -295,27 +300,69 @@ def test_sharded_forward_equals_unsharded(spec, norm_type, rng):
 
 @pytest.mark.parametrize("spec", MESH_SPECS, ids=str)
 @pytest.mark.parametrize("norm_type", NORMS)
-def test_sharded_backward_equals_unsharded(spec, norm_type, rng):
+def test_sharded_backward_equals_unsharded(spec, norm_type, rng, cpu):
     mesh = jax.make_mesh((2, 2), ("a", "b"), devices=jax.devices("cpu")[:4])
     x, gamma, beta = make(rng, (8, 12, 256), np.float32)
     dz = rng.standard_normal(x.shape).astype(np.float32)
-    o = norm_forward(x, gamma, args_for(norm_type, beta), norm_type=norm_type)
     f = jax.jit(lambda *a: norm_backward(*a, norm_type=norm_type))
-    want = f(dz, x, o.mu, o.rsigma, gamma)
     sh = NamedSharding(mesh, spec)
     row_sh = NamedSharding(mesh, P(*spec[:2]))
-    args = (jax.device_put(dz, sh), jax.device_put(x, sh),
-            None if o.mu is None else jax.device_put(o.mu, row_sh),
-            jax.device_put(o.rsigma, row_sh), gamma)
-    got = f(*args)
+    with jax.default_device(cpu):
+        o = run_on(cpu, lambda x: norm_forward(x, gamma, args_for(norm_type, beta),
+                                               norm_type=norm_type), x)
+        want = f(*jax.device_put((dz, x, o.mu, o.rsigma, gamma), cpu))
+        args = (jax.device_put(dz, sh), jax.device_put(x, sh),
+                None if o.mu is None else jax.device_put(o.mu, row_sh),
+                jax.device_put(o.rsigma, row_sh), gamma)
+        got = f(*args)
+        lowered = f.lower(*args)
+        hlo = lowered.compile().as_text()
+    assert got[0].devices() <= set(mesh.devices.flat) and want[0].devices() == {cpu}
     np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
     for a, b in zip(got[1:], want[1:]):
         if a is not None:  # psum of per-shard sums: a different summation order
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * np.abs(np.asarray(b)).max())
-    hlo = f.lower(*args).compile().as_text()
     rows_sharded = spec != P() and (spec[0] is not None or spec[1] is not None)
     assert ("all-reduce" in hlo) == rows_sharded
     assert ("all-gather" in hlo) == (len(spec) == 3 and spec[2] is not None)
+    # The workspace result is sized from the per-device shape (the lowering runs after
+    # partitioning): rows per device = 96 / (devices sharding the rows).
+    row_devices = 1
+    for e in spec[:2]:  # every mesh axis has 2 devices
+        row_devices *= 1 if e is None else 2 ** len(e) if isinstance(e, tuple) else 2
+    per_device = norm_backward_workspace_bytes(np.float32, 96 // row_devices, 256)
+    assert f"u8[{per_device}]" in hlo, hlo
+
+
+# ---------------------------------------------------------------- backward workspace
+
+# (dtype, rows, hidden) -> bytes; the same table is in csrc/norm/norm_test.cc
+# (NormPlan.BackwardWorkspaceBytes). (1, 128), (3, 200) and (65, 16384) f32 equal the sizes
+# an H100 asked for before the blocks were capped at 512 (shape-only sizing).
+WORKSPACE_CASES = [(np.float32, 1, 128, 16384), (np.float32, 3, 200, 12800),
+                   (np.float16, 16384, 1024, 16777216), (np.float32, 65, 16384, 8519680),
+                   (ml_dtypes.bfloat16, 300, 1001, 2402400), (np.float32, 0, 128, 0),
+                   (np.float32, 100000, 16384, 67108864), (ml_dtypes.bfloat16, 5, 20000, 0)]
+
+
+@pytest.mark.parametrize("dtype,rows,hidden,nbytes", WORKSPACE_CASES, ids=str)
+def test_backward_workspace_bytes(dtype, rows, hidden, nbytes):
+    assert norm_backward_workspace_bytes(dtype, rows, hidden) == nbytes
+
+
+def test_backward_workspace_is_an_extra_dropped_result(rng):
+    """The lowering adds a u8 workspace result to the custom call; the op returns 3 arrays.
+    The CPU handler rejects a size other than C++'s (checked on every CPU backward call)."""
+    x, gamma, beta = make(rng, (2, 3, 200), np.float32)
+    o = norm_forward(x, gamma, beta)
+    f = jax.jit(lambda *a: norm_backward(*a))
+    text = f.lower(x, x, o.mu, o.rsigma, gamma).as_text()
+    assert f"tensor<{norm_backward_workspace_bytes(np.float32, 6, 200)}xui8>" in text
+    assert len(f(x, x, o.mu, o.rsigma, gamma)) == 3
+    # zero rows: no workspace, dgamma/dbeta are zeros
+    z = jnp.zeros((0, 200), jnp.float32)
+    dx, dg, db = norm_backward(z, z, jnp.zeros(0), jnp.zeros(0), gamma)
+    assert dx.shape == (0, 200) and not np.asarray(dg).any() and not np.asarray(db).any()
 
 
 def test_bad_input():

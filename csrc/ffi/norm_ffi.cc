@@ -2,6 +2,16 @@
 // Compiled into liblowbit.so (CPU: the reference) and, with LOWBIT_CUDA_HANDLERS, into
 // liblowbit_cuda.so (the CUDA kernels). Both decode and validate identically: x is viewed
 // as rows x hidden (hidden = its last dimension); an output of 0 elements is "not wanted".
+//
+// Backward workspace. The CUDA backward needs NormBackwardWorkspaceBytes(x dtype, rows,
+// hidden) bytes of device scratch (norm_plan.h). XLA's FFI ScratchAllocator does not hand
+// out memory in our setting (jax 0.11), so, as XLA does for its own cuBLAS calls, the
+// workspace is one more result of the custom call: a u8 buffer of exactly that size, added
+// by the Python lowering (lowbit/ops/norm.py, which computes the size from the per-device
+// shapes with the same formula) and dropped there. Both handlers bind it; the CPU one
+// does not use the memory but checks the size, so the CPU suite keeps the Python and the
+// C++ formula in step; the CUDA one checks that it is at least that size.
+#include <cstdint>
 #include <string>
 
 #include "ffi/ffi_util.h"
@@ -56,6 +66,24 @@ Status Exact(const char* op, const char* arg, B& buf, int64_t count) {
     return Bad(op, std::string(arg) + ": expected " + std::to_string(count) + " elements, got " +
                        std::to_string(n));
   }
+  return Status::Ok();
+}
+
+// The backward workspace result (see the top of the file): u8 of exactly (exact) or at
+// least NormBackwardWorkspaceBytes bytes.
+Status Workspace(const AnyBuffer& ws, const NormBackwardArgs& a, bool exact, void** ptr,
+                 size_t* size) {
+  const size_t need = NormBackwardWorkspaceBytes(a.x_dtype, a.rows, a.hidden);
+  if (ws.element_type() != ffi::DataType::U8) return Bad(kBwd, "workspace: expected u8");
+  const size_t got = ws.size_bytes();
+  if (exact ? got != need : got < need) {
+    return Bad(kBwd, "workspace: expected " + std::string(exact ? "" : "at least ") +
+                         std::to_string(need) + " bytes (NormBackwardWorkspaceBytes), got " +
+                         std::to_string(got) +
+                         " (lowbit/ops/norm.py: norm_backward_workspace_bytes disagrees)");
+  }
+  *ptr = got == 0 ? nullptr : ws.untyped_data();
+  *size = got;
   return Status::Ok();
 }
 
@@ -168,11 +196,15 @@ ffi::Error NormForwardCpu(AnyBuffer x, AnyBuffer gamma, AnyBuffer beta, Buffer<f
 
 ffi::Error NormBackwardCpu(AnyBuffer dz, AnyBuffer x, Buffer<ffi::F32> mu,
                            Buffer<ffi::F32> rsigma, AnyBuffer gamma, Result<AnyBuffer> dx,
-                           Result<AnyBuffer> dgamma, Result<AnyBuffer> dbeta, int32_t norm_type,
+                           Result<AnyBuffer> dgamma, Result<AnyBuffer> dbeta,
+                           Result<AnyBuffer> workspace, int32_t norm_type,
                            bool zero_centered_gamma) {
   NormBackwardArgs a;
   Status s = BackwardArgs(dz, x, mu, rsigma, gamma, dx, dgamma, dbeta, norm_type,
                           zero_centered_gamma, &a);
+  void* ws = nullptr;  // checked, not used: the reference needs no scratch
+  size_t ws_bytes = 0;
+  if (s.ok()) s = Workspace(*workspace, a, /*exact=*/true, &ws, &ws_bytes);
   if (s.ok()) s = NormBackwardRef(a);
   return ToFfiError(s);
 }
@@ -192,25 +224,19 @@ ffi::Error NormForwardGpu(cudaStream_t stream, AnyBuffer x, AnyBuffer gamma, Any
   return ToFfiError(s);
 }
 
-ffi::Error NormBackwardGpu(cudaStream_t stream, ffi::ScratchAllocator scratch, AnyBuffer dz,
-                           AnyBuffer x, Buffer<ffi::F32> mu, Buffer<ffi::F32> rsigma,
-                           AnyBuffer gamma, Result<AnyBuffer> dx, Result<AnyBuffer> dgamma,
-                           Result<AnyBuffer> dbeta, int32_t norm_type, bool zero_centered_gamma) {
+ffi::Error NormBackwardGpu(cudaStream_t stream, AnyBuffer dz, AnyBuffer x, Buffer<ffi::F32> mu,
+                           Buffer<ffi::F32> rsigma, AnyBuffer gamma, Result<AnyBuffer> dx,
+                           Result<AnyBuffer> dgamma, Result<AnyBuffer> dbeta,
+                           Result<AnyBuffer> workspace, int32_t norm_type,
+                           bool zero_centered_gamma) {
   NormBackwardArgs a;
   Status s = BackwardArgs(dz, x, mu, rsigma, gamma, dx, dgamma, dbeta, norm_type,
                           zero_centered_gamma, &a);
-  if (!s.ok()) return ToFfiError(s);
-  const size_t bytes = NormBackwardWorkspaceBytes(a.x_dtype, a.rows, a.hidden);
-  void* workspace = nullptr;
-  if (bytes > 0) {
-    auto mem = scratch.Allocate(bytes, 256);
-    if (!mem.has_value()) {
-      return ToFfiError(Status::Internal(std::string(kBwd) + ": cannot allocate " +
-                                         std::to_string(bytes) + " bytes of workspace"));
-    }
-    workspace = *mem;
-  }
-  return ToFfiError(NormBackwardCuda(a, workspace, bytes, stream));
+  void* ws = nullptr;
+  size_t ws_bytes = 0;
+  if (s.ok()) s = Workspace(*workspace, a, /*exact=*/false, &ws, &ws_bytes);
+  if (s.ok()) s = NormBackwardCuda(a, ws, ws_bytes, stream);
+  return ToFfiError(s);
 }
 
 #endif
@@ -246,6 +272,7 @@ LOWBIT_FFI_HANDLER(LowbitNormBackwardCpu, lowbit::NormBackwardCpu,
                        .Ret<xffi::AnyBuffer>()               // dx: x's dtype and shape
                        .Ret<xffi::AnyBuffer>()               // dgamma: gamma's dtype, (hidden,)
                        .Ret<xffi::AnyBuffer>()               // dbeta: (hidden,) layernorm, (0,) rmsnorm
+                       .Ret<xffi::AnyBuffer>()               // workspace: u8, NormBackwardWorkspaceBytes
                        .Attr<int32_t>("norm_type")
                        .Attr<bool>("zero_centered_gamma"));
 #else
@@ -268,7 +295,6 @@ LOWBIT_FFI_HANDLER(LowbitNormForwardCuda, lowbit::NormForwardGpu,
 LOWBIT_FFI_HANDLER(LowbitNormBackwardCuda, lowbit::NormBackwardGpu,
                    xffi::Ffi::Bind()
                        .Ctx<xffi::PlatformStream<cudaStream_t>>()  // stream
-                       .Ctx<xffi::ScratchAllocator>()        // dgamma/dbeta partials
                        .Arg<xffi::AnyBuffer>()               // dz: x's dtype and shape
                        .Arg<xffi::AnyBuffer>()               // x: f32/f16/bf16, (..., hidden)
                        .Arg<xffi::Buffer<xffi::F32>>()       // mu: (rows,) layernorm, (0,) rmsnorm
@@ -277,6 +303,7 @@ LOWBIT_FFI_HANDLER(LowbitNormBackwardCuda, lowbit::NormBackwardGpu,
                        .Ret<xffi::AnyBuffer>()               // dx: x's dtype and shape
                        .Ret<xffi::AnyBuffer>()               // dgamma: gamma's dtype, (hidden,)
                        .Ret<xffi::AnyBuffer>()               // dbeta: (hidden,) layernorm, (0,) rmsnorm
+                       .Ret<xffi::AnyBuffer>()               // workspace: u8, NormBackwardWorkspaceBytes
                        .Attr<int32_t>("norm_type")
                        .Attr<bool>("zero_centered_gamma"));
 #endif

@@ -28,12 +28,11 @@
 #include "common/dtype.h"
 #include "common/gpu_stream.h"
 #include "common/status.h"
+#include "norm/norm_plan.h"  // kNormMaxHidden, NormBackwardWorkspaceBytes
 
 namespace lowbit {
 
 enum class NormType : int32_t { kLayerNorm = 0, kRmsNorm = 1 };
-
-constexpr int64_t kNormMaxHidden = 16384;
 
 struct NormForwardArgs {
   NormType norm_type = NormType::kLayerNorm;
@@ -79,9 +78,10 @@ Status NormForwardRef(const NormForwardArgs& a);
 Status NormBackwardRef(const NormBackwardArgs& a);
 
 // CUDA launchers (norm_fwd.cu, norm_bwd.cu): asynchronous on `stream`. The backward pass
-// needs NormBackwardWorkspaceBytes(...) bytes of device scratch (256-byte aligned).
+// needs NormBackwardWorkspaceBytes(x_dtype, rows, hidden) bytes (norm_plan.h: a function
+// of the shape alone, mirrored in lowbit/ops/norm.py) of 4-byte aligned device scratch;
+// the FFI handler gets it as an extra u8 result of the custom call.
 Status NormForwardCuda(const NormForwardArgs& a, GpuStream stream);
-size_t NormBackwardWorkspaceBytes(DType x_dtype, int64_t rows, int64_t hidden);
 Status NormBackwardCuda(const NormBackwardArgs& a, void* workspace, size_t workspace_bytes,
                         GpuStream stream);
 

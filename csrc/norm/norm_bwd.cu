@@ -1,13 +1,15 @@
 // CUDA normalization backward (see norm.h for the math).
 //
-// Stage 1 (NormBackwardKernel): one row group per row (geometry in norm_cuda.cuh), dz
+// Stage 1 (NormBackwardKernel): one row group per row (geometry: norm_plan.h, norm_cuda.cuh), dz
 // and x in registers; one fused row reduction of (sum g, sum g * xhat); dx written in
 // place. Each thread also accumulates dz * xhat and dz for its columns over the rows its
 // row group visits; at the end every row group writes those as one partial row of the
 // fp32 workspace ([2][parts][hidden]: dgamma partials, then dbeta partials).
 // Stage 2 (NormBackwardFinalize): sums the parts in a fixed order (8 strided slices, then
 // the slices in order) and stores dgamma/dbeta in gamma's dtype. The number of parts
-// depends only on the shape and the device, so results are run-to-run deterministic.
+// depends only on the shape and the device (min(row tiles, occupancy limit,
+// kNormBwdMaxBlocks) blocks), so results are run-to-run deterministic. The workspace is
+// sized by NormBackwardWorkspaceBytes (norm_plan.h) from the shape alone.
 #include <cuda_runtime.h>
 
 #include "norm/norm.h"
@@ -21,7 +23,6 @@ namespace {
 using namespace norm_cuda;
 
 constexpr const char* kOp = "lowbit_norm_backward";
-constexpr int kBlockThreads = 512;
 constexpr int kFinalizeCols = 32, kFinalizeSlices = 8;
 
 struct BwdParams {
@@ -144,8 +145,7 @@ template <typename Tag>
 Status Plan(int64_t rows, int64_t hidden, bool aligned, BwdPlan* plan) {
   using T = typename Tag::Storage;
   plan->geometry = ChooseGeometry(hidden, int(sizeof(T)), aligned);
-  int groups = 1;
-  while (groups * 2 * plan->geometry.threads_per_row <= kBlockThreads) groups *= 2;
+  const int groups = NormBwdRowGroups(plan->geometry);
   plan->threads = groups * plan->geometry.threads_per_row;
   const int64_t tiles = (rows + groups - 1) / groups;
   return DispatchGeometry<16 / int(sizeof(T))>(plan->geometry, kOp, [&](auto items, auto vec, auto wide) {
@@ -155,7 +155,9 @@ Status Plan(int64_t rows, int64_t hidden, bool aligned, BwdPlan* plan) {
     LOWBIT_RETURN_IF_ERROR(
         CudaStatus(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, plan->threads, 0),
                    kOp, "cudaOccupancyMaxActiveBlocksPerMultiprocessor"));
-    const int64_t cap = int64_t(per_sm < 1 ? 1 : per_sm) * SmCount();
+    int64_t cap = int64_t(per_sm < 1 ? 1 : per_sm) * SmCount();
+    // Never more parts than NormBackwardWorkspaceBytes (norm_plan.h) provides for.
+    if (cap > kNormBwdMaxBlocks) cap = kNormBwdMaxBlocks;
     plan->grid = int(tiles < cap ? tiles : cap);
     plan->num_parts = int64_t(plan->grid) * groups;
     return Status::Ok();
@@ -170,20 +172,6 @@ Status PlanAny(DType dtype, int64_t rows, int64_t hidden, bool aligned, BwdPlan*
 
 }  // namespace
 
-// Sized for the larger of the vectorized and scalar plans: the launcher picks one from the
-// pointers' alignment, which the caller need not know.
-size_t NormBackwardWorkspaceBytes(DType x_dtype, int64_t rows, int64_t hidden) {
-  if (rows <= 0 || hidden <= 0 || hidden > kNormMaxHidden) return 0;
-  size_t bytes = 0;
-  for (bool aligned : {false, true}) {
-    BwdPlan plan;
-    if (!PlanAny(x_dtype, rows, hidden, aligned, &plan).ok()) return 0;
-    const size_t b = size_t(2) * size_t(plan.num_parts) * size_t(hidden) * sizeof(float);
-    bytes = b > bytes ? b : bytes;
-  }
-  return bytes;
-}
-
 Status NormBackwardCuda(const NormBackwardArgs& a, void* workspace, size_t workspace_bytes,
                         GpuStream stream) {
   LOWBIT_RETURN_IF_ERROR(CheckNormBackward(a, kOp));
@@ -194,10 +182,12 @@ Status NormBackwardCuda(const NormBackwardArgs& a, void* workspace, size_t works
                          Aligned16(a.gamma);
     LOWBIT_RETURN_IF_ERROR(PlanAny(a.x_dtype, a.rows, a.hidden, aligned, &plan));
     const size_t need = size_t(2) * size_t(plan.num_parts) * size_t(a.hidden) * sizeof(float);
-    if (workspace == nullptr || workspace_bytes < need) {
-      return Status::Internal(std::string(kOp) + ": workspace of " +
-                              std::to_string(workspace_bytes) + " bytes, need " +
-                              std::to_string(need));
+    if (workspace == nullptr || workspace_bytes < need ||
+        reinterpret_cast<uintptr_t>(workspace) % alignof(float) != 0) {
+      return Status::Internal(std::string(kOp) + ": workspace: " +
+                              std::to_string(workspace_bytes) + " bytes at " +
+                              std::to_string(reinterpret_cast<uintptr_t>(workspace)) +
+                              ", need " + std::to_string(need) + " bytes, 4-byte aligned");
     }
     BwdParams p{};
     p.dz = a.dz;

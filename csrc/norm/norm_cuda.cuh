@@ -19,6 +19,7 @@
 #include "common/element.h"
 #include "common/reduce.cuh"
 #include "norm/norm.h"
+#include "norm/norm_plan.h"
 
 namespace lowbit {
 namespace norm_cuda {
@@ -83,33 +84,10 @@ __device__ __forceinline__ void StoreChunk(typename Tag::Storage* p, const float
   *reinterpret_cast<Pack<typename Tag::Storage, kVec>*>(p) = pack;
 }
 
-// Launch geometry for one row of `hidden` elements of `elem_bytes` each.
-struct RowGeometry {
-  int items = 0;            // elements per thread: 4, 8 or 16
-  bool vectorized = false;  // 16-byte chunks (kVec = 16 / elem_bytes) or scalars
-  int threads_per_row = 0;  // multiple of 32, <= 1024
-};
-
 inline bool Aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
-// The fewest items per thread that keep a row group at <= 256 threads (short reductions,
-// several row groups per SM), else 16 items and up to 1024 threads (hidden <= 16384).
-inline RowGeometry ChooseGeometry(int64_t hidden, int elem_bytes, bool pointers_aligned) {
-  RowGeometry g;
-  const int vec = 16 / elem_bytes;
-  g.vectorized = pointers_aligned && hidden % vec == 0;
-  const int v = g.vectorized ? vec : 1;
-  const int64_t chunks = (hidden + v - 1) / v;
-  for (int items : {4, 8, 16}) {
-    if (items < v) continue;
-    const int64_t per_thread = items / v;
-    const int64_t tpr = ((chunks + per_thread - 1) / per_thread + 31) / 32 * 32;
-    g.items = items;
-    g.threads_per_row = int(tpr);
-    if (tpr <= 256) break;
-  }
-  return g;
-}
+// RowGeometry and ChooseGeometry live in norm_plan.h (host-only: the backward workspace
+// size depends on them).
 
 inline int SmCount() {
   int device = 0, sms = 132;

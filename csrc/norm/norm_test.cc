@@ -1,6 +1,6 @@
 // GoogleTest checks of the normalization CPU reference: hand-computed rows, RMSNorm,
 // zero-centered gamma, the fused FP8 outputs (rowwise, transposed, amax), backward
-// against central differences, and argument errors.
+// against central differences, argument errors, and the backward workspace size.
 #include "norm/norm.h"
 
 #include <gtest/gtest.h>
@@ -136,6 +136,24 @@ TEST(NormRef, Errors) {
   a.beta = nullptr;
   EXPECT_NE(NormForwardRef(a).message().find("beta, mu: required for layernorm"),
             std::string::npos);
+}
+
+// The same table is in tests/test_norm_ops.py (WORKSPACE_CASES), checked against the
+// Python mirror of the formula (lowbit/ops/norm.py: norm_backward_workspace_bytes).
+TEST(NormPlan, BackwardWorkspaceBytes) {
+  struct Case {
+    DType dtype;
+    int64_t rows, hidden;
+    size_t bytes;
+  };
+  const Case cases[] = {{DType::kF32, 1, 128, 16384},         {DType::kF32, 3, 200, 12800},
+                        {DType::kF16, 16384, 1024, 16777216}, {DType::kF32, 65, 16384, 8519680},
+                        {DType::kBF16, 300, 1001, 2402400},   {DType::kF32, 0, 128, 0},
+                        {DType::kF32, 100000, 16384, 67108864}, {DType::kBF16, 5, 20000, 0}};
+  for (const Case& c : cases) {
+    EXPECT_EQ(NormBackwardWorkspaceBytes(c.dtype, c.rows, c.hidden), c.bytes)
+        << DTypeName(c.dtype) << " " << c.rows << " x " << c.hidden;
+  }
 }
 
 }  // namespace

@@ -12,6 +12,15 @@ dimension must stay whole (gathered when sharded). amax is pmax'ed, dgamma/dbeta
 over the mesh axes that shard the rows. vmap: an unbatched gamma/beta/scale lets the batch
 join the rows (one kernel call); otherwise, and whenever a per-example amax or dgamma is
 needed, the batch is mapped with lax.map.
+
+Backward workspace: the CUDA backward needs norm_backward_workspace_bytes(x.dtype, rows,
+hidden) bytes of device scratch (fp32 dgamma/dbeta partials). XLA's FFI ScratchAllocator
+gives none in our setting, so, like XLA's own cuBLAS calls, the lowering of norm_bwd_p adds
+one u8 result of that size to the custom call and drops it; the primitive, its batching
+and its sharding never see it. The lowering runs on the per-device (partitioned) shapes, so
+the workspace is per device. The size is the same on CPU (the CPU handler checks it equals
+C++'s NormBackwardWorkspaceBytes, csrc/norm/norm_plan.h, and does not touch it), which
+keeps the two formulas in step through the CPU suite.
 """
 
 from __future__ import annotations
@@ -23,9 +32,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental.custom_partitioning import custom_partitioning
-from jax.interpreters import batching
+from jax.interpreters import batching, mlir
 from jax.sharding import NamedSharding, PartitionSpec
 
+from lowbit import _ffi
 from lowbit.ops._primitive import ffi_primitive
 from lowbit.ops.amax import check_high_precision
 
@@ -104,6 +114,70 @@ norm_fwd_p = ffi_primitive("lowbit_norm_forward", "lowbit_norm_forward", _fwd_ab
                            multiple_results=True, attrs=_ATTRS)
 norm_bwd_p = ffi_primitive("lowbit_norm_backward", "lowbit_norm_backward", _bwd_abstract,
                            multiple_results=True, attrs=_ATTRS[:2])
+
+
+# ---------------------------------------------------------------- backward workspace
+# Mirrors csrc/norm/norm_plan.h (ChooseGeometry, NormBwdRowGroups, NormBwdMaxParts,
+# NormBackwardWorkspaceBytes); change both together (the CPU handler checks equality).
+
+_BWD_BLOCK_THREADS = 512  # kNormBwdBlockThreads
+_BWD_MAX_BLOCKS = 512  # kNormBwdMaxBlocks
+
+
+def _threads_per_row(hidden: int, elem_bytes: int, aligned: bool) -> int:
+    """ChooseGeometry(...).threads_per_row."""
+    vec = 16 // elem_bytes
+    v = vec if aligned and hidden % vec == 0 else 1
+    chunks = -(-hidden // v)
+    tpr = 0
+    for items in (4, 8, 16):
+        if items < v:
+            continue
+        tpr = (-(-chunks // (items // v)) + 31) // 32 * 32
+        if tpr <= 256:
+            break
+    return tpr
+
+
+def norm_backward_workspace_bytes(x_dtype, rows: int, hidden: int) -> int:
+    """Bytes of device workspace of the CUDA backward for x (rows x hidden) of `x_dtype`:
+    fp32 [2][parts][hidden], parts = min(row tiles, 512 blocks) x row groups per block, the
+    larger of the vectorized and the scalar plan. 0 for an empty or unsupported shape."""
+    dtype = jnp.dtype(x_dtype)
+    if rows <= 0 or not 1 <= hidden <= MAX_HIDDEN or dtype not in (
+            jnp.dtype(jnp.float32), jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16)):
+        return 0
+    parts = 0
+    for aligned in (False, True):
+        tpr = _threads_per_row(hidden, dtype.itemsize, aligned)
+        groups = 1
+        while groups * 2 * tpr <= _BWD_BLOCK_THREADS:
+            groups *= 2
+        tiles = -(-rows // groups)
+        parts = max(parts, min(tiles, _BWD_MAX_BLOCKS) * groups)
+    return 2 * parts * hidden * 4
+
+
+_bwd_ffi_lowering = jax.ffi.ffi_lowering("lowbit_norm_backward")
+
+
+def _bwd_lowering(ctx, *args, platform, norm_type, zero_centered_gamma, cfg):
+    """Custom call with one more (u8 workspace) result than the primitive; drops it."""
+    del cfg
+    _ffi.require_platform("lowbit_norm_backward", platform)
+    x = ctx.avals_in[1]
+    hidden = x.shape[-1]
+    rows = int(np.prod(x.shape[:-1], dtype=np.int64))
+    ws = jax.core.ShapedArray((norm_backward_workspace_bytes(x.dtype, rows, hidden),), jnp.uint8)
+    outs = _bwd_ffi_lowering(ctx.replace(avals_out=(*ctx.avals_out, ws)), *args,
+                             norm_type=norm_type, zero_centered_gamma=zero_centered_gamma)
+    assert len(outs) == len(ctx.avals_out) + 1
+    return outs[:-1]
+
+
+for _platform in ("cpu", "cuda"):  # replaces ffi_primitive's generic lowering
+    mlir.register_lowering(norm_bwd_p, functools.partial(_bwd_lowering, platform=_platform),
+                           platform=_platform)
 
 
 # ---------------------------------------------------------------- vmap
@@ -256,7 +330,7 @@ def _fwd_op(cfg: _Fwd):
     def _(axis_size, in_batched, *args):
         axes = [0 if b else None for b in in_batched]
         out = jax.vmap(lambda *a: _fwd_local(*a, cfg), in_axes=axes)(*args)
-        return out, tuple(True for _ in out)
+        return tuple(out), tuple(True for _ in out)  # vmap's out_axes=0: all batched
 
     return op
 
@@ -271,7 +345,7 @@ def _bwd_op(cfg: _Bwd):
     def _(axis_size, in_batched, *args):
         axes = [0 if b else None for b in in_batched]
         out = jax.vmap(lambda *a: _bwd_local(*a, cfg), in_axes=axes)(*args)
-        return out, tuple(True for _ in out)
+        return tuple(out), tuple(True for _ in out)  # vmap's out_axes=0: all batched
 
     return op
 

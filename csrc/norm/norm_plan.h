@@ -1,0 +1,86 @@
+// Host-only launch planning of the normalization kernels that does not need a device:
+// the row geometry (shared by norm_fwd.cu and norm_bwd.cu) and the backward pass's
+// workspace size, a function of the shape alone.
+//
+// The workspace size is duplicated in Python (lowbit/ops/norm.py:
+// norm_backward_workspace_bytes): JAX allocates it as an extra result of the
+// lowbit_norm_backward custom call (XLA's FFI scratch allocator is not usable there), so it
+// must be known at lowering time without a device. Change both together; the CPU handler
+// checks that the Python size equals NormBackwardWorkspaceBytes on every call, so the CPU
+// test suite catches a drift, and the CUDA launcher checks that its plan fits.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "common/dtype.h"
+
+namespace lowbit {
+
+constexpr int64_t kNormMaxHidden = 16384;
+
+// Backward stage 1: at most this many threads per block (several row groups per block
+// when rows are short) and at most this many blocks (the occupancy limit of the device is
+// usually lower: 1 or 2 blocks per SM). Each row group of each block writes one partial
+// row of dgamma and of dbeta.
+constexpr int kNormBwdBlockThreads = 512;
+constexpr int64_t kNormBwdMaxBlocks = 512;
+
+// Launch geometry for one row of `hidden` elements of `elem_bytes` each.
+struct RowGeometry {
+  int items = 0;            // elements per thread: 4, 8 or 16
+  bool vectorized = false;  // 16-byte chunks (kVec = 16 / elem_bytes) or scalars
+  int threads_per_row = 0;  // multiple of 32, <= 1024
+};
+
+// The fewest items per thread that keep a row group at <= 256 threads (short reductions,
+// several row groups per SM), else 16 items and up to 1024 threads (hidden <= 16384).
+inline RowGeometry ChooseGeometry(int64_t hidden, int elem_bytes, bool pointers_aligned) {
+  RowGeometry g;
+  const int vec = 16 / elem_bytes;
+  g.vectorized = pointers_aligned && hidden % vec == 0;
+  const int v = g.vectorized ? vec : 1;
+  const int64_t chunks = (hidden + v - 1) / v;
+  for (int items : {4, 8, 16}) {
+    if (items < v) continue;
+    const int64_t per_thread = items / v;
+    const int64_t tpr = ((chunks + per_thread - 1) / per_thread + 31) / 32 * 32;
+    g.items = items;
+    g.threads_per_row = int(tpr);
+    if (tpr <= 256) break;
+  }
+  return g;
+}
+
+// Row groups per backward block: the largest power of two that keeps the block at
+// <= kNormBwdBlockThreads threads (1 for rows of 512 or more threads).
+inline int NormBwdRowGroups(const RowGeometry& g) {
+  int groups = 1;
+  while (groups * 2 * g.threads_per_row <= kNormBwdBlockThreads) groups *= 2;
+  return groups;
+}
+
+// The most partial rows the backward pass can use: min(row tiles, kNormBwdMaxBlocks)
+// blocks of NormBwdRowGroups row groups. The launcher may use fewer blocks (occupancy).
+inline int64_t NormBwdMaxParts(int64_t rows, const RowGeometry& g) {
+  const int64_t groups = NormBwdRowGroups(g);
+  const int64_t tiles = (rows + groups - 1) / groups;
+  return (tiles < kNormBwdMaxBlocks ? tiles : kNormBwdMaxBlocks) * groups;
+}
+
+// Bytes of device workspace the backward pass needs for x of `x_dtype` viewed as rows x
+// hidden: fp32 [2][parts][hidden] (dgamma partials, then dbeta partials; both halves are
+// written for RMSNorm too), sized for the larger of the vectorized and the scalar plan (the
+// launcher picks one from the pointers' alignment). 0 for an empty or unsupported shape.
+inline size_t NormBackwardWorkspaceBytes(DType x_dtype, int64_t rows, int64_t hidden) {
+  if (rows <= 0 || hidden <= 0 || hidden > kNormMaxHidden || !IsHighPrecision(x_dtype)) return 0;
+  const int elem_bytes = x_dtype == DType::kF32 ? 4 : 2;
+  int64_t parts = 0;
+  for (bool aligned : {false, true}) {
+    const int64_t p = NormBwdMaxParts(rows, ChooseGeometry(hidden, elem_bytes, aligned));
+    parts = p > parts ? p : parts;
+  }
+  return size_t(2) * size_t(parts) * size_t(hidden) * sizeof(float);
+}
+
+}  // namespace lowbit
