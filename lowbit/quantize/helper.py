@@ -6,9 +6,10 @@ default) turns quantization off inside the block whatever `recipe` says; enabled
 no recipe means `DelayedScaling()`, as in TE. Blocks nest; the state lives in a
 contextvars.ContextVar, so threads do not see each other's blocks.
 
-`mesh_resource` is stored for the sharding work to come (`lowbit.sharding.MeshResource`):
-any object or None is accepted, None keeping the enclosing block's value, and
-`get_global_mesh_resource()` returns it.
+`mesh_resource` (a `lowbit.sharding.MeshResource`; None keeps the enclosing block's value)
+names the mesh axes of each kind of parallelism; `get_global_mesh_resource()` returns it.
+`lowbit.sharding.global_shard_guard(resource)` sets it through the same ContextVar
+(`mesh_resource_guard` below) without touching the recipe.
 
 The recipe is read when a function is traced: a function jitted outside an autocast block
 keeps its traced (unquantized) program inside one. Pass the recipe to functions that jit.
@@ -53,6 +54,7 @@ __all__ = [
     "get_global_recipe",
     "get_global_mesh_resource",
     "is_quantization_enabled",
+    "mesh_resource_guard",
     "QuantizerFactory",
 ]
 
@@ -75,18 +77,29 @@ def autocast(enabled: bool = False, recipe: Recipe | None = None, mesh_resource:
     if enabled and recipe is None:
         recipe = DelayedScaling()
     outer = _STATE.get()
-    state = AutocastState(
-        recipe=recipe if enabled else None,
-        mesh_resource=outer.mesh_resource if mesh_resource is None else mesh_resource,
-    )
-    token = _STATE.set(state)
+    token = _STATE.set(outer._replace(recipe=recipe if enabled else None))
     try:
-        yield
+        if mesh_resource is None:
+            yield
+        else:
+            with mesh_resource_guard(mesh_resource):
+                yield
     finally:
         _STATE.reset(token)
 
 
 fp8_autocast = autocast  # TE's older name
+
+
+@contextlib.contextmanager
+def mesh_resource_guard(mesh_resource: Any):
+    """Makes `mesh_resource` the global one inside the block, keeping the active recipe
+    (the mechanism behind autocast(mesh_resource=...) and sharding.global_shard_guard)."""
+    token = _STATE.set(_STATE.get()._replace(mesh_resource=mesh_resource))
+    try:
+        yield
+    finally:
+        _STATE.reset(token)
 
 
 def get_global_recipe() -> Recipe | None:

@@ -1,0 +1,119 @@
+"""Seed Dense tutorial, multi-GPU section: one nn.Dense (x 8x2048x8192 bf16 -> 32768 features)
+forward+backward on a (dp, tp) mesh: DP=2/TP=2 on 4 devices (column-parallel kernel
+P(None, 'tp'), x P('dp'), dy P('dp', None, 'tp')) and DP=2 on 2 devices, bf16 against
+lowbit's Float8CurrentScaling and DelayedScaling in the same run, with speedups over bf16.
+Configurations needing more devices than jax.devices() offers are skipped (printed).
+
+    python bench/bench_dense_multi.py            # GPUs, seed shape
+    python bench/bench_dense_multi.py --small    # CPU smoke run on 4 virtual devices
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+if "--small" in sys.argv and "XLA_FLAGS" not in os.environ:
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import linen as nn  # noqa: E402
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
+import common  # noqa: E402
+from quickstart_jax_utils import make_step  # noqa: E402
+
+import lowbit  # noqa: E402
+from lowbit.recipe import DelayedScaling, Float8CurrentScaling  # noqa: E402
+from lowbit.sharding import MeshResource, global_shard_guard  # noqa: E402
+
+CONFIGS = {"dp2_tp2": (2, 2), "dp2": (2, 1)}  # name -> (dp, tp)
+
+
+class DenseBlock(nn.Module):
+    features: int
+    dot_general_cls: object = None
+
+    @nn.compact
+    def __call__(self, x):
+        dg = self.dot_general_cls() if self.dot_general_cls else None
+        return nn.Dense(self.features, use_bias=True, dtype=x.dtype, dot_general=dg)(x)
+
+
+def variants():
+    return {
+        "bf16": lambda f: DenseBlock(f),
+        "lowbit_current": lambda f: DenseBlock(f, lowbit.flax.make_dot_general_cls(Float8CurrentScaling())),
+        "lowbit_delayed": lambda f: DenseBlock(f, lowbit.flax.make_dot_general_cls(DelayedScaling())),
+    }
+
+
+def shard_variables(variables, mesh):
+    """Column-parallel kernel (H, F@tp) and bias (F@tp); delayed-scaling state replicated."""
+    def spec(path, leaf):
+        names = [getattr(k, "key", "") for k in path]
+        if names[0] == "params" and names[-1] == "kernel":
+            return NamedSharding(mesh, P(None, "tp"))
+        if names[0] == "params" and names[-1] == "bias":
+            return NamedSharding(mesh, P("tp"))
+        return NamedSharding(mesh, P())
+    return jax.device_put(variables, jax.tree_util.tree_map_with_path(spec, variables))
+
+
+def run_config(name, dp, tp, shape, iters):
+    b, s, h, f = shape
+    devices = jax.devices()[: dp * tp]
+    mesh = Mesh(np.array(devices).reshape(dp, tp), ("dp", "tp"))
+    key = jax.random.PRNGKey(0)
+    x = jax.random.normal(key, (b, s, h), jnp.bfloat16)
+    dy = jax.random.normal(jax.random.PRNGKey(1), (b, s, f), jnp.bfloat16)
+    x = jax.device_put(x, NamedSharding(mesh, P("dp", None, None)))
+    dy = jax.device_put(dy, NamedSharding(mesh, P("dp", None, "tp")))
+    flops = 3 * 2 * b * s * h * f
+    results, params = {}, None
+    with global_shard_guard(MeshResource(dp_resource="dp", tp_resource="tp")):
+        for variant, make in variants().items():
+            model = make(f)
+            variables = jax.jit(model.init)(key, x)
+            params = variables["params"] if params is None else params  # same weights for all
+            variables = shard_variables({**variables, "params": params}, mesh)
+            step = make_step(model.apply, {})
+            t = common.time_fn(lambda v, x, dy: step(v, x, dy)[1:], [(variables, x, dy)], iters)
+            results[variant] = {"ms": t * 1e3, "tflops_per_device": flops / t / 1e12 / (dp * tp)}
+    for r in results.values():
+        r["speedup_vs_bf16"] = results["bf16"]["ms"] / r["ms"]
+    return results
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--small", action="store_true", help="CPU-sized shapes")
+    parser.add_argument("--iters", type=int, default=None)
+    args = parser.parse_args(argv)
+    shape = (4, 32, 128, 256) if args.small else (8, 2048, 8192, 32768)
+    iters = args.iters or (2 if args.small else 20)
+    n = len(jax.devices())
+    rows, payload = [], {"shape": dict(zip(("batch", "seq", "hidden", "features"), shape)),
+                         "devices": n, "configs": {}}
+    for name, (dp, tp) in CONFIGS.items():
+        if dp * tp > n:
+            print(f"skipping {name}: needs {dp * tp} devices, jax.devices() has {n}")
+            continue
+        results = run_config(name, dp, tp, shape, iters)
+        payload["configs"][name] = results
+        for variant, r in results.items():
+            rows.append({"config": name, "variant": variant, "ms": r["ms"],
+                         "TFLOP/s/dev": r["tflops_per_device"], "x bf16": r["speedup_vs_bf16"]})
+    if rows:
+        common.print_table(rows, ["config", "variant", "ms", "TFLOP/s/dev", "x bf16"])
+    path = common.write_results("dense_multi" + ("_small" if args.small else ""), payload)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

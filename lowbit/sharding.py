@@ -1,0 +1,161 @@
+"""lowbit.sharding: which mesh axes carry which parallelism, and logical axis names -> mesh axes.
+
+lowbit shards with JAX's own SPMD partitioner (Shardy): every op is a custom_partitioning
+primitive whose rule follows the shardings of its inputs (lowbit/ops/*.py: GEMM DP /
+column- and row-parallel TP with an fp32 psum over the contracting axes, FSDP kernels
+gathered in FP8, norms keep the hidden dim whole and psum dgamma/dbeta). `MeshResource`
+only names the axes for the logical-axis table below (`logical_axis_rules()`,
+`extend_logical_axis_rules(rules)`, usable with `flax.linen.logical_axis_rules`), as in
+TransformerEngine:
+
+    mesh = jax.make_mesh((2, 2), ("dp", "tp"))
+    with lowbit.sharding.global_shard_guard(MeshResource(dp_resource="dp", tp_resource="tp")):
+        with nn.logical_axis_rules(lowbit.sharding.logical_axis_rules()): ...
+
+`global_shard_guard(r)` and `lowbit.autocast(mesh_resource=r)` set the same global value
+(lowbit.quantize.helper.mesh_resource_guard); `global_mesh_resource()` reads it.
+
+Amax reduction scope (every device must cast with the same scale):
+  - DelayedScaling: the amax of each tensor is the max over every device that holds a
+    piece of it: the quantize / norm / activation ops pmax their local amax over the mesh
+    axes that shard their input, and a replicated input has the same amax on each replica,
+    so under a sharded jit the reduced amax, the amax history and the next scale are
+    identical on every device of every mesh axis (dp, fsdp, tp, tpsp, cp; pp is never
+    reduced over: pipeline stages hold different layers, each with its own state). The
+    state is replicated and equals the unsharded run's state bit for bit.
+  - Float8CurrentScaling: the tensor's own global amax, i.e. a pmax over the axes that
+    shard that tensor (lowbit.ops.amax), computed before the cast; no other axes.
+Inside shard_map (manual axes) nothing is reduced for you: pmax the amax over the manual
+axes yourself before `Quantizer.update`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+from lowbit.quantize.helper import get_global_mesh_resource, mesh_resource_guard
+
+__all__ = [
+    "MeshResource",
+    "global_shard_guard",
+    "global_mesh_resource",
+    "logical_axis_rules",
+    "extend_logical_axis_rules",
+    "BATCH_AXES", "SEQLEN_AXES", "SEQLEN_TP_AXES", "SEQLEN_CP_AXES", "HEAD_AXES",
+    "HIDDEN_AXES", "HIDDEN_TP_AXES", "JOINED_AXES", "W_NO_SHARD_AXES", "W_FSDP_AXES",
+    "W_TP_AXES", "W_JOINED_AXES",
+]
+
+AxisName = str | tuple[str, ...] | None
+
+# TE's own logical names (transformer_engine.jax.sharding).
+BATCH_AXES = "nvte_batch"
+SEQLEN_AXES = "nvte_seqlen"
+SEQLEN_TP_AXES = "nvte_seqlen_tp"
+SEQLEN_CP_AXES = "nvte_seqlen_cp"
+HEAD_AXES = "nvte_head"
+HIDDEN_AXES = "nvte_hidden"
+HIDDEN_TP_AXES = "nvte_hidden_tp"
+JOINED_AXES = "nvte_joined"
+W_NO_SHARD_AXES = "nvte_w_no_shard"
+W_FSDP_AXES = "nvte_w_fsdp"
+W_TP_AXES = "nvte_w_tp"
+W_JOINED_AXES = "nvte_w_joined"
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshResource:
+    """Mesh axis names per kind of parallelism (None: not used). dp shards the batch; tp
+    the heads / mlp dims of the weights; tpsp the sequence outside TP regions (sequence
+    parallelism, usually the tp axis); fsdp the weights' embed dim (and the batch); pp
+    pipeline stages; cp the sequence (context parallelism)."""
+
+    dp_resource: str | None = None
+    tp_resource: str | None = None
+    tpsp_resource: str | None = None
+    fsdp_resource: str | None = None
+    pp_resource: str | None = None
+    cp_resource: str | None = None
+
+    def amax_reduction_axes(self) -> tuple[str, ...]:
+        """The axes a delayed-scaling amax is reduced over: all named axes but pp."""
+        names = (self.dp_resource, self.fsdp_resource, self.tp_resource, self.tpsp_resource,
+                 self.cp_resource)
+        return tuple(dict.fromkeys(n for n in names if n is not None))
+
+
+def global_shard_guard(resource: MeshResource):
+    """Context manager: `resource` is the global MeshResource inside the block."""
+    if not isinstance(resource, MeshResource):
+        raise TypeError(f"lowbit.sharding.global_shard_guard: resource: expected a MeshResource, "
+                        f"got {resource!r}")
+    return mesh_resource_guard(resource)
+
+
+def global_mesh_resource() -> MeshResource:
+    """The active MeshResource (all None outside any guard)."""
+    resource = get_global_mesh_resource()
+    return resource if isinstance(resource, MeshResource) else MeshResource()
+
+
+def _batch_axes(r: MeshResource) -> AxisName:
+    axes = tuple(dict.fromkeys(a for a in (r.dp_resource, r.fsdp_resource) if a is not None))
+    return None if not axes else (axes[0] if len(axes) == 1 else axes)
+
+
+def logical_axis_rules(resource: MeshResource | None = None) -> tuple[tuple[str, AxisName], ...]:
+    """(logical name, mesh axes) pairs for `flax.linen.logical_axis_rules`, from `resource`
+    (default: the global one). Flax gives each tensor dim the first rule whose mesh axes are
+    still free in that tensor, so a weight's "embed" takes fsdp while an activation whose
+    "batch" already uses the fsdp axis keeps its hidden dim whole."""
+    r = global_mesh_resource() if resource is None else resource
+    tp = r.tp_resource
+    rules = (
+        # Flax / T5X-style names (TE's module defaults use these)
+        ("batch", _batch_axes(r)),
+        ("length", r.cp_resource),
+        ("embed", r.fsdp_resource),
+        ("mlp", tp),
+        ("heads", tp),
+        ("kv", None),
+        ("joined_kv", tp),
+        ("act", None),
+        ("qkv_dim", None),
+        ("vocab", tp),
+        ("norm", None),
+        # TE's names
+        (BATCH_AXES, _batch_axes(r)),
+        (SEQLEN_AXES, None),
+        (SEQLEN_TP_AXES, r.tpsp_resource),
+        (SEQLEN_CP_AXES, r.cp_resource),
+        (HEAD_AXES, tp),
+        (HIDDEN_AXES, None),
+        (HIDDEN_TP_AXES, tp),
+        (JOINED_AXES, None),
+        (W_NO_SHARD_AXES, None),
+        (W_FSDP_AXES, r.fsdp_resource),
+        (W_TP_AXES, tp),
+        (W_JOINED_AXES, None),
+    )
+    return rules
+
+
+def extend_logical_axis_rules(rules: Sequence[tuple[str, AxisName]]) -> tuple[tuple[str, AxisName], ...]:
+    """`rules` followed by lowbit's (logical_axis_rules()) for the names `rules` leaves out.
+    A name given in `rules` with a different mapping than lowbit's is kept as given only if
+    lowbit maps it to None; otherwise it is a ValueError (TE's check)."""
+    given: dict[str, list] = {}
+    for item in rules:
+        if len(item) != 2 or not isinstance(item[0], str):
+            raise ValueError(f"lowbit.sharding.extend_logical_axis_rules: rules: expected "
+                             f"(name, mesh axes) pairs, got {item!r}")
+        given.setdefault(item[0], []).append(item[1])
+    extended = list(rules)
+    for name, axes in logical_axis_rules():
+        if name not in given:
+            extended.append((name, axes))
+        elif axes is not None and given[name] != [axes]:
+            raise ValueError(f"lowbit.sharding.extend_logical_axis_rules: rules: {name!r} maps to "
+                             f"{given[name]}, but the global MeshResource maps it to {axes!r}")
+    return tuple(extended)
