@@ -225,7 +225,9 @@ def test_sharded_equals_unsharded(gated, spec, rng):
                                      compute_dbias=True)
         return fw, bw
 
-    got, want = jax.jit(f)(dzs, xs), f(dz, x)
+    with jax.default_device(jax.devices("cpu")[0]):  # the reference on the CPU too (not a GPU)
+        want = f(dz, x)
+    got = jax.jit(f)(dzs, xs)
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         if g.dtype in (jnp.float8_e4m3fn, jnp.float8_e5m2):
             np.testing.assert_array_equal(np.asarray(g).view(np.uint8), np.asarray(w).view(np.uint8))
@@ -304,3 +306,13 @@ def test_cuda_dbias_deterministic(rng, gpu):
     f = lambda d, v: lowbit.ops.act_backward(d, v, "silu", gated=True, compute_dbias=True).dbias  # noqa: E731
     a, b = run_on(gpu, f, dz, x), run_on(gpu, f, dz, x)
     np.testing.assert_array_equal(a.view(np.uint16), b.view(np.uint16))
+
+
+def test_subnormals_kept_and_nan_canonical():
+    # As the CUDA kernels: IEEE subnormals even under XLA's CPU FTZ/DAZ, NaN = 0x7FC00000.
+    x = np.array([[1e-39, -np.nan, np.nan, -88.0]], np.float32)
+    y = np.asarray(lowbit.ops.act_forward(x, "relu").y)
+    assert y[0, 0] == np.float32(1e-39)
+    assert y[0, 1:3].view(np.uint32).tolist() == [0x7FC00000, 0x7FC00000]
+    s = np.asarray(lowbit.ops.act_forward(x, "silu").y)
+    assert s[0, 3] != 0  # sigmoid(-88) ~ 6e-39 is subnormal; -88 times it is not

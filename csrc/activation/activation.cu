@@ -3,8 +3,8 @@
 // activation.h; formulas: activation_math.h (shared with the CPU reference, bit-identical).
 //
 // ActTiledKernel: blocks loop over 64-row x 128-column tiles of the H input columns. Each
-// thread first loads all its 16-byte chunks of the tile (x, the gate half, dz), then
-// computes 1 or 2 output "planes" per element (2 for the gated backward: d x_a goes to
+// thread walks its 16-byte chunks of the tile (x, the gate half, dz) pass by pass, the next
+// pass's loads issued before this pass's math, and computes 1 or 2 output "planes" per element (2 for the gated backward: d x_a goes to
 // columns [0, H), d x_g to [H, 2H)). Per plane it stores the high-precision output and the
 // rowwise codes, keeps the codes in shared memory for the transposed store (8 lanes write
 // 64 contiguous bytes of a colwise row), and writes per-tile column sums for dbias to a
@@ -41,6 +41,8 @@ struct ActKernelArgs {
   uint8_t* q_rowwise;
   uint8_t* q_colwise;
   bool colwise_vec;  // q_colwise 8-byte aligned and rows % 8 == 0
+  bool vector_io;    // 16-byte loads/stores (aligned, H % kVec == 0), else scalar
+  bool e5m2;         // code format: E5M2, else E4M3
   uint32_t* amax;
   float* partials;   // tile_rows x out_cols, or null
 };
@@ -65,7 +67,34 @@ __device__ __forceinline__ void StoreCodes(uint8_t* dst, const uint8_t (&q)[kVec
   }
 }
 
-template <typename Tag, typename Fmt, bool kBackward, bool kGated, bool kVectorIO>
+// Loads pass s's chunks of this thread (out of range -> 0, masked by the caller).
+template <typename Tag, bool kBackward, bool kGated, int kVec>
+__device__ __forceinline__ void LoadPass(const ActKernelArgs<typename Tag::Storage>& p, int64_t r,
+                                         int64_t c, typename Tag::Storage (&xa)[kVec],
+                                         typename Tag::Storage (&xg)[kVec],
+                                         typename Tag::Storage (&g)[kVec]) {
+  using T = typename Tag::Storage;
+  if (p.vector_io) {
+    const bool ok = r < p.rows && c < p.hidden;
+    LoadChunk<T, kVec>(p.x + r * p.in_cols + c, ok, xa);
+    if constexpr (kGated) LoadChunk<T, kVec>(p.x + r * p.in_cols + p.hidden + c, ok, xg);
+    if constexpr (kBackward) LoadChunk<T, kVec>(p.dz + r * p.hidden + c, ok, g);
+  } else {
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) {
+      const bool ok = r < p.rows && c + j < p.hidden;
+      xa[j] = ok ? p.x[r * p.in_cols + c + j] : T(0);
+      if constexpr (kGated) xg[j] = ok ? p.x[r * p.in_cols + p.hidden + c + j] : T(0);
+      if constexpr (kBackward) g[j] = ok ? p.dz[r * p.hidden + c + j] : T(0);
+    }
+  }
+}
+
+// One kernel per (dtype, forward/backward, gated): the act type, the code format and the
+// vector/scalar IO are uniform runtime branches, and the passes of a tile are a rolled
+// loop (next pass's loads issued before this pass's math), so each kernel inlines the
+// activation math kVec times, not kVec * passes * formats * IO variants (compile time).
+template <typename Tag, bool kBackward, bool kGated>
 __global__ void __launch_bounds__(kThreads) ActTiledKernel(ActKernelArgs<typename Tag::Storage> p) {
   using T = typename Tag::Storage;
   constexpr int kPlanes = kBackward && kGated ? 2 : 1;
@@ -90,46 +119,30 @@ __global__ void __launch_bounds__(kThreads) ActTiledKernel(ActKernelArgs<typenam
     const int64_t c0 = (tile % tiles_c) * kTileCols;
     const int64_t c = c0 + chunk_col;
 
-    // 1. All loads of this thread's chunks first (out of range -> 0, masked below).
-    T xa[kPasses][kVec], xg[kPasses][kVec], g[kPasses][kVec];
-#pragma unroll
-    for (int s = 0; s < kPasses; ++s) {
-      const int64_t r = r0 + s * kRowsPerPass + chunk_row;
-      if constexpr (kVectorIO) {
-        const bool ok = r < p.rows && c < p.hidden;
-        LoadChunk<T, kVec>(p.x + r * p.in_cols + c, ok, xa[s]);
-        if constexpr (kGated) LoadChunk<T, kVec>(p.x + r * p.in_cols + p.hidden + c, ok, xg[s]);
-        if constexpr (kBackward) LoadChunk<T, kVec>(p.dz + r * p.hidden + c, ok, g[s]);
-      } else {
-#pragma unroll
-        for (int j = 0; j < kVec; ++j) {
-          const bool ok = r < p.rows && c + j < p.hidden;
-          xa[s][j] = ok ? p.x[r * p.in_cols + c + j] : T(0);
-          if constexpr (kGated) xg[s][j] = ok ? p.x[r * p.in_cols + p.hidden + c + j] : T(0);
-          if constexpr (kBackward) g[s][j] = ok ? p.dz[r * p.hidden + c + j] : T(0);
-        }
-      }
-    }
-
-    // 2. Compute and store each plane; keep codes and column sums.
     float col_sum[kPlanes][kVec];
 #pragma unroll
     for (int k = 0; k < kPlanes; ++k) {
 #pragma unroll
       for (int j = 0; j < kVec; ++j) col_sum[k][j] = 0.0f;
     }
-#pragma unroll
+    // 1-2. Per pass: the next pass's loads first, then compute and store each plane of
+    // this one; keep codes and column sums.
+    T xa[kVec], xg[kVec], g[kVec];
+    LoadPass<Tag, kBackward, kGated, kVec>(p, r0 + chunk_row, c, xa, xg, g);
+#pragma unroll 1
     for (int s = 0; s < kPasses; ++s) {
       const int local_row = s * kRowsPerPass + chunk_row;
       const int64_t r = r0 + local_row;
+      T nxa[kVec], nxg[kVec], ng[kVec];
+      if (s + 1 < kPasses) LoadPass<Tag, kBackward, kGated, kVec>(p, r + kRowsPerPass, c, nxa, nxg, ng);
       float v[kPlanes][kVec];
 #pragma unroll
       for (int j = 0; j < kVec; ++j) {
-        const float a = LoadAsFloat(Tag{}, xa[s][j]);
-        const float gate = kGated ? LoadAsFloat(Tag{}, xg[s][j]) : 0.0f;
+        const float a = LoadAsFloat(Tag{}, xa[j]);
+        const float gate = kGated ? LoadAsFloat(Tag{}, xg[j]) : 0.0f;
         if constexpr (kBackward) {
           float da, dg;
-          ActBackwardValue(p.act, LoadAsFloat(Tag{}, g[s][j]), a, gate, &da, &dg);
+          ActBackwardValue(p.act, LoadAsFloat(Tag{}, g[j]), a, gate, &da, &dg);
           v[0][j] = da;
           if constexpr (kPlanes == 2) v[1][j] = dg;
         } else {
@@ -148,11 +161,11 @@ __global__ void __launch_bounds__(kThreads) ActTiledKernel(ActKernelArgs<typenam
             best = max(best, AbsBitsOf(v[k][j]));
             col_sum[k][j] += v[k][j];
           }
-          q[j] = EncodeScaled(Fmt{}, v[k][j], scale);
+          q[j] = p.e5m2 ? EncodeScaled(E5m2Fmt{}, v[k][j], scale) : EncodeScaled(E4m3Fmt{}, v[k][j], scale);
           hp[j] = StoreFromFloat(Tag{}, v[k][j]);
         }
         if (r < p.rows) {
-          if (kVectorIO && c < p.hidden) {
+          if (p.vector_io && c < p.hidden) {
             if (p.out != nullptr) {
               uint4 w;
               memcpy(&w, hp, sizeof(w));
@@ -176,6 +189,12 @@ __global__ void __launch_bounds__(kThreads) ActTiledKernel(ActKernelArgs<typenam
             *reinterpret_cast<uint32_t*>(&codes[k][local_row][chunk_col + j]) = w;
           }
         }
+      }
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) {
+        xa[j] = nxa[j];
+        if constexpr (kGated) xg[j] = nxg[j];
+        if constexpr (kBackward) g[j] = ng[j];
       }
     }
 
@@ -244,13 +263,13 @@ __global__ void DbiasFinalizeKernel(const float* __restrict__ partials, int64_t 
     float total = 0.0f;
 #pragma unroll
     for (int y = 0; y < 8; ++y) total += sums[y][threadIdx.x];
-    dbias[c] = StoreFromFloat(Tag{}, total);
+    dbias[c] = StoreFromFloat(Tag{}, CanonicalNan(total));  // as the reference
   }
 }
 
 bool Aligned(const void* p, uintptr_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
 
-template <typename Tag, typename Fmt, bool kBackward, bool kGated>
+template <typename Tag, bool kBackward, bool kGated>
 Status Launch(const ActArgs& a, void* workspace, GpuStream stream, const char* op) {
   using T = typename Tag::Storage;
   constexpr int kVec = 16 / int(sizeof(T));
@@ -272,16 +291,14 @@ Status Launch(const ActArgs& a, void* workspace, GpuStream stream, const char* o
   if (kBackward && a.dbias != nullptr && workspace == nullptr) {
     return Status::Internal(std::string(op) + ": dbias: no workspace");
   }
-  const bool vec = a.hidden % kVec == 0 && Aligned(a.x, 16) && Aligned(a.dz, 16) &&
-                   Aligned(a.out, 16) && Aligned(a.q_rowwise, 16);
+  p.vector_io = a.hidden % kVec == 0 && Aligned(a.x, 16) && Aligned(a.dz, 16) &&
+                Aligned(a.out, 16) && Aligned(a.q_rowwise, 16);
+  const bool quantize = a.q_rowwise != nullptr || a.q_colwise != nullptr;
+  p.e5m2 = quantize && a.q_dtype == DType::kE5M2;
   const int64_t tile_rows = (a.rows + kTileRows - 1) / kTileRows;
   const int64_t tiles = tile_rows * ((a.hidden + kTileCols - 1) / kTileCols);
   const int blocks = GridStrideBlocks(tiles * kThreads, kThreads, 8);
-  if (vec) {
-    ActTiledKernel<Tag, Fmt, kBackward, kGated, true><<<blocks, kThreads, 0, stream>>>(p);
-  } else {
-    ActTiledKernel<Tag, Fmt, kBackward, kGated, false><<<blocks, kThreads, 0, stream>>>(p);
-  }
+  ActTiledKernel<Tag, kBackward, kGated><<<blocks, kThreads, 0, stream>>>(p);
   LOWBIT_RETURN_IF_ERROR(LaunchStatus(op));
   if (p.partials == nullptr) return Status::Ok();
   const int64_t finalize_blocks = (p.out_cols + 31) / 32;
@@ -304,14 +321,13 @@ Status Run(const ActArgs& a, void* workspace, GpuStream stream, bool backward) {
       const size_t bytes = size_t(ActOutCols(a, true)) * sizeof(typename Tag::Storage);
       return CudaStatus(cudaMemsetAsync(a.dbias, 0, bytes, stream), op, "cudaMemsetAsync");
     }
-    return DispatchFp8(quantize ? a.q_dtype : DType::kE4M3, op, "q", [&](auto fmt) {
-      using Fmt = decltype(fmt);
+    return DispatchFp8(quantize ? a.q_dtype : DType::kE4M3, op, "q", [&](auto) {
       if (backward) {
-        return a.params.gated ? Launch<Tag, Fmt, true, true>(a, workspace, stream, op)
-                              : Launch<Tag, Fmt, true, false>(a, workspace, stream, op);
+        return a.params.gated ? Launch<Tag, true, true>(a, workspace, stream, op)
+                              : Launch<Tag, true, false>(a, workspace, stream, op);
       }
-      return a.params.gated ? Launch<Tag, Fmt, false, true>(a, workspace, stream, op)
-                            : Launch<Tag, Fmt, false, false>(a, workspace, stream, op);
+      return a.params.gated ? Launch<Tag, false, true>(a, workspace, stream, op)
+                            : Launch<Tag, false, false>(a, workspace, stream, op);
     });
   });
 }

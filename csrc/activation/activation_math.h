@@ -10,7 +10,8 @@
 // Gated forms: y = act(a) * gate(g) with gate(g) = g, or for clamped swiglu
 // gate(g) = clamp(g, -limit, limit) + 1. Gradients follow TE: d/dx of min(x, limit) is 1
 // where x <= limit, else 0; d gate / dg is 1 where |g| <= limit, else 0. NaN propagates
-// through the clamps (a NaN input is never replaced by the limit).
+// through the clamps (a NaN input is never replaced by the limit). NaN results are the
+// canonical 0x7FC00000 on both the CPU and the GPU (common/fp32_math.h: CanonicalNan).
 #pragma once
 
 #include <cmath>
@@ -53,51 +54,66 @@ LOWBIT_HD float GeluTwoU(float x) {
 
 LOWBIT_HD float ClampMax(float x, float limit) { return x > limit ? limit : x; }
 
+// act(x) and d act / dx together. gelu, silu, quick_gelu and clamped_silu all have the
+// form c sigmoid(t(c)), c = x (clamped_silu: min(x, limit)), with derivative
+// s + c s (1 - s) t'(x), s = sigmoid(t); they share one sigmoid (one exp, one division), so
+// each element inlines the exp and the division once, whatever the act_type (this keeps
+// the CUDA kernels small: activation.cu). Unused outputs are dead code once inlined.
+//   t:   gelu 2u (GeluTwoU), silu x, quick_gelu 1.702 x, clamped_silu alpha c
+//   t':  gelu 2 k0 (1 + 3 k1 x^2), silu 1, quick_gelu 1.702, clamped_silu alpha (0 where
+//        x > limit)
+LOWBIT_HD void ActValueAndDerivative(const ActParams& p, float x, float* value, float* deriv) {
+  const ActType t = p.type;
+  if (t == ActType::kLinear || t == ActType::kRelu || t == ActType::kSquaredRelu ||
+      int32_t(t) > int32_t(ActType::kClampedSilu) || int32_t(t) < 0) {
+    const bool pos = x > 0.0f, nan = !(x == x);
+    const float r = pos ? x : (nan ? x : 0.0f);
+    if (t == ActType::kRelu) {
+      *value = r;
+      *deriv = pos ? 1.0f : (nan ? x : 0.0f);
+    } else if (t == ActType::kSquaredRelu) {
+      *value = Fp32Mul(r, r);
+      *deriv = pos ? Fp32Mul(2.0f, x) : (nan ? x : 0.0f);
+    } else {
+      *value = x;
+      *deriv = 1.0f;
+    }
+    return;
+  }
+  float c = x, arg, slope;
+  if (t == ActType::kGelu) {
+    arg = GeluTwoU(x);
+    slope = Fp32Mul(2.0f * kGeluK0, Fp32Add(1.0f, Fp32Mul(Fp32Mul(3.0f * kGeluK1, x), x)));
+  } else if (t == ActType::kSilu) {
+    arg = x;
+    slope = 1.0f;
+  } else if (t == ActType::kQuickGelu) {
+    arg = Fp32Mul(kQuickGeluAlpha, x);
+    slope = kQuickGeluAlpha;
+  } else {  // kClampedSilu
+    c = ClampMax(x, p.limit);
+    arg = Fp32Mul(p.alpha, c);
+    slope = p.alpha;
+  }
+  const float s = LbSigmoid(arg);
+  const float cs = Fp32Mul(c, s);
+  *value = cs;
+  const float d = Fp32Add(s, Fp32Mul(Fp32Mul(cs, Fp32Add(1.0f, -s)), slope));
+  *deriv = (t == ActType::kClampedSilu && x > p.limit) ? 0.0f : d;
+}
+
 // act(x) for the activation part.
 LOWBIT_HD float ActValue(const ActParams& p, float x) {
-  switch (p.type) {
-    case ActType::kGelu: return Fp32Mul(x, LbSigmoid(GeluTwoU(x)));
-    case ActType::kSilu: return Fp32Mul(x, LbSigmoid(x));
-    case ActType::kRelu: return x > 0.0f ? x : (x == x ? 0.0f : x);
-    case ActType::kQuickGelu: return Fp32Mul(x, LbSigmoid(Fp32Mul(kQuickGeluAlpha, x)));
-    case ActType::kSquaredRelu: {
-      const float r = x > 0.0f ? x : (x == x ? 0.0f : x);
-      return Fp32Mul(r, r);
-    }
-    case ActType::kClampedSilu: {
-      const float c = ClampMax(x, p.limit);
-      return Fp32Mul(c, LbSigmoid(Fp32Mul(p.alpha, c)));
-    }
-    default: return x;
-  }
+  float v, d;
+  ActValueAndDerivative(p, x, &v, &d);
+  return v;
 }
 
 // d act / dx.
 LOWBIT_HD float ActDerivative(const ActParams& p, float x) {
-  switch (p.type) {
-    case ActType::kGelu: {
-      // s + x s (1 - s) d(2u)/dx, s = sigmoid(2u), d(2u)/dx = 2 k0 (1 + 3 k1 x^2)
-      const float s = LbSigmoid(GeluTwoU(x));
-      const float d2u = Fp32Mul(2.0f * kGeluK0, Fp32Add(1.0f, Fp32Mul(Fp32Mul(3.0f * kGeluK1, x), x)));
-      return Fp32Add(s, Fp32Mul(Fp32Mul(Fp32Mul(x, s), Fp32Add(1.0f, -s)), d2u));
-    }
-    case ActType::kSilu: {
-      const float s = LbSigmoid(x);  // s (1 + x (1 - s))
-      return Fp32Mul(s, Fp32Add(1.0f, Fp32Mul(x, Fp32Add(1.0f, -s))));
-    }
-    case ActType::kRelu: return x > 0.0f ? 1.0f : (x == x ? 0.0f : x);
-    case ActType::kQuickGelu: {
-      const float s = LbSigmoid(Fp32Mul(kQuickGeluAlpha, x));
-      return Fp32Mul(s, Fp32Add(1.0f, Fp32Mul(Fp32Mul(kQuickGeluAlpha, x), Fp32Add(1.0f, -s))));
-    }
-    case ActType::kSquaredRelu: return x > 0.0f ? Fp32Mul(2.0f, x) : (x == x ? 0.0f : x);
-    case ActType::kClampedSilu: {
-      if (x > p.limit) return 0.0f;
-      const float s = LbSigmoid(Fp32Mul(p.alpha, x));
-      return Fp32Mul(s, Fp32Add(1.0f, Fp32Mul(Fp32Mul(p.alpha, x), Fp32Add(1.0f, -s))));
-    }
-    default: return 1.0f;
-  }
+  float v, d;
+  ActValueAndDerivative(p, x, &v, &d);
+  return d;
 }
 
 LOWBIT_HD bool IsClamped(const ActParams& p) { return p.type == ActType::kClampedSilu; }
@@ -113,22 +129,25 @@ LOWBIT_HD float GateDerivative(const ActParams& p, float g) {
   return (g > p.limit || g < -p.limit) ? 0.0f : 1.0f;
 }
 
-// Forward: y from the activation input a and (gated) the gate input g.
+// Forward: y from the activation input a and (gated) the gate input g. A NaN result is
+// the canonical 0x7FC00000 (CanonicalNan), on the CPU and on the GPU.
 LOWBIT_HD float ActForwardValue(const ActParams& p, float a, float g) {
   const float y = ActValue(p, a);
-  return p.gated ? Fp32Mul(y, GateValue(p, g)) : y;
+  return CanonicalNan(p.gated ? Fp32Mul(y, GateValue(p, g)) : y);
 }
 
-// Backward: da (and dg when gated) from dz, a, g.
+// Backward: da (and dg when gated) from dz, a, g; NaN results canonical as above.
 LOWBIT_HD void ActBackwardValue(const ActParams& p, float dz, float a, float g, float* da,
                                 float* dg) {
+  float value, deriv;
+  ActValueAndDerivative(p, a, &value, &deriv);
   if (!p.gated) {
-    *da = Fp32Mul(dz, ActDerivative(p, a));
+    *da = CanonicalNan(Fp32Mul(dz, deriv));
     *dg = 0.0f;
     return;
   }
-  *da = Fp32Mul(Fp32Mul(dz, GateValue(p, g)), ActDerivative(p, a));
-  *dg = Fp32Mul(Fp32Mul(dz, ActValue(p, a)), GateDerivative(p, g));
+  *da = CanonicalNan(Fp32Mul(Fp32Mul(dz, GateValue(p, g)), deriv));
+  *dg = CanonicalNan(Fp32Mul(Fp32Mul(dz, value), GateDerivative(p, g)));
 }
 
 }  // namespace lowbit

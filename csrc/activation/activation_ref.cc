@@ -5,6 +5,7 @@
 
 #include "activation/activation.h"
 #include "common/element.h"
+#include "common/fp32_math.h"
 #include "quantize/fp8_codec.h"
 
 namespace lowbit {
@@ -33,6 +34,7 @@ struct OutputSink {
 template <typename Fn>
 Status Dispatch(const ActArgs& a, const char* op, Fn&& fn) {
   if (a.amax == nullptr) return Status::InvalidArgument(std::string(op) + ": amax: missing");
+  const ScopedIeeeDenormals ieee;  // as the GPU, also when XLA's CPU runtime sets FTZ/DAZ
   const bool quantize = a.q_rowwise != nullptr || a.q_colwise != nullptr;
   if (quantize && a.scale == nullptr) {
     return Status::InvalidArgument(std::string(op) + ": scale: missing");
@@ -92,7 +94,7 @@ Status ActBackwardRef(const ActArgs& a) {
     *a.amax = BitsToFloat(sink.best);
     if (a.dbias != nullptr) {
       T* dbias = static_cast<T*>(a.dbias);
-      for (int64_t c = 0; c < cols; ++c) dbias[c] = StoreFromFloat(tag, sums[size_t(c)]);
+      for (int64_t c = 0; c < cols; ++c) dbias[c] = StoreFromFloat(tag, CanonicalNan(sums[size_t(c)]));
     }
     return Status::Ok();
   });

@@ -191,6 +191,20 @@ Status BackwardArgs(const ffi::AnyBuffer& dz, const ffi::AnyBuffer& x, const ffi
   return CheckQuantized(kBwd, scale, q_row, q_col, x_dims, cols, a->rows, lead, amax, a);
 }
 
+// workspace: a u8 result (dropped in Python: lowbit/ops/activation.py,
+// _workspace_bytes, the same formula) of at least ActBackwardWorkspaceBytes bytes; the
+// CUDA handler keeps the dbias partial sums there. XLA's own memory, no ScratchAllocator.
+Status CheckWorkspace(const ffi::Result<ffi::AnyBuffer>& workspace, const ActArgs& a, void** ptr) {
+  const int64_t need = ActBackwardWorkspaceBytes(a.rows, ActOutCols(a, true), a.dbias != nullptr);
+  const Dims d = DimsOf(*workspace);
+  if (workspace->element_type() != ffi::DataType::U8 || d.size() != 1 || d[0] < need) {
+    return Invalid(kBwd, "workspace", "expected u8 of shape (n,) with n >= " + std::to_string(need) +
+                                          ", got " + Describe(workspace->element_type(), d));
+  }
+  if (ptr != nullptr) *ptr = need > 0 ? workspace->untyped_data() : nullptr;
+  return Status::Ok();
+}
+
 #if !defined(LOWBIT_CUDA_HANDLERS)
 
 ffi::Error ForwardCpu(ffi::AnyBuffer x, ffi::AnyBuffer scale, ffi::Result<ffi::AnyBuffer> y,
@@ -206,11 +220,12 @@ ffi::Error ForwardCpu(ffi::AnyBuffer x, ffi::AnyBuffer scale, ffi::Result<ffi::A
 ffi::Error BackwardCpu(ffi::AnyBuffer dz, ffi::AnyBuffer x, ffi::AnyBuffer scale,
                        ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::AnyBuffer> q_row,
                        ffi::Result<ffi::AnyBuffer> q_col, ffi::Result<ffi::AnyBuffer> amax,
-                       ffi::Result<ffi::AnyBuffer> dbias, int32_t act_type, bool gated, float limit,
-                       float alpha, bool compute_dbias) {
+                       ffi::Result<ffi::AnyBuffer> dbias, ffi::Result<ffi::AnyBuffer> workspace,
+                       int32_t act_type, bool gated, float limit, float alpha, bool compute_dbias) {
   ActArgs a;
   Status s = BackwardArgs(dz, x, scale, dx, q_row, q_col, amax, dbias,
                           Attrs{act_type, gated, limit, alpha}, compute_dbias, &a);
+  if (s.ok()) s = CheckWorkspace(workspace, a, nullptr);  // validated, not used
   if (s.ok()) s = ActBackwardRef(a);
   return ToFfiError(s);
 }
@@ -227,28 +242,18 @@ ffi::Error ForwardGpu(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer scal
   return ToFfiError(s);
 }
 
-ffi::Error BackwardGpu(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer dz,
-                       ffi::AnyBuffer x, ffi::AnyBuffer scale, ffi::Result<ffi::AnyBuffer> dx,
+ffi::Error BackwardGpu(cudaStream_t stream, ffi::AnyBuffer dz, ffi::AnyBuffer x,
+                       ffi::AnyBuffer scale, ffi::Result<ffi::AnyBuffer> dx,
                        ffi::Result<ffi::AnyBuffer> q_row, ffi::Result<ffi::AnyBuffer> q_col,
                        ffi::Result<ffi::AnyBuffer> amax, ffi::Result<ffi::AnyBuffer> dbias,
-                       int32_t act_type, bool gated, float limit, float alpha, bool compute_dbias) {
+                       ffi::Result<ffi::AnyBuffer> workspace, int32_t act_type, bool gated,
+                       float limit, float alpha, bool compute_dbias) {
   ActArgs a;
   Status s = BackwardArgs(dz, x, scale, dx, q_row, q_col, amax, dbias,
                           Attrs{act_type, gated, limit, alpha}, compute_dbias, &a);
-  void* workspace = nullptr;
-  if (s.ok()) {
-    const int64_t bytes = ActBackwardWorkspaceBytes(a.rows, ActOutCols(a, true), a.dbias != nullptr);
-    if (bytes > 0) {
-      auto allocation = scratch.Allocate(size_t(bytes), 16);
-      if (allocation.has_value()) {
-        workspace = *allocation;
-      } else {
-        s = Status::Internal(std::string(kBwd) + ": dbias: cannot allocate " + std::to_string(bytes) +
-                             " bytes of workspace");
-      }
-    }
-  }
-  if (s.ok()) s = ActBackwardCuda(a, workspace, stream);
+  void* ws = nullptr;
+  if (s.ok()) s = CheckWorkspace(workspace, a, &ws);
+  if (s.ok()) s = ActBackwardCuda(a, ws, stream);
   return ToFfiError(s);
 }
 
@@ -268,8 +273,7 @@ namespace xffi = ::xla::ffi;
 #define LOWBIT_ACT_BWD_IMPL lowbit::BackwardCpu
 #else
 #define LOWBIT_ACT_CTX(bind) bind.Ctx<xffi::PlatformStream<cudaStream_t>>()
-#define LOWBIT_ACT_BWD_CTX(bind) \
-  bind.Ctx<xffi::PlatformStream<cudaStream_t>>().Ctx<xffi::ScratchAllocator>()
+#define LOWBIT_ACT_BWD_CTX(bind) bind.Ctx<xffi::PlatformStream<cudaStream_t>>()
 #define LOWBIT_ACT_FWD_SYMBOL LowbitActForwardCuda
 #define LOWBIT_ACT_BWD_SYMBOL LowbitActBackwardCuda
 #define LOWBIT_ACT_FWD_IMPL lowbit::ForwardGpu
@@ -289,7 +293,7 @@ LOWBIT_FFI_HANDLER(LOWBIT_ACT_FWD_SYMBOL, LOWBIT_ACT_FWD_IMPL,
                        .Attr<float>("limit")           // clamped swiglu
                        .Attr<float>("alpha"));         // clamped swiglu
 LOWBIT_FFI_HANDLER(LOWBIT_ACT_BWD_SYMBOL, LOWBIT_ACT_BWD_IMPL,
-                   LOWBIT_ACT_BWD_CTX(xffi::Ffi::Bind())  // (CUDA) stream, dbias workspace
+                   LOWBIT_ACT_BWD_CTX(xffi::Ffi::Bind())  // (CUDA) stream
                        .Arg<xffi::AnyBuffer>()         // dz: x's dtype (..., H)
                        .Arg<xffi::AnyBuffer>()         // x: forward input (..., H) or (..., 2, H)
                        .Arg<xffi::AnyBuffer>()         // scale: f32 (1,)
@@ -298,6 +302,7 @@ LOWBIT_FFI_HANDLER(LOWBIT_ACT_BWD_SYMBOL, LOWBIT_ACT_BWD_IMPL,
                        .Ret<xffi::AnyBuffer>()         // q_colwise: fp8 (C, rows), or (0,)
                        .Ret<xffi::AnyBuffer>()         // amax: f32 (1,), max |dx|
                        .Ret<xffi::AnyBuffer>()         // dbias: x's dtype (C,), or (0,)
+                       .Ret<xffi::AnyBuffer>()         // workspace: u8 (n,), dbias partials
                        .Attr<int32_t>("act_type")
                        .Attr<bool>("gated")
                        .Attr<float>("limit")

@@ -108,11 +108,27 @@ def _fwd_abstract(x, scale, *, act_type, gated, limit, alpha, cfg):
     return tuple(_outputs(cfg, _lead(x, cfg), x.shape[-1:], x.dtype, False))
 
 
+# CUDA tile rows (csrc/activation/activation.h: kActTileRows).
+_TILE_ROWS = 64
+
+
+def _workspace_bytes(rows, cols, dbias):
+    """activation.h: ActBackwardWorkspaceBytes: one fp32 row of partial column sums per
+    64-row tile, when dbias is computed (the handler checks the size)."""
+    if not dbias or rows == 0 or cols == 0:
+        return 0
+    return -(-rows // _TILE_ROWS) * cols * 4
+
+
 def _bwd_abstract(dz, x, scale, *, act_type, gated, limit, alpha, compute_dbias, cfg):
+    """(dx, q_rowwise, q_colwise, amax, dbias, workspace): the last is a u8 scratch result
+    for the CUDA dbias partials (XLA-allocated; dropped by _bwd_local)."""
     del dz, scale, act_type, gated, limit, alpha, compute_dbias
     tail = x.shape[-2:] if cfg.gated else x.shape[-1:]
     dbias = jax.core.ShapedArray((math.prod(tail),), x.dtype) if cfg.dbias else _empty(x.dtype)
-    return tuple(_outputs(cfg, _lead(x, cfg), tail, x.dtype, True) + [dbias])
+    ws = _workspace_bytes(math.prod(_lead(x, cfg)), math.prod(tail), cfg.dbias)
+    workspace = jax.core.ShapedArray((ws,), jnp.uint8)
+    return tuple(_outputs(cfg, _lead(x, cfg), tail, x.dtype, True) + [dbias, workspace])
 
 
 _ATTRS = ("act_type", "gated", "limit", "alpha")
@@ -218,7 +234,7 @@ def _partition(cfg, backward, mesh, arg_shapes):
 
     def lower(*operands):
         prim = act_bwd_p if backward else act_fwd_p
-        out = list(prim.bind(*operands, **cfg.params(backward)))
+        out = list(prim.bind(*operands, **cfg.params(backward)))[:5 if backward else 4]
         if all_axes:
             out[3] = jax.lax.pmax(out[3], all_axes)
         if backward and cfg.dbias and row_axes:
@@ -233,7 +249,7 @@ def _fwd_local(x, scale, cfg):
 
 
 def _bwd_local(dz, x, scale, cfg):
-    return tuple(act_bwd_p.bind(dz, x, scale, **cfg.params(True)))
+    return tuple(act_bwd_p.bind(dz, x, scale, **cfg.params(True)))[:5]  # without the workspace
 
 
 _fwd_partitioned = custom_partitioning(_fwd_local, static_argnums=(2,))
