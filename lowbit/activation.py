@@ -80,6 +80,7 @@ def activation(x, activation_type=("gelu",), quantizer=None, act_params=None):
 
 
 def _quantized(op, x, act_type, gated, limit, alpha, quantizer):
+    from lowbit.quantize.delayed import scale_inverse
     from lowbit.quantize.quantizer import DelayedScaleQuantizer, Quantizer
     from lowbit.quantize.tensor import ScaledTensor1x, ScaledTensor2x
 
@@ -95,7 +96,7 @@ def _quantized(op, x, act_type, gated, limit, alpha, quantizer):
     out = act_forward(x, act_type, gated=gated, limit=limit, alpha=alpha, quant_scale=scale,
                       quant_dtype=quantizer.q_dtype, rowwise=layout.has_rowwise,
                       colwise=layout.has_colwise, return_y=False)
-    scale_inv = jnp.float32(1.0) / scale
+    scale_inv = scale_inverse(scale).reshape(1)  # correctly rounded on every backend
     lead = x.shape[:-2] if gated else x.shape[:-1]
     fa = len(lead)
 
