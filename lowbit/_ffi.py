@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import sys
 import threading
 from pathlib import Path
 
@@ -66,6 +67,12 @@ def _search_dirs() -> list[Path]:
     # Editable installs spread the package over the source tree and site-packages.
     for entry in getattr(lowbit, "__path__", []):
         dirs.append(Path(entry) / "lib")
+    # The source tree put first on sys.path shadows an install's package folder: look in
+    # every lowbit/lib on the path too (the ABI check below still rejects a stale one).
+    for entry in sys.path:
+        candidate = Path(entry or ".") / "lowbit" / "lib"
+        if candidate not in dirs:
+            dirs.append(candidate)
     return dirs
 
 

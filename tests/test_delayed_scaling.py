@@ -240,8 +240,9 @@ def test_compute_scale_op_equals_numpy_bit_for_bit(pow2, fp8_max, rng):
     # The old jnp formula agrees wherever the quotient is normal (XLA:CPU may flush the rest).
     normal = (np.abs(want) >= np.finfo(np.float32).tiny) & ~np.isnan(amaxes) & (
         np.abs(amaxes) >= np.finfo(np.float32).tiny)
-    jnp_scale = np.asarray(jax.jit(lambda a: compute_scale_jnp(a, fp8_max, pow2))(amaxes))
-    np.testing.assert_array_equal(u32(jnp_scale)[normal], u32(want)[normal])
+    if jax.default_backend() == "cpu":  # XLA's GPU fp32 division is not correctly rounded
+        jnp_scale = np.asarray(jax.jit(lambda a: compute_scale_jnp(a, fp8_max, pow2))(amaxes))
+        np.testing.assert_array_equal(u32(jnp_scale)[normal], u32(want)[normal])
 
 
 def test_scale_inverse_op(rng):
@@ -275,6 +276,8 @@ def test_update_op_equals_numpy_bit_for_bit(algo, margin, rng):
             h, s = np.asarray(h), np.asarray(s)[0]
 
 
+@pytest.mark.skipif(jax.default_backend() != "cpu",
+                    reason="XLA's GPU fp32 division is not correctly rounded: the jnp formula differs by 1 ulp there")
 def test_update_op_matches_the_old_jnp_formula_on_normal_values(rng):
     amaxes = np.abs(rng.standard_normal(50) * 10).astype(np.float32)
     amaxes[[3, 17]] = 0.0

@@ -13,10 +13,7 @@
 #include <cstdint>
 
 #include "common/formats.h"
-
-#if !defined(__CUDACC__) && (defined(__x86_64__) || defined(__i386__))
-#include <xmmintrin.h>
-#endif
+#include "common/ieee_denormals.h"
 
 namespace lowbit {
 
@@ -58,35 +55,6 @@ LOWBIT_HD float Fp32Rint(float x) {
 // rounding of a NaN to bf16/f16 and the amax of |v| bit patterns agree.
 LOWBIT_HD float CanonicalNan(float v) { return v == v ? v : BitsToFloat(0x7FC00000u); }
 
-#if !defined(__CUDACC__)
-// Host code that must agree with CUDA (IEEE subnormals; nvcc's default -ftz=false) runs
-// under this guard: XLA's CPU runtime sets FTZ/DAZ (tsl ScopedFlushDenormal) around the
-// computations that call the FFI handlers, which would flush subnormal inputs, results and
-// intermediates (e.g. sigmoid(-100) ~ 4e-44) that the GPU keeps.
-class ScopedIeeeDenormals {
- public:
-#if defined(__x86_64__) || defined(__i386__)
-  ScopedIeeeDenormals() : saved_(_mm_getcsr()) { _mm_setcsr(saved_ & ~0x8040u); }  // FTZ, DAZ
-  ~ScopedIeeeDenormals() { _mm_setcsr(saved_); }
-#elif defined(__aarch64__)
-  ScopedIeeeDenormals() {
-    __asm__ __volatile__("mrs %0, fpcr" : "=r"(saved_));
-    const uint64_t off = saved_ & ~(uint64_t(1) << 24);  // FZ
-    __asm__ __volatile__("msr fpcr, %0" : : "r"(off));
-  }
-  ~ScopedIeeeDenormals() { __asm__ __volatile__("msr fpcr, %0" : : "r"(saved_)); }
-#endif
-  ScopedIeeeDenormals(const ScopedIeeeDenormals&) = delete;
-  ScopedIeeeDenormals& operator=(const ScopedIeeeDenormals&) = delete;
-
- private:
-#if defined(__aarch64__)
-  uint64_t saved_ = 0;
-#else
-  unsigned saved_ = 0;
-#endif
-};
-#endif
 
 LOWBIT_HD float Fp32Pow2(int e) { return BitsToFloat(uint32_t(e + 127) << 23); }  // -126 <= e <= 127
 

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "common/element.h"
+#include "common/ieee_denormals.h"
 #include "common/formats.h"
 #include "gemm/gemm.h"
 
@@ -182,6 +183,7 @@ Status GemmAllRows(const GemmArgs& args, float scale) {
 }  // namespace
 
 Status GemmRef(const GemmArgs& args) {
+  const ScopedIeeeDenormals ieee;  // as the GPU (see ieee_denormals.h)
   LOWBIT_RETURN_IF_ERROR(CheckGemmTypes(args.a_type, args.b_type, args.out_type));
   if (args.m < 0 || args.n < 0 || args.k < 0) {
     return Status::InvalidArgument("lowbit_gemm: negative dimension M=" + std::to_string(args.m) +

@@ -3,6 +3,7 @@
 #include <vector>
 
 #include "common/element.h"
+#include "common/ieee_denormals.h"
 #include "norm/norm.h"
 #include "norm/norm_check.h"
 #include "norm/norm_math.h"
@@ -110,6 +111,7 @@ void BackwardRows(const NormBackwardArgs& a, const std::vector<float>& w,
 }  // namespace
 
 Status NormForwardRef(const NormForwardArgs& a) {
+  const ScopedIeeeDenormals ieee;  // as the GPU (see ieee_denormals.h)
   LOWBIT_RETURN_IF_ERROR(CheckNormForward(a, kFwd));
   if (a.rows == 0) {
     if (a.amax != nullptr) *a.amax = 0.0f;
@@ -126,6 +128,7 @@ Status NormForwardRef(const NormForwardArgs& a) {
 }
 
 Status NormBackwardRef(const NormBackwardArgs& a) {
+  const ScopedIeeeDenormals ieee;  // as the GPU (see ieee_denormals.h)
   LOWBIT_RETURN_IF_ERROR(CheckNormBackward(a, kBwd));
   std::vector<float> w, dgamma(size_t(a.hidden), 0.0f), dbeta(size_t(a.hidden), 0.0f);
   LOWBIT_RETURN_IF_ERROR(LoadVector(a.gamma, a.gamma_dtype, a.hidden, &w));

@@ -4,6 +4,7 @@
 #include <vector>
 
 #include "common/element.h"
+#include "common/ieee_denormals.h"
 #include "quantize/fp8_codec.h"
 #include "quantize/quantize.h"
 
@@ -28,6 +29,7 @@ void StoreDbias(Tag tag, const std::vector<float>& sums, void* out, DType dtype)
 }  // namespace
 
 Status QuantizeFp8Ref(const QuantizeFp8Args& a) {
+  const ScopedIeeeDenormals ieee;  // as the GPU (see ieee_denormals.h)
   if (a.dbias != nullptr && a.dbias_dtype != DType::kF32 && a.dbias_dtype != a.x_dtype) {
     return Status::InvalidArgument(std::string(kQuantizeOp) + ": dbias: expected f32 or " +
                                    DTypeName(a.x_dtype) + ", got " + DTypeName(a.dbias_dtype));
@@ -59,6 +61,7 @@ Status QuantizeFp8Ref(const QuantizeFp8Args& a) {
 
 Status DequantizeFp8Ref(const uint8_t* data, DType data_dtype, int64_t n, const float* scale_inv,
                         void* out, DType out_dtype) {
+  const ScopedIeeeDenormals ieee;  // as the GPU (see ieee_denormals.h)
   return DispatchHighPrecision(out_dtype, kDequantizeOp, "out", [&](auto tag) {
     return DispatchFp8(data_dtype, kDequantizeOp, "data", [&](auto fmt) {
       using T = typename decltype(tag)::Storage;

@@ -4,47 +4,10 @@
 // would then differ from the GPU, so the handlers clear those modes while they run.
 #include <string>
 
+#include "common/ieee_denormals.h"
 #include "scale/scale.h"
 
-#if defined(__x86_64__) || defined(_M_X64) || defined(__i386__)
-#include <xmmintrin.h>
-#define LOWBIT_SCALE_X86 1
-#endif
-
 namespace lowbit {
-namespace {
-
-class ScopedIeeeDenormals {
- public:
-  ScopedIeeeDenormals() {
-#if defined(LOWBIT_SCALE_X86)
-    saved_ = _mm_getcsr();
-    _mm_setcsr(saved_ & ~(0x8000u | 0x0040u));  // FTZ (bit 15), DAZ (bit 6)
-#elif defined(__aarch64__)
-    __asm__ __volatile__("mrs %0, fpcr" : "=r"(saved_));
-    const uint64_t cleared = saved_ & ~(uint64_t(1) << 24);  // FZ
-    __asm__ __volatile__("msr fpcr, %0" : : "r"(cleared));
-#endif
-  }
-  ~ScopedIeeeDenormals() {
-#if defined(LOWBIT_SCALE_X86)
-    _mm_setcsr(saved_);
-#elif defined(__aarch64__)
-    __asm__ __volatile__("msr fpcr, %0" : : "r"(saved_));
-#endif
-  }
-  ScopedIeeeDenormals(const ScopedIeeeDenormals&) = delete;
-  ScopedIeeeDenormals& operator=(const ScopedIeeeDenormals&) = delete;
-
- private:
-#if defined(LOWBIT_SCALE_X86)
-  unsigned int saved_ = 0;
-#else
-  uint64_t saved_ = 0;
-#endif
-};
-
-}  // namespace
 
 Status ComputeScaleRef(const float* amax, int64_t n, float fp8_max, bool use_power_2_scales,
                        float* scale, float* scale_inv) {
