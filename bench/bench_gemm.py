@@ -87,6 +87,8 @@ def main():
         for method, fn in methods().items():
             try:
                 times[method] = time_fn(fn, sets, iters=iters, repeats=repeats, warmup=1 if args.small else 3)
+                print(f"{name} {method}: {times[method] * 1e3:.3f} ms, "
+                      f"{flops / times[method] / 1e12:.0f} TFLOP/s", flush=True)
             except Exception as e:  # e.g. XLA without an FP8 dot on this device
                 print(f"{name} {method}: failed: {type(e).__name__}: {str(e).splitlines()[0]}")
         for method, t in times.items():
