@@ -59,6 +59,7 @@ def main(argv=None):
         compiled = step.lower(variables, x, dy).compile()
         t = common.time_fn(lambda v, x, dy: step(v, x, dy)[1:], [(variables, x, dy)], iters)
         results[name] = {"ms": t * 1e3, "peak_bytes": peak_bytes(compiled)}
+        print(f"{name}: {t * 1e3:.3f} ms", flush=True)
     rows = []
     for name, r in results.items():
         r["speedup_vs_bf16"] = results["bf16"]["ms"] / r["ms"]
