@@ -20,28 +20,6 @@
 namespace lowbit {
 namespace {
 
-using Dims = std::vector<int64_t>;
-
-template <typename B>
-Dims DimsOf(const B& b) {
-  auto d = b.dimensions();
-  return Dims(d.begin(), d.end());
-}
-
-std::string ShapeString(const Dims& d) {
-  std::string s = "(";
-  for (size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + std::to_string(d[i]);
-  return s + (d.size() == 1 ? ",)" : ")");
-}
-
-std::string Describe(ffi::DataType t, const Dims& d) {
-  return std::string(DTypeName(ToDType(t))) + " of shape " + ShapeString(d);
-}
-
-Status Invalid(const char* op, const char* arg, const std::string& what) {
-  return Status::InvalidArgument(std::string(op) + ": " + arg + ": " + what);
-}
-
 struct Attrs {
   int32_t act_type;
   bool gated;

@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "common/dtype.h"
 #include "common/status.h"
@@ -49,6 +50,30 @@ inline int64_t ElementCount(const ffi::AnyBuffer& b) { return int64_t(b.element_
 template <typename B>
 int64_t ElementCount(const ffi::Result<B>& b) {
   return int64_t(b->element_count());
+}
+
+// Shapes in error messages: "f32 of shape (1,)".
+using Dims = std::vector<int64_t>;
+
+template <typename B>
+Dims DimsOf(const B& b) {
+  auto d = b.dimensions();
+  return Dims(d.begin(), d.end());
+}
+
+inline std::string ShapeString(const Dims& d) {
+  std::string s = "(";
+  for (size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + std::to_string(d[i]);
+  return s + (d.size() == 1 ? ",)" : ")");
+}
+
+inline std::string Describe(ffi::DataType t, const Dims& d) {
+  return std::string(DTypeName(ToDType(t))) + " of shape " + ShapeString(d);
+}
+
+// "<op>: <arg>: <what>" as an invalid-argument Status.
+inline Status Invalid(const char* op, const char* arg, const std::string& what) {
+  return Status::InvalidArgument(std::string(op) + ": " + arg + ": " + what);
 }
 
 inline Status ExpectHighPrecision(const char* op, const char* arg, const ffi::AnyBuffer& b) {

@@ -22,28 +22,6 @@ namespace {
 constexpr const char* kQuantizeOp = "lowbit_quantize_fp8";
 constexpr const char* kDequantizeOp = "lowbit_dequantize_fp8";
 
-using Dims = std::vector<int64_t>;
-
-template <typename B>
-Dims DimsOf(const B& b) {
-  auto d = b.dimensions();
-  return Dims(d.begin(), d.end());
-}
-
-std::string ShapeString(const Dims& d) {
-  std::string s = "(";
-  for (size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + std::to_string(d[i]);
-  return s + (d.size() == 1 ? ",)" : ")");
-}
-
-std::string Describe(ffi::DataType t, const Dims& d) {
-  return std::string(DTypeName(ToDType(t))) + " of shape " + ShapeString(d);
-}
-
-Status Invalid(const char* op, const char* arg, const std::string& what) {
-  return Status::InvalidArgument(std::string(op) + ": " + arg + ": " + what);
-}
-
 Status ExpectScalarF32(const char* op, const char* arg, const ffi::AnyBuffer& b) {
   const Dims d = DimsOf(b);
   if (b.element_type() == ffi::DataType::F32 && d == Dims{1}) return Status::Ok();

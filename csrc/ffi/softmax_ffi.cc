@@ -16,24 +16,6 @@
 namespace lowbit {
 namespace {
 
-using Dims = std::vector<int64_t>;
-
-template <typename B>
-Dims DimsOf(const B& b) {
-  auto d = b.dimensions();
-  return Dims(d.begin(), d.end());
-}
-
-std::string ShapeString(const Dims& d) {
-  std::string s = "(";
-  for (size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + std::to_string(d[i]);
-  return s + (d.size() == 1 ? ",)" : ")");
-}
-
-Status Invalid(const char* op, const char* arg, const std::string& what) {
-  return Status::InvalidArgument(std::string(op) + ": " + arg + ": " + what);
-}
-
 Status Common(const char* op, const char* arg, const ffi::AnyBuffer& x, int32_t fusion_type, float scale,
               SoftmaxArgs* a) {
   LOWBIT_RETURN_IF_ERROR(ExpectHighPrecision(op, arg, x));

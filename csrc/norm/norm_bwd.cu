@@ -71,10 +71,10 @@ __global__ void __launch_bounds__(MaxBlockThreads<kItems, kWide>())
 #pragma unroll
         for (int k = 0; k < kVec; ++k) {
           xhat[j][k] = NormXhat(xhat[j][k], mu, rsigma);
-          g[j][k] = NormMul(dz[k], NormWeight(w[k], p.zero_centered));
+          g[j][k] = Fp32Mul(dz[k], NormWeight(w[k], p.zero_centered));
           sums[0] += g[j][k];
-          sums[1] += NormMul(g[j][k], xhat[j][k]);
-          dgamma[j][k] += NormMul(dz[k], xhat[j][k]);
+          sums[1] += Fp32Mul(g[j][k], xhat[j][k]);
+          dgamma[j][k] += Fp32Mul(dz[k], xhat[j][k]);
           dbeta[j][k] += dz[k];
         }
       } else {
@@ -83,8 +83,8 @@ __global__ void __launch_bounds__(MaxBlockThreads<kItems, kWide>())
       }
     }
     RowSum<2>(sums, warps_per_row);
-    const float mean_g = p.layernorm ? NormDiv(sums[0], hidden_f) : 0.0f;
-    const float mean_gx = NormDiv(sums[1], hidden_f);
+    const float mean_g = p.layernorm ? Fp32Div(sums[0], hidden_f) : 0.0f;
+    const float mean_gx = Fp32Div(sums[1], hidden_f);
 #pragma unroll
     for (int j = 0; j < kChunks; ++j) {
       const int64_t e = (int64_t(j) * tpr + lane) * kVec;

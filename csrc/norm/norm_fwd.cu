@@ -110,7 +110,7 @@ __global__ void __launch_bounds__(MaxBlockThreads<kItems, kWide>())
       float mu = 0.0f;
       if (p.layernorm) {
         RowSum<1>(sum, warps_per_row);
-        mu = NormDiv(sum[0], hidden_f);
+        mu = Fp32Div(sum[0], hidden_f);
       }
       float sq[1] = {0.0f};
 #pragma unroll
@@ -119,13 +119,13 @@ __global__ void __launch_bounds__(MaxBlockThreads<kItems, kWide>())
         if (e < h) {
 #pragma unroll
           for (int k = 0; k < kVec; ++k) {
-            const float d = NormAdd(v[j][k], -mu);
-            sq[0] += NormMul(d, d);
+            const float d = Fp32Add(v[j][k], -mu);
+            sq[0] += Fp32Mul(d, d);
           }
         }
       }
       RowSum<1>(sq, warps_per_row);
-      const float rsigma = NormRsigma(NormDiv(sq[0], hidden_f), p.epsilon);
+      const float rsigma = NormRsigma(Fp32Div(sq[0], hidden_f), p.epsilon);
       if (row_ok && lane == 0) {
         if (p.layernorm) p.mu[r] = mu;
         p.rsigma[r] = rsigma;

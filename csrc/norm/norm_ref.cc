@@ -53,13 +53,13 @@ void ForwardRows(const NormForwardArgs& a, const std::vector<float>& w,
     if (ln) {
       float sum = 0.0f;
       for (int64_t c = 0; c < h; ++c) sum += row[c];
-      mu = NormDiv(sum, hf);
+      mu = Fp32Div(sum, hf);
     }
     for (int64_t c = 0; c < h; ++c) {
-      const float d = NormAdd(row[c], -mu);
-      sum_sq += NormMul(d, d);
+      const float d = Fp32Add(row[c], -mu);
+      sum_sq += Fp32Mul(d, d);
     }
-    const float rsigma = NormRsigma(NormDiv(sum_sq, hf), a.epsilon);
+    const float rsigma = NormRsigma(Fp32Div(sum_sq, hf), a.epsilon);
     if (ln) a.mu[r] = mu;
     a.rsigma[r] = rsigma;
     for (int64_t c = 0; c < h; ++c) {
@@ -93,14 +93,14 @@ void BackwardRows(const NormBackwardArgs& a, const std::vector<float>& w,
     for (int64_t c = 0; c < h; ++c) {
       const float dz = LoadAsFloat(Tag{}, dzr[c]);
       xhat[c] = NormXhat(LoadAsFloat(Tag{}, xr[c]), mu, rsigma);
-      g[c] = NormMul(dz, w[c]);
+      g[c] = Fp32Mul(dz, w[c]);
       sum_g += g[c];
-      sum_gx += NormMul(g[c], xhat[c]);
-      (*dgamma)[c] += NormMul(dz, xhat[c]);
+      sum_gx += Fp32Mul(g[c], xhat[c]);
+      (*dgamma)[c] += Fp32Mul(dz, xhat[c]);
       (*dbeta)[c] += dz;
     }
-    const float mean_g = ln ? NormDiv(sum_g, hf) : 0.0f;
-    const float mean_gx = NormDiv(sum_gx, hf);
+    const float mean_g = ln ? Fp32Div(sum_g, hf) : 0.0f;
+    const float mean_gx = Fp32Div(sum_gx, hf);
     T* dxr = static_cast<T*>(a.dx) + r * h;
     for (int64_t c = 0; c < h; ++c) {
       dxr[c] = StoreFromFloat(Tag{}, NormDx(g[c], xhat[c], mean_g, mean_gx, rsigma));
