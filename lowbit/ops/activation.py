@@ -35,6 +35,7 @@ from jax.interpreters import batching
 from jax.sharding import NamedSharding, PartitionSpec
 
 from lowbit.ops._primitive import ffi_primitive
+from lowbit.ops._sharding import mesh_axes, pmax_nonnegative, spec_entries
 from lowbit.ops.amax import check_high_precision
 
 ACT_TYPES = {"linear": 0, "gelu": 1, "silu": 2, "relu": 3, "quick_gelu": 4, "squared_relu": 5,
@@ -161,19 +162,6 @@ batching.primitive_batchers[act_bwd_p] = lambda args, dims, **params: _map_batch
 
 # ---------------------------------------------------------------- sharding
 
-def _spec_entries(sharding, ndim):
-    spec = tuple(sharding.spec) + (None,) * (ndim - len(sharding.spec))
-    return spec[:ndim]
-
-
-def _axes(entries) -> tuple[str, ...]:
-    out: list[str] = []
-    for e in entries:
-        if e is not None:
-            out.extend(e if isinstance(e, tuple) else (e,))
-    return tuple(out)
-
-
 def _fmt(tensors):
     return ", ".join(" ".join(t) for t in tensors)
 
@@ -205,7 +193,7 @@ def _rule_parts(cfg, nlead, backward):
 
 def _partition(cfg, backward, mesh, arg_shapes):
     x_shape = arg_shapes[1 if backward else 0]
-    entries = list(_spec_entries(x_shape.sharding, x_shape.ndim))
+    entries = list(spec_entries(x_shape.sharding, x_shape.ndim))
     if cfg.gated:
         entries[-2] = None
     nlead = x_shape.ndim - (2 if cfg.gated else 1)
@@ -217,7 +205,7 @@ def _partition(cfg, backward, mesh, arg_shapes):
     if backward and cfg.gated and (q or cfg.dbias):
         entries[-1] = None  # the (2, H) columns of a gated dx flatten contiguously only whole
     lead, h = entries[:nlead], entries[-1]
-    all_axes, row_axes = _axes(entries), _axes(lead)
+    all_axes, row_axes = mesh_axes(entries), mesh_axes(lead)
     rows = lead[0] if nlead else None
     ns = lambda *spec: NamedSharding(mesh, PartitionSpec(*spec))  # noqa: E731
     tail = [None, h] if cfg.gated and backward else [h]
@@ -236,7 +224,7 @@ def _partition(cfg, backward, mesh, arg_shapes):
         prim = act_bwd_p if backward else act_fwd_p
         out = list(prim.bind(*operands, **cfg.params(backward)))[:5 if backward else 4]
         if all_axes:
-            out[3] = jax.lax.pmax(out[3], all_axes)
+            out[3] = pmax_nonnegative(out[3], all_axes)
         if backward and cfg.dbias and row_axes:
             out[4] = jax.lax.psum(out[4], row_axes)
         return tuple(out)

@@ -16,6 +16,7 @@ from jax.interpreters import batching
 from jax.sharding import NamedSharding, PartitionSpec
 
 from lowbit.ops._primitive import ffi_primitive
+from lowbit.ops._sharding import mesh_axes, pmax_nonnegative
 
 HIGH_PRECISION = (jnp.float32, jnp.float16, jnp.bfloat16)
 
@@ -48,28 +49,12 @@ def _amax_local(x):
     return amax_rows_p.bind(x, rows=1)[0]
 
 
-def pmax_nonnegative(v, axes):
-    """Max over mesh `axes` of non-negative floats, comparing their bit patterns so that NaN
-    beats inf (a float pmax may drop NaN)."""
-    bits = jax.lax.bitcast_convert_type(v, jnp.uint32)
-    return jax.lax.bitcast_convert_type(jax.lax.pmax(bits, axes), jnp.float32)
-
-
-def _sharded_axes(sharding) -> tuple[str, ...]:
-    axes: list[str] = []
-    for entry in sharding.spec:
-        if entry is None:
-            continue
-        axes.extend(entry if isinstance(entry, tuple) else (entry,))
-    return tuple(axes)
-
-
 _amax_partitioned = custom_partitioning(_amax_local)
 
 
 def _partition(mesh, arg_shapes, result_shape):
     sharding = arg_shapes[0].sharding
-    axes = _sharded_axes(sharding)
+    axes = mesh_axes(sharding.spec)
 
     def lower(x):
         local = _amax_local(x)

@@ -37,6 +37,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from lowbit import _ffi
 from lowbit.ops._primitive import ffi_primitive
+from lowbit.ops._sharding import mesh_axes, pmax_nonnegative, spec_entries
 from lowbit.ops.amax import check_high_precision
 
 MAX_HIDDEN = 16384
@@ -220,19 +221,6 @@ batching.primitive_batchers[norm_bwd_p] = _bwd_batch
 
 # ---------------------------------------------------------------- sharding
 
-def _spec_entries(sharding, ndim):
-    spec = tuple(sharding.spec) + (None,) * (ndim - len(sharding.spec))
-    return spec[:ndim]
-
-
-def _axes(entries) -> tuple[str, ...]:
-    out: list[str] = []
-    for e in entries:
-        if e is not None:
-            out.extend(e if isinstance(e, tuple) else (e,))
-    return tuple(out)
-
-
 def _rule(operands, results, **kinds):
     """Shardy rule text from per-tensor factor lists; "h" (hidden) needs replication."""
     def fmt(tensors):
@@ -246,8 +234,8 @@ def _fwd_local(x, gamma, beta, scale, cfg):
 
 def _fwd_partition(cfg, mesh, arg_shapes, result_shape):
     x_shape = arg_shapes[0]
-    rows = _spec_entries(x_shape.sharding, x_shape.ndim)[:-1]
-    row_axes = _axes(rows)
+    rows = spec_entries(x_shape.sharding, x_shape.ndim)[:-1]
+    row_axes = mesh_axes(rows)
     ns = lambda *spec: NamedSharding(mesh, PartitionSpec(*spec))  # noqa: E731
     x_sh = ns(*rows, None)
     args = (x_sh, ns(None), ns(None), ns(None))
@@ -258,7 +246,7 @@ def _fwd_partition(cfg, mesh, arg_shapes, result_shape):
     def lower(x, gamma, beta, scale):
         out = list(_fwd_local(x, gamma, beta, scale, cfg))
         if cfg.q_dtype is not None and row_axes:
-            out[5] = jax.lax.pmax(out[5], row_axes)
+            out[5] = pmax_nonnegative(out[5], row_axes)
         return tuple(out)
 
     return mesh, lower, tuple(outs), args
@@ -288,8 +276,8 @@ def _bwd_local(dz, x, mu, rsigma, gamma, cfg):
 
 def _bwd_partition(cfg, mesh, arg_shapes, result_shape):
     x_shape = arg_shapes[1]
-    rows = _spec_entries(x_shape.sharding, x_shape.ndim)[:-1]
-    row_axes = _axes(rows)
+    rows = spec_entries(x_shape.sharding, x_shape.ndim)[:-1]
+    row_axes = mesh_axes(rows)
     ns = lambda *spec: NamedSharding(mesh, PartitionSpec(*spec))  # noqa: E731
     x_sh = ns(*rows, None)
     mu_sh = ns(*rows) if cfg.norm_type == 0 else ns(None)

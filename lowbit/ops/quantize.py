@@ -31,6 +31,7 @@ from jax.interpreters import batching
 from jax.sharding import NamedSharding, PartitionSpec
 
 from lowbit.ops._primitive import ffi_primitive
+from lowbit.ops._sharding import mesh_axes, pmax_nonnegative, spec_entries
 from lowbit.ops.amax import HIGH_PRECISION, check_high_precision
 
 FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
@@ -108,19 +109,6 @@ batching.primitive_batchers[quantize_fp8_p] = _quantize_batch
 batching.primitive_batchers[dequantize_fp8_p] = _dequantize_batch
 
 
-def _spec(sharding, ndim: int) -> list:
-    spec = list(sharding.spec) + [None] * (ndim - len(sharding.spec))
-    return spec[:ndim]
-
-
-def _axes(entries) -> tuple[str, ...]:
-    out: list[str] = []
-    for e in entries:
-        if e is not None:
-            out.extend(e if isinstance(e, tuple) else (e,))
-    return tuple(out)
-
-
 @lru_cache(maxsize=None)
 def _quantize_fn(flatten_axis: int, out_dtype, rowwise: bool, colwise: bool, dbias: bool):
     """The (x, scale) -> tuple-of-requested-outputs function for one configuration:
@@ -138,9 +126,9 @@ def _quantize_fn(flatten_axis: int, out_dtype, rowwise: bool, colwise: bool, dbi
 
     def partition(mesh, arg_shapes, result_shape):
         ndim = len(arg_shapes[0].shape)
-        spec = _spec(arg_shapes[0].sharding, ndim)
-        all_axes = _axes(spec)
-        row_axes = _axes(spec[:flatten_axis])
+        spec = spec_entries(arg_shapes[0].sharding, ndim)
+        all_axes = mesh_axes(spec)
+        row_axes = mesh_axes(spec[:flatten_axis])
         col_spec = spec[flatten_axis:]
 
         def lower(x, scale):
@@ -148,10 +136,8 @@ def _quantize_fn(flatten_axis: int, out_dtype, rowwise: bool, colwise: bool, dbi
             fp32_dbias = dbias and bool(row_axes)
             outs = list(call(x, scale, jnp.dtype(jnp.float32)) if fp32_dbias else local(x, scale))
             amax_at = int(rowwise) + int(colwise)
-            if all_axes:  # max of the |x| bit patterns: NaN beats inf, as in the kernel
-                bits = jax.lax.bitcast_convert_type(outs[amax_at], jnp.uint32)
-                bits = jax.lax.pmax(bits, all_axes)
-                outs[amax_at] = jax.lax.bitcast_convert_type(bits, jnp.float32)
+            if all_axes:
+                outs[amax_at] = pmax_nonnegative(outs[amax_at], all_axes)
             if fp32_dbias:
                 outs[-1] = jax.lax.psum(outs[-1], row_axes).astype(dtype)
             return tuple(outs)
