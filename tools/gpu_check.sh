@@ -7,6 +7,7 @@
 #   tools/gpu_check.sh                 # every stage
 #   tools/gpu_check.sh build test      # some stages: build test sanitize bench
 #   BENCH="bench/bench_quantize.py bench/bench_gemm.py" tools/gpu_check.sh build bench
+#   PROFILE_OPS="norm softmax" tools/gpu_check.sh build profile   # ncu over the kernels
 #   SANITIZE_K="amax or codecs" tools/gpu_check.sh build sanitize
 set -uo pipefail
 OUT=${OUT:-/tmp/lowbit_out}
@@ -54,6 +55,12 @@ if has sanitize; then
     --error-exitcode 3 $PY -m pytest -q -m gpu -p no:cacheprovider -k "${SANITIZE_K:-unaligned or misaligned or nan or variants or odd_shapes or vmap_rows or device_codecs or dbias_deterministic}" tests
   grep -E "ERROR SUMMARY|passed|failed" "$OUT/sanitizer.log" | tail -5
   unset XLA_PYTHON_CLIENT_ALLOCATOR
+fi
+
+if has profile; then  # Nsight Compute over the memory-bound kernels (tools/profile_ops.py)
+  step "ncu" profile.log 420 ncu --clock-control none -k "regex:${NCU_K:-Quantize|Norm|Act|Softmax|Dbias}" \
+    --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
+    --section WarpStateStats $PY tools/profile_ops.py ${PROFILE_OPS:-}
 fi
 
 if has bench; then

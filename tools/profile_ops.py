@@ -1,0 +1,65 @@
+"""Runs each memory-bound lowbit kernel a few times at a benchmark shape, for Nsight Compute:
+
+    ncu --clock-control none -k regex:'Quantize|Norm|Act|Softmax|Dbias' --launch-skip 0 \
+        --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \
+        --section LaunchStats --section WarpStateStats python tools/profile_ops.py [OPS...]
+
+OPS (default all): quantize norm act softmax. Each op runs twice after compilation (the
+profiler then sees two launches of each kernel); nothing is timed here (bench/ does that).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import lowbit
+from lowbit.ops import norm_backward, norm_forward, quantize_fp8
+
+
+def run(f, *args):
+    g = jax.jit(f)
+    jax.block_until_ready(g(*args))  # compile + first run
+    jax.block_until_ready(g(*args))
+
+
+def main(ops):
+    rng = np.random.default_rng(0)
+    scale = jnp.ones((1,), jnp.float32)
+
+    def normal(shape):
+        return jnp.asarray(rng.standard_normal(shape, np.float32), jnp.bfloat16)
+
+    if "quantize" in ops:
+        x = normal((16384, 8192))
+        run(lambda v, s: quantize_fp8(v, s, rowwise=True, colwise=False), x, scale)
+        run(lambda v, s: quantize_fp8(v, s, rowwise=True, colwise=True), x, scale)
+        run(lambda v, s: quantize_fp8(v, s, rowwise=True, colwise=True, compute_dbias=True), x, scale)
+    if "norm" in ops:
+        x, dz = normal((16384, 4096)), normal((16384, 4096))
+        gamma, beta = jnp.ones((4096,), jnp.float32), jnp.zeros((4096,), jnp.float32)
+        run(lambda v: norm_forward(v, gamma, beta).y, x)
+        run(lambda v, s: norm_forward(v, gamma, beta, quant_scale=s, colwise=True), x, scale)
+        o = jax.jit(lambda v: norm_forward(v, gamma, beta))(x)
+        run(lambda d, v: norm_backward(d, v, o.mu, o.rsigma, gamma), dz, x)
+    if "act" in ops:
+        x, dz = normal((8192, 8192)), normal((8192, 8192))
+        run(lambda v, s: lowbit.ops.act_forward(v, "gelu", gated=False, quant_scale=s, rowwise=True,
+                                                colwise=True), x, scale)
+        run(lambda d, v, s: lowbit.ops.act_backward(d, v, "gelu", gated=False, quant_scale=s, rowwise=True,
+                                                    colwise=True, compute_dbias=True), dz, x, scale)
+        xg = normal((8192, 2, 8192))
+        run(lambda v, s: lowbit.ops.act_forward(v, "silu", gated=True, quant_scale=s, rowwise=True,
+                                                colwise=True), xg, scale)
+    if "softmax" in ops:
+        x = normal((2, 16, 2048, 2048))
+        run(lambda v: lowbit.ops.softmax_forward(v, None, 0.125), x)
+        y = jax.jit(lambda v: lowbit.ops.softmax_forward(v, None, 0.125))(x)
+        run(lambda d, yy: lowbit.ops.softmax_backward(d, yy, 0.125), x, y)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:] or ["quantize", "norm", "act", "softmax"])
