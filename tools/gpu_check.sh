@@ -58,9 +58,15 @@ if has sanitize; then
 fi
 
 if has profile; then  # Nsight Compute over the memory-bound kernels (tools/profile_ops.py)
-  step "ncu" profile.log 420 ncu --clock-control none -k "regex:${NCU_K:-Quantize|Norm|Act|Softmax|Dbias}" \
-    --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
-    --section WarpStateStats $PY tools/profile_ops.py ${PROFILE_OPS:-}
+  # No preallocation: kernel replay saves and restores all allocated device memory. One
+  # process per op family, so that a crash at exit loses one family's report, not all.
+  export XLA_PYTHON_CLIENT_PREALLOCATE=false
+  for ops in ${PROFILE_OPS:-quantize norm act softmax}; do
+    step "ncu $ops" profile.log 300 ncu --clock-control none -k "regex:${NCU_K:-Quantize|Norm|Act|Softmax|Dbias}" \
+      --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
+      --section WarpStateStats $PY tools/profile_ops.py $ops
+  done
+  unset XLA_PYTHON_CLIENT_PREALLOCATE
 fi
 
 if has bench; then
