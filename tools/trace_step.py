@@ -1,0 +1,100 @@
+"""Where a benchmark step's device time goes: traces a few steps of the seed Dense
+(bench/bench_dense.py) or the seed layer (bench/bench_layer.py) with jax.profiler (CUPTI
+kernel events in a Perfetto trace) and prints the kernels grouped by name, per step,
+beside the step's wall time; the difference is time the GPU sat idle.
+
+    python tools/trace_step.py dense lowbit_delayed [--steps 3] [--out DIR]
+    python tools/trace_step.py layer flax_fp8
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import gzip
+import json
+import os
+import sys
+import tempfile
+import time
+
+import jax
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "bench"))
+sys.path.insert(0, os.path.join(HERE, "..", "examples"))
+
+
+def build(which: str, variant: str, small: bool = False):
+    """(step, args) of one variant of the seed Dense or layer benchmark."""
+    import jax.numpy as jnp
+    from quickstart_jax_utils import make_step
+
+    if which == "dense":
+        import bench_dense as bench
+
+        b, s, h, f = (2, 64, 256, 512) if small else (8, 2048, 8192, 32768)
+        model = bench.variants()[variant](f)
+        x = jax.random.normal(jax.random.PRNGKey(0), (b, s, h), jnp.bfloat16)
+        dy = jax.random.normal(jax.random.PRNGKey(1), (b, s, f), jnp.bfloat16)
+        variables = model.init(jax.random.PRNGKey(0), x)
+        return make_step(model.apply, {}), (variables, x, dy)
+    import bench_layer as bench
+    from te_integration_layer import FlaxTransformerLayer
+
+    key, dropout_key = jax.random.split(jax.random.PRNGKey(42))
+    b, s, h, f, heads = (2, 64, 128, 512, 4) if small else (4, 2048, 4096, 16384, 32)
+    x = jax.random.normal(key, (b, s, h)).astype(jnp.bfloat16)
+    dy = jax.random.normal(key, (b, s, h)).astype(jnp.bfloat16)
+    layer = FlaxTransformerLayer(hidden_size=h, ffn_hidden_size=f, num_attention_heads=heads,
+                                 dot_general_cls=bench.VARIANTS[variant])
+    variables = layer.init(key, x, attention_mask=None, deterministic=False)
+    kwargs = {"attention_mask": None, "deterministic": False}
+    return make_step(layer.apply, kwargs, rngs={"dropout": dropout_key}), (variables, x, dy)
+
+
+def device_events(trace_dir: str):
+    path = glob.glob(os.path.join(trace_dir, "plugins", "profile", "*", "perfetto_trace.json.gz"))[0]
+    events = json.load(gzip.open(path))["traceEvents"]
+    gpu_pids = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
+                and "GPU" in str(e.get("args", {}).get("name", ""))}
+    if not gpu_pids:  # no device lane (CPU run): report the host's XLA threads' events instead
+        gpu_pids = {e["pid"] for e in events if e.get("ph") == "M"}
+    return [e for e in events if e.get("ph") == "X" and e["pid"] in gpu_pids]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("which", choices=["dense", "layer"])
+    parser.add_argument("variant")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--small", action="store_true", help="tiny shapes (a CPU smoke run: no GPU events)")
+    args = parser.parse_args()
+    step, step_args = build(args.which, args.variant, args.small)
+    for _ in range(3):
+        jax.block_until_ready(step(*step_args))
+    out = args.out or tempfile.mkdtemp()
+    start = time.perf_counter()
+    with jax.profiler.trace(out, create_perfetto_trace=True):
+        for _ in range(args.steps):
+            r = step(*step_args)
+        jax.block_until_ready(r)
+    wall_ms = (time.perf_counter() - start) * 1e3 / args.steps
+    events = device_events(out)
+    by_name = collections.defaultdict(lambda: [0.0, 0])
+    for e in events:
+        by_name[e["name"]][0] += e.get("dur", 0.0) / args.steps
+        by_name[e["name"]][1] += 1
+    # Streams overlap only where XLA made them; the sum of kernel time is the busy time.
+    busy_us = sum(v[0] for v in by_name.values()) or 1.0
+    print(f"{args.which} {args.variant}: {args.steps} traced steps, wall {wall_ms:.3f} ms/step (tracing "
+          f"adds a little), device busy {busy_us / 1e3:.3f} ms/step")
+    print(f"{'us/step':>9s} {'share':>6s} {'calls':>5s}  kernel")
+    for name, (us, calls) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:40]:
+        print(f"{us:9.1f} {100 * us / busy_us:5.1f}% {calls // args.steps:5d}  {name[:110]}")
+
+
+if __name__ == "__main__":
+    main()
