@@ -289,7 +289,12 @@ def test_handler_validation():
 # ---------------------------------------------------------------- CUDA vs CPU
 
 GPU_SHAPES = [((4097, 3001), -1), ((1024, 2048), -1), ((2048, 128), -1), ((100, 2048), -1),
-              ((1, 65536), -1), ((65536, 1), -1), ((3, 5, 129), 1), ((2, 7, 64, 96), 2), ((16, 3000), -1)]
+              ((1, 65536), -1), ((65536, 1), -1), ((3, 5, 129), 1), ((2, 7, 64, 96), 2), ((16, 3000), -1),
+              # More 64 x 128 tiles than an H100 holds blocks (660), so blocks loop and the
+              # copy of the next tile overlaps this one: 16-byte stores everywhere; rows and
+              # cols = 8 (mod 16): 8-byte stores; = 4 (mod 8): 4-byte stores (and the
+              # element-load path for 16-bit x).
+              ((12288, 1024), -1), ((8200, 1032), -1), ((8196, 1028), -1)]
 # Each kernel path: flat rowwise; tiled colwise only; tiled everything; tiled rowwise+dbias.
 GPU_CONFIGS = [(True, False, False), (False, True, False), (True, True, True), (True, False, True)]
 
