@@ -1,8 +1,9 @@
 // CUDA normalization backward (see norm.h for the math).
 //
 // Stage 1 (NormBackwardKernel): one row group per row (geometry: norm_plan.h, norm_cuda.cuh), dz
-// and x in registers; one fused row reduction of (sum g, sum g * xhat); dx written in
-// place. Each thread also accumulates dz * xhat and dz for its columns over the rows its
+// and x in registers in their storage type; two row-group sums (sum g, sum g * xhat: warp
+// shuffles and one named barrier each, never the whole block); dx written in place, through
+// the hardware bf16/f16 conversion for chunks without NaN (norm_cuda.cuh). Each thread also accumulates dz * xhat and dz for its columns over the rows its
 // row group visits; at the end every row group writes those as one partial row of the
 // fp32 workspace ([2][parts][hidden]: dgamma partials, then dbeta partials).
 // Stage 2 (NormBackwardFinalize): sums the parts in a fixed order (8 strided slices, then
@@ -38,16 +39,21 @@ struct BwdParams {
   bool layernorm, zero_centered, gamma_f32;
 };
 
+// Registers: dz and x stay in their storage type (raw 16-byte chunks) and xhat / g are
+// recomputed from them for dx, so a thread holds 2 x kItems storage values and the
+// 2 x kItems dgamma/dbeta accumulators (the 16-item geometry of hidden 4096 bf16 thus needs
+// more than 64 registers; see norm_plan.h).
 template <typename Tag, int kItems, bool kVectorized, bool kWide>
-__global__ void __launch_bounds__(MaxBlockThreads<kItems, kWide>())
-    NormBackwardKernel(BwdParams p) {
+__global__ void __launch_bounds__(MaxBlockThreads<kItems, kWide>()) NormBackwardKernel(BwdParams p) {
   using T = typename Tag::Storage;
   constexpr int kVec = kVectorized ? 16 / int(sizeof(T)) : 1;
   constexpr int kChunks = kItems / kVec;
+  using Raw = Pack<T, kVec>;
+  __shared__ float partial[2][32];
   const int tpr = p.threads_per_row;
-  const int group = threadIdx.x / tpr, lane = threadIdx.x % tpr;
-  const int groups = blockDim.x / tpr, warps_per_row = tpr / 32;
-  const int64_t h = p.hidden;
+  const int group = threadIdx.x / tpr, lane = threadIdx.x - group * tpr;
+  const int groups = blockDim.x / tpr;
+  const int h = int(p.hidden);
   const float hidden_f = float(h);
   const int64_t tiles = (p.rows + groups - 1) / groups;
   float dgamma[kChunks][kVec] = {}, dbeta[kChunks][kVec] = {};
@@ -58,41 +64,57 @@ __global__ void __launch_bounds__(MaxBlockThreads<kItems, kWide>())
     const int64_t off = (row_ok ? r : 0) * h;
     const float mu = row_ok && p.layernorm ? p.mu[r] : 0.0f;
     const float rsigma = row_ok ? p.rsigma[r] : 0.0f;
-    float xhat[kChunks][kVec], g[kChunks][kVec];
-    float sums[2] = {0.0f, 0.0f};  // sum g, sum g * xhat
+    Raw dz_raw[kChunks], x_raw[kChunks];
 #pragma unroll
     for (int j = 0; j < kChunks; ++j) {
-      const int64_t e = (int64_t(j) * tpr + lane) * kVec;
+      const int e = (j * tpr + lane) * kVec;
       if (row_ok && e < h) {
-        float dz[kVec], w[kVec];
-        LoadChunk<Tag, kVec>(static_cast<const T*>(p.dz) + off + e, dz);
-        LoadChunk<Tag, kVec>(static_cast<const T*>(p.x) + off + e, xhat[j]);
-        LoadParamChunk<Tag, kVec>(p.gamma, p.gamma_f32, e, w);
-#pragma unroll
-        for (int k = 0; k < kVec; ++k) {
-          xhat[j][k] = NormXhat(xhat[j][k], mu, rsigma);
-          g[j][k] = Fp32Mul(dz[k], NormWeight(w[k], p.zero_centered));
-          sums[0] += g[j][k];
-          sums[1] += Fp32Mul(g[j][k], xhat[j][k]);
-          dgamma[j][k] += Fp32Mul(dz[k], xhat[j][k]);
-          dbeta[j][k] += dz[k];
-        }
+        dz_raw[j] = *reinterpret_cast<const Raw*>(static_cast<const T*>(p.dz) + off + e);
+        x_raw[j] = *reinterpret_cast<const Raw*>(static_cast<const T*>(p.x) + off + e);
       } else {
 #pragma unroll
-        for (int k = 0; k < kVec; ++k) xhat[j][k] = g[j][k] = 0.0f;
+        for (int k = 0; k < kVec; ++k) dz_raw[j].v[k] = x_raw[j].v[k] = T(0);
       }
     }
-    RowSum<2>(sums, warps_per_row);
-    const float mean_g = p.layernorm ? Fp32Div(sums[0], hidden_f) : 0.0f;
-    const float mean_gx = Fp32Div(sums[1], hidden_f);
+    float sum_g = 0.0f, sum_gx = 0.0f;
 #pragma unroll
     for (int j = 0; j < kChunks; ++j) {
-      const int64_t e = (int64_t(j) * tpr + lane) * kVec;
+      const int e = (j * tpr + lane) * kVec;
       if (!row_ok || e >= h) continue;
-      float dx[kVec];
+      float w[kVec];
+      LoadParamChunk<Tag, kVec>(p.gamma, p.gamma_f32, e, w);
 #pragma unroll
-      for (int k = 0; k < kVec; ++k) dx[k] = NormDx(g[j][k], xhat[j][k], mean_g, mean_gx, rsigma);
-      StoreChunk<Tag, kVec>(static_cast<T*>(p.dx) + off + e, dx);
+      for (int k = 0; k < kVec; ++k) {
+        const float dz = ToFloatFast(Tag{}, dz_raw[j].v[k]);
+        const float xhat = NormXhat(ToFloatFast(Tag{}, x_raw[j].v[k]), mu, rsigma);
+        const float g = Fp32Mul(dz, NormWeight(w[k], p.zero_centered));
+        sum_g += g;
+        sum_gx += Fp32Mul(g, xhat);
+        dgamma[j][k] += Fp32Mul(dz, xhat);
+        dbeta[j][k] += dz;
+      }
+    }
+    // Two sums, two buffers: see RowGroupSum.
+    sum_g = RowGroupSum(sum_g, partial[0], group, groups, tpr);
+    sum_gx = RowGroupSum(sum_gx, partial[1], group, groups, tpr);
+    const float mean_g = p.layernorm ? Fp32Div(sum_g, hidden_f) : 0.0f;
+    const float mean_gx = Fp32Div(sum_gx, hidden_f);
+#pragma unroll
+    for (int j = 0; j < kChunks; ++j) {
+      const int e = (j * tpr + lane) * kVec;
+      if (!row_ok || e >= h) continue;
+      float w[kVec], dx[kVec];
+      LoadParamChunk<Tag, kVec>(p.gamma, p.gamma_f32, e, w);
+      uint32_t chunk_max = 0;
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) {
+        const float dz = ToFloatFast(Tag{}, dz_raw[j].v[k]);
+        const float xhat = NormXhat(ToFloatFast(Tag{}, x_raw[j].v[k]), mu, rsigma);
+        const float g = Fp32Mul(dz, NormWeight(w[k], p.zero_centered));
+        dx[k] = NormDx(g, xhat, mean_g, mean_gx, rsigma);
+        chunk_max = max(chunk_max, AbsBitsOf(dx[k]));
+      }
+      StoreChunkFast<Tag, kVec>(static_cast<T*>(p.dx) + off + e, dx, chunk_max <= 0x7F800000u);
     }
   }
   const int64_t part = int64_t(blockIdx.x) * groups + group;
@@ -100,7 +122,7 @@ __global__ void __launch_bounds__(MaxBlockThreads<kItems, kWide>())
   float* dbeta_part = p.parts + (p.num_parts + part) * h;
 #pragma unroll
   for (int j = 0; j < kChunks; ++j) {
-    const int64_t e = (int64_t(j) * tpr + lane) * kVec;
+    const int e = (j * tpr + lane) * kVec;
     if (e >= h) continue;
 #pragma unroll
     for (int k = 0; k < kVec; ++k) {

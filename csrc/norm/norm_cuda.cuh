@@ -5,9 +5,9 @@
 // kVec chunks of kVec contiguous elements. Chunk j of lane l starts at element
 // (j * threads_per_row + l) * kVec, so a warp's loads of one chunk are contiguous 16-byte
 // vectors (kVec = 16 / sizeof(T)) or, on the unaligned path, contiguous scalars (kVec = 1).
-// A block holds one or more row groups; every thread of a block runs the same number of
-// row iterations (rows past the end are masked), so the block-wide barriers inside
-// RowSum are uniform.
+// A block holds one or more row groups; every thread of a row group runs the same number
+// of row iterations (rows past the end are masked), so the group's barriers (RowGroupSum)
+// are uniform.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -19,6 +19,7 @@
 #include "common/element.h"
 #include "common/reduce.cuh"
 #include "norm/norm.h"
+#include "norm/norm_math.h"
 #include "norm/norm_plan.h"
 
 namespace lowbit {
@@ -28,30 +29,6 @@ template <typename T, int N>
 struct alignas(sizeof(T) * N > 16 ? 16 : sizeof(T) * N) Pack {
   T v[N];
 };
-
-// Sums N values over each row group of the block (warps_per_row warps); every thread of
-// the block must call it; every thread gets its row group's sums. Fixed order.
-template <int N>
-__device__ __forceinline__ void RowSum(float (&v)[N], int warps_per_row) {
-  __shared__ float partial[32][N];
-#pragma unroll
-  for (int k = 0; k < N; ++k) v[k] = WarpSum(v[k]);
-  if (warps_per_row == 1) return;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  __syncthreads();  // the previous call's readers are done with `partial`
-  if (lane == 0) {
-#pragma unroll
-    for (int k = 0; k < N; ++k) partial[warp][k] = v[k];
-  }
-  __syncthreads();
-  const int first = warp - warp % warps_per_row;
-#pragma unroll
-  for (int k = 0; k < N; ++k) {
-    float s = 0.0f;
-    for (int i = 0; i < warps_per_row; ++i) s += partial[first + i][k];
-    v[k] = s;
-  }
-}
 
 // gamma (or beta) as fp32: f32 storage, or the storage of x (Tag).
 template <typename Tag, int kVec>
@@ -82,6 +59,132 @@ __device__ __forceinline__ void StoreChunk(typename Tag::Storage* p, const float
 #pragma unroll
   for (int k = 0; k < kVec; ++k) pack.v[k] = StoreFromFloat(Tag{}, in[k]);
   *reinterpret_cast<Pack<typename Tag::Storage, kVec>*>(p) = pack;
+}
+
+// x as fp32 with the hardware conversion for f16 (exact, like Fp16ToFloat, for every
+// non-NaN; a NaN x only reaches outputs through fp32 arithmetic, whose NaN is canonical).
+__device__ __forceinline__ float ToFloatFast(F32, float v) { return v; }
+__device__ __forceinline__ float ToFloatFast(BF16, uint16_t v) { return Bf16ToFloat(v); }
+__device__ __forceinline__ float ToFloatFast(F16, uint16_t v) {
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v));
+  return f;
+}
+
+// Raw 16-byte (or kVec-element) chunk of the storage type, loaded now and converted later:
+// the forward pass issues the next row's loads into these before the current row's math.
+template <typename Tag, int kVec>
+__device__ __forceinline__ void ToFloat(const Pack<typename Tag::Storage, kVec>& pack,
+                                        float (&out)[kVec]) {
+#pragma unroll
+  for (int k = 0; k < kVec; ++k) out[k] = LoadAsFloat(Tag{}, pack.v[k]);
+}
+
+// Hardware conversions (cvt.rn[.satfinite]): round to nearest even exactly as the
+// formats.h codecs for every input but NaN (the hardware returns a canonical NaN without
+// the input's sign or payload), so callers use them only on chunks without a NaN and fall
+// back to the codecs otherwise. bf16/f16 overflow to inf like FloatToBf16/FloatToFp16.
+__device__ __forceinline__ uint32_t CvtPairHw(BF16, float lo, float hi) {
+  uint32_t pair;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(pair) : "f"(hi), "f"(lo));
+  return pair;
+}
+__device__ __forceinline__ uint32_t CvtPairHw(F16, float lo, float hi) {
+  uint32_t pair;
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(pair) : "f"(hi), "f"(lo));
+  return pair;
+}
+
+// Stores kVec values of y; `no_nan`: none is NaN, so the hardware conversion is exact.
+template <typename Tag, int kVec>
+__device__ __forceinline__ void StoreChunkFast(typename Tag::Storage* p, const float (&in)[kVec],
+                                               bool no_nan) {
+  using T = typename Tag::Storage;
+  if constexpr (!std::is_same_v<T, float> && kVec % 2 == 0) {
+    if (no_nan) {
+      Pack<uint32_t, kVec / 2> pack;
+#pragma unroll
+      for (int k = 0; k < kVec; k += 2) pack.v[k / 2] = CvtPairHw(Tag{}, in[k], in[k + 1]);
+      *reinterpret_cast<Pack<uint32_t, kVec / 2>*>(p) = pack;
+      return;
+    }
+  }
+  StoreChunk<Tag, kVec>(p, in);
+}
+
+// FP8 codes of v * scale (Fp32Mul: the product of NormQuantize), packed little-endian into
+// 32-bit words (kVec a multiple of 4) or bytes. `hw_ok`: scale is finite and non-zero and no v
+// is NaN, so no product is NaN and cvt.rn.satfinite gives the FloatToE4m3/E5m2 bits (sm_89+;
+// this is the conversion quantize_fp8.cu relies on too).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+#define LOWBIT_NORM_HW_FP8 1
+#else
+#define LOWBIT_NORM_HW_FP8 0
+#endif
+
+__device__ __forceinline__ uint32_t CvtFp8PairHw(bool e5m2, float lo, float hi) {
+#if LOWBIT_NORM_HW_FP8
+  uint16_t pair;
+  if (e5m2) {
+    asm("cvt.rn.satfinite.e5m2x2.f32 %0, %1, %2;" : "=h"(pair) : "f"(hi), "f"(lo));
+  } else {
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(pair) : "f"(hi), "f"(lo));
+  }
+  return pair;
+#else
+  return uint32_t(NormQuantize(lo, 1.0f, e5m2)) | (uint32_t(NormQuantize(hi, 1.0f, e5m2)) << 8);
+#endif
+}
+
+template <int kVec>
+__device__ __forceinline__ void EncodeFp8(const float (&y)[kVec], float scale, bool e5m2,
+                                          bool hw_ok, uint8_t (&q)[kVec]) {
+  if constexpr (kVec % 2 == 0) {
+    if (LOWBIT_NORM_HW_FP8 && hw_ok) {
+#pragma unroll
+      for (int k = 0; k < kVec; k += 2) {
+        const uint32_t pair = CvtFp8PairHw(e5m2, Fp32Mul(y[k], scale), Fp32Mul(y[k + 1], scale));
+        q[k] = uint8_t(pair);
+        q[k + 1] = uint8_t(pair >> 8);
+      }
+      return;
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < kVec; ++k) q[k] = NormQuantize(y[k], scale, e5m2);
+}
+
+// True when scale is finite and non-zero: then y * scale is NaN only where y is NaN.
+__device__ __forceinline__ bool ScaleKeepsFinite(float scale) {
+  const uint32_t bits = AbsBitsOf(scale);
+  return bits != 0 && bits < 0x7F800000u;
+}
+
+// Barrier over the threads of one row group: bar.sync 1 + group (0 is __syncthreads) when
+// a block holds several groups, else the block barrier. At most 15 groups per block.
+__device__ __forceinline__ void RowGroupBarrier(int group, int groups, int threads_per_row) {
+  if (groups == 1) {
+    __syncthreads();
+  } else {
+    asm volatile("bar.sync %0, %1;" ::"r"(group + 1), "r"(threads_per_row) : "memory");
+  }
+}
+
+// Sums v over one row group (warps_per_row warps): a warp tree, then (several warps) the
+// warp sums through `partial` (one slot per warp of the block) and one more warp tree over
+// them in warp order; every thread of the group gets the sum. Fixed order, so
+// deterministic. One barrier per call: callers alternate two `partial` buffers so a buffer
+// is rewritten only after the barrier of the other one, when every reader is done.
+__device__ __forceinline__ float RowGroupSum(float v, float* partial, int group, int groups,
+                                             int threads_per_row) {
+  v = WarpSum(v);
+  const int warps_per_row = threads_per_row >> 5;
+  if (warps_per_row == 1) return v;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  if (lane == 0) partial[warp] = v;
+  RowGroupBarrier(group, groups, threads_per_row);
+  const int first = group * warps_per_row;
+  return WarpSum(lane < warps_per_row ? partial[first + lane] : 0.0f);
 }
 
 inline bool Aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }

@@ -52,6 +52,26 @@ inline RowGeometry ChooseGeometry(int64_t hidden, int elem_bytes, bool pointers_
   return g;
 }
 
+// Forward geometry: the fewest items per thread that keep a row at <= 1024 threads (8
+// items, one 16-byte chunk of bf16/f16, up to hidden 8192; 16 beyond). Fewer items per
+// thread leave registers for the next row's loads (norm_fwd.cu).
+inline RowGeometry ChooseForwardGeometry(int64_t hidden, int elem_bytes, bool pointers_aligned) {
+  RowGeometry g;
+  const int vec = 16 / elem_bytes;
+  g.vectorized = pointers_aligned && hidden % vec == 0;
+  const int v = g.vectorized ? vec : 1;
+  const int64_t chunks = (hidden + v - 1) / v;
+  for (int items : {4, 8, 16}) {
+    if (items < v) continue;
+    const int64_t per_thread = items / v;
+    const int64_t tpr = ((chunks + per_thread - 1) / per_thread + 31) / 32 * 32;
+    g.items = items;
+    g.threads_per_row = int(tpr);
+    if (tpr <= 1024) break;
+  }
+  return g;
+}
+
 // Row groups per backward block: the largest power of two that keeps the block at
 // <= kNormBwdBlockThreads threads (1 for rows of 512 or more threads).
 inline int NormBwdRowGroups(const RowGeometry& g) {
