@@ -15,6 +15,7 @@
 
 #include <cstring>
 #include <string>
+#include <type_traits>
 
 #include "activation/activation.h"
 #include "common/cuda_check.h"
@@ -130,6 +131,20 @@ __device__ __forceinline__ uint4 PackChunk(const float (&v)[kVec], bool no_nan) 
   return packed;
 }
 
+// x's element as fp32: LoadAsFloat, with f16 by the (exact) hardware conversion instead of
+// the branchy software decode. A NaN's payload may differ, which no output can show: every
+// result passes CanonicalNan (activation_math.h).
+template <typename Tag>
+__device__ __forceinline__ float LoadElement(Tag tag, typename Tag::Storage v) {
+  if constexpr (std::is_same_v<Tag, F16>) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v));
+    return f;
+  } else {
+    return LoadAsFloat(tag, v);
+  }
+}
+
 // True when scale is finite and non-zero: then x * scale is NaN only where x is NaN.
 __device__ __forceinline__ bool ScaleKeepsFinite(float scale) {
   const uint32_t bits = AbsBitsOf(scale);
@@ -150,6 +165,15 @@ __device__ __forceinline__ void StoreCodes(uint8_t* dst, const uint32_t (&w)[kVe
   } else {
     static_assert(kVec == 8, "4 or 8 codes per chunk");
     *reinterpret_cast<uint2*>(dst) = make_uint2(w[0], w[1]);
+  }
+}
+
+// q = a / b, r = a % b for a < 2^32 and b >= 1, with 32-bit arithmetic only.
+__device__ __forceinline__ void DivMod32(uint32_t a, int64_t b, int64_t* q, int64_t* r) {
+  if (b > int64_t(a)) {
+    *q = 0, *r = a;
+  } else {
+    *q = a / uint32_t(b), *r = a % uint32_t(b);
   }
 }
 
@@ -195,15 +219,21 @@ __global__ void __launch_bounds__(kThreads) ActTiledKernel(ActKernelArgs<typenam
   const float scale = quantize ? __ldg(p.scale) : 1.0f;
   const bool scale_ok = ScaleKeepsFinite(scale);
   const int64_t tiles_c = (p.hidden + kTileCols - 1) / kTileCols;
-  const int64_t tiles = (p.rows + kTileRows - 1) / kTileRows * tiles_c;
+  const int64_t tile_rows = (p.rows + kTileRows - 1) / kTileRows;
   const int chunk_col = (threadIdx.x % kThreadsPerRow) * kVec;
   const int chunk_row = threadIdx.x / kThreadsPerRow;
   uint32_t best = 0;
 
-  for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-    const int64_t tile_row = tile / tiles_c;
+  // Tile t = tile_row * tiles_c + tile_col, t = blockIdx.x, blockIdx.x + gridDim.x, ...,
+  // stepped without a 64-bit division in the loop (its call would cost registers).
+  int64_t tile_row, tile_col, step_rows, step_cols;
+  DivMod32(blockIdx.x, tiles_c, &tile_row, &tile_col);
+  DivMod32(gridDim.x, tiles_c, &step_rows, &step_cols);
+  for (; tile_row < tile_rows; tile_row += step_rows, tile_col += step_cols) {
+    if (tile_col >= tiles_c) tile_col -= tiles_c, ++tile_row;
+    if (tile_row >= tile_rows) break;
     const int64_t r0 = tile_row * kTileRows;
-    const int64_t c0 = (tile % tiles_c) * kTileCols;
+    const int64_t c0 = tile_col * kTileCols;
     const int64_t c = c0 + chunk_col;
 
     float col_sum[kPlanes][kVec];
@@ -225,11 +255,11 @@ __global__ void __launch_bounds__(kThreads) ActTiledKernel(ActKernelArgs<typenam
       float v[kPlanes][kVec];
 #pragma unroll
       for (int j = 0; j < kVec; ++j) {
-        const float a = LoadAsFloat(Tag{}, xa[j]);
-        const float gate = kGated ? LoadAsFloat(Tag{}, xg[j]) : 0.0f;
+        const float a = LoadElement(Tag{}, xa[j]);
+        const float gate = kGated ? LoadElement(Tag{}, xg[j]) : 0.0f;
         if constexpr (kBackward) {
           float da, dg;
-          ActBackwardValue(p.act, LoadAsFloat(Tag{}, g[j]), a, gate, &da, &dg);
+          ActBackwardValue(p.act, LoadElement(Tag{}, g[j]), a, gate, &da, &dg);
           v[0][j] = da;
           if constexpr (kPlanes == 2) v[1][j] = dg;
         } else {

@@ -218,13 +218,16 @@ Status Launch(const SoftmaxArgs& a, GpuStream stream, const char* op) {
   const int vec_width = vec ? kVec : 1;
   const int64_t row_chunks = (a.k + vec_width - 1) / vec_width;
   const int max_chunks = 64 / vec_width;
-  // Chunks per thread: up to 32 elements each (the fewest that make one warp per row
-  // enough, else 32 / vec_width), more only where a row would need over kSoftmaxThreads
-  // threads. Rows are owned by 32 .. kSoftmaxThreads threads; blocks are kSoftmaxThreads.
+  // Chunks per thread. Forward: up to 32 elements each (the fewest that make one warp per
+  // row enough, else 32 / vec_width; fewer, longer row reductions), more only where a row
+  // would need over kSoftmaxThreads threads. Backward (two inputs in registers, already
+  // at 90% of copy bandwidth): the fewest chunks that fit kSoftmaxThreads threads. Rows
+  // are owned by 32 .. kSoftmaxThreads threads; blocks are kSoftmaxThreads threads.
+  const int target_elems = kBackward ? 1 : 32;
   int chunks = 0, tpr = 0;
   for (int c = 1; c <= max_chunks; c *= 2) {
     const int64_t t = ((row_chunks + c - 1) / c + 31) / 32 * 32;
-    if (t <= kSoftmaxThreads && (t == 32 || c * vec_width >= 32 || c == max_chunks)) {
+    if (t <= kSoftmaxThreads && (t == 32 || c * vec_width >= target_elems || c == max_chunks)) {
       chunks = c, tpr = int(t);
       break;
     }
