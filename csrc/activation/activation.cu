@@ -15,6 +15,7 @@
 
 #include <cstring>
 #include <string>
+#include <type_traits>
 
 #include "activation/activation.h"
 #include "common/cuda_check.h"
@@ -47,6 +48,109 @@ struct ActKernelArgs {
   float* partials;   // tile_rows x out_cols, or null
 };
 
+// Hardware conversions, sm_89+ (PTX ISA: cvt.rn.satfinite.{e4m3x2,e5m2x2}.f32 and
+// cvt.rn.{bf16x2,f16x2}.f32). For non-NaN inputs they give exactly the formats.h codecs'
+// bits (round to nearest even; FP8 saturates, bf16/f16 overflow to inf); for NaN they drop
+// sign and payload, so chunks holding a NaN take the codecs (EncodeChunk, PackChunk).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+#define LOWBIT_ACT_HW_CVT 1
+#else
+#define LOWBIT_ACT_HW_CVT 0
+#endif
+
+#if LOWBIT_ACT_HW_CVT
+// Two FP8 codes in the low 16 bits: `lo` in bits 0-7, `hi` in bits 8-15.
+__device__ __forceinline__ uint32_t CvtFp8X2(bool e5m2, float lo, float hi) {
+  uint16_t pair;
+  if (e5m2) {
+    asm("cvt.rn.satfinite.e5m2x2.f32 %0, %1, %2;" : "=h"(pair) : "f"(hi), "f"(lo));
+  } else {
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(pair) : "f"(hi), "f"(lo));
+  }
+  return pair;
+}
+__device__ __forceinline__ uint32_t CvtX2(BF16, float lo, float hi) {
+  uint32_t pair;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(pair) : "f"(hi), "f"(lo));
+  return pair;
+}
+__device__ __forceinline__ uint32_t CvtX2(F16, float lo, float hi) {
+  uint32_t pair;
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(pair) : "f"(hi), "f"(lo));
+  return pair;
+}
+#endif
+
+// kVec FP8 codes of v * scale as little-endian words (EncodeScaled's bits). hw_ok: no
+// product can be NaN (no NaN in v, scale finite and non-zero).
+template <int kVec>
+__device__ __forceinline__ void EncodeChunk(bool e5m2, const float (&v)[kVec], float scale, bool hw_ok,
+                                            uint32_t (&words)[kVec / 4]) {
+#if LOWBIT_ACT_HW_CVT
+  if (hw_ok) {
+#pragma unroll
+    for (int j = 0; j < kVec; j += 4) {
+      words[j / 4] = CvtFp8X2(e5m2, __fmul_rn(v[j], scale), __fmul_rn(v[j + 1], scale)) |
+                     (CvtFp8X2(e5m2, __fmul_rn(v[j + 2], scale), __fmul_rn(v[j + 3], scale)) << 16);
+    }
+    return;
+  }
+#endif
+#pragma unroll
+  for (int j = 0; j < kVec; j += 4) {
+    uint32_t w = 0;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const uint32_t q = e5m2 ? EncodeScaled(E5m2Fmt{}, v[j + i], scale) : EncodeScaled(E4m3Fmt{}, v[j + i], scale);
+      w |= q << (8 * i);
+    }
+    words[j / 4] = w;
+  }
+}
+
+// v rounded to the storage type (StoreFromFloat's bits), packed as 16 bytes.
+template <typename Tag, int kVec>
+__device__ __forceinline__ uint4 PackChunk(const float (&v)[kVec], bool no_nan) {
+  using T = typename Tag::Storage;
+  uint4 packed;
+  if constexpr (sizeof(T) == 2) {
+#if LOWBIT_ACT_HW_CVT
+    if (no_nan) {
+      uint32_t w[kVec / 2];
+#pragma unroll
+      for (int j = 0; j < kVec; j += 2) w[j / 2] = CvtX2(Tag{}, v[j], v[j + 1]);
+      memcpy(&packed, w, sizeof(packed));
+      return packed;
+    }
+#endif
+  }
+  T hp[kVec];
+#pragma unroll
+  for (int j = 0; j < kVec; ++j) hp[j] = StoreFromFloat(Tag{}, v[j]);
+  memcpy(&packed, hp, sizeof(packed));
+  return packed;
+}
+
+// x's element as fp32: LoadAsFloat, with f16 by the (exact) hardware conversion instead of
+// the branchy software decode. A NaN's payload may differ, which no output can show: every
+// result passes CanonicalNan (activation_math.h).
+template <typename Tag>
+__device__ __forceinline__ float LoadElement(Tag tag, typename Tag::Storage v) {
+  if constexpr (std::is_same_v<Tag, F16>) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v));
+    return f;
+  } else {
+    return LoadAsFloat(tag, v);
+  }
+}
+
+// True when scale is finite and non-zero: then x * scale is NaN only where x is NaN.
+__device__ __forceinline__ bool ScaleKeepsFinite(float scale) {
+  const uint32_t bits = AbsBitsOf(scale);
+  return bits != 0 && bits < 0x7F800000u;
+}
+
 template <typename T, int kVec>
 __device__ __forceinline__ void LoadChunk(const T* src, bool valid, T (&dst)[kVec]) {
   uint4 packed = make_uint4(0, 0, 0, 0);
@@ -55,15 +159,21 @@ __device__ __forceinline__ void LoadChunk(const T* src, bool valid, T (&dst)[kVe
 }
 
 template <int kVec>
-__device__ __forceinline__ void StoreCodes(uint8_t* dst, const uint8_t (&q)[kVec]) {
+__device__ __forceinline__ void StoreCodes(uint8_t* dst, const uint32_t (&w)[kVec / 4]) {
   if constexpr (kVec == 4) {
-    uint32_t w;
-    memcpy(&w, q, 4);
-    *reinterpret_cast<uint32_t*>(dst) = w;
+    *reinterpret_cast<uint32_t*>(dst) = w[0];
   } else {
-    uint2 w;
-    memcpy(&w, q, 8);
-    *reinterpret_cast<uint2*>(dst) = w;
+    static_assert(kVec == 8, "4 or 8 codes per chunk");
+    *reinterpret_cast<uint2*>(dst) = make_uint2(w[0], w[1]);
+  }
+}
+
+// q = a / b, r = a % b for a < 2^32 and b >= 1, with 32-bit arithmetic only.
+__device__ __forceinline__ void DivMod32(uint32_t a, int64_t b, int64_t* q, int64_t* r) {
+  if (b > int64_t(a)) {
+    *q = 0, *r = a;
+  } else {
+    *q = a / uint32_t(b), *r = a % uint32_t(b);
   }
 }
 
@@ -107,16 +217,23 @@ __global__ void __launch_bounds__(kThreads) ActTiledKernel(ActKernelArgs<typenam
 
   const bool quantize = p.q_rowwise != nullptr || p.q_colwise != nullptr;
   const float scale = quantize ? __ldg(p.scale) : 1.0f;
+  const bool scale_ok = ScaleKeepsFinite(scale);
   const int64_t tiles_c = (p.hidden + kTileCols - 1) / kTileCols;
-  const int64_t tiles = (p.rows + kTileRows - 1) / kTileRows * tiles_c;
+  const int64_t tile_rows = (p.rows + kTileRows - 1) / kTileRows;
   const int chunk_col = (threadIdx.x % kThreadsPerRow) * kVec;
   const int chunk_row = threadIdx.x / kThreadsPerRow;
   uint32_t best = 0;
 
-  for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-    const int64_t tile_row = tile / tiles_c;
+  // Tile t = tile_row * tiles_c + tile_col, t = blockIdx.x, blockIdx.x + gridDim.x, ...,
+  // stepped without a 64-bit division in the loop (its call would cost registers).
+  int64_t tile_row, tile_col, step_rows, step_cols;
+  DivMod32(blockIdx.x, tiles_c, &tile_row, &tile_col);
+  DivMod32(gridDim.x, tiles_c, &step_rows, &step_cols);
+  for (; tile_row < tile_rows; tile_row += step_rows, tile_col += step_cols) {
+    if (tile_col >= tiles_c) tile_col -= tiles_c, ++tile_row;
+    if (tile_row >= tile_rows) break;
     const int64_t r0 = tile_row * kTileRows;
-    const int64_t c0 = (tile % tiles_c) * kTileCols;
+    const int64_t c0 = tile_col * kTileCols;
     const int64_t c = c0 + chunk_col;
 
     float col_sum[kPlanes][kVec];
@@ -138,55 +255,53 @@ __global__ void __launch_bounds__(kThreads) ActTiledKernel(ActKernelArgs<typenam
       float v[kPlanes][kVec];
 #pragma unroll
       for (int j = 0; j < kVec; ++j) {
-        const float a = LoadAsFloat(Tag{}, xa[j]);
-        const float gate = kGated ? LoadAsFloat(Tag{}, xg[j]) : 0.0f;
+        const float a = LoadElement(Tag{}, xa[j]);
+        const float gate = kGated ? LoadElement(Tag{}, xg[j]) : 0.0f;
         if constexpr (kBackward) {
           float da, dg;
-          ActBackwardValue(p.act, LoadAsFloat(Tag{}, g[j]), a, gate, &da, &dg);
+          ActBackwardValue(p.act, LoadElement(Tag{}, g[j]), a, gate, &da, &dg);
           v[0][j] = da;
           if constexpr (kPlanes == 2) v[1][j] = dg;
         } else {
           v[0][j] = ActForwardValue(p.act, a, gate);
         }
       }
+      // Elements outside the tensor were loaded as 0, and every activation and gradient
+      // maps 0 inputs to 0, so they cannot raise the amax; dbias sums only in-range rows
+      // (columns past the end are never written).
 #pragma unroll
       for (int k = 0; k < kPlanes; ++k) {
         const int64_t oc = k * p.hidden + c;  // output column of element j = 0
-        uint8_t q[kVec];
-        T hp[kVec];
+        uint32_t chunk_max = 0;
 #pragma unroll
-        for (int j = 0; j < kVec; ++j) {
-          const bool ok = r < p.rows && c + j < p.hidden;
-          if (ok) {
-            best = max(best, AbsBitsOf(v[k][j]));
-            col_sum[k][j] += v[k][j];
-          }
-          q[j] = p.e5m2 ? EncodeScaled(E5m2Fmt{}, v[k][j], scale) : EncodeScaled(E4m3Fmt{}, v[k][j], scale);
-          hp[j] = StoreFromFloat(Tag{}, v[k][j]);
+        for (int j = 0; j < kVec; ++j) chunk_max = max(chunk_max, AbsBitsOf(v[k][j]));
+        best = max(best, chunk_max);
+        if (p.partials != nullptr && r < p.rows) {
+#pragma unroll
+          for (int j = 0; j < kVec; ++j) col_sum[k][j] += v[k][j];
         }
+        const bool no_nan = chunk_max <= 0x7F800000u;
+        uint32_t q[kVec / 4] = {};
+        if (quantize) EncodeChunk<kVec>(p.e5m2, v[k], scale, no_nan && scale_ok, q);
         if (r < p.rows) {
           if (p.vector_io && c < p.hidden) {
             if (p.out != nullptr) {
-              uint4 w;
-              memcpy(&w, hp, sizeof(w));
-              *reinterpret_cast<uint4*>(p.out + r * p.out_cols + oc) = w;
+              *reinterpret_cast<uint4*>(p.out + r * p.out_cols + oc) = PackChunk<Tag, kVec>(v[k], no_nan);
             }
             if (p.q_rowwise != nullptr) StoreCodes<kVec>(p.q_rowwise + r * p.out_cols + oc, q);
           } else {
 #pragma unroll
             for (int j = 0; j < kVec; ++j) {
               if (c + j >= p.hidden) break;
-              if (p.out != nullptr) p.out[r * p.out_cols + oc + j] = hp[j];
-              if (p.q_rowwise != nullptr) p.q_rowwise[r * p.out_cols + oc + j] = q[j];
+              if (p.out != nullptr) p.out[r * p.out_cols + oc + j] = StoreFromFloat(Tag{}, v[k][j]);
+              if (p.q_rowwise != nullptr) p.q_rowwise[r * p.out_cols + oc + j] = uint8_t(q[j / 4] >> (8 * (j % 4)));
             }
           }
         }
         if (p.q_colwise != nullptr) {
 #pragma unroll
           for (int j = 0; j < kVec; j += 4) {
-            uint32_t w;
-            memcpy(&w, q + j, 4);
-            *reinterpret_cast<uint32_t*>(&codes[k][local_row][chunk_col + j]) = w;
+            *reinterpret_cast<uint32_t*>(&codes[k][local_row][chunk_col + j]) = q[j / 4];
           }
         }
       }

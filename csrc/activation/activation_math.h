@@ -1,8 +1,11 @@
 // Activation formulas shared by the CPU reference and the CUDA kernels (host + device).
 //
-// All math is fp32 through common/fp32_math.h (exp = LbExp, no FMA contraction), so the
-// CPU reference and the CUDA kernels produce bit-identical activations and gradients.
-//   sigmoid(x) = 1 / (1 + exp(-x))
+// All math is fp32 through common/fp32_math.h (explicit roundings: Fp32Mul/Add/Fma, no
+// contraction left to the compiler), so the CPU reference and the CUDA kernels produce
+// bit-identical activations and gradients.
+//   sigmoid(x) = 1 / (1 + e) for x >= 0, e / (1 + e) for x < 0, e = exp(-|x|)
+//                (LbExpNonPositive: e never overflows, 1 + e is in [1, 2], the division is
+//                Fp32DivOneTwo; NaN gives NaN)
 //   gelu       = 0.5 x (1 + tanh(u)), u = sqrt(2/pi) * (x * (1 + 0.044715 x x)), computed as
 //                x sigmoid(2u) (equal, and free of the cancellation in 1 + tanh(u) for x < 0)
 //   silu       = x sigmoid(x);  quick_gelu = x sigmoid(1.702 x);  relu;  squared_relu = relu^2
@@ -39,7 +42,10 @@ struct ActParams {
   float alpha = 1.702f;  // clamped swiglu
 };
 
-LOWBIT_HD float LbSigmoid(float x) { return Fp32Div(1.0f, Fp32Add(1.0f, LbExp(-x))); }
+LOWBIT_HD float LbSigmoid(float x) {
+  const float e = LbExpNonPositive(BitsToFloat(FloatBits(x) | 0x80000000u));  // -|x|
+  return Fp32DivOneTwo(x >= 0.0f ? 1.0f : e, Fp32Add(1.0f, e));
+}
 
 constexpr float kGeluK0 = 0.7978845608028654f;  // sqrt(2 / pi)
 constexpr float kGeluK1 = 0.044715f;
@@ -48,8 +54,7 @@ constexpr float kQuickGeluAlpha = 1.702f;
 // 2u, u = sqrt(2/pi) * x * (1 + 0.044715 x^2): 1 + tanh(u) = 2 sigmoid(2u), so gelu is
 // computed as x sigmoid(2u), free of the cancellation of 1 + tanh(u) for negative x.
 LOWBIT_HD float GeluTwoU(float x) {
-  const float inner = Fp32Mul(x, Fp32Add(1.0f, Fp32Mul(Fp32Mul(kGeluK1, x), x)));
-  return Fp32Mul(2.0f * kGeluK0, inner);
+  return Fp32Mul(Fp32Mul(2.0f * kGeluK0, x), Fp32Fma(Fp32Mul(kGeluK1, x), x, 1.0f));
 }
 
 LOWBIT_HD float ClampMax(float x, float limit) { return x > limit ? limit : x; }
@@ -80,26 +85,18 @@ LOWBIT_HD void ActValueAndDerivative(const ActParams& p, float x, float* value, 
     }
     return;
   }
-  float c = x, arg, slope;
-  if (t == ActType::kGelu) {
-    arg = GeluTwoU(x);
-    slope = Fp32Mul(2.0f * kGeluK0, Fp32Add(1.0f, Fp32Mul(Fp32Mul(3.0f * kGeluK1, x), x)));
-  } else if (t == ActType::kSilu) {
-    arg = x;
-    slope = 1.0f;
-  } else if (t == ActType::kQuickGelu) {
-    arg = Fp32Mul(kQuickGeluAlpha, x);
-    slope = kQuickGeluAlpha;
-  } else {  // kClampedSilu
-    c = ClampMax(x, p.limit);
-    arg = Fp32Mul(p.alpha, c);
-    slope = p.alpha;
-  }
+  // Branch-free per element (selects on the uniform type), so the kernels hold one copy of
+  // the exp and the division per element rather than one per act type.
+  const bool gelu = t == ActType::kGelu, clamped = t == ActType::kClampedSilu;
+  const float k = clamped ? p.alpha : (t == ActType::kQuickGelu ? kQuickGeluAlpha : 1.0f);
+  const float c = clamped ? ClampMax(x, p.limit) : x;
+  const float arg = gelu ? GeluTwoU(x) : Fp32Mul(k, c);  // silu: 1 * x = x
+  const float slope = gelu ? Fp32Mul(2.0f * kGeluK0, Fp32Fma(Fp32Mul(3.0f * kGeluK1, x), x, 1.0f)) : k;
   const float s = LbSigmoid(arg);
   const float cs = Fp32Mul(c, s);
   *value = cs;
-  const float d = Fp32Add(s, Fp32Mul(Fp32Mul(cs, Fp32Add(1.0f, -s)), slope));
-  *deriv = (t == ActType::kClampedSilu && x > p.limit) ? 0.0f : d;
+  const float d = Fp32Fma(Fp32Mul(cs, Fp32Add(1.0f, -s)), slope, s);
+  *deriv = (clamped && x > p.limit) ? 0.0f : d;
 }
 
 // act(x) for the activation part.

@@ -1,10 +1,12 @@
-// GoogleTest checks of the activation CPU reference and of LbExp: exp accuracy over the
-// whole fp32 range, activation values at known points, the gated layout, clamped swiglu,
-// the backward against finite differences, dbias and the fused quantization.
+// GoogleTest checks of the activation CPU reference and of its fp32 math: LbExp and
+// LbExpNonPositive accuracy against double over their ranges, Fp32DivOneTwo and LbSigmoid,
+// activation values at known points, the gated layout, clamped swiglu, the backward against
+// finite differences, dbias and the fused quantization.
 #include "activation/activation.h"
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -36,6 +38,74 @@ TEST(LbExp, WithinTwoUlpOfLibm) {
   EXPECT_TRUE(std::isnan(LbExp(std::nanf(""))));
   EXPECT_GT(LbExp(-100.0f), 0.0f);  // subnormal range
   EXPECT_NEAR(LbExp(-100.0f) / std::exp(-100.0f), 1.0f, 1e-3f);
+}
+
+// |got - want| in units of the fp32 spacing at want (2^-149 for subnormal results).
+double UlpError(float got, double want) {
+  int e = 0;
+  std::frexp(std::fabs(want), &e);
+  return std::fabs(double(got) - want) / std::ldexp(1.0, std::max(e - 24, -149));
+}
+
+float FloatAt(uint32_t bits) { return BitsToFloat(bits); }
+
+TEST(LbExpNonPositive, WithinOneUlpOfExp) {
+  // Every 61st float of [-109, 0] (the exhaustive sweep gives 0.88 ulp worst, subnormal
+  // results included).
+  double worst = 0;
+  for (uint32_t b = 0x80000000u; b <= 0xC2DA0000u; b += 61) {
+    const float x = FloatAt(b);
+    worst = std::max(worst, UlpError(LbExpNonPositive(x), std::exp(double(x))));
+  }
+  EXPECT_LE(worst, 1.0);
+  EXPECT_EQ(LbExpNonPositive(0.0f), 1.0f);
+  EXPECT_EQ(LbExpNonPositive(-0.0f), 1.0f);
+  EXPECT_EQ(LbExpNonPositive(3.0f), 1.0f);  // x > 0 is taken as 0
+  EXPECT_EQ(LbExpNonPositive(-110.0f), 0.0f);
+  EXPECT_EQ(LbExpNonPositive(-std::numeric_limits<float>::infinity()), 0.0f);
+  EXPECT_TRUE(std::isnan(LbExpNonPositive(std::nanf(""))));
+  EXPECT_EQ(LbExpNonPositive(-1e-8f), 1.0f);
+  EXPECT_EQ(LbExpNonPositive(-103.0f), float(std::exp(-103.0)));  // subnormal, rounded once
+}
+
+TEST(Fp32DivOneTwo, CorrectlyRoundedNearlyAlways) {
+  double worst_normal = 0, worst_subnormal = 0;
+  int64_t not_rounded = 0, n = 0;
+  for (uint32_t b = 0x3F800000u; b <= 0x40000000u; b += 7) {
+    const float d = FloatAt(b);
+    for (float num : {1.0f, 0.7f, 0.123456f, 0.99999994f, 1e-30f, -3.5f, 2e-39f}) {
+      const float q = Fp32DivOneTwo(num, d);
+      const double want = double(num) / double(d), err = UlpError(q, want);
+      if (std::fabs(want) >= double(std::numeric_limits<float>::min())) {
+        worst_normal = std::max(worst_normal, err);
+        not_rounded += q != num / d;
+        ++n;
+      } else {
+        worst_subnormal = std::max(worst_subnormal, err);
+      }
+    }
+  }
+  EXPECT_LE(worst_normal, 0.5 + 1e-3);
+  EXPECT_LE(not_rounded * 10000, n);  // measured: about 1 in 20000
+  EXPECT_LE(worst_subnormal, 1.0);
+  EXPECT_EQ(Fp32DivOneTwo(1.0f, 2.0f), 0.5f);
+  EXPECT_EQ(Fp32DivOneTwo(0.0f, 1.5f), 0.0f);
+  EXPECT_TRUE(std::isnan(Fp32DivOneTwo(std::nanf(""), 1.5f)));
+  EXPECT_TRUE(std::isnan(Fp32DivOneTwo(1.0f, std::nanf(""))));
+}
+
+TEST(LbSigmoid, WithinThreeUlp) {
+  double worst = 0;
+  for (uint32_t b = 0; b < 0xFFFFFFFFu - 1013; b += 1013) {  // every 1013th float, |x| <= 120
+    const float x = FloatAt(b);
+    if (!(std::fabs(x) <= 120.0f)) continue;
+    worst = std::max(worst, UlpError(LbSigmoid(x), 1.0 / (1.0 + std::exp(-double(x)))));
+  }
+  EXPECT_LE(worst, 3.0);  // measured 2.4 (a sweep of every 13th float)
+  EXPECT_EQ(LbSigmoid(std::numeric_limits<float>::infinity()), 1.0f);
+  EXPECT_EQ(LbSigmoid(-std::numeric_limits<float>::infinity()), 0.0f);
+  EXPECT_EQ(LbSigmoid(0.0f), 0.5f);
+  EXPECT_TRUE(std::isnan(LbSigmoid(std::nanf(""))));
 }
 
 float Fwd(ActType t, float x, bool gated = false, float g = 0.0f) {

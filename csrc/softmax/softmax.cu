@@ -7,7 +7,10 @@
 // Row max and sums: warp butterflies, then the row group's warps in a fixed order through
 // shared memory. Every thread of a block runs the same number of row iterations (rows past
 // the end are masked), so the block-wide barriers are uniform. One read and one write of
-// the data (plus the mask bytes), no workspace.
+// the data (plus the mask bytes), no workspace. Per element the forward costs one
+// LbExpNonPositive (FMAs only) and one multiply by the row's reciprocal 1 / sum (one IEEE
+// division per row); threads keep up to 32 elements (kChunks * kVec) so the two row
+// reductions are spread over many elements.
 #include <cuda_runtime.h>
 
 #include <cstring>
@@ -21,6 +24,8 @@
 
 namespace lowbit {
 namespace {
+
+constexpr int kSoftmaxThreads = 256;  // threads per block; kSoftmaxCudaMaxK needs 256 x 64
 
 template <typename T>
 struct SoftmaxKernelArgs {
@@ -79,7 +84,7 @@ __device__ __forceinline__ void StoreVec(T* dst, const T (&src)[kVec]) {
 }
 
 template <typename Tag, int kChunks, int kVec, bool kBackward>
-__global__ void __launch_bounds__(1024) SoftmaxKernel(SoftmaxKernelArgs<typename Tag::Storage> p) {
+__global__ void __launch_bounds__(kSoftmaxThreads) SoftmaxKernel(SoftmaxKernelArgs<typename Tag::Storage> p) {
   using T = typename Tag::Storage;
   const int tpr = p.threads_per_row;
   const int warps_per_row = tpr / 32;
@@ -123,11 +128,12 @@ __global__ void __launch_bounds__(1024) SoftmaxKernel(SoftmaxKernelArgs<typename
       for (int c = 0; c < kChunks; ++c) {
 #pragma unroll
         for (int j = 0; j < kVec; ++j) {
-          v[c][j] = LbExp(__fadd_rn(v[c][j], -m));
+          v[c][j] = LbExpNonPositive(__fadd_rn(v[c][j], -m));
           sum = __fadd_rn(sum, v[c][j]);
         }
       }
       sum = RowReduce(sum, warps_per_row, SumOp{});
+      const float inv_sum = __fdiv_rn(1.0f, sum);  // once per row; the reference does the same
       const bool zero_row = mask != nullptr && m == -10000.0f;
 #pragma unroll
       for (int c = 0; c < kChunks; ++c) {
@@ -135,7 +141,7 @@ __global__ void __launch_bounds__(1024) SoftmaxKernel(SoftmaxKernelArgs<typename
         if (!active || e >= p.k) continue;
         T out[kVec];
 #pragma unroll
-        for (int j = 0; j < kVec; ++j) out[j] = StoreFromFloat(Tag{}, zero_row ? 0.0f : __fdiv_rn(v[c][j], sum));
+        for (int j = 0; j < kVec; ++j) out[j] = StoreFromFloat(Tag{}, zero_row ? 0.0f : __fmul_rn(v[c][j], inv_sum));
         StoreVec<T, kVec>(p.out + row * p.k + e, out);
       }
     } else {
@@ -212,22 +218,26 @@ Status Launch(const SoftmaxArgs& a, GpuStream stream, const char* op) {
   const int vec_width = vec ? kVec : 1;
   const int64_t row_chunks = (a.k + vec_width - 1) / vec_width;
   const int max_chunks = 64 / vec_width;
-  // Fewest chunks per thread that keep a row group at <= 256 threads (several rows per
-  // block, short reductions), else the fewest that fit 1024 threads.
+  // Chunks per thread. Forward: up to 32 elements each (the fewest that make one warp per
+  // row enough, else 32 / vec_width; fewer, longer row reductions), more only where a row
+  // would need over kSoftmaxThreads threads. Backward (two inputs in registers, already
+  // at 90% of copy bandwidth): the fewest chunks that fit kSoftmaxThreads threads. Rows
+  // are owned by 32 .. kSoftmaxThreads threads; blocks are kSoftmaxThreads threads.
+  const int target_elems = kBackward ? 1 : 32;
   int chunks = 0, tpr = 0;
-  for (int limit : {256, 1024}) {
-    for (int c = 1; c <= max_chunks && chunks == 0; c *= 2) {
-      const int64_t t = ((row_chunks + c - 1) / c + 31) / 32 * 32;
-      if (t <= limit) chunks = c, tpr = int(t);
+  for (int c = 1; c <= max_chunks; c *= 2) {
+    const int64_t t = ((row_chunks + c - 1) / c + 31) / 32 * 32;
+    if (t <= kSoftmaxThreads && (t == 32 || c * vec_width >= target_elems || c == max_chunks)) {
+      chunks = c, tpr = int(t);
+      break;
     }
-    if (chunks != 0) break;
   }
   if (chunks == 0) {
     return Status::InvalidArgument(std::string(op) + ": k = " + std::to_string(a.k) +
                                    " exceeds the CUDA kernel's limit of " + std::to_string(kSoftmaxCudaMaxK));
   }
   p.threads_per_row = tpr;
-  const int block = tpr >= 256 ? tpr : (256 / tpr) * tpr;
+  const int block = (kSoftmaxThreads / tpr) * tpr;
   const int64_t groups = (p.rows + block / tpr - 1) / (block / tpr);
   const int grid = GridStrideBlocks(groups * block, block, 2048 / block);
   const Status s = vec ? LaunchChunks<Tag, kVec, kBackward>(chunks, p, block, grid, stream)

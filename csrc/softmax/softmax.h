@@ -8,7 +8,9 @@
 //                        0 when the mask's batch is 1. A row whose max is exactly -10000
 //                        (fully masked) gives zeros, as TE's kernel does.
 //   scaled_upper_triang  causal: z_j = -inf where j > i (those outputs are exactly 0).
-//   m = max_j z_j, e_j = exp(z_j - m) (LbExp, common/fp32_math.h), y_j = e_j / sum_j e_j.
+//   m = max_j z_j, e_j = exp(z_j - m) (LbExpNonPositive, common/fp32_math.h: within 1 ulp),
+//   y_j = e_j * (1 / sum_j e_j) (one IEEE division per row, then a multiply per element:
+//   within 1.5 ulp of e_j / sum in fp32, before the rounding to the output dtype).
 // Backward (y = the forward output): dx_j = scale * (y_j dy_j - y_j * sum_k(y_k dy_k)).
 // The CPU reference sums each row in order; the CUDA kernel as a tree, so the two agree
 // within rounding of those sums (every other step is bit-identical).

@@ -47,10 +47,10 @@ Status SoftmaxForwardRef(const SoftmaxArgs& a) {
         m = std::fmax(m, v);
       }
       const bool zero_row = mask != nullptr && m == -10000.0f;
-      for (int64_t j = 0; j < a.k; ++j) z[size_t(j)] = LbExp(Fp32Add(z[size_t(j)], -m));
-      const float sum = PairwiseSum(z.data(), a.k);
+      for (int64_t j = 0; j < a.k; ++j) z[size_t(j)] = LbExpNonPositive(Fp32Add(z[size_t(j)], -m));
+      const float inv_sum = Fp32Div(1.0f, PairwiseSum(z.data(), a.k));
       for (int64_t j = 0; j < a.k; ++j) {
-        y[row * a.k + j] = StoreFromFloat(tag, zero_row ? 0.0f : Fp32Div(z[size_t(j)], sum));
+        y[row * a.k + j] = StoreFromFloat(tag, zero_row ? 0.0f : Fp32Mul(z[size_t(j)], inv_sum));
       }
     }
     return Status::Ok();

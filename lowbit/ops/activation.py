@@ -7,8 +7,9 @@ approximation 0.5 x (1 + tanh(sqrt(2/pi) x (1 + 0.044715 x^2)))), "silu" (x sigm
 "clamped_silu" (GPT-OSS / TE clamped_swiglu: a = min(x_a, limit), g = clamp(x_g, -limit,
 limit) + 1, y = a sigmoid(alpha a) * g; gradients pass where x_a <= limit and |x_g| <= limit).
 Gated forms take x of shape (..., 2, H), TE's layout: y = act(x[..., 0, :]) * x[..., 1, :].
-All math is fp32; exp is lowbit's own (common/fp32_math.h, within 2 ulp of exp), so the CPU
-and CUDA kernels agree bit for bit; a jnp reference differs by a few fp32 ulps.
+All math is fp32; sigmoid is lowbit's own, from FMAs only (common/fp32_math.h: exp within 1
+ulp, sigmoid within 3 ulp), so the CPU and CUDA kernels agree bit for bit; a jnp reference
+differs by a few fp32 ulps.
 
 Quantized outputs (with quant_scale): encode_rne(clip(v * scale)) of the fp32 v (y or dx).
 Forward: q_rowwise (..., H), q_colwise (H, rows). Backward, on dx's 2-D view (rows, C) with
