@@ -31,6 +31,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from lowbit.ops.gemm import gemm
+from lowbit.quantize.helper import get_global_mesh_resource
 from lowbit.quantize.quantizer import QuantizerSet, noop_quantizer_set
 from lowbit.quantize.tensor import ScaledTensor1x, ScaledTensor2x
 
@@ -80,38 +81,52 @@ def as_2d(a, n_lead: int):
     return a.reshape(math.prod(a.shape[:n_lead]), math.prod(a.shape[n_lead:]))
 
 
-def quantize_2x(quantizer, a2d) -> ScaledTensor2x:
-    """Rowwise and (transposed) colwise copies of a 2-D operand."""
-    tensor, _ = quantizer.quantize(a2d, is_rowwise=True, is_colwise=True, flatten_axis=1)
+def sequence_parallel() -> bool:
+    """True when the global MeshResource names a tpsp axis (sequence parallelism): the
+    GEMMs whose a operand is tokens then gather its sequence dim first (lowbit.ops.gemm)."""
+    return getattr(get_global_mesh_resource(), "tpsp_resource", None) is not None
+
+
+def quantize_2x(quantizer, a, n_lead: int = 1) -> ScaledTensor2x:
+    """Rowwise (a's shape) and colwise (a's dims from n_lead on, then the first n_lead)
+    copies. Nothing is flattened, so each dim keeps its own sharding."""
+    tensor, _ = quantizer.quantize(a, is_rowwise=True, is_colwise=True, flatten_axis=n_lead)
     return tensor
 
 
-def forward_gemm(xq: ScaledTensor2x, kq: ScaledTensor2x, bias2d, out_dtype):
-    """y (M,N) = x (M,K) . kernel (K,N) + bias, from their quantized copies."""
-    x_row, k_col = xq.rowwise_tensor, kq.colwise_tensor
-    y = gemm(x_row.data, k_col.data, x_row.scale_inv, k_col.scale_inv, bias2d,
-             out_dtype=out_dtype, use_split_accumulator=False)
-    return checkpoint_name(y, GEMM_CHECKPOINT_NAME)
+def _gemm(a: ScaledTensor1x, b: ScaledTensor1x, bias, out_dtype, contracting_ndim, split,
+          tokens_in_a=True):
+    out = gemm(a.data, b.data, a.scale_inv, b.scale_inv, bias, out_dtype=out_dtype,
+               use_split_accumulator=split, contracting_ndim=contracting_ndim,
+               sequence_parallel=tokens_in_a and sequence_parallel())
+    return checkpoint_name(out, GEMM_CHECKPOINT_NAME)
 
 
-def dgrad_wgrad(dyq: ScaledTensor2x, x_col: ScaledTensor1x, k_row: ScaledTensor1x, x_dtype, k_dtype):
-    """dx (M,K) = dy . kernel^T and dw (K,N) = x^T . dy from the quantized dy (M,N)."""
-    dy_row, dy_col = dyq.rowwise_tensor, dyq.colwise_tensor
-    dx = gemm(dy_row.data, k_row.data, dy_row.scale_inv, k_row.scale_inv,
-              out_dtype=x_dtype, use_split_accumulator=True)
-    dw = gemm(x_col.data, dy_col.data, x_col.scale_inv, dy_col.scale_inv,
-              out_dtype=k_dtype, use_split_accumulator=True)
-    return checkpoint_name(dx, GEMM_CHECKPOINT_NAME), checkpoint_name(dw, GEMM_CHECKPOINT_NAME)
+def forward_gemm(xq: ScaledTensor2x, kq: ScaledTensor2x, bias, out_dtype, n_contract: int = 1):
+    """y (M..., N...) = x (M..., K...) . kernel (K..., N...) + bias (N...), from their
+    quantized copies (x's rowwise, the kernel's colwise (N..., K...))."""
+    return _gemm(xq.rowwise_tensor, kq.colwise_tensor, bias, out_dtype, n_contract, False)
 
 
-def backward_gemms(dy2d, x_col: ScaledTensor1x, k_row: ScaledTensor1x, dgrad_quantizer,
-                   has_bias: bool, x_dtype, k_dtype):
-    """dx (M,K), dw (K,N), dbias (N,) or None, and dy's amax, from dy (M,N); dbias comes
-    out of dy's quantize pass."""
+def dgrad_wgrad(dyq: ScaledTensor2x, x_col: ScaledTensor1x, k_row: ScaledTensor1x, x_dtype, k_dtype,
+                n_lead: int = 1):
+    """dx (M..., K...) = dy . kernel^T and dw (K..., N...) = x^T . dy from the quantized
+    dy (M..., N...) (n_lead M dims), x's colwise copy (K..., M...) and the kernel's rowwise
+    copy (K..., N...)."""
+    n_out = dyq.rowwise_tensor.data.ndim - n_lead
+    dx = _gemm(dyq.rowwise_tensor, k_row, None, x_dtype, n_out, True)
+    dw = _gemm(x_col, dyq.colwise_tensor, None, k_dtype, n_lead, True, tokens_in_a=False)
+    return dx, dw
+
+
+def backward_gemms(dy, x_col: ScaledTensor1x, k_row: ScaledTensor1x, dgrad_quantizer,
+                   has_bias: bool, x_dtype, k_dtype, n_lead: int = 1):
+    """dx (M..., K...), dw (K..., N...), dbias (N...) or None, and dy's amax, from dy
+    (M..., N...) with n_lead M dims; dbias comes out of dy's quantize pass."""
     dyq, dbias = dgrad_quantizer.quantize(
-        dy2d, is_rowwise=True, is_colwise=True, flatten_axis=1, compute_dbias=has_bias
+        dy, is_rowwise=True, is_colwise=True, flatten_axis=n_lead, compute_dbias=has_bias
     )
-    dx, dw = dgrad_wgrad(dyq, x_col, k_row, x_dtype, k_dtype)
+    dx, dw = dgrad_wgrad(dyq, x_col, k_row, x_dtype, k_dtype, n_lead)
     return dx, dw, dbias, dyq.amax
 
 
@@ -170,11 +185,9 @@ def _dense(x, kernel, bias, quantizer_set, static):
 
 def _dense_fwd(x, kernel, bias, quantizer_set, static):
     n_lead = x.ndim - static.n_contract
-    xq = quantize_2x(quantizer_set.x, as_2d(x, n_lead))                     # (M, K)
-    kq = quantize_2x(quantizer_set.kernel, as_2d(kernel, static.n_contract))  # (K, N)
-    bias2d = None if bias is None else bias.reshape(-1)
-    y = forward_gemm(xq, kq, bias2d, x.dtype)
-    y = y.reshape(*x.shape[:n_lead], *kernel.shape[static.n_contract:])
+    xq = quantize_2x(quantizer_set.x, x, n_lead)                         # (M..., K...)
+    kq = quantize_2x(quantizer_set.kernel, kernel, static.n_contract)    # (K..., N...)
+    y = forward_gemm(xq, kq, bias, x.dtype, static.n_contract)           # (M..., N...)
     return y, (xq.colwise_tensor, kq.rowwise_tensor, quantizer_set, xq.amax, kq.amax)
 
 
@@ -182,16 +195,15 @@ def _dense_bwd(static, residuals, dy):
     x_col, k_row, quantizer_set, x_amax, k_amax = residuals
     n_lead = len(static.x_shape) - static.n_contract
     dx, dw, dbias, dy_amax = backward_gemms(
-        as_2d(dy, n_lead), x_col, k_row, quantizer_set.dgrad, static.has_bias,
-        static.x_dtype, static.kernel_dtype,
+        dy, x_col, k_row, quantizer_set.dgrad, static.has_bias, static.x_dtype,
+        static.kernel_dtype, n_lead,
     )
-    dbias = dbias.reshape(static.kernel_shape[static.n_contract:]) if static.has_bias else None
     new_set = QuantizerSet(
         x=quantizer_set.x.update(x_amax),
         kernel=quantizer_set.kernel.update(k_amax),
         dgrad=quantizer_set.dgrad.update(dy_amax),
     )
-    return dx.reshape(static.x_shape), dw.reshape(static.kernel_shape), dbias, new_set
+    return dx, dw, dbias, new_set
 
 
 _dense.defvjp(_dense_fwd, _dense_bwd)

@@ -55,31 +55,33 @@ class NormConfig(NamedTuple):
         return dict(norm_type=self.norm_type, zero_centered_gamma=self.zero_centered_gamma)
 
 
-def fused_2x(quantizer, rowwise, colwise, amax, dq_dtype) -> ScaledTensor2x:
-    """The ScaledTensor2x of copies a fused kernel wrote with `quantizer`'s (delayed) scale."""
+def fused_2x(quantizer, rowwise, colwise, amax, dq_dtype, flatten_axis: int = 1) -> ScaledTensor2x:
+    """The ScaledTensor2x of copies a fused kernel wrote with `quantizer`'s (delayed) scale
+    (rowwise: the tensor's shape; colwise: its dims from flatten_axis on, then the rest)."""
     scale_inv = scale_inverse(quantizer.scale).reshape(1)  # correctly rounded on every backend
     amax = amax.reshape(1)
 
     def one(data, colwise_copy):
         return ScaledTensor1x(data=data, scale_inv=scale_inv, amax=amax,
                               scaling_mode=quantizer.scaling_mode, dq_dtype=jnp.dtype(dq_dtype),
-                              is_colwise=colwise_copy, flatten_axis=1)
+                              is_colwise=colwise_copy, flatten_axis=flatten_axis)
 
     return ScaledTensor2x(one(rowwise, False), one(colwise, True))
 
 
 def norm_quantize(x2d, gamma, beta, cfg: NormConfig, quantizer, want_y: bool):
-    """Norm of x (M, H) quantized by `quantizer` into rowwise (M,H) + colwise (H,M) copies.
-    Returns (ScaledTensor2x, y in x's dtype or None, mu, rsigma)."""
+    """Norm of x (M..., H) quantized by `quantizer` into rowwise (M..., H) + colwise (H, M...)
+    copies. Returns (ScaledTensor2x, y in x's dtype or None, mu, rsigma)."""
+    flatten_axis = x2d.ndim - 1
     if isinstance(quantizer, DelayedScaleQuantizer):
         scale = quantizer.scale.reshape(1)
         out = norm_forward(x2d, gamma, beta, epsilon=cfg.epsilon, quant_scale=scale,
                            quant_dtype=quantizer.q_dtype, rowwise=True, colwise=True,
                            return_y=want_y, **cfg.kwargs())
-        xq = fused_2x(quantizer, out.q_rowwise, out.q_colwise, out.amax, x2d.dtype)
+        xq = fused_2x(quantizer, out.q_rowwise, out.q_colwise, out.amax, x2d.dtype, flatten_axis)
         return xq, (out.y if want_y else None), out.mu, out.rsigma
     out = norm_forward(x2d, gamma, beta, epsilon=cfg.epsilon, **cfg.kwargs())
-    xq, _ = quantizer.quantize(out.y, is_rowwise=True, is_colwise=True, flatten_axis=1)
+    xq, _ = quantizer.quantize(out.y, is_rowwise=True, is_colwise=True, flatten_axis=flatten_axis)
     return xq, out.y, out.mu, out.rsigma
 
 

@@ -18,7 +18,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from lowbit.dense import as_2d, backward_gemms, check_quantizer_set, dense, forward_gemm, quantize_2x
+from lowbit.dense import backward_gemms, check_quantizer_set, dense, forward_gemm, quantize_2x
 from lowbit.layernorm import NormConfig, layernorm, norm_quantize
 from lowbit.ops.norm import norm_backward
 from lowbit.quantize.quantizer import QuantizerSet, noop_quantizer_set
@@ -79,36 +79,33 @@ def _layernorm_dense(x, kernel, gamma, beta, bias, quantizer_set, static):
 
 
 def _fwd(x, kernel, gamma, beta, bias, quantizer_set, static):
-    x2d = x.reshape(-1, x.shape[-1])
-    xq, ln2d, mu, rsigma = norm_quantize(x2d, gamma, beta, static.cfg, quantizer_set.x, static.return_ln)
-    kq = quantize_2x(quantizer_set.kernel, as_2d(kernel, 1))
-    y = forward_gemm(xq, kq, None if bias is None else bias.reshape(-1), x.dtype)
-    y = y.reshape(*x.shape[:-1], *kernel.shape[1:])
-    ln = ln2d.reshape(x.shape) if static.return_ln else None
-    residuals = (x2d, mu, rsigma, gamma, xq.colwise_tensor, kq.rowwise_tensor, quantizer_set,
+    # No flattening: every dim keeps its sharding (tokens, hidden, the kernel's out dims).
+    xq, ln, mu, rsigma = norm_quantize(x, gamma, beta, static.cfg, quantizer_set.x, static.return_ln)
+    kq = quantize_2x(quantizer_set.kernel, kernel, 1)
+    y = forward_gemm(xq, kq, bias, x.dtype)
+    ln = ln if static.return_ln else None
+    residuals = (x, mu, rsigma, gamma, xq.colwise_tensor, kq.rowwise_tensor, quantizer_set,
                  xq.amax, kq.amax)
     return (y, ln), residuals
 
 
 def _bwd(static, residuals, cotangents):
     dy, dln_out = cotangents
-    x2d, mu, rsigma, gamma, ln_col, k_row, quantizer_set, x_amax, k_amax = residuals
+    x, mu, rsigma, gamma, ln_col, k_row, quantizer_set, x_amax, k_amax = residuals
     dln, dw, dbias, dy_amax = backward_gemms(
-        as_2d(dy, len(static.x_shape) - 1), ln_col, k_row, quantizer_set.dgrad, static.has_bias,
-        x2d.dtype, static.kernel_dtype,
+        dy, ln_col, k_row, quantizer_set.dgrad, static.has_bias, x.dtype, static.kernel_dtype,
+        len(static.x_shape) - 1,
     )
     if static.return_ln:
-        dln = dln + dln_out.reshape(dln.shape).astype(dln.dtype)
-    dx, dgamma, dbeta = norm_backward(dln, x2d, mu, rsigma, gamma, **static.cfg.kwargs())
+        dln = dln + dln_out.astype(dln.dtype)
+    dx, dgamma, dbeta = norm_backward(dln, x, mu, rsigma, gamma, **static.cfg.kwargs())
     new_set = QuantizerSet(
         x=quantizer_set.x.update(x_amax),
         kernel=quantizer_set.kernel.update(k_amax),
         dgrad=quantizer_set.dgrad.update(dy_amax),
     )
     dbeta = dbeta if static.cfg.norm_type == "layernorm" else None
-    dbias = dbias.reshape(static.kernel_shape[1:]) if static.has_bias else None
-    return (dx.reshape(static.x_shape), dw.reshape(static.kernel_shape), dgamma, dbeta, dbias,
-            new_set)
+    return dx, dw, dgamma, dbeta, (dbias if static.has_bias else None), new_set
 
 
 _layernorm_dense.defvjp(_fwd, _bwd)

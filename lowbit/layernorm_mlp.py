@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from lowbit.activation import parse_activation_type
-from lowbit.dense import as_2d, backward_gemms, check_quantizer_set, dense, dgrad_wgrad, forward_gemm, quantize_2x
+from lowbit.dense import backward_gemms, check_quantizer_set, dense, dgrad_wgrad, forward_gemm, quantize_2x
 from lowbit.layernorm import NormConfig, fused_2x, layernorm, norm_quantize
 from lowbit.ops.activation import act_backward, act_forward
 from lowbit.ops.norm import norm_backward
@@ -125,61 +125,62 @@ def _layernorm_mlp(x, gamma, beta, wi, wo, wi_bias, wo_bias, qs1, qs2, static):
     return _fwd(x, gamma, beta, wi, wo, wi_bias, wo_bias, qs1, qs2, static)[0]
 
 
-def _act_view(h2d, static):
-    """GEMM1's (M, n_act*F) output as the activation's input: (M, 2, F) gated, else (M, F)."""
-    return h2d.reshape(h2d.shape[0], 2, -1) if static.gated else h2d
-
-
 def _fwd(x, gamma, beta, wi, wo, wi_bias, wo_bias, qs1, qs2, static):
-    x2d = x.reshape(-1, x.shape[-1])
-    lnq, _, mu, rsigma = norm_quantize(x2d, gamma, beta, static.cfg, qs1.x, False)
-    wiq = quantize_2x(qs1.kernel, wi.reshape(wi.shape[0], -1))
-    h2d = forward_gemm(lnq, wiq, None if wi_bias is None else wi_bias.reshape(-1), x.dtype)
-    h2d = checkpoint_name(h2d, static.ffn1_ckpt_name)
-    h_act = _act_view(h2d, static)
+    # Nothing is flattened: tokens keep their (batch, seq) dims and the gated kernel its
+    # (H, 2, F) layout, so every dim keeps its sharding (no gather of a TP-sharded F).
+    n_lead = x.ndim - 1
+    hidden = x.shape[-1]
+    lnq, _, mu, rsigma = norm_quantize(x, gamma, beta, static.cfg, qs1.x, False)   # (M..., H)
+    wi = wi.reshape(hidden, 2, -1) if static.gated else wi.reshape(hidden, -1)      # (H, [2,] F)
+    wiq = quantize_2x(qs1.kernel, wi, 1)
+    wi_bias = None if wi_bias is None else wi_bias.reshape(wi.shape[1:])
+    h = forward_gemm(lnq, wiq, wi_bias, x.dtype)                                    # (M..., [2,] F)
+    h = checkpoint_name(h, static.ffn1_ckpt_name)
     if isinstance(qs2.x, DelayedScaleQuantizer):
-        a = act_forward(h_act, static.act_type, gated=static.gated, quant_scale=qs2.x.scale.reshape(1),
-                        quant_dtype=qs2.x.q_dtype, rowwise=True, colwise=True, return_y=False)
-        aq = fused_2x(qs2.x, a.q_rowwise, a.q_colwise, a.amax, x.dtype)
+        a = act_forward(h, static.act_type, gated=static.gated, quant_scale=qs2.x.scale.reshape(1),
+                        quant_dtype=qs2.x.q_dtype, rowwise=True, colwise=True, return_y=False,
+                        keep_dims=True)
+        aq = fused_2x(qs2.x, a.q_rowwise, a.q_colwise, a.amax, x.dtype, n_lead)
     else:
-        a = act_forward(h_act, static.act_type, gated=static.gated)
-        aq = quantize_2x(qs2.x, a.y.reshape(x2d.shape[0], -1))
-    woq = quantize_2x(qs2.kernel, wo)
-    out = forward_gemm(aq, woq, wo_bias, x.dtype)
-    out = checkpoint_name(out, static.ffn2_ckpt_name).reshape(x.shape)
-    residuals = (x2d, mu, rsigma, gamma, lnq.colwise_tensor, wiq.rowwise_tensor, h2d,
+        a = act_forward(h, static.act_type, gated=static.gated)
+        aq = quantize_2x(qs2.x, a.y, n_lead)                                         # (M..., F)
+    woq = quantize_2x(qs2.kernel, wo, 1)
+    out = forward_gemm(aq, woq, wo_bias, x.dtype)                                   # (M..., H)
+    out = checkpoint_name(out, static.ffn2_ckpt_name)
+    residuals = (x, mu, rsigma, gamma, lnq.colwise_tensor, wiq.rowwise_tensor, h,
                  aq.colwise_tensor, woq.rowwise_tensor, qs1, qs2,
                  (lnq.amax, wiq.amax, aq.amax, woq.amax))
     return out, residuals
 
 
 def _bwd(static, residuals, dy):
-    (x2d, mu, rsigma, gamma, ln_col, wi_row, h2d, a_col, wo_row, qs1, qs2, amaxes) = residuals
+    (x, mu, rsigma, gamma, ln_col, wi_row, h, a_col, wo_row, qs1, qs2, amaxes) = residuals
     ln_amax, wi_amax, a_amax, wo_amax = amaxes
+    n_lead = x.ndim - 1
+    has_wi_bias = static.wi_bias_shape is not None
     da, dwo, dwo_bias, dy_amax = backward_gemms(
-        dy.reshape(-1, dy.shape[-1]), a_col, wo_row, qs2.dgrad, static.has_wo_bias, x2d.dtype,
-        static.wo_dtype)
-    h_act = _act_view(h2d, static)
+        dy, a_col, wo_row, qs2.dgrad, static.has_wo_bias, x.dtype, static.wo_dtype, n_lead)
     if isinstance(qs1.dgrad, DelayedScaleQuantizer):
-        g = act_backward(da, h_act, static.act_type, gated=static.gated,
+        g = act_backward(da, h, static.act_type, gated=static.gated,
                          quant_scale=qs1.dgrad.scale.reshape(1), quant_dtype=qs1.dgrad.q_dtype,
-                         rowwise=True, colwise=True, compute_dbias=(static.wi_bias_shape is not None))
-        dhq, dwi_bias, dh_amax = fused_2x(qs1.dgrad, g.q_rowwise, g.q_colwise, g.amax, x2d.dtype), g.dbias, g.amax
+                         rowwise=True, colwise=True, compute_dbias=has_wi_bias, keep_dims=True)
+        dhq = fused_2x(qs1.dgrad, g.q_rowwise, g.q_colwise, g.amax, x.dtype, n_lead)
+        dwi_bias, dh_amax = g.dbias, g.amax
     else:
-        g = act_backward(da, h_act, static.act_type, gated=static.gated)
-        dhq, dwi_bias = qs1.dgrad.quantize(as_2d(g.dx, 1), is_rowwise=True, is_colwise=True,
-                                           flatten_axis=1, compute_dbias=(static.wi_bias_shape is not None))
+        g = act_backward(da, h, static.act_type, gated=static.gated)
+        dhq, dwi_bias = qs1.dgrad.quantize(g.dx, is_rowwise=True, is_colwise=True,
+                                           flatten_axis=n_lead, compute_dbias=has_wi_bias)
         dh_amax = dhq.amax
-    dln, dwi = dgrad_wgrad(dhq, ln_col, wi_row, x2d.dtype, static.wi_dtype)
-    dx, dgamma, dbeta = norm_backward(dln, x2d, mu, rsigma, gamma, **static.cfg.kwargs())
+    dln, dwi = dgrad_wgrad(dhq, ln_col, wi_row, x.dtype, static.wi_dtype, n_lead)
+    dx, dgamma, dbeta = norm_backward(dln, x, mu, rsigma, gamma, **static.cfg.kwargs())
     new_qs1 = QuantizerSet(x=qs1.x.update(ln_amax), kernel=qs1.kernel.update(wi_amax),
                            dgrad=qs1.dgrad.update(dh_amax))
     new_qs2 = QuantizerSet(x=qs2.x.update(a_amax), kernel=qs2.kernel.update(wo_amax),
                            dgrad=qs2.dgrad.update(dy_amax))
-    if static.wi_bias_shape is not None:
+    if has_wi_bias:
         dwi_bias = dwi_bias.reshape(static.wi_bias_shape)
     dbeta = dbeta if static.cfg.norm_type == "layernorm" else None
-    return (dx.reshape(static.x_shape), dgamma, dbeta, dwi.reshape(static.wi_shape), dwo,
+    return (dx, dgamma, dbeta, dwi.reshape(static.wi_shape), dwo,
             dwi_bias, dwo_bias if static.has_wo_bias else None, new_qs1, new_qs2)
 
 

@@ -18,7 +18,11 @@ max |v| as f32 (1,) (NaN wins). dbias = column sums of dx over the rows, (C,), x
 
 Sharding (custom_partitioning + Shardy rule): leading (row) dims and H pass through; the 2
 axis of a gated input stays whole; amax is pmax'ed over every mesh axis that shards the
-input, dbias psum'ed over the axes that shard the rows. vmap: the batch is mapped with
+input, dbias psum'ed over the axes that shard the rows. The 2-D views of the quantized
+outputs split cleanly only where just the first leading dim (and, gated backward, no H) is
+sharded, so other shardings are gathered; with keep_dims=True (layernorm_mlp uses it)
+nothing is flattened (q_colwise (H, ...) or (2, H, ...), the handler takes both layouts) and
+every dim keeps its sharding. vmap: the batch is mapped with
 lax.map (each element keeps its own amax and scale).
 """
 
@@ -73,6 +77,7 @@ class _Cfg(NamedTuple):
     rowwise: bool
     colwise: bool
     dbias: bool          # backward only
+    keep_dims: bool = False  # quantized copies unflattened: x's dims (rowwise), tail + lead (colwise)
 
     def params(self, backward: bool):
         p = dict(act_type=np.int32(self.act_type), gated=np.bool_(self.gated),
@@ -95,11 +100,12 @@ def _outputs(cfg, lead, tail, dtype, backward):
     q_colwise is (C, rows); backward q_rowwise is (rows, C) (C = prod(tail))."""
     q = jnp.dtype(cfg.q_dtype) if cfg.q_dtype else None
     shape, rows, cols = (*lead, *tail), math.prod(lead), math.prod(tail)
+    row_shape = (rows, cols) if backward and not cfg.keep_dims else shape
+    col_shape = (*tail, *lead) if cfg.keep_dims else (cols, rows)
     return [
         jax.core.ShapedArray(shape, dtype) if cfg.out else _empty(dtype),
-        jax.core.ShapedArray((rows, cols) if backward else shape, q)
-        if q is not None and cfg.rowwise else _empty(jnp.uint8),
-        jax.core.ShapedArray((cols, rows), q) if q is not None and cfg.colwise
+        jax.core.ShapedArray(row_shape, q) if q is not None and cfg.rowwise else _empty(jnp.uint8),
+        jax.core.ShapedArray(col_shape, q) if q is not None and cfg.colwise
         else _empty(jnp.uint8),
         jax.core.ShapedArray((1,), jnp.float32),
     ]
@@ -169,12 +175,13 @@ def _fmt(tensors):
 
 def _rule_parts(cfg, nlead, backward):
     """Factor lists: b* rows, t the gated 2 axis (kept whole), h the hidden dim. The 2-D
-    quantized outputs use the compound factor (b0 b1 ...) for their rows."""
+    quantized outputs use the compound factor (b0 b1 ...) for their rows (keep_dims: each
+    dim its own factor)."""
     b = [f"b{i}" for i in range(nlead)]
-    rows = ["(" + " ".join(b) + ")"] if nlead > 1 else b
+    rows = ["(" + " ".join(b) + ")"] if nlead > 1 and not cfg.keep_dims else b
     x = b + (["t", "h"] if cfg.gated else ["h"])
     tail = ["t", "h"] if cfg.gated and backward else ["h"]
-    cols = ["(t h)"] if cfg.gated and backward else ["h"]
+    cols = tail if cfg.keep_dims else (["(t h)"] if cfg.gated and backward else ["h"])
     empty = iter(f"e{i}" for i in range(8))
     one = lambda: [next(empty)]  # noqa: E731  a (0,) or (1,) tensor: its own factor
     q = cfg.q_dtype is not None
@@ -199,11 +206,11 @@ def _partition(cfg, backward, mesh, arg_shapes):
         entries[-2] = None
     nlead = x_shape.ndim - (2 if cfg.gated else 1)
     q = cfg.q_dtype is not None
-    if q and (cfg.colwise or backward) and nlead > 1:
+    if q and (cfg.colwise or backward) and nlead > 1 and not cfg.keep_dims:
         # A flattened row dim is split in contiguous blocks only if just the first lead dim
         # is sharded: the others are gathered.
         entries[1:nlead] = [None] * (nlead - 1)
-    if backward and cfg.gated and (q or cfg.dbias):
+    if backward and cfg.gated and (q or cfg.dbias) and not cfg.keep_dims:
         entries[-1] = None  # the (2, H) columns of a gated dx flatten contiguously only whole
     lead, h = entries[:nlead], entries[-1]
     all_axes, row_axes = mesh_axes(entries), mesh_axes(lead)
@@ -212,11 +219,15 @@ def _partition(cfg, backward, mesh, arg_shapes):
     tail = [None, h] if cfg.gated and backward else [h]
     cols = None if cfg.gated and backward else h
     x_sh, out_sh = ns(*entries), ns(*lead, *tail)
-    outs = [out_sh if cfg.out else ns(None),
-            (ns(rows, cols) if backward else out_sh) if q and cfg.rowwise else ns(None),
-            ns(cols, rows) if q and cfg.colwise else ns(None), ns(None)]
+    if cfg.keep_dims:
+        row_sh, col_sh, dbias_sh = out_sh, ns(*tail, *lead), ns(*tail)
+    else:
+        row_sh = ns(rows, cols) if backward else out_sh
+        col_sh, dbias_sh = ns(cols, rows), ns(cols)
+    outs = [out_sh if cfg.out else ns(None), row_sh if q and cfg.rowwise else ns(None),
+            col_sh if q and cfg.colwise else ns(None), ns(None)]
     if backward:
-        outs.append(ns(cols) if cfg.dbias else ns(None))
+        outs.append(dbias_sh if cfg.dbias else ns(None))
         args = (ns(*lead, h), x_sh, ns(None))
     else:
         args = (x_sh, ns(None))
@@ -224,6 +235,8 @@ def _partition(cfg, backward, mesh, arg_shapes):
     def lower(*operands):
         prim = act_bwd_p if backward else act_fwd_p
         out = list(prim.bind(*operands, **cfg.params(backward)))[:5 if backward else 4]
+        if backward:
+            out[4] = _dbias_shape(out[4], operands[1], cfg)
         if all_axes:
             out[3] = pmax_nonnegative(out[3], all_axes)
         if backward and cfg.dbias and row_axes:
@@ -237,8 +250,15 @@ def _fwd_local(x, scale, cfg):
     return tuple(act_fwd_p.bind(x, scale, **cfg.params(False)))
 
 
+def _dbias_shape(dbias, x, cfg):
+    """keep_dims: the gated dbias (2H,) as (2, H)."""
+    return dbias.reshape(x.shape[-2:]) if cfg.keep_dims and cfg.gated and cfg.dbias else dbias
+
+
 def _bwd_local(dz, x, scale, cfg):
-    return tuple(act_bwd_p.bind(dz, x, scale, **cfg.params(True)))[:5]  # without the workspace
+    out = list(act_bwd_p.bind(dz, x, scale, **cfg.params(True)))[:5]  # without the workspace
+    out[4] = _dbias_shape(out[4], x, cfg)
+    return tuple(out)
 
 
 _fwd_partitioned = custom_partitioning(_fwd_local, static_argnums=(2,))
@@ -273,7 +293,7 @@ def _op(cfg: _Cfg, backward: bool):
 # ---------------------------------------------------------------- public API
 
 def _config(op, x, act_type, gated, limit, alpha, quant_scale, quant_dtype, rowwise, colwise,
-            out, dbias=False):
+            out, dbias=False, keep_dims=False):
     if act_type not in ACT_TYPES:
         raise ValueError(f"{op}: act_type: expected one of {sorted(ACT_TYPES)}, got {act_type!r}")
     if act_type == "clamped_silu" and not gated:
@@ -294,7 +314,7 @@ def _config(op, x, act_type, gated, limit, alpha, quant_scale, quant_dtype, roww
             raise ValueError(f"{op}: rowwise/colwise: quant_scale given but no copy requested")
         q_dtype = jnp.dtype(quant_dtype).name
     return _Cfg(ACT_TYPES[act_type], bool(gated), float(limit), float(alpha), q_dtype, bool(out),
-                bool(rowwise), bool(colwise), bool(dbias))
+                bool(rowwise), bool(colwise), bool(dbias), bool(keep_dims))
 
 
 def _scale_arg(op, quant_scale):
@@ -309,13 +329,13 @@ def _scale_arg(op, quant_scale):
 
 def act_forward(x, act_type: str, *, gated=False, limit=7.0, alpha=1.702, quant_scale=None,
                 quant_dtype=jnp.float8_e4m3fn, rowwise=True, colwise=False,
-                return_y=True) -> ActForwardOut:
+                return_y=True, keep_dims=False) -> ActForwardOut:
     """y = act(x) (gated: act(x[..., 0, :]) * gate(x[..., 1, :])), optionally fused with an
     FP8 quantization of the fp32 y with `quant_scale` (q_rowwise if `rowwise`, q_colwise
-    (H, rows) if `colwise`, and amax; fields not asked for are None)."""
+    (H, rows) if `colwise`, (H, ...) with keep_dims, and amax; fields not asked for are None)."""
     x = jnp.asarray(x)
     cfg = _config(_FWD, x, act_type, gated, limit, alpha, quant_scale, quant_dtype, rowwise,
-                  colwise, return_y)
+                  colwise, return_y, keep_dims=keep_dims)
     y, qr, qc, amax = _op(cfg, False)(x, _scale_arg(_FWD, quant_scale))
     q = cfg.q_dtype is not None
     return ActForwardOut(y if cfg.out else None, qr if q and cfg.rowwise else None,
@@ -324,13 +344,15 @@ def act_forward(x, act_type: str, *, gated=False, limit=7.0, alpha=1.702, quant_
 
 def act_backward(dz, x, act_type: str, *, gated=False, limit=7.0, alpha=1.702, quant_scale=None,
                  quant_dtype=jnp.float8_e5m2, rowwise=True, colwise=False, compute_dbias=False,
-                 return_dx=True) -> ActBackwardOut:
+                 return_dx=True, keep_dims=False) -> ActBackwardOut:
     """dx = dz * d act(x) / dx (gated: the gradients of both halves, x's shape), fused with
     dbias (column sums of dx over the rows) and an optional FP8 quantization of the fp32 dx
-    (q_rowwise (rows, C), q_colwise (C, rows)); fields not asked for are None."""
+    (q_rowwise (rows, C), q_colwise (C, rows)); fields not asked for are None.
+    keep_dims: nothing flattened, so sharded dims stay sharded: q_rowwise in x's shape,
+    q_colwise x's trailing dims ((H,) or (2, H)) then its leading ones, dbias (H,) or (2, H)."""
     x, dz = jnp.asarray(x), jnp.asarray(dz)
     cfg = _config(_BWD, x, act_type, gated, limit, alpha, quant_scale, quant_dtype, rowwise,
-                  colwise, return_dx, compute_dbias)
+                  colwise, return_dx, compute_dbias, keep_dims)
     want = (*_lead(x, cfg), x.shape[-1])
     if dz.shape != want or dz.dtype != x.dtype:
         raise ValueError(f"{_BWD}: dz: expected {x.dtype} of shape {want}, got {dz.dtype} "

@@ -27,6 +27,7 @@ once and the sum is rounded to out_dtype. No other collective is inserted by the
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -112,12 +113,14 @@ def _cuda_lowering(ctx, a, b, a_scale_inv, b_scale_inv, bias, *, out_dtype, use_
 mlir.register_lowering(gemm_p, _cuda_lowering, platform="cuda")
 
 
-def _gemm_2d(a, b, a_scale_inv, b_scale_inv, bias, out_dtype, use_split_accumulator):
-    """a (..., K) -> (..., N) through one gemm_p call on a flattened to (M, K)."""
-    lead = a.shape[:-1]
-    out = gemm_p.bind(a.reshape(-1, a.shape[-1]), b, a_scale_inv, b_scale_inv, bias,
+def _gemm_2d(a, b, a_scale_inv, b_scale_inv, bias, out_dtype, use_split_accumulator, k_ndim=1):
+    """a (M..., K...) . b (N..., K...) -> (M..., N...) through one gemm_p call on the (M, K) and
+    (N, K) views (the last k_ndim dims of both are contracted)."""
+    m_shape, n_shape = a.shape[:a.ndim - k_ndim], b.shape[:b.ndim - k_ndim]
+    k = math.prod(a.shape[a.ndim - k_ndim:])
+    out = gemm_p.bind(a.reshape(-1, k), b.reshape(-1, k), a_scale_inv, b_scale_inv, bias.reshape(-1),
                       out_dtype=out_dtype, use_split_accumulator=np.bool_(use_split_accumulator))
-    return out.reshape(*lead, b.shape[0])
+    return out.reshape(*m_shape, *n_shape)
 
 
 def _gemm_p_batch(args, dims, *, out_dtype, use_split_accumulator):
@@ -152,19 +155,104 @@ def _padded_spec(sharding, ndim: int) -> list:
     return spec + [None] * (ndim - len(spec))
 
 
+def plan_sharding(mesh_shape: dict, a_spec, b_spec, out_spec, out_shape, k_ndim: int):
+    """The per-dim mesh axes one sharded gemm runs with, from its operands' and result's specs
+    (lists of per-dim axis tuples). Returns (m, n, k, scatter): m / n / k the axes of a's rows,
+    b's rows and the contracted dims (a's and b's alike), and scatter a list of (axis, output
+    dim) pairs: the partial sums over that k axis are reduce-scattered onto that output dim
+    (the rest of the k axes are psum'ed).
+
+    Conflicts, each axis sharding at most one factor: an axis on both a's rows and b's rows
+    stays where the propagated result sharding has it (Shardy decided; any other choice costs
+    a reshard after the GEMM) and, when the result has it on neither, drops from b's rows (b
+    gathered, as FSDP does; sequence parallelism gathers a first, see gather_rows); a
+    contracted dim whose axis is taken by a row dim,
+    or sharded differently in a and b, is gathered. A k axis is scattered onto an output dim
+    whose result sharding asks for it (row-parallel TP feeding sequence-parallel tokens,
+    FSDP weight gradients), when that dim splits evenly."""
+    m_nd = len(a_spec) - k_ndim
+    m = [tuple(e) for e in a_spec[:m_nd]]
+    n = [tuple(e) for e in b_spec[:len(b_spec) - k_ndim]]
+    m_axes = {ax for e in m for ax in e}
+    out_n = {ax for e in out_spec[m_nd:] for ax in e}
+    for i, e in enumerate(n):
+        clash = [ax for ax in e if ax in m_axes]
+        if clash and all(ax in out_n for ax in clash):
+            m = [tuple(ax for ax in me if ax not in clash) for me in m]
+            m_axes -= set(clash)
+        elif clash:
+            n[i] = ()
+    used = m_axes | {ax for e in n for ax in e}
+    k = []
+    for ka, kb in zip(a_spec[m_nd:], b_spec[len(b_spec) - k_ndim:]):
+        ka, kb = tuple(ka), tuple(kb)
+        axes = ka if (ka == kb or not kb) else (kb if not ka else ())
+        if any(ax in used for ax in axes):
+            axes = ()
+        used |= set(axes)
+        k.append(axes)
+    scatter = []
+    out = m + n
+    for ax in (ax for e in k for ax in e):
+        for d, want in enumerate(out_spec):
+            have = out[d]
+            if ax in want and ax not in have and tuple(want[:len(have) + 1]) == have + (ax,):
+                size = math.prod(mesh_shape[x] for x in have + (ax,))
+                if out_shape[d] % size == 0:
+                    out[d] = have + (ax,)
+                    scatter.append((ax, d))
+                    break
+    return m, n, k, scatter
+
+
+def _gather_rows_partition(mesh, arg_shapes, result_shape):
+    del result_shape
+    (x,) = arg_shapes
+    spec = _padded_spec(x.sharding, len(x.shape))
+    sharding = NamedSharding(mesh, PartitionSpec(spec[0], *[None] * (len(spec) - 1)))
+    return mesh, lambda a: a, sharding, (sharding,)
+
+
 @functools.lru_cache(maxsize=None)
-def _make_gemm(out_dtype: np.dtype, use_split_accumulator: bool, has_bias: bool):
+def _make_gather_rows(n_rows: int, n_rest: int):
+    """Identity on x (rows..., rest...) whose Shardy rule and partition replicate every row
+    dim but the first: the row all-gather of sequence parallelism, visible to propagation so
+    that the GEMM after it keeps its weight's column sharding."""
+    gather = custom_partitioning(lambda a: a)
+    rows = [f"r{i}" for i in range(n_rows)]
+    dims = " ".join(rows + [f"c{i}" for i in range(n_rest)])
+    gather.def_partition(
+        partition=_gather_rows_partition,
+        sharding_rule=lambda mesh, vt, rt: (f"{dims} -> {dims}",
+                                            {"need_replication_factors": tuple(rows[1:])}))
+    return gather
+
+
+def gather_rows(a, n_rows: int):
+    """a with its row dims (the first n_rows) after the first gathered (sequence parallelism:
+    (batch, seq@tp, ...) -> (batch, seq, ...) before a column-parallel GEMM)."""
+    if n_rows < 2:
+        return a
+    return _make_gather_rows(n_rows, a.ndim - n_rows)(a)
+
+
+@functools.lru_cache(maxsize=None)
+def _make_gemm(out_dtype: np.dtype, use_split_accumulator: bool, has_bias: bool, k_ndim: int,
+               n_ndim: int):
     """The partitioned, vmappable gemm for one static configuration; args (a, b, sa, sb[, bias])."""
 
     def local(a, b, sa, sb, *bias):
         bias_arr = bias[0] if has_bias else jnp.zeros((0,), out_dtype)
-        return _gemm_2d(a, b, sa, sb, bias_arr, out_dtype, use_split_accumulator)
+        return _gemm_2d(a, b, sa, sb, bias_arr, out_dtype, use_split_accumulator, k_ndim)
 
-    def local_k_sharded(k_axes):
+    def local_k_sharded(psum_axes, scatter):
         def lower(a, b, sa, sb, *bias):
             empty = jnp.zeros((0,), jnp.float32)
-            acc = _gemm_2d(a, b, sa, sb, empty, jnp.dtype(jnp.float32), use_split_accumulator)
-            acc = jax.lax.psum(acc, k_axes)
+            acc = _gemm_2d(a, b, sa, sb, empty, jnp.dtype(jnp.float32), use_split_accumulator, k_ndim)
+            for axis, dim in scatter:
+                acc = jax.lax.psum_scatter(acc, axis, scatter_dimension=dim, tiled=True)
+            if psum_axes:
+                acc = jax.lax.psum(acc, psum_axes)
             if has_bias:
                 acc = acc + bias[0].astype(jnp.float32)
             return acc.astype(out_dtype)
@@ -173,38 +261,29 @@ def _make_gemm(out_dtype: np.dtype, use_split_accumulator: bool, has_bias: bool)
     partitioned = custom_partitioning(local)
 
     def partition(mesh, arg_shapes, result_shape):
-        del result_shape
-        a_ndim = len(arg_shapes[0].shape)
-        a_spec = _padded_spec(arg_shapes[0].sharding, a_ndim)
-        b_spec = _padded_spec(arg_shapes[1].sharding, 2)
-        m_axes = [_spec_axes(e) for e in a_spec[:-1]]
-        used = {ax for axes in m_axes for ax in axes}
-        n_axes = tuple(ax for ax in _spec_axes(b_spec[0]) if ax not in used)
-        n_axes = n_axes if len(n_axes) == len(_spec_axes(b_spec[0])) else ()
-        used |= set(n_axes)
-        ka, kb = _spec_axes(a_spec[-1]), _spec_axes(b_spec[1])
-        k_axes = ka or kb
-        if (ka and kb and ka != kb) or any(ax in used for ax in k_axes):
-            k_axes = ()
-        ns = lambda *entries: NamedSharding(mesh, PartitionSpec(*entries))
-        arg_shardings = [
-            ns(*[_entry(axes) for axes in m_axes], _entry(k_axes)),
-            ns(_entry(n_axes), _entry(k_axes)),
-            ns(None),
-            ns(None),
-        ]
+        specs = [[_spec_axes(e) for e in _padded_spec(s.sharding, len(s.shape))]
+                 for s in (arg_shapes[0], arg_shapes[1], result_shape)]
+        m, n, k, scatter = plan_sharding(dict(mesh.shape), *specs, result_shape.shape, k_ndim)
+        out = m + n
+        for axis, dim in scatter:
+            out[dim] = out[dim] + (axis,)
+        ns = lambda *entries: NamedSharding(mesh, PartitionSpec(*[_entry(e) for e in entries]))  # noqa: E731
+        arg_shardings = [ns(*m, *k), ns(*n, *k), ns(()), ns(())]
         if has_bias:
-            arg_shardings.append(ns(_entry(n_axes)))
-        out_sharding = ns(*[_entry(axes) for axes in m_axes], _entry(n_axes))
-        lower = local_k_sharded(k_axes) if k_axes else local
-        return mesh, lower, out_sharding, tuple(arg_shardings)
+            arg_shardings.append(ns(*out[len(m):]))
+        scattered = {axis for axis, _ in scatter}
+        psum_axes = tuple(ax for e in k for ax in e if ax not in scattered)
+        lower = local_k_sharded(psum_axes, tuple(scatter)) if any(k) else local
+        return mesh, lower, ns(*out), tuple(arg_shardings)
 
     def rule(mesh, value_types, result_types):
         del mesh, result_types
-        m = [f"m{i}" for i in range(len(value_types[0].shape) - 1)]
-        operands = [" ".join(m + ["k"]), "n k", "sa", "sb"] + (["n"] if has_bias else [])
-        return (f"{', '.join(operands)} -> {' '.join(m + ['n'])}",
-                {"reduction_factors": ("k",), "need_replication_factors": ("sa", "sb")})
+        m = [f"m{i}" for i in range(len(value_types[0].shape) - k_ndim)]
+        n = [f"n{i}" for i in range(n_ndim)]
+        k = [f"k{i}" for i in range(k_ndim)]
+        operands = [" ".join(m + k), " ".join(n + k), "sa", "sb"] + ([" ".join(n)] if has_bias else [])
+        return (f"{', '.join(operands)} -> {' '.join(m + n)}",
+                {"reduction_factors": tuple(k), "need_replication_factors": ("sa", "sb")})
 
     partitioned.def_partition(partition=partition, sharding_rule=rule)
 
@@ -237,19 +316,30 @@ def _scale_arg(name: str, x):
 
 
 def gemm(a, b, a_scale_inv=None, b_scale_inv=None, bias=None, *, out_dtype=jnp.bfloat16,
-         use_split_accumulator: bool = True) -> jax.Array:
-    """(a_scale_inv * a) @ (b_scale_inv * b)^T + bias for a (..., K), b (N, K) -> (..., N).
+         use_split_accumulator: bool = True, contracting_ndim: int = 1,
+         sequence_parallel: bool = False) -> jax.Array:
+    """(a_scale_inv * a) . (b_scale_inv * b)^T + bias for a (M..., K...), b (N..., K...) ->
+    (M..., N...), contracting the last `contracting_ndim` dims of both (default: a (..., K),
+    b (N, K)); bias has b's N... shape.
 
     Scale-invs default to 1 and apply to every input type. `use_split_accumulator` matters
-    for FP8 on the GPU only (False: cuBLASLt fast accumulation).
+    for FP8 on the GPU only (False: cuBLASLt fast accumulation). `sequence_parallel`: a's
+    row dims after the first are gathered first (gather_rows), so a (batch, seq@tp, K) meets
+    a column-parallel b (N@tp, K) by an all-gather of a (Megatron's sequence parallelism)
+    instead of gathering b; see plan_sharding for the rest of the sharding rule.
     """
     a, b = jnp.asarray(a), jnp.asarray(b)
-    if a.ndim < 1:
-        raise ValueError(f"{OP}: a: expected shape (..., K), got a scalar")
-    if b.ndim != 2:
-        raise ValueError(f"{OP}: b: expected shape (N, K), got {b.shape}")
-    if b.shape[1] != a.shape[-1]:
-        raise ValueError(f"{OP}: b: expected (N, {a.shape[-1]}) to match a {a.shape}, got {b.shape}")
+    kd = int(contracting_ndim)
+    if kd < 1:
+        raise ValueError(f"{OP}: contracting_ndim: expected >= 1, got {contracting_ndim}")
+    if a.ndim < kd:
+        raise ValueError(f"{OP}: a: expected shape (..., K) with {kd} contracted dims, got {a.shape}")
+    if b.ndim < kd + 1:
+        raise ValueError(f"{OP}: b: expected shape (N, K) (N..., then {kd} contracted dims), got {b.shape}")
+    k_shape, n_shape = a.shape[a.ndim - kd:], b.shape[:b.ndim - kd]
+    if b.shape[b.ndim - kd:] != k_shape:
+        want = "(N, " + ", ".join(map(str, k_shape)) + ")"
+        raise ValueError(f"{OP}: b: expected {want} to match a {a.shape}, got {b.shape}")
     if a.dtype in FP8 or b.dtype in FP8:
         if a.dtype not in FP8 or b.dtype not in FP8:
             raise TypeError(f"{OP}: b: expected both operands FP8 or neither, got {a.dtype} and {b.dtype}")
@@ -264,17 +354,19 @@ def gemm(a, b, a_scale_inv=None, b_scale_inv=None, bias=None, *, out_dtype=jnp.b
     if a.dtype in HALF and out_dtype not in (a.dtype, jnp.dtype(jnp.float32)):
         raise TypeError(f"{OP}: out_dtype: with {a.dtype} operands expected {a.dtype} or float32, got {out_dtype}")
     sa, sb = _scale_arg("a_scale_inv", a_scale_inv), _scale_arg("b_scale_inv", b_scale_inv)
-    n = b.shape[0]
     if bias is not None:
         bias = jnp.asarray(bias)
-        if bias.shape != (n,):
-            raise ValueError(f"{OP}: bias: expected shape ({n},), got {bias.shape}")
+        if bias.shape != n_shape:
+            raise ValueError(f"{OP}: bias: expected shape {n_shape}, got {bias.shape}")
         if bias.dtype != out_dtype:
             raise TypeError(f"{OP}: bias: expected out_dtype {out_dtype}, got {bias.dtype}")
-    if a.shape[-1] == 0 or a.size == 0 or n == 0:  # nothing to multiply: out is bias (or 0)
-        base = jnp.zeros((n,), out_dtype) if bias is None else bias
-        return jnp.broadcast_to(base, (*a.shape[:-1], n))
-    fn = _make_gemm(out_dtype, bool(use_split_accumulator), bias is not None)
+    m_shape = a.shape[:a.ndim - kd]
+    if a.size == 0 or b.size == 0:  # nothing to multiply: out is bias (or 0)
+        base = jnp.zeros(n_shape, out_dtype) if bias is None else bias
+        return jnp.broadcast_to(base, (*m_shape, *n_shape))
+    if sequence_parallel:
+        a = gather_rows(a, a.ndim - kd)
+    fn = _make_gemm(out_dtype, bool(use_split_accumulator), bias is not None, kd, len(n_shape))
     return fn(a, b, sa, sb, *([bias] if bias is not None else []))
 
 
