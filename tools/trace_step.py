@@ -5,6 +5,7 @@ beside the step's wall time; the difference is time the GPU sat idle.
 
     python tools/trace_step.py dense lowbit_delayed [--steps 3] [--out DIR]
     python tools/trace_step.py layer flax_fp8
+    python tools/trace_step.py quantize lowbit
 """
 
 from __future__ import annotations
@@ -31,6 +32,12 @@ def build(which: str, variant: str, small: bool = False):
     import jax.numpy as jnp
     from quickstart_jax_utils import make_step
 
+    if which == "quantize":  # the standalone fused cast-transpose (bench/bench_quantize.py "both")
+        from lowbit.ops import quantize_fp8
+
+        x = jax.random.normal(jax.random.PRNGKey(0), (256, 512) if small else (16384, 8192), jnp.bfloat16)
+        step = jax.jit(lambda v, s: quantize_fp8(v, s, rowwise=True, colwise=True))
+        return step, (x, jnp.ones((1,), jnp.float32))
     if which == "dense":
         import bench_dense as bench
 
@@ -66,7 +73,7 @@ def device_events(trace_dir: str):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("which", choices=["dense", "layer"])
+    parser.add_argument("which", choices=["dense", "layer", "quantize"])
     parser.add_argument("variant")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--out", default=None)
