@@ -1,17 +1,25 @@
 // CUDA normalization backward (see norm.h for the math).
 //
-// Stage 1 (NormBackwardKernel): one row group per row (geometry: norm_plan.h, norm_cuda.cuh), dz
-// and x in registers in their storage type; two row-group sums (sum g, sum g * xhat: warp
-// shuffles and one named barrier each, never the whole block); dx written in place, through
-// the hardware bf16/f16 conversion for chunks without NaN (norm_cuda.cuh). Each thread also accumulates dz * xhat and dz for its columns over the rows its
-// row group visits; at the end every row group writes those as one partial row of the
-// fp32 workspace ([2][parts][hidden]: dgamma partials, then dbeta partials).
+// Stage 1 (NormBackwardKernel): the forward's geometry (ChooseRowGeometry: one 16-byte
+// chunk of dz and of x per thread up to hidden 8192 for bf16/f16) and its row walk:
+// persistent blocks take row tiles grid-stride, one row group per row, and each row group
+// issues its next row's dz/x/mu/rsigma loads before the current row's math, so two rows
+// per group are in flight. dz and x stay in registers in their storage type; xhat and g are
+// recomputed from them for dx. The two row sums (sum g, sum g * xhat) share one warp-shuffle
+// tree and one named barrier per row (never the whole block). dx is written through the
+// hardware bf16/f16 conversion for chunks without NaN (norm_cuda.cuh). Each thread
+// accumulates dz * xhat and dz for its columns over the rows of its group; at the end the
+// row groups of a block are summed in shared memory in group order, and the block writes
+// one partial row of the fp32 workspace ([2][parts][hidden]: dgamma partials, then dbeta
+// partials; parts = blocks).
 // Stage 2 (NormBackwardFinalize): sums the parts in a fixed order (8 strided slices, then
 // the slices in order) and stores dgamma/dbeta in gamma's dtype. The number of parts
-// depends only on the shape and the device (min(row tiles, occupancy limit,
-// kNormBwdMaxBlocks) blocks), so results are run-to-run deterministic. The workspace is
-// sized by NormBackwardWorkspaceBytes (norm_plan.h) from the shape alone.
+// depends only on the shape and the device (min(row tiles, resident blocks,
+// kNormBwdMaxBlocks)), so results are run-to-run deterministic. The workspace is sized by
+// NormBackwardWorkspaceBytes (norm_plan.h) from the shape alone.
 #include <cuda_runtime.h>
+
+#include <type_traits>
 
 #include "norm/norm.h"
 #include "norm/norm_check.h"
@@ -34,100 +42,278 @@ struct BwdParams {
   const void* gamma;
   void* dx;
   float* parts;  // [2][num_parts][hidden]
-  int64_t rows, hidden, num_parts;
+  int64_t rows, num_parts;
+  int hidden;
   int threads_per_row;
   bool layernorm, zero_centered, gamma_f32;
 };
 
-// Registers: dz and x stay in their storage type (raw 16-byte chunks) and xhat / g are
-// recomputed from them for dx, so a thread holds 2 x kItems storage values and the
-// 2 x kItems dgamma/dbeta accumulators (the 16-item geometry of hidden 4096 bf16 thus needs
-// more than 64 registers; see norm_plan.h).
-template <typename Tag, int kItems, bool kVectorized, bool kWide>
-__global__ void __launch_bounds__(MaxBlockThreads<kItems, kWide>()) NormBackwardKernel(BwdParams p) {
+// A raw chunk of kVec elements of T as loaded (16 bytes on the vectorized path): 2-byte
+// elements stay packed in pairs in 32-bit words and are unpacked where used, so a chunk
+// of 8 bf16/f16 takes 4 registers (a uint16_t array would take one register per element).
+template <typename T, int kVec>
+struct RawChunk {
+  static constexpr bool kPairs = sizeof(T) == 2 && kVec % 2 == 0;
+  using Words = std::conditional_t<kPairs, Pack<uint32_t, kPairs ? kVec / 2 : 1>, Pack<T, kVec>>;
+  Words w;
+};
+
+template <typename T, int kVec>
+__device__ __forceinline__ void LoadRaw(const T* src, RawChunk<T, kVec>& c) {
+  c.w = *reinterpret_cast<const typename RawChunk<T, kVec>::Words*>(src);
+}
+
+template <typename T, int kVec>
+__device__ __forceinline__ void ZeroRaw(RawChunk<T, kVec>& c) {
+  for (auto& v : c.w.v) v = 0;
+}
+
+// Element k of a raw chunk as fp32 (bit-exact: bf16 by shifting, f16 by cvt.f32.f16).
+template <typename Tag, int kVec>
+__device__ __forceinline__ float RawToFloat(const RawChunk<typename Tag::Storage, kVec>& c, int k) {
+  using T = typename Tag::Storage;
+  if constexpr (RawChunk<T, kVec>::kPairs) {
+    const uint32_t w = c.w.v[k / 2];
+    if constexpr (std::is_same_v<Tag, BF16>) {
+      return __uint_as_float(k % 2 == 0 ? w << 16 : w & 0xFFFF0000u);
+    } else {
+      float f;
+      if (k % 2 == 0) {
+        asm("{.reg .f16 lo, hi; mov.b32 {lo, hi}, %1; cvt.f32.f16 %0, lo;}" : "=f"(f) : "r"(w));
+      } else {
+        asm("{.reg .f16 lo, hi; mov.b32 {lo, hi}, %1; cvt.f32.f16 %0, hi;}" : "=f"(f) : "r"(w));
+      }
+      return f;
+    }
+  } else {
+    return ToFloatFast(Tag{}, c.w.v[k]);
+  }
+}
+
+// Hides the value of a raw chunk from the compiler, so that the dx pass recomputes xhat and
+// g from dz/x (a few instructions per element) instead of keeping the first pass's fp32
+// values live across the row sums (twice the registers of bf16/f16 raw chunks).
+template <typename T, int kVec>
+__device__ __forceinline__ void Opaque(RawChunk<T, kVec>& c) {
+  for (auto& v : c.w.v) {
+    if constexpr (sizeof(v) == 4 && std::is_integral_v<std::decay_t<decltype(v)>>) {
+      asm volatile("" : "+r"(v));
+    } else if constexpr (sizeof(v) == 4) {
+      asm volatile("" : "+f"(v));
+    } else {
+      asm volatile("" : "+h"(v));
+    }
+  }
+}
+
+// One row of one thread: its dz and x chunks and the row's statistics.
+template <typename T, int kVec, int kChunks>
+struct RowIn {
+  RawChunk<T, kVec> dz[kChunks], x[kChunks];
+  float mu, rsigma;
+};
+
+template <typename T, int kVec, int kChunks>
+__device__ __forceinline__ void LoadRow(const BwdParams& p, int64_t r, int lane,
+                                        RowIn<T, kVec, kChunks>& in) {
+  const bool row_ok = r < p.rows;
+  const int64_t off = (row_ok ? r : 0) * p.hidden;
+  const int tpr = p.threads_per_row;
+#pragma unroll
+  for (int j = 0; j < kChunks; ++j) {
+    const int e = (j * tpr + lane) * kVec;
+    if (row_ok && e < p.hidden) {
+      LoadRaw(static_cast<const T*>(p.dz) + off + e, in.dz[j]);
+      LoadRaw(static_cast<const T*>(p.x) + off + e, in.x[j]);
+    } else {
+      ZeroRaw(in.dz[j]);
+      ZeroRaw(in.x[j]);
+    }
+  }
+  in.mu = row_ok && p.layernorm ? p.mu[r] : 0.0f;
+  in.rsigma = row_ok ? p.rsigma[r] : 0.0f;
+}
+
+// Row group sums of a and b: warp trees, then (several warps) one named barrier and a warp
+// tree over the warp sums in warp order. `partial` is [2][32]; callers alternate two of them
+// (parity) so a buffer is rewritten only after the other one's barrier, when every reader
+// of it is done.
+__device__ __forceinline__ void RowGroupSum2(float& a, float& b, float (*partial)[32], int group,
+                                             int groups, int threads_per_row) {
+  a = WarpSum(a);
+  b = WarpSum(b);
+  const int warps_per_row = threads_per_row >> 5;
+  if (warps_per_row == 1) return;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  if (lane == 0) {
+    partial[0][warp] = a;
+    partial[1][warp] = b;
+  }
+  RowGroupBarrier(group, groups, threads_per_row);
+  const int first = group * warps_per_row;
+  a = WarpSum(lane < warps_per_row ? partial[0][first + lane] : 0.0f);
+  b = WarpSum(lane < warps_per_row ? partial[1][first + lane] : 0.0f);
+}
+
+// Registers (<= 64: __launch_bounds__(1024)): a thread holds the current and the next row's
+// dz/x as raw chunks (RawChunk: 4 registers per tensor for one 16-byte chunk) and w =
+// NormWeight(gamma) of its columns; its dgamma/dbeta accumulators live in shared memory.
+// Rows of more than 16 bytes per thread and tensor (16 items of bf16/f16: hidden > 8192;
+// f32 beyond hidden 4096; the scalar unaligned path beyond 4 items) neither prefetch nor
+// keep gamma. The scalar 8- and 16-item kernels still spill a little (unaligned hidden >
+// 4096, not a bandwidth path). Rows past the end of the tensor are masked, and every thread of a group
+// runs the same iterations (the group barrier of RowGroupSum2).
+template <typename Tag, int kItems, bool kVectorized>
+__global__ void __launch_bounds__(1024) NormBackwardKernel(BwdParams p) {
   using T = typename Tag::Storage;
   constexpr int kVec = kVectorized ? 16 / int(sizeof(T)) : 1;
   constexpr int kChunks = kItems / kVec;
-  using Raw = Pack<T, kVec>;
-  __shared__ float partial[2][32];
+  // 32-bit registers of one thread's row of one tensor.
+  constexpr int kRawWords = kChunks * ((kVec * int(sizeof(T)) + 3) / 4);
+  constexpr bool kPrefetch = kRawWords <= 4;
+  constexpr bool kKeepGamma = kPrefetch;
+  // Accumulator slots: [groups][2 (dgamma, dbeta)][kChunks][kQuads][tpr] slots of kWidth
+  // floats; a thread only touches its own (no barrier until the end), and the slots of
+  // consecutive lanes are contiguous (bank-conflict free).
+  constexpr int kWidth = kVec >= 4 ? 4 : 1, kQuads = kVec / kWidth;
+  using Slot = Pack<float, kWidth>;
+  extern __shared__ __align__(16) float acc_smem[];
+  __shared__ float partial[2][2][32];
   const int tpr = p.threads_per_row;
   const int group = threadIdx.x / tpr, lane = threadIdx.x - group * tpr;
   const int groups = blockDim.x / tpr;
-  const int h = int(p.hidden);
+  const int h = p.hidden;
   const float hidden_f = float(h);
   const int64_t tiles = (p.rows + groups - 1) / groups;
-  float dgamma[kChunks][kVec] = {}, dbeta[kChunks][kVec] = {};
+  Slot* const acc = reinterpret_cast<Slot*>(acc_smem) + group * (2 * kChunks * kQuads * tpr) + lane;
+  auto slot = [&](int a, int j, int q) -> Slot& { return acc[((a * kChunks + j) * kQuads + q) * tpr]; };
+#pragma unroll
+  for (int a = 0; a < 2; ++a)
+#pragma unroll
+    for (int j = 0; j < kChunks; ++j)
+#pragma unroll
+      for (int q = 0; q < kQuads; ++q) slot(a, j, q) = Slot{};
 
-  for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
-    const int64_t r = t * groups + group;
-    const bool row_ok = r < p.rows;
-    const int64_t off = (row_ok ? r : 0) * h;
-    const float mu = row_ok && p.layernorm ? p.mu[r] : 0.0f;
-    const float rsigma = row_ok ? p.rsigma[r] : 0.0f;
-    Raw dz_raw[kChunks], x_raw[kChunks];
+  float w_keep[kKeepGamma ? kChunks : 1][kVec];
+  if constexpr (kKeepGamma) {
 #pragma unroll
     for (int j = 0; j < kChunks; ++j) {
       const int e = (j * tpr + lane) * kVec;
-      if (row_ok && e < h) {
-        dz_raw[j] = *reinterpret_cast<const Raw*>(static_cast<const T*>(p.dz) + off + e);
-        x_raw[j] = *reinterpret_cast<const Raw*>(static_cast<const T*>(p.x) + off + e);
-      } else {
+      if (e < h) {
+        LoadParamChunk<Tag, kVec>(p.gamma, p.gamma_f32, e, w_keep[j]);
 #pragma unroll
-        for (int k = 0; k < kVec; ++k) dz_raw[j].v[k] = x_raw[j].v[k] = T(0);
+        for (int k = 0; k < kVec; ++k) w_keep[j][k] = NormWeight(w_keep[j][k], p.zero_centered);
       }
+    }
+  }
+  auto weights = [&](int j, int e, float (&w)[kVec]) {
+    if constexpr (kKeepGamma) {
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) w[k] = w_keep[j][k];
+    } else {
+      LoadParamChunk<Tag, kVec>(p.gamma, p.gamma_f32, e, w);
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) w[k] = NormWeight(w[k], p.zero_centered);
+    }
+  };
+
+  RowIn<T, kVec, kChunks> next;
+  int64_t t = blockIdx.x;
+  if (kPrefetch && t < tiles) LoadRow(p, t * groups + group, lane, next);
+  int parity = 0;
+  for (; t < tiles; t += gridDim.x) {
+    const int64_t r = t * groups + group;
+    const bool row_ok = r < p.rows;  // uniform in the group
+    RowIn<T, kVec, kChunks> cur;
+    if constexpr (kPrefetch) {
+      cur = next;
+      if (t + gridDim.x < tiles) LoadRow(p, (t + gridDim.x) * groups + group, lane, next);
+    } else {
+      LoadRow(p, r, lane, cur);
     }
     float sum_g = 0.0f, sum_gx = 0.0f;
 #pragma unroll
     for (int j = 0; j < kChunks; ++j) {
       const int e = (j * tpr + lane) * kVec;
       if (!row_ok || e >= h) continue;
-      float w[kVec];
-      LoadParamChunk<Tag, kVec>(p.gamma, p.gamma_f32, e, w);
+      float w[kVec], dzx[kVec], dzf[kVec];
+      weights(j, e, w);
 #pragma unroll
       for (int k = 0; k < kVec; ++k) {
-        const float dz = ToFloatFast(Tag{}, dz_raw[j].v[k]);
-        const float xhat = NormXhat(ToFloatFast(Tag{}, x_raw[j].v[k]), mu, rsigma);
-        const float g = Fp32Mul(dz, NormWeight(w[k], p.zero_centered));
+        dzf[k] = RawToFloat<Tag, kVec>(cur.dz[j], k);
+        const float xhat = NormXhat(RawToFloat<Tag, kVec>(cur.x[j], k), cur.mu, cur.rsigma);
+        const float g = Fp32Mul(dzf[k], w[k]);
         sum_g += g;
         sum_gx += Fp32Mul(g, xhat);
-        dgamma[j][k] += Fp32Mul(dz, xhat);
-        dbeta[j][k] += dz;
+        dzx[k] = Fp32Mul(dzf[k], xhat);
+      }
+#pragma unroll
+      for (int q = 0; q < kQuads; ++q) {
+        Slot sg = slot(0, j, q), sb = slot(1, j, q);
+#pragma unroll
+        for (int i = 0; i < kWidth; ++i) {
+          sg.v[i] += dzx[q * kWidth + i];
+          sb.v[i] += dzf[q * kWidth + i];
+        }
+        slot(0, j, q) = sg;
+        slot(1, j, q) = sb;
       }
     }
-    // Two sums, two buffers: see RowGroupSum.
-    sum_g = RowGroupSum(sum_g, partial[0], group, groups, tpr);
-    sum_gx = RowGroupSum(sum_gx, partial[1], group, groups, tpr);
+    RowGroupSum2(sum_g, sum_gx, partial[parity], group, groups, tpr);
+    parity ^= 1;
+    if (!row_ok) continue;
+#pragma unroll
+    for (int j = 0; j < kChunks; ++j) {
+      Opaque(cur.dz[j]);
+      Opaque(cur.x[j]);
+    }
     const float mean_g = p.layernorm ? Fp32Div(sum_g, hidden_f) : 0.0f;
     const float mean_gx = Fp32Div(sum_gx, hidden_f);
 #pragma unroll
     for (int j = 0; j < kChunks; ++j) {
       const int e = (j * tpr + lane) * kVec;
-      if (!row_ok || e >= h) continue;
+      if (e >= h) continue;
       float w[kVec], dx[kVec];
-      LoadParamChunk<Tag, kVec>(p.gamma, p.gamma_f32, e, w);
+      weights(j, e, w);
       uint32_t chunk_max = 0;
 #pragma unroll
       for (int k = 0; k < kVec; ++k) {
-        const float dz = ToFloatFast(Tag{}, dz_raw[j].v[k]);
-        const float xhat = NormXhat(ToFloatFast(Tag{}, x_raw[j].v[k]), mu, rsigma);
-        const float g = Fp32Mul(dz, NormWeight(w[k], p.zero_centered));
-        dx[k] = NormDx(g, xhat, mean_g, mean_gx, rsigma);
+        const float dz = RawToFloat<Tag, kVec>(cur.dz[j], k);
+        const float xhat = NormXhat(RawToFloat<Tag, kVec>(cur.x[j], k), cur.mu, cur.rsigma);
+        dx[k] = NormDx(Fp32Mul(dz, w[k]), xhat, mean_g, mean_gx, cur.rsigma);
         chunk_max = max(chunk_max, AbsBitsOf(dx[k]));
       }
-      StoreChunkFast<Tag, kVec>(static_cast<T*>(p.dx) + off + e, dx, chunk_max <= 0x7F800000u);
+      StoreChunkFast<Tag, kVec>(static_cast<T*>(p.dx) + r * h + e, dx, chunk_max <= 0x7F800000u);
     }
   }
-  const int64_t part = int64_t(blockIdx.x) * groups + group;
-  float* dgamma_part = p.parts + part * h;
-  float* dbeta_part = p.parts + (p.num_parts + part) * h;
+
+  // The block's partial row: the last row group sums every group's slots of its lanes in
+  // group order and stores them.
+  __syncthreads();
+  if (group != groups - 1) return;
+  float* const part[2] = {p.parts + int64_t(blockIdx.x) * h,
+                          p.parts + (p.num_parts + blockIdx.x) * h};
+  const int stride = 2 * kChunks * kQuads * tpr;  // slots per group
 #pragma unroll
-  for (int j = 0; j < kChunks; ++j) {
-    const int e = (j * tpr + lane) * kVec;
-    if (e >= h) continue;
+  for (int a = 0; a < 2; ++a) {
 #pragma unroll
-    for (int k = 0; k < kVec; ++k) {
-      dgamma_part[e + k] = dgamma[j][k];
-      dbeta_part[e + k] = dbeta[j][k];
+    for (int j = 0; j < kChunks; ++j) {
+      const int e = (j * tpr + lane) * kVec;
+      if (e >= h) continue;
+      Pack<float, kVec> out;
+#pragma unroll
+      for (int q = 0; q < kQuads; ++q) {
+        const Slot* s = &slot(a, j, q) - group * stride;  // group 0
+        Slot sum = s[0];
+#pragma unroll 1
+        for (int g = 1; g < groups; ++g) {
+#pragma unroll
+          for (int i = 0; i < kWidth; ++i) sum.v[i] += s[g * stride].v[i];
+        }
+#pragma unroll
+        for (int i = 0; i < kWidth; ++i) out.v[q * kWidth + i] = sum.v[i];
+      }
+      *reinterpret_cast<Pack<float, kVec>*>(part[a] + e) = out;
     }
   }
 }
@@ -156,32 +342,44 @@ __global__ void __launch_bounds__(kFinalizeCols * kFinalizeSlices)
   }
 }
 
-// Geometry, block size and grid of stage 1; shared by the workspace query and the launch.
+// Geometry, block size, shared memory and grid of stage 1.
 struct BwdPlan {
   RowGeometry geometry;
   int threads = 0, grid = 0;
+  size_t smem = 0;
   int64_t num_parts = 0;
 };
 
 template <typename Tag>
 Status Plan(int64_t rows, int64_t hidden, bool aligned, BwdPlan* plan) {
   using T = typename Tag::Storage;
-  plan->geometry = ChooseGeometry(hidden, int(sizeof(T)), aligned);
+  plan->geometry = ChooseRowGeometry(hidden, int(sizeof(T)), aligned);
   const int groups = NormBwdRowGroups(plan->geometry);
   plan->threads = groups * plan->geometry.threads_per_row;
+  // The accumulator slots: 2 fp32 per element of the block's rows.
+  plan->smem = size_t(2) * size_t(plan->threads) * size_t(plan->geometry.items) * sizeof(float);
   const int64_t tiles = (rows + groups - 1) / groups;
-  return DispatchGeometry<16 / int(sizeof(T))>(plan->geometry, kOp, [&](auto items, auto vec, auto wide) {
-    auto kernel = NormBackwardKernel<Tag, decltype(items)::value, decltype(vec)::value,
-                                     decltype(wide)::value>;
+  return DispatchGeometry<16 / int(sizeof(T))>(plan->geometry, kOp, [&](auto items, auto vec) {
+    auto kernel = NormBackwardKernel<Tag, decltype(items)::value, decltype(vec)::value>;
+    if (plan->smem > 48 * 1024) {
+      LOWBIT_RETURN_IF_ERROR(CudaStatus(
+          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(plan->smem)),
+          kOp, "cudaFuncSetAttribute"));
+    }
     int per_sm = 0;
-    LOWBIT_RETURN_IF_ERROR(
-        CudaStatus(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, plan->threads, 0),
-                   kOp, "cudaOccupancyMaxActiveBlocksPerMultiprocessor"));
-    int64_t cap = int64_t(per_sm < 1 ? 1 : per_sm) * SmCount();
+    LOWBIT_RETURN_IF_ERROR(CudaStatus(
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, plan->threads, plan->smem),
+        kOp, "cudaOccupancyMaxActiveBlocksPerMultiprocessor"));
+    if (per_sm < 1) {
+      return Status::Internal(std::string(kOp) + ": kernel does not fit on an SM (" +
+                              std::to_string(plan->threads) + " threads, " +
+                              std::to_string(plan->smem) + " bytes of shared memory)");
+    }
+    int64_t cap = int64_t(per_sm) * SmCount();
     // Never more parts than NormBackwardWorkspaceBytes (norm_plan.h) provides for.
     if (cap > kNormBwdMaxBlocks) cap = kNormBwdMaxBlocks;
     plan->grid = int(tiles < cap ? tiles : cap);
-    plan->num_parts = int64_t(plan->grid) * groups;
+    plan->num_parts = plan->grid;
     return Status::Ok();
   });
 }
@@ -200,8 +398,9 @@ Status NormBackwardCuda(const NormBackwardArgs& a, void* workspace, size_t works
   const bool layernorm = a.norm_type == NormType::kLayerNorm;
   BwdPlan plan;
   if (a.rows > 0) {
+    // The workspace too: the vectorized kernel stores its partials as 16-byte chunks.
     const bool aligned = Aligned16(a.dz) && Aligned16(a.x) && Aligned16(a.dx) &&
-                         Aligned16(a.gamma);
+                         Aligned16(a.gamma) && Aligned16(workspace);
     LOWBIT_RETURN_IF_ERROR(PlanAny(a.x_dtype, a.rows, a.hidden, aligned, &plan));
     const size_t need = size_t(2) * size_t(plan.num_parts) * size_t(a.hidden) * sizeof(float);
     if (workspace == nullptr || workspace_bytes < need ||
@@ -220,7 +419,7 @@ Status NormBackwardCuda(const NormBackwardArgs& a, void* workspace, size_t works
     p.dx = a.dx;
     p.parts = static_cast<float*>(workspace);
     p.rows = a.rows;
-    p.hidden = a.hidden;
+    p.hidden = int(a.hidden);
     p.num_parts = plan.num_parts;
     p.threads_per_row = plan.geometry.threads_per_row;
     p.layernorm = layernorm;
@@ -229,10 +428,9 @@ Status NormBackwardCuda(const NormBackwardArgs& a, void* workspace, size_t works
     LOWBIT_RETURN_IF_ERROR(DispatchHighPrecision(a.x_dtype, kOp, "x", [&](auto tag) {
       using Tag = decltype(tag);
       return DispatchGeometry<16 / int(sizeof(typename Tag::Storage))>(
-          plan.geometry, kOp, [&](auto items, auto vec, auto wide) {
-            NormBackwardKernel<Tag, decltype(items)::value, decltype(vec)::value,
-                               decltype(wide)::value>
-                <<<plan.grid, plan.threads, 0, stream>>>(p);
+          plan.geometry, kOp, [&](auto items, auto vec) {
+            NormBackwardKernel<Tag, decltype(items)::value, decltype(vec)::value>
+                <<<plan.grid, plan.threads, plan.smem, stream>>>(p);
             return LaunchStatus(kOp);
           });
     }));

@@ -189,7 +189,7 @@ __device__ __forceinline__ float RowGroupSum(float v, float* partial, int group,
 
 inline bool Aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
-// RowGeometry and ChooseGeometry live in norm_plan.h (host-only: the backward workspace
+// RowGeometry and ChooseRowGeometry live in norm_plan.h (host-only: the backward workspace
 // size depends on them).
 
 inline int SmCount() {
@@ -200,44 +200,26 @@ inline int SmCount() {
   return sms;
 }
 
-// Register budget: 16-item kernels keep up to 4 x 16 fp32 arrays live and would spill
-// under a 1024-thread launch bound (64 registers), so they are built twice: for blocks of
-// at most 512 threads (128 registers) and, "wide", for the 1024-thread rows of hidden >
-// 8192 (bf16) where a little spilling is accepted. 4- and 8-item kernels allow 1024.
-template <int kItems, bool kWide>
-constexpr int MaxBlockThreads() {
-  return kItems < 16 || kWide ? 1024 : 512;
-}
-
-inline int MaxBlockThreads(const RowGeometry& g) {
-  return g.items < 16 || g.threads_per_row > 512 ? 1024 : 512;
-}
-
-// Calls fn(integral_constant<int, items>, bool_constant<vectorized>, bool_constant<wide>)
-// for the kernel instantiation of a geometry; items below the vector width do not exist.
+// Calls fn(integral_constant<int, items>, bool_constant<vectorized>) for the kernel
+// instantiation of a geometry; items below the vector width do not exist.
 template <int kVecWidth, typename Fn>
 Status DispatchGeometry(const RowGeometry& g, const char* op, Fn&& fn) {
   using std::integral_constant;
   using std::false_type;
   using std::true_type;
-  const bool wide = g.threads_per_row > 512;
   if (g.vectorized) {
     switch (g.items) {
       case 4:
-        if constexpr (kVecWidth <= 4) return fn(integral_constant<int, 4>{}, true_type{}, false_type{});
+        if constexpr (kVecWidth <= 4) return fn(integral_constant<int, 4>{}, true_type{});
         break;
-      case 8: return fn(integral_constant<int, 8>{}, true_type{}, false_type{});
-      case 16:
-        return wide ? fn(integral_constant<int, 16>{}, true_type{}, true_type{})
-                    : fn(integral_constant<int, 16>{}, true_type{}, false_type{});
+      case 8: return fn(integral_constant<int, 8>{}, true_type{});
+      case 16: return fn(integral_constant<int, 16>{}, true_type{});
     }
   } else {
     switch (g.items) {
-      case 4: return fn(integral_constant<int, 4>{}, false_type{}, false_type{});
-      case 8: return fn(integral_constant<int, 8>{}, false_type{}, false_type{});
-      case 16:
-        return wide ? fn(integral_constant<int, 16>{}, false_type{}, true_type{})
-                    : fn(integral_constant<int, 16>{}, false_type{}, false_type{});
+      case 4: return fn(integral_constant<int, 4>{}, false_type{});
+      case 8: return fn(integral_constant<int, 8>{}, false_type{});
+      case 16: return fn(integral_constant<int, 16>{}, false_type{});
     }
   }
   return Status::Internal(std::string(op) + ": no kernel for " + std::to_string(g.items) +

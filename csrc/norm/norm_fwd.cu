@@ -289,7 +289,7 @@ Status Launch(const NormForwardArgs& a, GpuStream stream) {
   const bool quant = colwise || a.q_rowwise != nullptr;
   const bool aligned = Aligned16(a.x) && Aligned16(a.y) && Aligned16(a.gamma) &&
                        Aligned16(a.beta) && Aligned16(a.q_rowwise);
-  const RowGeometry g = ChooseForwardGeometry(a.hidden, int(sizeof(T)), aligned);
+  const RowGeometry g = ChooseRowGeometry(a.hidden, int(sizeof(T)), aligned);
   FwdParams p{};
   p.x = a.x;
   p.gamma = a.gamma;
@@ -355,7 +355,7 @@ Status Launch(const NormForwardArgs& a, GpuStream stream) {
     kernel<<<grid, threads, smem, stream>>>(p);
     return LaunchStatus(kOp);
   };
-  return DispatchGeometry<16 / int(sizeof(T))>(g, kOp, [&](auto items, auto vectorized, auto) {
+  return DispatchGeometry<16 / int(sizeof(T))>(g, kOp, [&](auto items, auto vectorized) {
     constexpr int kI = decltype(items)::value;
     constexpr bool kV = decltype(vectorized)::value;
     if (colwise) return launch(NormForwardKernel<Tag, kI, kV, true, true>);

@@ -19,11 +19,11 @@ namespace lowbit {
 
 constexpr int64_t kNormMaxHidden = 16384;
 
-// Backward stage 1: at most this many threads per block (several row groups per block
-// when rows are short) and at most this many blocks (the occupancy limit of the device is
-// usually lower: 1 or 2 blocks per SM). Each row group of each block writes one partial
-// row of dgamma and of dbeta.
-constexpr int kNormBwdBlockThreads = 512;
+// Backward stage 1: blocks of at most this many threads (several row groups per block when
+// rows are short) and at most this many blocks (the launcher uses min(row tiles, resident
+// blocks, this)). Each block writes one partial row of dgamma and of dbeta: its row groups
+// are summed in shared memory first, so the partials are per block, not per row group.
+constexpr int kNormBwdBlockThreads = 1024;
 constexpr int64_t kNormBwdMaxBlocks = 512;
 
 // Launch geometry for one row of `hidden` elements of `elem_bytes` each.
@@ -33,29 +33,10 @@ struct RowGeometry {
   int threads_per_row = 0;  // multiple of 32, <= 1024
 };
 
-// The fewest items per thread that keep a row group at <= 256 threads (short reductions,
-// several row groups per SM), else 16 items and up to 1024 threads (hidden <= 16384).
-inline RowGeometry ChooseGeometry(int64_t hidden, int elem_bytes, bool pointers_aligned) {
-  RowGeometry g;
-  const int vec = 16 / elem_bytes;
-  g.vectorized = pointers_aligned && hidden % vec == 0;
-  const int v = g.vectorized ? vec : 1;
-  const int64_t chunks = (hidden + v - 1) / v;
-  for (int items : {4, 8, 16}) {
-    if (items < v) continue;
-    const int64_t per_thread = items / v;
-    const int64_t tpr = ((chunks + per_thread - 1) / per_thread + 31) / 32 * 32;
-    g.items = items;
-    g.threads_per_row = int(tpr);
-    if (tpr <= 256) break;
-  }
-  return g;
-}
-
-// Forward geometry: the fewest items per thread that keep a row at <= 1024 threads (8
-// items, one 16-byte chunk of bf16/f16, up to hidden 8192; 16 beyond). Fewer items per
-// thread leave registers for the next row's loads (norm_fwd.cu).
-inline RowGeometry ChooseForwardGeometry(int64_t hidden, int elem_bytes, bool pointers_aligned) {
+// Geometry of the forward and the backward: the fewest items per thread that keep a row at
+// <= 1024 threads (8 items, one 16-byte chunk of bf16/f16, up to hidden 8192; 16 beyond).
+// Fewer items per thread leave registers for the next row's loads.
+inline RowGeometry ChooseRowGeometry(int64_t hidden, int elem_bytes, bool pointers_aligned) {
   RowGeometry g;
   const int vec = 16 / elem_bytes;
   g.vectorized = pointers_aligned && hidden % vec == 0;
@@ -73,19 +54,23 @@ inline RowGeometry ChooseForwardGeometry(int64_t hidden, int elem_bytes, bool po
 }
 
 // Row groups per backward block: the largest power of two that keeps the block at
-// <= kNormBwdBlockThreads threads (1 for rows of 512 or more threads).
+// <= kNormBwdBlockThreads threads, at most 8 when a row group needs a named barrier (more
+// than one warp: barriers 1..15, see RowGroupBarrier); 1 for rows of > 512 threads.
 inline int NormBwdRowGroups(const RowGeometry& g) {
   int groups = 1;
-  while (groups * 2 * g.threads_per_row <= kNormBwdBlockThreads) groups *= 2;
+  while (groups * 2 * g.threads_per_row <= kNormBwdBlockThreads &&
+         (g.threads_per_row == 32 || groups * 2 <= 8)) {
+    groups *= 2;
+  }
   return groups;
 }
 
-// The most partial rows the backward pass can use: min(row tiles, kNormBwdMaxBlocks)
-// blocks of NormBwdRowGroups row groups. The launcher may use fewer blocks (occupancy).
+// The most partial rows the backward pass can use: one per block, min(row tiles,
+// kNormBwdMaxBlocks) blocks. The launcher may use fewer blocks (occupancy).
 inline int64_t NormBwdMaxParts(int64_t rows, const RowGeometry& g) {
   const int64_t groups = NormBwdRowGroups(g);
   const int64_t tiles = (rows + groups - 1) / groups;
-  return (tiles < kNormBwdMaxBlocks ? tiles : kNormBwdMaxBlocks) * groups;
+  return tiles < kNormBwdMaxBlocks ? tiles : kNormBwdMaxBlocks;
 }
 
 // Bytes of device workspace the backward pass needs for x of `x_dtype` viewed as rows x
@@ -97,7 +82,7 @@ inline size_t NormBackwardWorkspaceBytes(DType x_dtype, int64_t rows, int64_t hi
   const int elem_bytes = x_dtype == DType::kF32 ? 4 : 2;
   int64_t parts = 0;
   for (bool aligned : {false, true}) {
-    const int64_t p = NormBwdMaxParts(rows, ChooseGeometry(hidden, elem_bytes, aligned));
+    const int64_t p = NormBwdMaxParts(rows, ChooseRowGeometry(hidden, elem_bytes, aligned));
     parts = p > parts ? p : parts;
   }
   return size_t(2) * size_t(parts) * size_t(hidden) * sizeof(float);

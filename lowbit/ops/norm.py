@@ -118,15 +118,15 @@ norm_bwd_p = ffi_primitive("lowbit_norm_backward", "lowbit_norm_backward", _bwd_
 
 
 # ---------------------------------------------------------------- backward workspace
-# Mirrors csrc/norm/norm_plan.h (ChooseGeometry, NormBwdRowGroups, NormBwdMaxParts,
+# Mirrors csrc/norm/norm_plan.h (ChooseRowGeometry, NormBwdRowGroups, NormBwdMaxParts,
 # NormBackwardWorkspaceBytes); change both together (the CPU handler checks equality).
 
-_BWD_BLOCK_THREADS = 512  # kNormBwdBlockThreads
+_BWD_BLOCK_THREADS = 1024  # kNormBwdBlockThreads
 _BWD_MAX_BLOCKS = 512  # kNormBwdMaxBlocks
 
 
 def _threads_per_row(hidden: int, elem_bytes: int, aligned: bool) -> int:
-    """ChooseGeometry(...).threads_per_row."""
+    """ChooseRowGeometry(...).threads_per_row."""
     vec = 16 // elem_bytes
     v = vec if aligned and hidden % vec == 0 else 1
     chunks = -(-hidden // v)
@@ -135,15 +135,16 @@ def _threads_per_row(hidden: int, elem_bytes: int, aligned: bool) -> int:
         if items < v:
             continue
         tpr = (-(-chunks // (items // v)) + 31) // 32 * 32
-        if tpr <= 256:
+        if tpr <= 1024:
             break
     return tpr
 
 
 def norm_backward_workspace_bytes(x_dtype, rows: int, hidden: int) -> int:
     """Bytes of device workspace of the CUDA backward for x (rows x hidden) of `x_dtype`:
-    fp32 [2][parts][hidden], parts = min(row tiles, 512 blocks) x row groups per block, the
-    larger of the vectorized and the scalar plan. 0 for an empty or unsupported shape."""
+    fp32 [2][parts][hidden], parts = min(row tiles, 512 blocks) (one partial row per
+    block), the larger of the vectorized and the scalar plan. 0 for an empty or unsupported
+    shape."""
     dtype = jnp.dtype(x_dtype)
     if rows <= 0 or not 1 <= hidden <= MAX_HIDDEN or dtype not in (
             jnp.dtype(jnp.float32), jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16)):
@@ -151,11 +152,11 @@ def norm_backward_workspace_bytes(x_dtype, rows: int, hidden: int) -> int:
     parts = 0
     for aligned in (False, True):
         tpr = _threads_per_row(hidden, dtype.itemsize, aligned)
-        groups = 1
-        while groups * 2 * tpr <= _BWD_BLOCK_THREADS:
+        groups = 1  # NormBwdRowGroups: <= 8 groups when a group needs a named barrier
+        while groups * 2 * tpr <= _BWD_BLOCK_THREADS and (tpr == 32 or groups * 2 <= 8):
             groups *= 2
         tiles = -(-rows // groups)
-        parts = max(parts, min(tiles, _BWD_MAX_BLOCKS) * groups)
+        parts = max(parts, min(tiles, _BWD_MAX_BLOCKS))
     return 2 * parts * hidden * 4
 
 
