@@ -29,6 +29,7 @@
 #include <cstdint>
 
 #include "common/dtype.h"
+#include "common/formats.h"
 #include "common/gpu_stream.h"
 #include "common/status.h"
 
@@ -36,23 +37,23 @@ namespace lowbit {
 
 constexpr int64_t kFp8BlockLen = 128;
 
-inline int64_t CeilDivI64(int64_t a, int64_t b) { return (a + b - 1) / b; }
-inline int64_t RoundUpI64(int64_t a, int64_t b) { return CeilDivI64(a, b) * b; }
+LOWBIT_HD int64_t CeilDivI64(int64_t a, int64_t b) { return (a + b - 1) / b; }
+LOWBIT_HD int64_t RoundUpI64(int64_t a, int64_t b) { return CeilDivI64(a, b) * b; }
 
 // Shape of the scale_inv matrix of a stored rows x cols FP8-block matrix (see above).
 struct ScaleDims {
   int64_t dim0 = 0;
   int64_t dim1 = 0;
-  int64_t size() const { return dim0 * dim1; }
+  LOWBIT_HD int64_t size() const { return dim0 * dim1; }
 };
 
-inline ScaleDims Fp8BlockScaleDims(int64_t rows, int64_t cols, bool tile_2d) {
+LOWBIT_HD ScaleDims Fp8BlockScaleDims(int64_t rows, int64_t cols, bool tile_2d) {
   if (tile_2d) return {CeilDivI64(rows, kFp8BlockLen), RoundUpI64(CeilDivI64(cols, kFp8BlockLen), 4)};
   return {CeilDivI64(cols, kFp8BlockLen), RoundUpI64(rows, 4)};
 }
 
 // Offset in scale_inv of the tile holding element (r, c) of a stored rows x cols matrix.
-inline int64_t Fp8BlockScaleOffset(int64_t r, int64_t c, int64_t rows, int64_t cols, bool tile_2d) {
+LOWBIT_HD int64_t Fp8BlockScaleOffset(int64_t r, int64_t c, int64_t rows, int64_t cols, bool tile_2d) {
   const ScaleDims d = Fp8BlockScaleDims(rows, cols, tile_2d);
   if (tile_2d) return (r / kFp8BlockLen) * d.dim1 + c / kFp8BlockLen;
   return (c / kFp8BlockLen) * d.dim1 + r;

@@ -27,6 +27,7 @@
 #include <cstdint>
 
 #include "common/dtype.h"
+#include "common/formats.h"
 #include "common/gpu_stream.h"
 #include "common/status.h"
 #include "quantize/quantize_block.h"
@@ -35,13 +36,13 @@ namespace lowbit {
 
 constexpr int64_t kMxfp8BlockLen = 32;
 
-inline ScaleDims Mxfp8ScaleDims(int64_t rows, int64_t cols, bool colwise) {
+LOWBIT_HD ScaleDims Mxfp8ScaleDims(int64_t rows, int64_t cols, bool colwise) {
   if (!colwise) return {RoundUpI64(rows, 128), RoundUpI64(CeilDivI64(cols, kMxfp8BlockLen), 4)};
   return {RoundUpI64(CeilDivI64(rows, kMxfp8BlockLen), 4), RoundUpI64(cols, 128)};
 }
 
 // Offset in the scale matrix of the block holding element (r, c).
-inline int64_t Mxfp8ScaleOffset(int64_t r, int64_t c, int64_t rows, int64_t cols, bool colwise) {
+LOWBIT_HD int64_t Mxfp8ScaleOffset(int64_t r, int64_t c, int64_t rows, int64_t cols, bool colwise) {
   const ScaleDims d = Mxfp8ScaleDims(rows, cols, colwise);
   if (!colwise) return r * d.dim1 + c / kMxfp8BlockLen;
   return (r / kMxfp8BlockLen) * d.dim1 + c;
