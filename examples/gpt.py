@@ -132,12 +132,12 @@ class GPT(nn.Module):
 
 
 def recipe_unavailable(recipe) -> str | None:
-    """Why this build cannot run `recipe` (its quantizer's error), or None."""
+    """Why this build cannot run `recipe` (its quantizers' or GEMMs' error), or None."""
     if recipe is None:
         return None
     try:
-        QuantizerFactory.create_set(recipe).x.quantize(jnp.ones((4, 32), ACT_DTYPE),
-                                                       is_rowwise=True, is_colwise=True)
+        lowbit.dense(jnp.ones((4, 32), ACT_DTYPE), jnp.ones((32, 32), ACT_DTYPE),
+                     quantizer_set=QuantizerFactory.create_set(recipe))
     except NotImplementedError as e:
         return str(e)
     return None

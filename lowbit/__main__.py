@@ -65,7 +65,7 @@ def report() -> dict:
     recipes = {}
     for name, need in RECIPES.items():
         if name in NOT_IMPLEMENTED:
-            recipes[name] = "not implemented yet (block-scaling kernels: issue Quantization II)"
+            recipes[name] = "not implemented yet (quantizers only; the block-scaled GEMMs: issue Quantization II)"
         elif cc is not None and cc >= need and info["cuda_registered"]:
             recipes[name] = f"native (sm_{cc[0]}{cc[1]})"
         elif cc is not None:

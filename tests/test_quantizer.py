@@ -332,20 +332,61 @@ def test_factory_without_a_recipe_and_under_autocast():
     assert QuantizerFactory.create(ScalingMode.NO_SCALING, jnp.float8_e4m3fn) is None
 
 
-@pytest.mark.parametrize(
-    "recipe", [MXFP8BlockScaling(), Float8BlockScaling(), NVFP4BlockScaling()],
-    ids=lambda r: type(r).__name__)
-def test_block_modes_raise_until_their_kernels_land(recipe):
+def test_nvfp4_raises_until_its_kernels_land():
     x = jnp.ones((32, 128), jnp.float32)
-    for q in QuantizerFactory.create_set(recipe):
+    for q in QuantizerFactory.create_set(NVFP4BlockScaling()):
         with pytest.raises(NotImplementedError, match="land with issue Quantization II"):
             q.quantize(x)
     tensor = ScaledTensor1x(
-        data=jnp.zeros((4, 32), jnp.float8_e4m3fn), scale_inv=jnp.zeros((4, 1), jnp.float8_e8m0fnu),
-        amax=None, scaling_mode=ScalingMode.MXFP8_1D_SCALING, dq_dtype=jnp.dtype(jnp.float32),
+        data=jnp.zeros((4, 32), jnp.float4_e2m1fn), scale_inv=jnp.zeros((4, 2), jnp.float8_e4m3fn),
+        amax=None, scaling_mode=ScalingMode.NVFP4_1D_SCALING, dq_dtype=jnp.dtype(jnp.float32),
         is_colwise=False, flatten_axis=1)
     with pytest.raises(NotImplementedError, match="Quantization II"):
         tensor.dequantize()
+
+
+@pytest.mark.parametrize("recipe", [MXFP8BlockScaling(), Float8BlockScaling(),
+                                    Float8BlockScaling(use_power_2_scales=True)], ids=str)
+def test_block_quantizers_build_scaled_tensors(recipe, rng):
+    # The factory's block quantizers return ScaledTensor2x of the lowbit.ops.quantize_block
+    # outputs (checked bit for bit against numpy in test_quantize_block_ops.py); here: the
+    # pytree plumbing, the layouts, dequantize() of both copies and jit.
+    from lowbit.ops.quantize_block import quantize_fp8_block, quantize_mxfp8
+
+    x = (rng.standard_normal((3, 70, 260)) * 5).astype(ml_dtypes.bfloat16)
+    for q in QuantizerFactory.create_set(recipe):
+        t, dbias = jax.jit(lambda v, q=q: q.quantize(v, is_rowwise=True, is_colwise=True, flatten_axis=2,
+                                                     compute_dbias=True))(x)
+        assert isinstance(t, ScaledTensor2x) and t.amax is None and t.shape == x.shape
+        row, col = t.get_tensor(False), t.get_tensor(True)
+        assert row.scaling_mode == q.scaling_mode and col.is_colwise
+        if q.scaling_mode == ScalingMode.MXFP8_1D_SCALING:
+            want = quantize_mxfp8(x, out_dtype=q.q_dtype, rowwise=True, colwise=True, flatten_axis=2)
+            assert col.data_layout == "N" and col.data.shape == x.shape
+        else:
+            want = quantize_fp8_block(x, out_dtype=q.q_dtype, tile_2d=q.scaling_mode == ScalingMode.FP8_BLOCK_128x128,
+                                      pow2_scales=q.use_power_2_scales, rowwise=True, colwise=True, flatten_axis=2)
+            assert col.data_layout == "T" and col.data.shape == (260, 3, 70) and col.shape == x.shape
+        for got, w in ((row.data, want.rowwise), (row.scale_inv, want.rowwise_scale),
+                       (col.data, want.colwise), (col.scale_inv, want.colwise_scale)):
+            np.testing.assert_array_equal(bits(got), bits(w))
+        info = ml_dtypes.finfo(q.q_dtype)
+        for copy in (row, col):
+            deq = np.asarray(copy.dequantize(), np.float32)
+            assert deq.shape == x.shape and copy.dequantize().dtype == x.dtype
+            xf = np.asarray(x, np.float32)
+            tol = 2.0 ** -(info.nmant + 1) * np.abs(xf) + 2.0**-8 * np.abs(xf) + 1e-3 * np.max(np.abs(xf))
+            assert np.all(np.abs(deq - xf) <= tol)
+        np.testing.assert_array_equal(bits(dbias), bits(np.asarray(x, np.float32).sum(axis=(0, 1)).astype(x.dtype)))
+
+
+def test_block_recipes_keep_dense_not_implemented():
+    from lowbit.dense import dense
+
+    x, k = jnp.ones((4, 128), jnp.bfloat16), jnp.ones((128, 16), jnp.bfloat16)
+    for recipe in (MXFP8BlockScaling(), Float8BlockScaling()):
+        with pytest.raises(NotImplementedError, match="GEMMs land with issue Quantization II"):
+            dense(x, k, quantizer_set=QuantizerFactory.create_set(recipe))
 
 
 @pytest.mark.gpu

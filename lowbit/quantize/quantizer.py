@@ -18,8 +18,10 @@ transposed colwise copy, amax, optionally dbias):
     (scale, scale_inv) = delayed.compute_scale_and_inverse(amax) (lowbit's scale op), then
     quantize_fp8(x, scale).
 `scale_inv = 1 / scale`, correctly rounded by lowbit's scale ops (lowbit/ops/scale.py), not
-by XLA's division, so that the CPU and CUDA backends agree bit for bit. Block-scaling modes (MXFP8, FP8 block, NVFP4)
-have placeholders that raise NotImplementedError until their kernels exist.
+by XLA's division, so that the CPU and CUDA backends agree bit for bit.
+BlockScaleQuantizer (MXFP8, FP8 block 1x128 / 128x128) calls lowbit.ops.quantize_block
+(one pass per tensor: the requested copies and their per-block scales). NVFP4 has a
+placeholder that raises NotImplementedError until its kernels exist.
 
 Gradients: quantization is piecewise constant, so its derivative is zero almost
 everywhere, and that is what `jax.grad` sees: x and the scale enter the kernels through
@@ -40,6 +42,7 @@ import numpy as np
 
 from lowbit.ops.amax import amax, check_high_precision
 from lowbit.ops.quantize import quantize_fp8
+from lowbit.ops.quantize_block import quantize_fp8_block, quantize_mxfp8
 from lowbit.quantize.delayed import (
     compute_scale_and_inverse,
     scale_inverse,
@@ -253,19 +256,72 @@ class CurrentScaleQuantizer(_TensorScaleQuantizer):
         )
 
 
+_BLOCK_MODES = (ScalingMode.MXFP8_1D_SCALING, ScalingMode.FP8_BLOCK_1x128, ScalingMode.FP8_BLOCK_128x128)
+
+
 @dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
 class BlockScaleQuantizer(Quantizer):
-    """MXFP8 and FP8 block scaling (1x128, 128x128): configuration only for now."""
+    """MXFP8 (32-value blocks, E8M0 scales) and FP8 block scaling (1x128 or 128x128 tiles,
+    fp32 scales, optionally powers of two). Stateless: every block's scale comes from its
+    own amax, inside lowbit.ops.quantize_block's one-pass kernels. The ScaledTensors carry
+    the 2-D GEMM-ready scale arrays as scale_inv and no amax."""
 
     mode: ScalingMode = ScalingMode.MXFP8_1D_SCALING
     use_power_2_scales: bool = False
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.mode not in _BLOCK_MODES:
+            raise ValueError(f"BlockScaleQuantizer: mode: expected one of {[m.name for m in _BLOCK_MODES]}, "
+                             f"got {self.mode}")
 
     @property
     def scaling_mode(self) -> ScalingMode:
         return self.mode
 
-    def quantize(self, x, **kwargs):
-        raise NotImplementedError(KERNELS_PENDING.format(mode=self.mode.name))
+    def quantize(
+        self,
+        x,
+        *,
+        is_rowwise: bool = True,
+        is_colwise: bool = False,
+        flatten_axis: int = -1,
+        dq_dtype=None,
+        compute_dbias: bool = False,
+    ) -> tuple[ScaledTensor, jax.Array | None]:
+        """Returns (ScaledTensor1x, or ScaledTensor2x for both copies; dbias, the sums of x
+        over its rows in fp32 rounded to x's dtype (plain XLA, not fused yet), or None)."""
+        op = f"{type(self).__name__}.quantize"
+        x = jnp.asarray(x)
+        check_high_precision(op, "x", x)
+        axis = _normalize_flatten_axis(op, x, flatten_axis)
+        QuantizeLayout.of(is_rowwise, is_colwise)
+        dq_dtype = jnp.dtype(x.dtype if dq_dtype is None else dq_dtype)
+        x = jax.lax.stop_gradient(x)
+        if self.mode == ScalingMode.MXFP8_1D_SCALING:
+            out = quantize_mxfp8(x, out_dtype=self.q_dtype, rowwise=is_rowwise, colwise=is_colwise,
+                                 flatten_axis=axis)
+        else:
+            out = quantize_fp8_block(x, out_dtype=self.q_dtype,
+                                     tile_2d=self.mode == ScalingMode.FP8_BLOCK_128x128,
+                                     pow2_scales=self.use_power_2_scales, rowwise=is_rowwise,
+                                     colwise=is_colwise, flatten_axis=axis)
+
+        def copy(data, scale, colwise: bool) -> ScaledTensor1x:
+            return ScaledTensor1x(data=data, scale_inv=scale, amax=None, scaling_mode=self.mode,
+                                  dq_dtype=dq_dtype, is_colwise=colwise, flatten_axis=axis)
+
+        if is_rowwise and is_colwise:
+            tensor = ScaledTensor2x(copy(out.rowwise, out.rowwise_scale, False),
+                                    copy(out.colwise, out.colwise_scale, True))
+        elif is_colwise:
+            tensor = copy(out.colwise, out.colwise_scale, True)
+        else:
+            tensor = copy(out.rowwise, out.rowwise_scale, False)
+        dbias = None
+        if compute_dbias:
+            dbias = jnp.sum(x.astype(jnp.float32), axis=tuple(range(axis))).astype(x.dtype)
+        return tensor, dbias
 
 
 @dataclasses.dataclass(frozen=True, eq=False, kw_only=True)

@@ -72,9 +72,10 @@ class ScalingMode(enum.Enum):
 
     @property
     def colwise_is_transposed(self) -> bool:
-        """True when the colwise copy is stored transposed (tensor scaling: Hopper's FP8
-        GEMMs take both operands K-major), False when it keeps the input's shape."""
-        return self.is_tensor_scaling
+        """True when the colwise copy is stored transposed (tensor scaling and FP8 block
+        scaling: Hopper's FP8 GEMMs take both operands K-major), False when it keeps the
+        input's shape (MXFP8, NVFP4: Blackwell reads either major-ness)."""
+        return self.is_tensor_scaling or self in (ScalingMode.FP8_BLOCK_1x128, ScalingMode.FP8_BLOCK_128x128)
 
 
 _BLOCK_SHAPE = {

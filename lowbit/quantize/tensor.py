@@ -5,8 +5,12 @@ splitting S into rows S[:f] and columns S[f:]):
   - rowwise: `data.shape == S`;
   - colwise, tensor scaling: the TRANSPOSED tensor, `data.shape == S[f:] + S[:f]` (Hopper
     FP8 GEMMs take both operands K-major); `dequantize()` transposes back to S;
-  - colwise, block scaling: `data.shape == S` (scales run along the other dim).
-`x ~= data * scale_inv` elementwise, with scale_inv of shape (1,) for tensor scaling.
+  - colwise, FP8 block scaling: transposed as well (Hopper's block-scaled GEMM is K-major);
+  - colwise, MXFP8 and NVFP4: `data.shape == S` (the scales run down the columns).
+`x ~= data * scale_inv` elementwise: scale_inv has shape (1,) for tensor scaling; for block
+scaling it is the 2-D scale array of the stored copy in the GEMM-ready layouts of
+lowbit.ops.quantize_block (fp32 scale_inv per 1x128 / 128x128 tile, E8M0 bytes per 32
+values for MXFP8), padding included.
 `amax` (shape (1,), fp32) is max|x| of the high-precision input when the quantizer
 computed it (delayed scaling feeds it to `Quantizer.update`), else None.
 
@@ -15,8 +19,10 @@ computed it (delayed scaling feeds it to `Quantizer.update`), else None.
 Leaves are data, scale_inv and amax; scaling_mode, dq_dtype, is_colwise and flatten_axis
 are static pytree metadata, so ScaledTensors pass through jit, scan, vmap and grad.
 
-`dequantize()` is plain jnp (`(data_f32 * scale_inv).astype(dq_dtype)`), so XLA fuses it
-into its consumer; it is the same formula as `lowbit.ops.quantize.dequantize_fp8`.
+`dequantize()` is plain jnp for tensor scaling (`(data_f32 * scale_inv).astype(dq_dtype)`),
+so XLA fuses it into its consumer; it is the same formula as
+`lowbit.ops.quantize.dequantize_fp8`. Block-scaled copies dequantize through
+`lowbit.ops.dequantize_fp8_block` / `dequantize_mxfp8` (the same formula per tile).
 """
 
 from __future__ import annotations
@@ -89,6 +95,18 @@ class ScaledTensor1x(ScaledTensor):
             values = self.data.astype(self.dq_dtype)
         elif mode.is_tensor_scaling:
             values = (self.data.astype(jnp.float32) * self.scale_inv).astype(self.dq_dtype)
+        elif mode in (ScalingMode.FP8_BLOCK_1x128, ScalingMode.FP8_BLOCK_128x128):
+            from lowbit.ops.quantize_block import dequantize_fp8_block
+
+            stored_axis = self.ndim - self.flatten_axis if self.is_colwise else self.flatten_axis
+            values = dequantize_fp8_block(self.data, self.scale_inv,
+                                          tile_2d=mode == ScalingMode.FP8_BLOCK_128x128,
+                                          flatten_axis=stored_axis, out_dtype=self.dq_dtype)
+        elif mode == ScalingMode.MXFP8_1D_SCALING:
+            from lowbit.ops.quantize_block import dequantize_mxfp8
+
+            values = dequantize_mxfp8(self.data, self.scale_inv, colwise=self.is_colwise,
+                                      flatten_axis=self.flatten_axis, out_dtype=self.dq_dtype)
         else:
             raise NotImplementedError(BLOCK_DEQUANTIZE_PENDING.format(mode=mode.name))
         if self.data_layout == "T":

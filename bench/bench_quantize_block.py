@@ -1,0 +1,113 @@
+"""Block-scaled quantize (lowbit.ops.quantize_fp8_block, quantize_mxfp8) per format and
+layout, beside the per-tensor FP8 quantize (lowbit.ops.quantize_fp8, the same copies) in
+the same run. Prints time, GB/s (bytes read + written, scales included), % of the measured
+device copy bandwidth and the ratio to the per-tensor kernel; writes bench/results JSON.
+
+    python bench/bench_quantize_block.py            # GPU: 16384x8192 and 8192x32768 bf16
+    python bench/bench_quantize_block.py --small    # CPU smoke run at tiny sizes
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
+
+from lowbit.ops import quantize_fp8, quantize_fp8_block, quantize_mxfp8  # noqa: E402
+from lowbit.ops.quantize_block import fp8_block_scale_shape, mxfp8_scale_shape  # noqa: E402
+
+CONFIGS = {  # name -> (format, rowwise, colwise)
+    "1x128 rowwise": ("1x128", True, False),
+    "1x128 colwise": ("1x128", False, True),
+    "1x128 both": ("1x128", True, True),
+    "128x128 both": ("128x128", True, True),
+    "mxfp8 rowwise": ("mxfp8", True, False),
+    "mxfp8 colwise": ("mxfp8", False, True),
+    "mxfp8 both": ("mxfp8", True, True),
+}
+
+
+def block_fn(fmt, rowwise, colwise):
+    def f(x):
+        if fmt == "mxfp8":
+            return quantize_mxfp8(x, rowwise=rowwise, colwise=colwise)
+        return quantize_fp8_block(x, tile_2d=fmt == "128x128", rowwise=rowwise, colwise=colwise)
+
+    return f
+
+
+def tensor_fn(rowwise, colwise):
+    def f(x):
+        return quantize_fp8(x, jnp.float32(0.5), rowwise=rowwise, colwise=colwise)
+
+    return f
+
+
+def moved_bytes(rows, cols, fmt, rowwise, colwise) -> int:
+    n = rows * cols
+    total = 2 * n  # bf16 in
+    for on, col in ((rowwise, False), (colwise, True)):
+        if not on:
+            continue
+        if fmt == "mxfp8":
+            scale_bytes = math.prod(mxfp8_scale_shape(rows, cols, col))
+        else:
+            r, c = (cols, rows) if col else (rows, cols)
+            scale_bytes = 4 * math.prod(fp8_block_scale_shape(r, c, fmt == "128x128"))
+        total += n + scale_bytes
+    return total
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--small", action="store_true", help="tiny sizes, runs on the CPU")
+    parser.add_argument("--shapes", nargs="*", default=None, help="ROWSxCOLS, e.g. 16384x8192")
+    parser.add_argument("--iters", type=int, default=None)
+    args = parser.parse_args()
+
+    if args.shapes:
+        shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes]
+    else:
+        shapes = [(256, 512), (128, 1024)] if args.small else [(16384, 8192), (8192, 32768)]
+    iters = args.iters or (3 if args.small else 20)
+    repeats = 2 if args.small else 5
+    bandwidth = common.copy_bandwidth(1 << 20 if args.small else 1 << 30)
+    print(f"device {common.device_name()}, copy bandwidth {bandwidth / 1e9:.1f} GB/s (read + write)")
+
+    rows_out = []
+    for rows, cols in shapes:
+        keys = jax.random.split(jax.random.key(0), 2)
+        sets = [(jax.random.normal(k, (rows, cols), jnp.bfloat16),) for k in keys]
+        for name, (fmt, rowwise, colwise) in CONFIGS.items():
+            nbytes = moved_bytes(rows, cols, fmt, rowwise, colwise)
+            t_block = common.time_fn(block_fn(fmt, rowwise, colwise), sets, iters, repeats)
+            t_tensor = common.time_fn(tensor_fn(rowwise, colwise), sets, iters, repeats)
+            rows_out.append({
+                "shape": f"{rows}x{cols}",
+                "config": name,
+                "block_us": t_block * 1e6,
+                "block_GB/s": nbytes / t_block / 1e9,
+                "%copy": 100.0 * nbytes / t_block / bandwidth,
+                "per_tensor_us": t_tensor * 1e6,
+                "block/per_tensor": t_block / t_tensor,
+            })
+        del sets
+    columns = ["shape", "config", "block_us", "block_GB/s", "%copy", "per_tensor_us", "block/per_tensor"]
+    common.print_table(rows_out, columns)
+    path = common.write_results(
+        "quantize_block" + ("_small" if args.small else ""),
+        {"dtype": "bfloat16", "fp8": "float8_e4m3fn", "copy_bandwidth_Bps": bandwidth,
+         "target_percent_of_copy": 85.0, "rows": rows_out},
+    )
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,322 @@
+"""lowbit.ops.quantize_fp8_block / quantize_mxfp8 and their dequantize ops: block-scaled FP8
+quantization through lowbit's FFI ops, one pass producing the rowwise and/or colwise copy
+and its scales, each copy quantized from x itself.
+
+x (rank >= 1) is viewed as R x C, R = prod(shape[:f]), f = flatten_axis. Numerics and the
+scale layouts are those of csrc/quantize/quantize_block.h and quantize_mxfp8.h, in short:
+
+FP8 block (Float8BlockScaling; Hopper's cuBLASLt block-scaled GEMM):
+  tiles of 1x128 (activations, gradients) or 128x128 (weights) of the stored copy; per tile
+  scale = fp8_max / amax (amax 0, inf or NaN -> 1; inf -> FLT_MAX; pow2_scales: rounded
+  down to a power of two), q = cast_rne(clip(x * scale)), scale_inv = 1 / scale (fp32).
+  rowwise: x's shape; colwise: the transpose shape[f:] + shape[:f] (both K-major).
+  scale_inv of a stored R' x C' copy: 1x128 -> (ceil(C'/128), roundup(R', 4)), entry [j, r];
+  128x128 -> (ceil(R'/128), roundup(ceil(C'/128), 4)), entry [i, j]; padding entries 0.
+MXFP8: blocks of 32 along the rows (rowwise) or down the columns (colwise), both copies in
+  x's shape; E8M0 byte e = the biased exponent of amax / fp8_max rounded up (NaN -> 0xFF),
+  q = cast_rne(clip(x * 2^(127 - e))); scales row-major, padded to 128 x 4 tiles:
+  rowwise (roundup(R, 128), roundup(ceil(C/32), 4)), colwise (roundup(ceil(R/32), 4),
+  roundup(C, 128)); padding bytes 0.
+Tiles and blocks at the edges are partial (as if x were zero-padded); data is never padded.
+
+jit: yes. vmap: each batch element is quantized on its own (a loop over the batch, as the
+scales of a 3-D view would otherwise mix elements). Sharded jit (Shardy custom partitioning):
+only x's leading dim may stay sharded, and only when every shard holds whole tiles and whole
+rows of padded scales (local R a multiple of 128; 512 for a 128x128 colwise copy; 4 for a
+1x128 rowwise-only copy); the scales are then sharded along their matching dim. Any other
+sharding gathers x first (exact, just not parallel). The dequantize ops are not partitioned.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental.custom_partitioning import custom_partitioning
+from jax.interpreters import batching
+from jax.sharding import NamedSharding, PartitionSpec
+
+from lowbit.ops._primitive import ffi_primitive
+from lowbit.ops._sharding import mesh_axes, spec_entries
+from lowbit.ops.amax import HIGH_PRECISION, check_high_precision
+
+FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
+E8M0 = jnp.dtype(jnp.float8_e8m0fnu)
+FP8_BLOCK_LEN = 128
+MXFP8_BLOCK_LEN = 32
+
+
+class BlockQuantized(NamedTuple):
+    rowwise: jax.Array | None  # fp8, x's shape
+    rowwise_scale: jax.Array | None  # 2-D: fp32 scale_inv (FP8 block) or e8m0 bytes (MXFP8)
+    colwise: jax.Array | None  # fp8: transposed (FP8 block) or x's shape (MXFP8)
+    colwise_scale: jax.Array | None
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _roundup(a: int, b: int) -> int:
+    return _cdiv(a, b) * b
+
+
+def flat_view(shape, flatten_axis: int) -> tuple[int, int]:
+    return int(np.prod(shape[:flatten_axis], dtype=np.int64)), int(np.prod(shape[flatten_axis:], dtype=np.int64))
+
+
+def fp8_block_scale_shape(rows: int, cols: int, tile_2d: bool) -> tuple[int, int]:
+    """scale_inv shape of a stored rows x cols FP8-block copy."""
+    if tile_2d:
+        return _cdiv(rows, FP8_BLOCK_LEN), _roundup(_cdiv(cols, FP8_BLOCK_LEN), 4)
+    return _cdiv(cols, FP8_BLOCK_LEN), _roundup(rows, 4)
+
+
+def mxfp8_scale_shape(rows: int, cols: int, colwise: bool) -> tuple[int, int]:
+    """E8M0 scale shape of an MXFP8 copy of a rows x cols tensor."""
+    if colwise:
+        return _roundup(_cdiv(rows, MXFP8_BLOCK_LEN), 4), _roundup(cols, 128)
+    return _roundup(rows, 128), _roundup(_cdiv(cols, MXFP8_BLOCK_LEN), 4)
+
+
+def transposed_shape(shape, flatten_axis: int) -> tuple[int, ...]:
+    return tuple(shape[flatten_axis:]) + tuple(shape[:flatten_axis])
+
+
+def _empty(dtype):
+    return jax.core.ShapedArray((0,), dtype)
+
+
+def _block_abstract(x, *, flatten_axis, tile_2d, pow2_scales, out_dtype, rowwise, colwise):
+    del pow2_scales
+    f = int(flatten_axis)
+    r, c = flat_view(x.shape, f)
+    return (
+        jax.core.ShapedArray(x.shape, out_dtype) if rowwise else _empty(out_dtype),
+        jax.core.ShapedArray(fp8_block_scale_shape(r, c, tile_2d), jnp.float32) if rowwise else _empty(jnp.float32),
+        jax.core.ShapedArray(transposed_shape(x.shape, f), out_dtype) if colwise else _empty(out_dtype),
+        jax.core.ShapedArray(fp8_block_scale_shape(c, r, tile_2d), jnp.float32) if colwise else _empty(jnp.float32),
+    )
+
+
+def _mx_abstract(x, *, flatten_axis, out_dtype, rowwise, colwise):
+    r, c = flat_view(x.shape, int(flatten_axis))
+    return (
+        jax.core.ShapedArray(x.shape, out_dtype) if rowwise else _empty(out_dtype),
+        jax.core.ShapedArray(mxfp8_scale_shape(r, c, False), E8M0) if rowwise else _empty(E8M0),
+        jax.core.ShapedArray(x.shape, out_dtype) if colwise else _empty(out_dtype),
+        jax.core.ShapedArray(mxfp8_scale_shape(r, c, True), E8M0) if colwise else _empty(E8M0),
+    )
+
+
+# x -> (rowwise | (0,), rowwise_scale_inv | (0,), colwise | (0,), colwise_scale_inv | (0,)).
+quantize_fp8_block_p = ffi_primitive(
+    "lowbit_quantize_fp8_block", "lowbit_quantize_fp8_block", _block_abstract,
+    multiple_results=True, attrs=("flatten_axis", "tile_2d", "pow2_scales"),
+)
+# (data, scale_inv) -> out, data's shape.
+dequantize_fp8_block_p = ffi_primitive(
+    "lowbit_dequantize_fp8_block", "lowbit_dequantize_fp8_block",
+    lambda data, scale_inv, *, flatten_axis, tile_2d, out_dtype: jax.core.ShapedArray(data.shape, out_dtype),
+    attrs=("flatten_axis", "tile_2d"),
+)
+# x -> (rowwise | (0,), rowwise_scale | (0,), colwise | (0,), colwise_scale | (0,)).
+quantize_mxfp8_p = ffi_primitive(
+    "lowbit_quantize_mxfp8", "lowbit_quantize_mxfp8", _mx_abstract,
+    multiple_results=True, attrs=("flatten_axis",),
+)
+# (data, scale) -> out, data's shape.
+dequantize_mxfp8_p = ffi_primitive(
+    "lowbit_dequantize_mxfp8", "lowbit_dequantize_mxfp8",
+    lambda data, scale, *, flatten_axis, colwise, out_dtype: jax.core.ShapedArray(data.shape, out_dtype),
+    attrs=("flatten_axis", "colwise"),
+)
+
+
+def _to_front(x, d, size):
+    if d is None:
+        return jnp.broadcast_to(x, (size, *x.shape))
+    return jnp.moveaxis(x, d, 0)
+
+
+def _looped_batcher(prim):
+    """vmap rule: one primitive call per batch element (the batch dim moved to the front;
+    flatten_axis refers to the unbatched operand, so it stays as is)."""
+
+    def batch(args, dims, **params):
+        size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
+        args = tuple(_to_front(a, d, size) for a, d in zip(args, dims))
+        outs = jax.lax.map(lambda xs: prim.bind(*xs, **params), args)
+        if prim.multiple_results:
+            return list(outs), [0] * len(outs)
+        return outs, 0
+
+    batching.primitive_batchers[prim] = batch
+
+
+for _p in (quantize_fp8_block_p, dequantize_fp8_block_p, quantize_mxfp8_p, dequantize_mxfp8_p):
+    _looped_batcher(_p)
+
+
+# Per format and copy: (the scale dim that follows x's leading dim, the multiple the local
+# row count R must be for the shards' scales to concatenate into the global layout).
+def _scale_split(kind: str, tile_2d: bool, colwise: bool) -> tuple[int, int]:
+    if kind == "mxfp8":
+        return 0, 128
+    if tile_2d:
+        return (1, 512) if colwise else (0, 128)
+    return (0, 128) if colwise else (1, 4)
+
+
+@lru_cache(maxsize=None)
+def _quantize_fn(kind: str, flatten_axis: int, out_dtype, rowwise: bool, colwise: bool,
+                 tile_2d: bool = False, pow2_scales: bool = False):
+    """x -> tuple of the requested (data, scale) pairs, partitioned and batchable."""
+
+    def local(x):
+        if kind == "mxfp8":
+            outs = quantize_mxfp8_p.bind(x, flatten_axis=np.int32(flatten_axis), out_dtype=out_dtype,
+                                         rowwise=rowwise, colwise=colwise)
+        else:
+            outs = quantize_fp8_block_p.bind(
+                x, flatten_axis=np.int32(flatten_axis), tile_2d=np.bool_(tile_2d),
+                pow2_scales=np.bool_(pow2_scales), out_dtype=out_dtype, rowwise=rowwise, colwise=colwise)
+        return tuple(outs[:2]) * rowwise + tuple(outs[2:]) * colwise
+
+    copies = [False] * rowwise + [True] * colwise  # is_colwise of each returned pair
+
+    def partition(mesh, arg_shapes, result_shape):
+        shape = arg_shapes[0].shape
+        ndim = len(shape)
+        lead = spec_entries(arg_shapes[0].sharding, ndim)[0] if flatten_axis >= 1 else None
+        axes = mesh_axes((lead,))
+        shards = int(np.prod([mesh.shape[a] for a in axes], dtype=np.int64)) if axes else 1
+        rows, _ = flat_view(shape, flatten_axis)
+        local_rows = rows // shards if shards and rows % shards == 0 else -1
+        if shards > 1 and not all(local_rows > 0 and local_rows % _scale_split(kind, tile_2d, cw)[1] == 0
+                                  for cw in copies):
+            lead = None  # not whole tiles per shard: gather x, quantize it whole
+        named = lambda *s: NamedSharding(mesh, PartitionSpec(*s))  # noqa: E731
+        results = []
+        for cw in copies:
+            if cw and kind != "mxfp8":
+                at = ndim - flatten_axis  # x's dim 0 in the transposed copy
+                results.append(named(*([None] * at + [lead] + [None] * (ndim - at - 1))))
+            else:
+                results.append(named(lead, *([None] * (ndim - 1))))
+            dim = _scale_split(kind, tile_2d, cw)[0]
+            results.append(named(lead, None) if dim == 0 else named(None, lead))
+        return mesh, local, tuple(results), (named(lead, *([None] * (ndim - 1))),)
+
+    def rule(mesh, value_types, result_types):
+        dims = [f"d{i}" for i in range(len(value_types[0].shape))]
+        transposed = " ".join(dims[flatten_axis:] + dims[:flatten_axis])
+        out = []
+        for i, cw in enumerate(copies):
+            out.append(transposed if cw and kind != "mxfp8" else " ".join(dims))
+            # Scale dims get factors of their own: their sizes are padded, not x's.
+            out.append(f"s{2 * i} s{2 * i + 1}")
+        return f"{' '.join(dims)} -> {', '.join(out)}", {}
+
+    partitioned = custom_partitioning(local)
+    partitioned.def_partition(partition=partition, sharding_rule=rule)
+
+    @jax.custom_batching.custom_vmap
+    def fn(x):
+        return partitioned(x)
+
+    @fn.def_vmap
+    def _vmap(axis_size, in_batched, x):
+        outs = jax.vmap(local, axis_size=axis_size)(x)
+        return outs, tuple(True for _ in outs)
+
+    return fn
+
+
+def _check_quantize_args(op: str, x, out_dtype, rowwise: bool, colwise: bool, flatten_axis: int):
+    x = jnp.asarray(x)
+    check_high_precision(op, "x", x)
+    out_dtype = jnp.dtype(out_dtype)
+    if out_dtype not in FP8_DTYPES:
+        raise TypeError(f"{op}: out_dtype: expected float8_e4m3fn or float8_e5m2, got {out_dtype}")
+    if not (rowwise or colwise):
+        raise ValueError(f"{op}: rowwise, colwise: expected at least one of them to be True")
+    if x.ndim == 0:
+        raise ValueError(f"{op}: x: expected rank >= 1, got a scalar")
+    if not -x.ndim <= flatten_axis < x.ndim:
+        raise ValueError(f"{op}: flatten_axis: expected an axis of x {x.shape}, got {flatten_axis}")
+    return x, out_dtype, flatten_axis % x.ndim
+
+
+def _pack(outs, rowwise: bool, colwise: bool) -> BlockQuantized:
+    outs = list(outs)
+    row = (outs.pop(0), outs.pop(0)) if rowwise else (None, None)
+    col = (outs.pop(0), outs.pop(0)) if colwise else (None, None)
+    return BlockQuantized(row[0], row[1], col[0], col[1])
+
+
+def quantize_fp8_block(x, *, out_dtype=jnp.float8_e4m3fn, tile_2d: bool = False,
+                       pow2_scales: bool = False, rowwise: bool = True, colwise: bool = False,
+                       flatten_axis: int = -1) -> BlockQuantized:
+    """FP8 block quantization, 1x128 tiles (tile_2d=False) or 128x128 (see the module doc)."""
+    x, out_dtype, axis = _check_quantize_args("lowbit.ops.quantize_fp8_block", x, out_dtype,
+                                              rowwise, colwise, flatten_axis)
+    fn = _quantize_fn("fp8_block", axis, out_dtype, bool(rowwise), bool(colwise), bool(tile_2d),
+                      bool(pow2_scales))
+    return _pack(fn(x), rowwise, colwise)
+
+
+def quantize_mxfp8(x, *, out_dtype=jnp.float8_e4m3fn, rowwise: bool = True, colwise: bool = False,
+                   flatten_axis: int = -1) -> BlockQuantized:
+    """MXFP8 quantization, 32-value blocks with E8M0 scales (see the module doc)."""
+    x, out_dtype, axis = _check_quantize_args("lowbit.ops.quantize_mxfp8", x, out_dtype,
+                                              rowwise, colwise, flatten_axis)
+    fn = _quantize_fn("mxfp8", axis, out_dtype, bool(rowwise), bool(colwise))
+    return _pack(fn(x), rowwise, colwise)
+
+
+def _check_dequantize_args(op: str, data, scale, scale_dtype, out_dtype, flatten_axis: int):
+    data, scale = jnp.asarray(data), jnp.asarray(scale)
+    if data.dtype not in FP8_DTYPES:
+        raise TypeError(f"{op}: data: expected float8_e4m3fn or float8_e5m2, got {data.dtype}")
+    if data.ndim == 0:
+        raise ValueError(f"{op}: data: expected rank >= 1, got a scalar")
+    if not -data.ndim <= flatten_axis < data.ndim:
+        raise ValueError(f"{op}: flatten_axis: expected an axis of data {data.shape}, got {flatten_axis}")
+    if scale.dtype != scale_dtype:
+        raise TypeError(f"{op}: scale: expected {jnp.dtype(scale_dtype).name}, got {scale.dtype}")
+    out_dtype = jnp.dtype(out_dtype)
+    if out_dtype not in [jnp.dtype(t) for t in HIGH_PRECISION]:
+        raise TypeError(f"{op}: out_dtype: expected float32, float16 or bfloat16, got {out_dtype}")
+    return data, scale, out_dtype, flatten_axis % data.ndim
+
+
+def _check_scale_shape(op: str, scale, want) -> None:
+    if tuple(scale.shape) != tuple(want):
+        raise ValueError(f"{op}: scale: expected shape {tuple(want)}, got {tuple(scale.shape)}")
+
+
+def dequantize_fp8_block(data, scale_inv, *, tile_2d: bool = False, flatten_axis: int = -1,
+                         out_dtype=jnp.bfloat16) -> jax.Array:
+    """decode(data) * scale_inv[tile], rounded to out_dtype. `data` is one stored copy (a
+    colwise copy is the transposed tensor: pass its own flatten_axis, ndim - f)."""
+    op = "lowbit.ops.dequantize_fp8_block"
+    data, scale_inv, out_dtype, axis = _check_dequantize_args(op, data, scale_inv, jnp.float32,
+                                                              out_dtype, flatten_axis)
+    _check_scale_shape(op, scale_inv, fp8_block_scale_shape(*flat_view(data.shape, axis), bool(tile_2d)))
+    return dequantize_fp8_block_p.bind(data, scale_inv, flatten_axis=np.int32(axis),
+                                       tile_2d=np.bool_(tile_2d), out_dtype=out_dtype)
+
+
+def dequantize_mxfp8(data, scale, *, colwise: bool = False, flatten_axis: int = -1,
+                     out_dtype=jnp.bfloat16) -> jax.Array:
+    """decode(data) * 2^(e - 127) of its block, rounded to out_dtype; colwise: the blocks run
+    down the columns (a colwise copy)."""
+    op = "lowbit.ops.dequantize_mxfp8"
+    data, scale, out_dtype, axis = _check_dequantize_args(op, data, scale, E8M0, out_dtype, flatten_axis)
+    _check_scale_shape(op, scale, mxfp8_scale_shape(*flat_view(data.shape, axis), bool(colwise)))
+    return dequantize_mxfp8_p.bind(data, scale, flatten_axis=np.int32(axis), colwise=np.bool_(colwise),
+                                   out_dtype=out_dtype)
