@@ -64,7 +64,8 @@ if has profile; then  # Nsight Compute over the memory-bound kernels (tools/prof
   for ops in ${PROFILE_OPS:-quantize norm act softmax}; do
     step "ncu $ops" profile.log 300 ncu --clock-control none -k "regex:${NCU_K:-Quantize|Norm|Act|Softmax|Dbias}" \
       --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
-      --section WarpStateStats $PY tools/profile_ops.py $ops
+      --section WarpStateStats --section ComputeWorkloadAnalysis \
+      --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" $PY tools/profile_ops.py $ops
   done
   unset XLA_PYTHON_CLIENT_PREALLOCATE
 fi
