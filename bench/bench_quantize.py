@@ -5,12 +5,20 @@ measured device copy bandwidth, and the speedup over XLA; writes bench/results J
 
     python bench/bench_quantize.py            # GPU: 16384x8192 and 8192x32768 bf16
     python bench/bench_quantize.py --small    # CPU smoke run at tiny sizes
+    python bench/bench_quantize.py --variants # GPU: every tiled-kernel variant, colwise/both/both+dbias
+
+--variants [V ...] times the layouts that run the tiled CUDA kernel once per tile variant
+(LOWBIT_QUANTIZE_TILE_VARIANT, see csrc/quantize/quantize.h), each in a subprocess of its
+own with the variable set, and prints one table (no XLA baseline) plus the best variant
+per shape and layout.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import subprocess
 import sys
 
 import jax
@@ -54,9 +62,58 @@ def xla_fn(rowwise, colwise, dbias):
     return f
 
 
+# Tile variants --variants times by default: the default first, then taller tiles, a
+# third stage, and banded tile orders (bands of 16 x 64 rows or 8 x 128 rows).
+DEFAULT_VARIANTS = ["r64s2", "r64s3", "r128s2", "r64s2b16", "r64s3b16", "r128s2b8"]
+VARIANT_ENV = "LOWBIT_QUANTIZE_TILE_VARIANT"
+ROWS_MARK = "BENCH_ROWS_JSON "
+
+
 def moved_bytes(rows: int, cols: int, itemsize: int, rowwise: bool, colwise: bool, dbias: bool) -> int:
     n = rows * cols
     return n * itemsize + n * (int(rowwise) + int(colwise)) + (cols * itemsize if dbias else 0)
+
+
+def run_variants(args, variants: list[str]) -> None:
+    """One subprocess per variant (the env var set), then one combined table."""
+    layouts = args.layouts or ["colwise", "both", "both+dbias"]
+    rows_out, bandwidth = [], None
+    for variant in variants:
+        cmd = [sys.executable, os.path.abspath(__file__), "--no-xla", "--emit-rows", "--layouts", *layouts]
+        if args.shapes:
+            cmd += ["--shapes", *args.shapes]
+        if args.small:
+            cmd.append("--small")
+        if args.iters:
+            cmd += ["--iters", str(args.iters)]
+        env = dict(os.environ, **{VARIANT_ENV: variant})
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(ROWS_MARK)]
+        if proc.returncode != 0 or not lines:
+            print(f"variant {variant}: failed (exit {proc.returncode})\n{proc.stdout[-2000:]}{proc.stderr[-4000:]}")
+            continue
+        payload = json.loads(lines[-1][len(ROWS_MARK):])
+        bandwidth = payload["copy_bandwidth_Bps"]
+        for row in payload["rows"]:
+            rows_out.append({"variant": variant, **row})
+    if not rows_out:
+        sys.exit("no variant ran")
+    print(f"device {common.device_name()}, copy bandwidth {bandwidth / 1e9:.1f} GB/s (read + write)")
+    columns = ["variant", "shape", "layout", "lowbit_us", "lowbit_GB/s", "%copy"]
+    common.print_table(rows_out, columns)
+    best = {}
+    for row in rows_out:
+        key = (row["shape"], row["layout"])
+        if key not in best or row["lowbit_us"] < best[key]["lowbit_us"]:
+            best[key] = row
+    print("best per shape and layout:")
+    common.print_table(list(best.values()), columns)
+    path = common.write_results(
+        "quantize_variants" + ("_small" if args.small else ""),
+        {"dtype": "bfloat16", "fp8": "float8_e4m3fn", "copy_bandwidth_Bps": bandwidth,
+         "target_percent_of_copy": 85.0, "rows": rows_out},
+    )
+    print(f"wrote {path}")
 
 
 def main() -> None:
@@ -64,45 +121,59 @@ def main() -> None:
     parser.add_argument("--small", action="store_true", help="tiny sizes, runs on the CPU")
     parser.add_argument("--shapes", nargs="*", default=None, help="ROWSxCOLS, e.g. 16384x8192")
     parser.add_argument("--iters", type=int, default=None)
+    parser.add_argument("--layouts", nargs="*", choices=list(LAYOUTS), default=None,
+                        help="layouts to time (default: all; with --variants: colwise both both+dbias)")
+    parser.add_argument("--variants", nargs="*", default=None,
+                        help=f"time each tile variant in a subprocess (default list: {' '.join(DEFAULT_VARIANTS)})")
+    parser.add_argument("--no-xla", action="store_true", help="skip the XLA baseline")
+    parser.add_argument("--emit-rows", action="store_true", help=argparse.SUPPRESS)  # --variants' children
     args = parser.parse_args()
+    if args.variants is not None:
+        run_variants(args, args.variants or DEFAULT_VARIANTS)
+        return
 
     if args.shapes:
         shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes]
     else:
         shapes = [(256, 512), (128, 1024)] if args.small else [(16384, 8192), (8192, 32768)]
+    layouts = {name: LAYOUTS[name] for name in (args.layouts or LAYOUTS)}
     iters = args.iters or (3 if args.small else 20)
     repeats = 2 if args.small else 5
     bandwidth = common.copy_bandwidth(1 << 20 if args.small else 1 << 30)
     print(f"device {common.device_name()}, copy bandwidth {bandwidth / 1e9:.1f} GB/s (read + write)")
+    if os.environ.get(VARIANT_ENV):
+        print(f"{VARIANT_ENV}={os.environ[VARIANT_ENV]}")
 
     scale = jnp.float32(0.5)
     rows_out = []
     for rows, cols in shapes:
         keys = jax.random.split(jax.random.key(0), 2)
         sets = [(jax.random.normal(k, (rows, cols), jnp.bfloat16), scale) for k in keys]
-        for name, (rowwise, colwise, dbias) in LAYOUTS.items():
+        for name, (rowwise, colwise, dbias) in layouts.items():
             nbytes = moved_bytes(rows, cols, 2, rowwise, colwise, dbias)
             t_lowbit = common.time_fn(lowbit_fn(rowwise, colwise, dbias), sets, iters, repeats)
-            t_xla = common.time_fn(xla_fn(rowwise, colwise, dbias), sets, iters, repeats)
-            gbps = nbytes / t_lowbit / 1e9
-            rows_out.append({
+            row = {
                 "shape": f"{rows}x{cols}",
                 "layout": name,
                 "lowbit_us": t_lowbit * 1e6,
-                "lowbit_GB/s": gbps,
+                "lowbit_GB/s": nbytes / t_lowbit / 1e9,
                 "%copy": 100.0 * nbytes / t_lowbit / bandwidth,
-                "xla_us": t_xla * 1e6,
-                "xla_GB/s": nbytes / t_xla / 1e9,
-                "speedup": t_xla / t_lowbit,
-            })
+            }
+            if not args.no_xla:
+                t_xla = common.time_fn(xla_fn(rowwise, colwise, dbias), sets, iters, repeats)
+                row.update({"xla_us": t_xla * 1e6, "xla_GB/s": nbytes / t_xla / 1e9, "speedup": t_xla / t_lowbit})
+            rows_out.append(row)
         del sets
-    columns = ["shape", "layout", "lowbit_us", "lowbit_GB/s", "%copy", "xla_us", "xla_GB/s", "speedup"]
+    columns = ["shape", "layout", "lowbit_us", "lowbit_GB/s", "%copy"]
+    if not args.no_xla:
+        columns += ["xla_us", "xla_GB/s", "speedup"]
     common.print_table(rows_out, columns)
-    path = common.write_results(
-        "quantize" + ("_small" if args.small else ""),
-        {"dtype": "bfloat16", "fp8": "float8_e4m3fn", "copy_bandwidth_Bps": bandwidth,
-         "target_percent_of_copy": 85.0, "rows": rows_out},
-    )
+    payload = {"dtype": "bfloat16", "fp8": "float8_e4m3fn", "copy_bandwidth_Bps": bandwidth,
+               "target_percent_of_copy": 85.0, "rows": rows_out}
+    if args.emit_rows:
+        print(ROWS_MARK + json.dumps(payload))
+        return
+    path = common.write_results("quantize" + ("_small" if args.small else ""), payload)
     print(f"wrote {path}")
 
 

@@ -391,3 +391,46 @@ def test_cuda_vmap_equals_cpu(rng, cpu, gpu):
     np.testing.assert_array_equal(a.rowwise.view(np.uint8), b.rowwise.view(np.uint8))
     np.testing.assert_array_equal(a.colwise.view(np.uint8), b.colwise.view(np.uint8))
     np.testing.assert_array_equal(a.amax.view(np.uint32), b.amax.view(np.uint32))
+
+
+# Every tile variant of the CUDA tiled kernel (LOWBIT_QUANTIZE_TILE_VARIANT, quantize.h;
+# the launcher reads it on every call, and run_on compiles afresh) against the CPU. Shapes
+# with more tiles than the GPU holds blocks (4160 x 2056: 1105 tiles of 64 rows, 561 of
+# 128), so blocks loop through the pipeline; rows = 4 (mod 8) (4-byte colwise stores,
+# partial 128-row tiles); cols = 4 (mod 8) (element loads for 16-bit x); unaligned odd
+# shapes; one row (1-byte colwise stores).
+TILE_VARIANTS = ["r64s2", "r64s3", "r128s2", "r64s2b16", "r64s3b1", "r128s2b3"]
+VARIANT_SHAPES = [((4160, 2056), -1), ((4100, 1028), -1), ((513, 3001), -1), ((2, 7, 64, 96), 2),
+                  ((1, 4100), -1)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_ids)
+@pytest.mark.parametrize("variant", TILE_VARIANTS)
+def test_cuda_tile_variants_equal_cpu(variant, dtype, rng, cpu, gpu, monkeypatch):
+    monkeypatch.setenv("LOWBIT_QUANTIZE_TILE_VARIANT", variant)
+    for shape, axis in VARIANT_SHAPES:
+        x = random_with_specials(rng, shape, dtype)
+        for i, (rowwise, colwise, dbias) in enumerate(GPU_CONFIGS[1:]):  # the tiled kernel's
+            def f(v, s):
+                return quantize_fp8(v, s, out_dtype=FP8[i % 2], rowwise=rowwise, colwise=colwise,
+                                    flatten_axis=axis, compute_dbias=dbias)
+
+            s = np.float32(0.37)
+            g, c = run_on(gpu, f, x, s), run_on(cpu, f, x, s)
+            for name in ("rowwise", "colwise"):
+                if getattr(c, name) is not None:
+                    np.testing.assert_array_equal(getattr(g, name).view(np.uint8), getattr(c, name).view(np.uint8),
+                                                  err_msg=f"{name} {shape}")
+            np.testing.assert_array_equal(g.amax.view(np.uint32), c.amax.view(np.uint32))
+            if dbias:
+                assert_dbias_close(g.dbias, c.dbias, x, axis)
+
+
+@pytest.mark.gpu
+def test_cuda_bad_tile_variant(gpu, monkeypatch):
+    x = jnp.ones((64, 128), jnp.bfloat16)
+    for bad in ("r32s2", "r128s3", "r64s2b0", "r64s2x", "fast"):
+        monkeypatch.setenv("LOWBIT_QUANTIZE_TILE_VARIANT", bad)
+        with pytest.raises(Exception, match=r"lowbit_quantize_fp8: LOWBIT_QUANTIZE_TILE_VARIANT=\"" + bad):
+            run_on(gpu, lambda v: quantize_fp8(v, jnp.float32(1.0), colwise=True), x)

@@ -12,9 +12,9 @@
 //   sign defined by MulNanDefined in fp8_codec.h, not by the platform's multiply);
 //   amax = max |x| chosen by comparing fp32 bit patterns as unsigned (NaN beats inf,
 //   empty -> 0), as lowbit_amax does; dbias = column sums accumulated in fp32, rounded
-//   once to its dtype (the reference sums rows in order; the kernel sums per 64-row
-//   tile, then the tiles in order: deterministic, equal to the reference within fp32
-//   rounding); dequantize: out = round(decode(q) * scale_inv) to out's dtype, a NaN
+//   once to its dtype (the reference sums rows in order; the kernel sums groups of 16
+//   rows (32 for f32 x) in order, then a tile's groups, then the tiles: deterministic for
+//   a given tile variant, equal to the reference within fp32 rounding); dequantize: out = round(decode(q) * scale_inv) to out's dtype, a NaN
 //   result being the canonical quiet NaN with the sign MulNanDefined gives it.
 #pragma once
 
@@ -45,10 +45,22 @@ Status QuantizeFp8Ref(const QuantizeFp8Args& args);
 Status DequantizeFp8Ref(const uint8_t* data, DType data_dtype, int64_t n, const float* scale_inv,
                         void* out, DType out_dtype);
 
-// CUDA tile geometry, shared with the workspace size below: a block quantizes
-// kQuantizeTileRows x kQuantizeTileCols elements at a time.
+// CUDA tile geometry, shared with the workspace size below: a block quantizes tiles of
+// 64 or 128 rows (kQuantizeTileRows is the smaller, which sizes the workspace) x
+// kQuantizeTileCols columns.
 constexpr int64_t kQuantizeTileRows = 64;
 constexpr int64_t kQuantizeTileCols = 128;
+
+// Tuning knob for benchmarks, read by the CUDA launcher on every call that takes the
+// tiled kernel (anything with colwise or dbias): which tile variant to run. Unset or
+// empty: the default, "r64s2". Values: r64s2 | r64s3 | r128s2 (tile rows 64 or 128 with
+// 4 * rows threads per block; 2 or 3 input stages in flight), optionally followed by
+// b<N> (N = 1..4096): tiles in bands of N tile rows, column-major inside a band, instead
+// of row-major. Any other value is an InvalidArgument error. f32 x always uses r64s2
+// (the band applies); a variant whose shared memory exceeds the device's per-block limit
+// runs as r64s2. Every variant gives the same rowwise, colwise and amax bits; dbias
+// differs only by fp32 summation order (the tile height changes it).
+constexpr const char* kQuantizeTileVariantEnv = "LOWBIT_QUANTIZE_TILE_VARIANT";
 
 // Device workspace QuantizeFp8Cuda needs: per-tile-row column partial sums for dbias.
 inline int64_t QuantizeFp8WorkspaceBytes(int64_t rows, int64_t cols, bool dbias) {
