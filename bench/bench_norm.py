@@ -9,12 +9,20 @@ per-row or per-column, negligible at these shapes, and are not counted).
 
     python bench/bench_norm.py            # GPU: 16384 x 4096 and 16384 x 8192, bf16
     python bench/bench_norm.py --small    # CPU smoke run at tiny sizes
+    python bench/bench_norm.py --variants # GPU: the forward per launch-tuning variant
+
+--variants times the two forward cases once per LOWBIT_NORM_FWD_VARIANT setting (the
+forward launcher's tuning knob, csrc/norm/norm_plan.h: items per thread, cp.async row
+stages, block sizes), each in its own subprocess, and prints one table (XLA alongside);
+--variants "items=8;items=16,stages=4" times the given ';'-separated settings instead.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import subprocess
 import sys
 
 import jax
@@ -65,7 +73,14 @@ def make_lowbit_bwd(x, gamma, beta):
     return lambda dz, x, g, b: norm_backward(dz, x, o.mu, o.rsigma, g)
 
 
-def run(rows: int, hidden: int, dtype, copy_bw: float, iters: int) -> list[dict]:
+# Launch-tuning settings timed by --variants ("" = the built-in defaults).
+VARIANTS = ["", "items=8", "items=8,stages=2", "items=8,stages=4", "items=16,stages=2",
+            "items=16,stages=4", "items=16,block=256", "items=16,block=1024",
+            "colblock=512", "items=8,colblock=512"]
+
+
+def run(rows: int, hidden: int, dtype, copy_bw: float, iters: int,
+        fwd_only: bool = False) -> list[dict]:
     key = jax.random.PRNGKey(0)
     sets = []
     for i in range(2):
@@ -84,8 +99,9 @@ def run(rows: int, hidden: int, dtype, copy_bw: float, iters: int) -> list[dict]
          [(x, gamma, beta, scale) for x, _ in sets], 2 * n * es + 2 * n + gb),
     ]
     bwd = make_lowbit_bwd(sets[0][0], gamma, beta)
-    cases.append(("bwd", bwd, jnp_bwd, [(dz, sets[0][0], gamma, beta) for _, dz in sets],
-                  3 * n * es + hidden * 4))
+    if not fwd_only:
+            cases.append(("bwd", bwd, jnp_bwd, [(dz, sets[0][0], gamma, beta) for _, dz in sets],
+                      3 * n * es + hidden * 4))
     out = []
     for name, ours, theirs, inputs, nbytes in cases:
         t_ours = common.time_fn(ours, inputs, iters=iters)
@@ -99,13 +115,49 @@ def run(rows: int, hidden: int, dtype, copy_bw: float, iters: int) -> list[dict]
     return out
 
 
+def run_variants(variants: list[str], iters: int, small: bool) -> None:
+    """Each variant in a subprocess (the launcher reads the knob per call; a fresh process
+    keeps one variant's compiled programs and allocations out of the next one's timing)."""
+    rows = []
+    for v in variants:
+        env = dict(os.environ, LOWBIT_NORM_FWD_VARIANT=v)
+        out = subprocess.run([sys.executable, os.path.abspath(__file__), "--fwd-json",
+                              "--iters", str(iters)] + (["--small"] if small else []),
+                             env=env, capture_output=True, text=True)
+        if out.returncode != 0:
+            print(f"variant {v or 'default'!r} failed:\n{out.stderr[-2000:]}")
+            continue
+        for r in json.loads(out.stdout.strip().splitlines()[-1]):
+            rows.append({"variant": v or "default", **r})
+    rows.sort(key=lambda r: (r["hidden"], r["op"], r["time_us"]))
+    common.print_table(rows, ["variant", "op", "hidden", "time_us", "%copy", "xla_us",
+                              "speedup"])
+    if not small:
+        path = common.write_results("norm_variants", {"rows": rows})
+        print(f"wrote {path}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--small", action="store_true", help="tiny CPU smoke run")
     parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--variants", nargs="?", const=";".join(VARIANTS), default=None,
+                        help="time the forward per LOWBIT_NORM_FWD_VARIANT setting "
+                             "(';'-separated; default: the built-in list)")
+    parser.add_argument("--fwd-json", action="store_true",
+                        help=argparse.SUPPRESS)  # one --variants subprocess
     args = parser.parse_args()
+    if args.variants is not None:
+        run_variants(args.variants.split(";"), args.iters, args.small)
+        return
     shapes = [(64, 256), (32, 512)] if args.small else [(16384, 4096), (16384, 8192)]
     copy_bw = common.copy_bandwidth(1 << 22 if args.small else 1 << 30)
+    if args.fwd_json:
+        rows = []
+        for r, h in shapes:
+            rows += run(r, h, jnp.bfloat16, copy_bw, args.iters, fwd_only=True)
+        print(json.dumps(rows, default=float))
+        return
     print(f"device {common.device_name()}, copy bandwidth {copy_bw / 1e9:.0f} GB/s")
     rows = []
     for r, h in shapes:

@@ -473,6 +473,52 @@ def test_cuda_forward_variants(variant, rng, cpu, gpu):
             assert np.all(np.abs(a.astype(np.float32) - b32) <= tol * (np.abs(b32) + np.abs(b32).max() * 0.01))
 
 
+# The forward's launch tuning (LOWBIT_NORM_FWD_VARIANT, csrc/norm/norm_plan.h; benchmarked
+# by bench/bench_norm.py --variants): every variant must agree with the CPU reference like
+# the default. Shapes: one- and two-chunk rows, 32- and 16-row colwise tiles (1040: a last
+# tile of 16 rows), masked lanes (1000), one-warp rows (200), rows spread thinly over blocks.
+FWD_VARIANTS = ["items=8", "items=8,stages=2", "items=16,stages=2", "items=16,stages=4",
+                "stages=1", "items=16,block=256", "items=16,block=1024", "items=8,colblock=512",
+                "colblock=256,stages=4"]
+FWD_VARIANT_SHAPES = [(3, 200), (257, 1000), (1040, 4096), (333, 8192), (65, 16384)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", FWD_VARIANTS)
+@pytest.mark.parametrize("norm_type", NORMS)
+@pytest.mark.parametrize("dtype", [ml_dtypes.bfloat16, np.float32], ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("shape", FWD_VARIANT_SHAPES, ids=str)
+def test_cuda_forward_tuning_variants(variant, norm_type, dtype, shape, rng, cpu, gpu, monkeypatch):
+    monkeypatch.setenv("LOWBIT_NORM_FWD_VARIANT", variant)
+    x, gamma, beta = make(rng, shape, dtype)
+    beta = args_for(norm_type, beta)
+    # The three kernels: colwise (its own block size and tiles), rowwise only, plain.
+    for kw in (dict(quant_scale=np.float32(40.0), colwise=True),
+               dict(quant_scale=np.float32(40.0)), {}):
+        fwd = lambda x, g, b: norm_forward(x, g, b, norm_type=norm_type, **kw)  # noqa: E731
+        g, c = run_on(gpu, fwd, x, gamma, beta), run_on(cpu, fwd, x, gamma, beta)
+        rtol = stat_rtol(shape[-1])
+        np.testing.assert_allclose(g.rsigma, c.rsigma, rtol=rtol)
+        if norm_type == "layernorm":
+            np.testing.assert_allclose(g.mu, c.mu, rtol=rtol, atol=rtol)
+        assert_y_close(g.y, c.y.astype(np.float32), dtype)
+        for a, b in ((g.q_rowwise, c.q_rowwise), (g.q_colwise, c.q_colwise)):
+            assert (a is None) == (b is None)
+            if b is not None:
+                d = code_distance(a, b)
+                assert d.max() <= 1 and (d > 0).mean() <= 1e-3
+        if c.amax is not None:
+            np.testing.assert_allclose(g.amax, c.amax, rtol=2 * rtol)
+
+
+@pytest.mark.gpu
+def test_cuda_forward_bad_tuning_variant(rng, gpu, monkeypatch):
+    monkeypatch.setenv("LOWBIT_NORM_FWD_VARIANT", "stages=9")
+    x, gamma, beta = make(rng, (8, 256), ml_dtypes.bfloat16)
+    with pytest.raises(Exception, match=r"lowbit_norm_forward: LOWBIT_NORM_FWD_VARIANT: bad entry 'stages=9'"):
+        run_on(gpu, lambda x: norm_forward(x, gamma, beta), x)
+
+
 @pytest.mark.gpu
 def test_cuda_forward_nan(rng, cpu, gpu):
     x, gamma, beta = make(rng, (64, 1024), ml_dtypes.bfloat16)

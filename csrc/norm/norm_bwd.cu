@@ -48,48 +48,6 @@ struct BwdParams {
   bool layernorm, zero_centered, gamma_f32;
 };
 
-// A raw chunk of kVec elements of T as loaded (16 bytes on the vectorized path): 2-byte
-// elements stay packed in pairs in 32-bit words and are unpacked where used, so a chunk
-// of 8 bf16/f16 takes 4 registers (a uint16_t array would take one register per element).
-template <typename T, int kVec>
-struct RawChunk {
-  static constexpr bool kPairs = sizeof(T) == 2 && kVec % 2 == 0;
-  using Words = std::conditional_t<kPairs, Pack<uint32_t, kPairs ? kVec / 2 : 1>, Pack<T, kVec>>;
-  Words w;
-};
-
-template <typename T, int kVec>
-__device__ __forceinline__ void LoadRaw(const T* src, RawChunk<T, kVec>& c) {
-  c.w = *reinterpret_cast<const typename RawChunk<T, kVec>::Words*>(src);
-}
-
-template <typename T, int kVec>
-__device__ __forceinline__ void ZeroRaw(RawChunk<T, kVec>& c) {
-  for (auto& v : c.w.v) v = 0;
-}
-
-// Element k of a raw chunk as fp32 (bit-exact: bf16 by shifting, f16 by cvt.f32.f16).
-template <typename Tag, int kVec>
-__device__ __forceinline__ float RawToFloat(const RawChunk<typename Tag::Storage, kVec>& c, int k) {
-  using T = typename Tag::Storage;
-  if constexpr (RawChunk<T, kVec>::kPairs) {
-    const uint32_t w = c.w.v[k / 2];
-    if constexpr (std::is_same_v<Tag, BF16>) {
-      return __uint_as_float(k % 2 == 0 ? w << 16 : w & 0xFFFF0000u);
-    } else {
-      float f;
-      if (k % 2 == 0) {
-        asm("{.reg .f16 lo, hi; mov.b32 {lo, hi}, %1; cvt.f32.f16 %0, lo;}" : "=f"(f) : "r"(w));
-      } else {
-        asm("{.reg .f16 lo, hi; mov.b32 {lo, hi}, %1; cvt.f32.f16 %0, hi;}" : "=f"(f) : "r"(w));
-      }
-      return f;
-    }
-  } else {
-    return ToFloatFast(Tag{}, c.w.v[k]);
-  }
-}
-
 // Hides the value of a raw chunk from the compiler, so that the dx pass recomputes xhat and
 // g from dz/x (a few instructions per element) instead of keeping the first pass's fp32
 // values live across the row sums (twice the registers of bf16/f16 raw chunks).

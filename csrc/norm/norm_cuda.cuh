@@ -7,7 +7,8 @@
 // vectors (kVec = 16 / sizeof(T)) or, on the unaligned path, contiguous scalars (kVec = 1).
 // A block holds one or more row groups; every thread of a row group runs the same number
 // of row iterations (rows past the end are masked), so the group's barriers (RowGroupSum)
-// are uniform.
+// are uniform. Raw chunks (RawChunk) keep 2-byte elements packed in pairs, converted where
+// used; the forward stages prefetched rows in shared memory with cp.async (CpAsync16).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -71,13 +72,93 @@ __device__ __forceinline__ float ToFloatFast(F16, uint16_t v) {
   return f;
 }
 
-// Raw 16-byte (or kVec-element) chunk of the storage type, loaded now and converted later:
-// the forward pass issues the next row's loads into these before the current row's math.
+// A raw chunk of kVec elements of T as loaded (16 bytes on the vectorized path): 2-byte
+// elements stay packed in pairs in 32-bit words and are unpacked where used, so a chunk
+// of 8 bf16/f16 takes 4 registers (a uint16_t array would take one register per element).
+template <typename T, int kVec>
+struct RawChunk {
+  static constexpr bool kPairs = sizeof(T) == 2 && kVec % 2 == 0;
+  using Words = std::conditional_t<kPairs, Pack<uint32_t, kPairs ? kVec / 2 : 1>, Pack<T, kVec>>;
+  Words w;
+};
+
+template <typename T, int kVec>
+__device__ __forceinline__ void LoadRaw(const T* src, RawChunk<T, kVec>& c) {
+  c.w = *reinterpret_cast<const typename RawChunk<T, kVec>::Words*>(src);
+}
+
+template <typename T, int kVec>
+__device__ __forceinline__ void ZeroRaw(RawChunk<T, kVec>& c) {
+  for (auto& v : c.w.v) v = 0;
+}
+
+// Element k of a raw chunk as fp32 (bit-exact: bf16 by shifting, f16 by cvt.f32.f16).
 template <typename Tag, int kVec>
-__device__ __forceinline__ void ToFloat(const Pack<typename Tag::Storage, kVec>& pack,
-                                        float (&out)[kVec]) {
-#pragma unroll
-  for (int k = 0; k < kVec; ++k) out[k] = LoadAsFloat(Tag{}, pack.v[k]);
+__device__ __forceinline__ float RawToFloat(const RawChunk<typename Tag::Storage, kVec>& c, int k) {
+  using T = typename Tag::Storage;
+  if constexpr (RawChunk<T, kVec>::kPairs) {
+    const uint32_t w = c.w.v[k / 2];
+    if constexpr (std::is_same_v<Tag, BF16>) {
+      return __uint_as_float(k % 2 == 0 ? w << 16 : w & 0xFFFF0000u);
+    } else {
+      float f;
+      if (k % 2 == 0) {
+        asm("{.reg .f16 lo, hi; mov.b32 {lo, hi}, %1; cvt.f32.f16 %0, lo;}" : "=f"(f) : "r"(w));
+      } else {
+        asm("{.reg .f16 lo, hi; mov.b32 {lo, hi}, %1; cvt.f32.f16 %0, hi;}" : "=f"(f) : "r"(w));
+      }
+      return f;
+    }
+  } else {
+    return ToFloatFast(Tag{}, c.w.v[k]);
+  }
+}
+
+// cp.async (sm_80+): 16 bytes global -> shared, completed by CpAsyncWait. The forward pass
+// stages the rows it prefetches in shared memory this way, so rows in flight cost no
+// registers. Each thread reads back only the chunks it copied itself, so the wait alone
+// orders them (no barrier). Older architectures copy synchronously.
+__device__ __forceinline__ uint32_t SharedAddress(const void* p) {
+  return uint32_t(__cvta_generic_to_shared(p));
+}
+
+// `smem_dst`: a shared-window address (SharedAddress), 16-byte aligned.
+__device__ __forceinline__ void CpAsync16(uint32_t smem_dst, const void* gmem_src) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_dst), "l"(gmem_src) : "memory");
+#else
+  const uint4 v = *static_cast<const uint4*>(gmem_src);
+  asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(smem_dst), "r"(v.x), "r"(v.y),
+               "r"(v.z), "r"(v.w) : "memory");
+#endif
+}
+
+__device__ __forceinline__ uint4 LoadShared16(uint32_t smem_src) {
+  uint4 v;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(smem_src) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void CpAsyncCommit() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;" ::: "memory");
+#endif
+}
+
+// Waits until at most n (0..3) of this thread's committed groups are pending.
+__device__ __forceinline__ void CpAsyncWait(int n) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  if (n == 2) {
+    asm volatile("cp.async.wait_group 2;" ::: "memory");
+  } else if (n == 1) {
+    asm volatile("cp.async.wait_group 1;" ::: "memory");
+  } else if (n == 0) {
+    asm volatile("cp.async.wait_group 0;" ::: "memory");
+  } else {
+    asm volatile("cp.async.wait_group 3;" ::: "memory");
+  }
+#endif
 }
 
 // Hardware conversions (cvt.rn[.satfinite]): round to nearest even exactly as the

@@ -1,28 +1,42 @@
 // CUDA normalization forward (LayerNorm / RMSNorm) with the fused FP8 quantization,
 // rowwise and transposed (colwise), and the amax of y (see norm.h for the math).
 //
-// One row group per row (geometry in norm_cuda.cuh); the row stays in registers between
-// the statistics and the output pass. Blocks are persistent and walk "row tiles"
-// grid-stride; each row group loads its next row (raw 16-byte chunks) before the current
-// row's reductions, so two rows per group are in flight (rows of <= 8 items per thread). Row sums reduce within the row
-// group only (shuffles, then one named barrier per sum), never across the block.
+// One row group (threads_per_row threads, kChunks 16-byte chunks per thread; scalars on the
+// unaligned path) per row; the row stays in registers between the statistics and the output
+// pass. Each block owns a contiguous range of row tiles; its row groups take the tile's rows
+// interleaved. Rows are prefetched `stages - 1` rows ahead with cp.async into shared memory
+// ([stages][kChunks][threads] 16-byte slots, each thread reading back only its own slots),
+// so the rows in flight cost no registers (vectorized path only; the unaligned scalar path
+// loads each row when it gets to it).
+// Per row: one warp-shuffle tree + one named barrier per sum (the row group only, never the
+// block), sum x then sum (x - mu)^2 (the two-pass variance; the squares are accumulated by
+// FMA), mu and var by correctly rounded division. d = x - mu is kept in registers for y.
+// gamma/beta (NormWeight applied) stay in registers for rows of <= 8 items per thread.
 // Conversions: y to bf16/f16 and the FP8 codes use the hardware cvt.rn instructions, exact
 // against the formats.h codecs except for NaN; a chunk holding a NaN (seen from its amax
 // bits), or any chunk when scale is 0/inf/NaN, takes the codecs. Outputs are template
 // switches (quantize, colwise), so the plain forward does no FP8 work.
-// Colwise: a tile is kTileRows rows whose codes are staged in shared memory ([tile_rows]
-// [stride] bytes, stride = hidden rounded up to 16, + 4 so that stride / 4 is odd and the
-// transposing reads are bank-conflict free), then written transposed: each thread takes 4
-// columns x 16 (or 4) rows, transposes 4x4 byte blocks with byte permutes and stores 16 (4)
-// contiguous bytes per column; with 32-row tiles two neighbouring lanes write each column's
-// full 32-byte segment. Tiles are 32 rows while 32 staged rows fit the kColTileBytes budget
-// (hidden <= ~5000), else 16 (<= ~10000) or 8 rows; one 1024-thread block per SM.
+// Colwise: a tile is tile_rows rows whose codes are staged in shared memory ([tile_rows]
+// [stride] bytes after the row stages, stride = hidden rounded up to 16, + 4 so that stride
+// / 4 is odd and the transposing reads are bank-conflict free), then written transposed:
+// each thread takes 4 columns x 16 (or 4) rows, transposes 4x4 byte blocks with byte
+// permutes and stores 16 (4) contiguous bytes per column. Tiles are 32 rows where they fit
+// beside the stages (hidden <= ~5000), else 16 (8192: consecutive tiles of one block
+// complete each 32-byte column sector within microseconds, in L2).
+// Tuning (items per thread, stages, block sizes): NormFwdTuning in norm_plan.h, overridable
+// through LOWBIT_NORM_FWD_VARIANT for benchmarks.
 #include <cuda_runtime.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <type_traits>
 
 #include "norm/norm.h"
 #include "norm/norm_check.h"
 #include "norm/norm_cuda.cuh"
 #include "norm/norm_math.h"
+#include "norm/norm_plan.h"
 
 namespace lowbit {
 namespace {
@@ -30,11 +44,8 @@ namespace {
 using namespace norm_cuda;
 
 constexpr const char* kOp = "lowbit_norm_forward";
-constexpr int kBlockThreads = 512;          // target block size without colwise
-constexpr int kColBlockThreads = 1024;      // target block size with colwise
-constexpr int kColTileBytes = 160 * 1024;   // shared-memory budget of one colwise tile
-constexpr int kMaxTileRows = 32;            // 32-byte column segments
-constexpr int kMaxRowGroups = 15;           // named barriers 1..15
+constexpr int kMaxTileRows = 32;  // 32-byte column segments
+constexpr int kStaticSmem = 1024; // partial sums and BlockMaxU32, rounded up
 
 struct FwdParams {
   const void* x;
@@ -48,14 +59,17 @@ struct FwdParams {
   uint8_t* q_col;
   uint32_t* amax_bits;
   int64_t rows;
+  int64_t tiles;        // ceil(rows / tile_rows)
   int hidden;
   int threads_per_row;
-  int tile_rows;      // rows per tile (a multiple of the block's row groups)
+  int tile_rows;        // rows per tile: groups << per_tile_log2 (a power of two)
   int tile_rows_log2;
-  int tile_stride;    // bytes per staged row (colwise)
+  int per_tile_log2;    // log2(rows of one group per tile)
+  int tile_stride;      // bytes per staged row of codes (colwise)
+  int stages;           // row stages in shared memory (vectorized path), >= 1
   float epsilon;
   bool layernorm, zero_centered, gamma_f32, e5m2;
-  bool col_words;     // q_col 16-byte aligned, hidden % 4 == 0 (word transposes)
+  bool col_words;       // q_col 16-byte aligned, hidden % 4 == 0 (word transposes)
 };
 
 // 4x4 byte transpose: w[i] holds byte j of row i at bits 8j; out[j] holds byte i of column
@@ -124,35 +138,46 @@ __device__ __forceinline__ void WriteTransposed(const FwdParams& p, const uint8_
   }
 }
 
-template <typename Tag, int kVec, int kChunks>
-__device__ __forceinline__ void LoadRowRaw(const FwdParams& p, int64_t r, int lane,
-                                           Pack<typename Tag::Storage, kVec> (&raw)[kChunks]) {
-  using T = typename Tag::Storage;
-  const T* xr = static_cast<const T*>(p.x) + r * p.hidden;
-  const int tpr = p.threads_per_row;
+// FP8 codes of y * scale as little-endian 32-bit words (Fp32Mul: the product of
+// NormQuantize); `hw_ok` as in EncodeFp8.
+template <int kVec>
+__device__ __forceinline__ void EncodeFp8Words(const float (&y)[kVec], float scale, bool e5m2,
+                                               bool hw_ok, uint32_t (&w)[kVec / 4]) {
+  if (LOWBIT_NORM_HW_FP8 && hw_ok) {
 #pragma unroll
-  for (int j = 0; j < kChunks; ++j) {
-    const int e = (j * tpr + lane) * kVec;
-    if (r < p.rows && e < p.hidden) {
-      raw[j] = *reinterpret_cast<const Pack<T, kVec>*>(xr + e);
-    } else {
+    for (int m = 0; m < kVec / 4; ++m) {
+      const uint32_t lo = CvtFp8PairHw(e5m2, Fp32Mul(y[4 * m], scale), Fp32Mul(y[4 * m + 1], scale));
+      const uint32_t hi = CvtFp8PairHw(e5m2, Fp32Mul(y[4 * m + 2], scale), Fp32Mul(y[4 * m + 3], scale));
+      w[m] = __byte_perm(lo, hi, 0x5410);
+    }
+  } else {
 #pragma unroll
-      for (int k = 0; k < kVec; ++k) raw[j].v[k] = T(0);
+    for (int m = 0; m < kVec / 4; ++m) {
+      w[m] = 0;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) w[m] |= uint32_t(NormQuantize(y[4 * m + i], scale, e5m2)) << (8 * i);
     }
   }
 }
 
-// Rows of a block, in order: tile t = blockIdx.x, blockIdx.x + gridDim.x, ...; within a
-// tile, row group g takes rows g, g + groups, ... Every group of a block runs the same
-// number of iterations (rows past the end are masked); only colwise tiles synchronize the
-// whole block.
-template <typename Tag, int kItems, bool kVectorized, bool kQuant, bool kColwise>
+// Iteration k of row group `group` of a block handles row
+//   (t_begin + k / per_tile) * tile_rows + group + (k % per_tile) * groups,
+// per_tile = tile_rows / groups: the block's tiles in order, a tile's rows interleaved over
+// the groups. Every group of a block runs the same number of iterations (rows past the end
+// are masked), so a tile ends for the whole block at once (the colwise barrier).
+template <typename Tag, int kChunks, bool kVectorized, bool kQuant, bool kColwise>
 __global__ void __launch_bounds__(1024) NormForwardKernel(FwdParams p) {
   using T = typename Tag::Storage;
   constexpr int kVec = kVectorized ? 16 / int(sizeof(T)) : 1;
-  constexpr int kChunks = kItems / kVec;
-  using Raw = Pack<T, kVec>;
-  extern __shared__ __align__(16) uint8_t tile[];
+  using Raw = RawChunk<T, kVec>;
+  using Words = typename Raw::Words;
+  // gamma/beta as fp32 in registers (2 x 8 of them at most, not beside the colwise
+  // staging: spills); else loaded per row (L1), vectorized rows with the gamma dtype and
+  // beta as uniform branches around the output pass (kDispatch).
+  constexpr bool kKeepParams = kChunks * kVec <= 8 && !kColwise;
+  constexpr bool kDispatch = kVectorized && !kKeepParams;
+  constexpr bool kCodeWords = kVec % 4 == 0;
+  extern __shared__ __align__(16) uint8_t smem[];
   __shared__ float partial[2][32];
 
   const int tpr = p.threads_per_row;
@@ -162,61 +187,118 @@ __global__ void __launch_bounds__(1024) NormForwardKernel(FwdParams p) {
   const float hidden_f = float(h);
   const float scale = kQuant ? *p.scale : 1.0f;
   const bool scale_ok = kQuant && ScaleKeepsFinite(scale);
-  const int64_t tiles = (p.rows + p.tile_rows - 1) / p.tile_rows;
+  const T* const x = static_cast<const T*>(p.x);
+  // Row stages: slot s, chunk j of this thread at stage[(s * kChunks + j) * blockDim.x +
+  // threadIdx.x]; the colwise tile follows them.
+  uint8_t* const tile = smem + (kVectorized ? size_t(p.stages) * kChunks * blockDim.x * 16 : 0);
+  const uint32_t my_stage = SharedAddress(smem) + threadIdx.x * 16;
+  const uint32_t chunk_bytes = blockDim.x * 16, slot_bytes = kChunks * chunk_bytes;
+
+  // 32-bit row arithmetic: the launcher keeps rows + tile_rows below 2^31.
+  const int t_begin = int(int64_t(blockIdx.x) * p.tiles / gridDim.x);
+  const int t_end = int(int64_t(blockIdx.x + 1) * p.tiles / gridDim.x);
+  const int iters = (t_end - t_begin) << p.per_tile_log2;
+  const int per_tile_mask = (1 << p.per_tile_log2) - 1;
+  auto row_in_tile = [&](int k) { return group + (k & per_tile_mask) * groups; };
+  auto row_of = [&](int k) {
+    return ((t_begin + (k >> p.per_tile_log2)) << p.tile_rows_log2) + row_in_tile(k);
+  };
+  auto first_elem = [&](int j) { return (j * tpr + lane) * kVec; };
+
+  float w_keep[kKeepParams ? kChunks : 1][kVec] = {}, b_keep[kKeepParams ? kChunks : 1][kVec] = {};
+  if constexpr (kKeepParams) {
+#pragma unroll
+    for (int j = 0; j < kChunks; ++j) {
+      const int e = first_elem(j);
+      if (e >= h) continue;
+      LoadParamChunk<Tag, kVec>(p.gamma, p.gamma_f32, e, w_keep[j]);
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) w_keep[j][k] = NormWeight(w_keep[j][k], p.zero_centered);
+      if (p.layernorm) LoadParamChunk<Tag, kVec>(p.beta, p.gamma_f32, e, b_keep[j]);
+    }
+  }
+
+  // Copies the row of iteration k (if any) into the next stage slot; one commit group per
+  // call, empty past the end, so that CpAsyncWait(stages - 1) always means "row k is here".
+  int slot_in = 0, slot_out = 0;
+  auto issue = [&](int k) {
+    if (k < iters) {
+      const int r = row_of(k);
+      if (r < p.rows) {
+        const T* src = x + int64_t(r) * h + first_elem(0);
+        const uint32_t dst = my_stage + slot_in * slot_bytes;
+#pragma unroll
+        for (int j = 0; j < kChunks; ++j) {
+          if (first_elem(j) < h) CpAsync16(dst + j * chunk_bytes, src + j * tpr * kVec);
+        }
+      }
+    }
+    CpAsyncCommit();
+    slot_in = slot_in + 1 == p.stages ? 0 : slot_in + 1;
+  };
+  if constexpr (kVectorized) {
+    for (int s = 0; s + 1 < p.stages; ++s) issue(s);
+  }
+
   uint32_t amax_bits = 0;
   int parity = 0;
-
-  // 16-item rows (hidden > 8192 for 2-byte x) have no registers left for a second row.
-  constexpr bool kPrefetch = kItems <= 8;
-  Raw raw[kChunks];
-  int64_t t = blockIdx.x;
-  int rr = group;
-  if (kPrefetch && t < tiles) LoadRowRaw<Tag, kVec, kChunks>(p, t * p.tile_rows + rr, lane, raw);
-  while (t < tiles) {
-    const int64_t r0 = t * p.tile_rows;
-    const int64_t r = r0 + rr;
-    const bool row_ok = r < p.rows;
-    // The row stays in its storage type (half the registers of fp32 for bf16/f16) and is
-    // converted where used (one instruction per element and use).
+  for (int k = 0; k < iters; ++k) {
+    const int r = row_of(k);
+    const bool row_ok = r < p.rows;  // uniform in the group
     Raw cur[kChunks];
-    if constexpr (kPrefetch) {
+    if constexpr (kVectorized) {
+      // The slot written now was read (and its values used) in the previous iteration.
+      issue(k + p.stages - 1);
+      CpAsyncWait(p.stages - 1);
+      const uint32_t src = my_stage + slot_out * slot_bytes;
 #pragma unroll
-      for (int j = 0; j < kChunks; ++j) cur[j] = raw[j];
+      for (int j = 0; j < kChunks; ++j) {
+        if (row_ok && first_elem(j) < h) {
+          const uint4 v = LoadShared16(src + j * chunk_bytes);
+          static_assert(sizeof(Words) == sizeof(uint4), "a staged chunk is 16 bytes");
+          memcpy(&cur[j].w, &v, sizeof(v));
+        } else {
+          ZeroRaw(cur[j]);
+        }
+      }
+      slot_out = slot_out + 1 == p.stages ? 0 : slot_out + 1;
     } else {
-      LoadRowRaw<Tag, kVec, kChunks>(p, r, lane, cur);
-    }
-    // The next row of this group (maybe in the next tile), loaded now.
-    int next_rr = rr + groups;
-    int64_t next_t = t;
-    if (next_rr >= p.tile_rows) {
-      next_rr = group;
-      next_t = t + gridDim.x;
-    }
-    if (kPrefetch && next_t < tiles) {
-      LoadRowRaw<Tag, kVec, kChunks>(p, next_t * p.tile_rows + next_rr, lane, raw);
+#pragma unroll
+      for (int j = 0; j < kChunks; ++j) {
+        const int e = first_elem(j);
+        if (row_ok && e < h) {
+          LoadRaw(x + int64_t(r) * h + e, cur[j]);
+        } else {
+          ZeroRaw(cur[j]);
+        }
+      }
     }
 
     float mu = 0.0f;
     if (p.layernorm) {
       float sum = 0.0f;
 #pragma unroll
-      for (int j = 0; j < kChunks; ++j)
+      for (int j = 0; j < kChunks; ++j) {
+        float s = RawToFloat<Tag, kVec>(cur[j], 0);  // zeros past the end of the row
 #pragma unroll
-        for (int k = 0; k < kVec; ++k) sum += ToFloatFast(Tag{}, cur[j].v[k]);
+        for (int k2 = 1; k2 < kVec; ++k2) s += RawToFloat<Tag, kVec>(cur[j], k2);
+        sum += s;
+      }
       sum = RowGroupSum(sum, partial[parity], group, groups, tpr);
       parity ^= 1;
       mu = Fp32Div(sum, hidden_f);
     }
+    float d[kChunks][kVec];  // x - mu, the first step of NormXhat
     float sq = 0.0f;
 #pragma unroll
     for (int j = 0; j < kChunks; ++j) {
-      if ((j * tpr + lane) * kVec < h) {
+      float s = 0.0f;
 #pragma unroll
-        for (int k = 0; k < kVec; ++k) {
-          const float d = Fp32Add(ToFloatFast(Tag{}, cur[j].v[k]), -mu);
-          sq += Fp32Mul(d, d);
-        }
+      for (int k2 = 0; k2 < kVec; ++k2) {
+        d[j][k2] = Fp32Add(RawToFloat<Tag, kVec>(cur[j], k2), -mu);
+        s = __fmaf_rn(d[j][k2], d[j][k2], s);
       }
+      if (first_elem(j) < h) sq += s;  // chunks past the end hold -mu
     }
     sq = RowGroupSum(sq, partial[parity], group, groups, tpr);
     parity ^= 1;
@@ -225,56 +307,84 @@ __global__ void __launch_bounds__(1024) NormForwardKernel(FwdParams p) {
       if (p.layernorm) p.mu[r] = mu;
       p.rsigma[r] = rsigma;
     }
-    if (row_ok) {
+    // The output pass (see kDispatch).
+    auto output = [&](auto gamma_f32, auto has_beta) {
+      const bool gf32 = kDispatch ? decltype(gamma_f32)::value : p.gamma_f32;
+      const bool beta = kDispatch ? decltype(has_beta)::value : p.layernorm;
+      const int rr = row_in_tile(k);
 #pragma unroll
       for (int j = 0; j < kChunks; ++j) {
-        const int e = (j * tpr + lane) * kVec;
+        const int e = first_elem(j);
         if (e >= h) continue;
-        float w[kVec], b[kVec] = {};
-        LoadParamChunk<Tag, kVec>(p.gamma, p.gamma_f32, e, w);
-        if (p.layernorm) LoadParamChunk<Tag, kVec>(p.beta, p.gamma_f32, e, b);
+        float w[kVec], b[kVec];
+        if constexpr (kKeepParams) {
+#pragma unroll
+          for (int k2 = 0; k2 < kVec; ++k2) {
+            w[k2] = w_keep[j][k2];
+            b[k2] = b_keep[j][k2];
+          }
+        } else {
+          LoadParamChunk<Tag, kVec>(p.gamma, gf32, e, w);
+#pragma unroll
+          for (int k2 = 0; k2 < kVec; ++k2) {
+            w[k2] = NormWeight(w[k2], p.zero_centered);
+            b[k2] = 0.0f;
+          }
+          if (beta) LoadParamChunk<Tag, kVec>(p.beta, gf32, e, b);
+        }
         float y[kVec];
         uint32_t chunk_max = 0;
 #pragma unroll
-        for (int k = 0; k < kVec; ++k) {
-          y[k] = NormOutput(NormXhat(ToFloatFast(Tag{}, cur[j].v[k]), mu, rsigma), NormWeight(w[k], p.zero_centered),
-                            b[k], p.layernorm);
-          chunk_max = max(chunk_max, AbsBitsOf(y[k]));
+        for (int k2 = 0; k2 < kVec; ++k2) {
+          y[k2] = NormOutput(Fp32Mul(d[j][k2], rsigma), w[k2], b[k2], kKeepParams ? p.layernorm : beta);
+          chunk_max = max(chunk_max, AbsBitsOf(y[k2]));
         }
         amax_bits = max(amax_bits, chunk_max);
         const bool no_nan = chunk_max <= 0x7F800000u;
-        if (p.y != nullptr) StoreChunkFast<Tag, kVec>(static_cast<T*>(p.y) + r * h + e, y, no_nan);
+        const int64_t off = int64_t(r) * h + e;
+        if (p.y != nullptr) StoreChunkFast<Tag, kVec>(static_cast<T*>(p.y) + off, y, no_nan);
         if constexpr (kQuant) {
-          Pack<uint8_t, kVec> q;
-          EncodeFp8<kVec>(y, scale, p.e5m2, scale_ok && no_nan, q.v);
-          if (p.q_row != nullptr) *reinterpret_cast<Pack<uint8_t, kVec>*>(p.q_row + r * h + e) = q;
-          if constexpr (kColwise) {
-            uint8_t* dst = tile + rr * p.tile_stride + e;
-            if constexpr (kVec % 4 == 0) {
+          if constexpr (kCodeWords) {
+            Pack<uint32_t, kVec / 4> q;
+            EncodeFp8Words<kVec>(y, scale, p.e5m2, scale_ok && no_nan, q.v);
+            if (p.q_row != nullptr) *reinterpret_cast<Pack<uint32_t, kVec / 4>*>(p.q_row + off) = q;
+            if constexpr (kColwise) {  // staged rows are only 4-byte aligned
+              uint32_t* dst = reinterpret_cast<uint32_t*>(tile + rr * p.tile_stride + e);
 #pragma unroll
-              for (int k = 0; k < kVec; k += 4) {  // staged rows are only 4-byte aligned
-                *reinterpret_cast<uint32_t*>(dst + k) =
-                    uint32_t(q.v[k]) | (uint32_t(q.v[k + 1]) << 8) |
-                    (uint32_t(q.v[k + 2]) << 16) | (uint32_t(q.v[k + 3]) << 24);
-              }
-            } else {
+              for (int m = 0; m < kVec / 4; ++m) dst[m] = q.v[m];
+            }
+          } else {
+            uint8_t q[kVec];
+            EncodeFp8<kVec>(y, scale, p.e5m2, scale_ok && no_nan, q);
 #pragma unroll
-              for (int k = 0; k < kVec; ++k) dst[k] = q.v[k];
+            for (int k2 = 0; k2 < kVec; ++k2) {
+              if (p.q_row != nullptr) p.q_row[off + k2] = q[k2];
+              if constexpr (kColwise) tile[rr * p.tile_stride + e + k2] = q[k2];
             }
           }
         }
       }
+    };
+    if (row_ok) {
+      using std::false_type;
+      using std::true_type;
+      if constexpr (!kDispatch) {
+        output(false_type{}, false_type{});  // runtime flags
+      } else if (p.gamma_f32) {
+        p.layernorm ? output(true_type{}, true_type{}) : output(true_type{}, false_type{});
+      } else {
+        p.layernorm ? output(false_type{}, true_type{}) : output(false_type{}, false_type{});
+      }
     }
     if constexpr (kColwise) {
-      if (next_t != t) {  // the tile is done: every group of the block gets here together
+      if ((int(k) & per_tile_mask) == per_tile_mask) {  // the tile's last rows: every group is here
         __syncthreads();
-        const int64_t left = p.rows - r0;
-        WriteTransposed(p, tile, r0, int(left < p.tile_rows ? left : p.tile_rows));
+        const int r0 = (t_begin + (k >> p.per_tile_log2)) << p.tile_rows_log2;
+        const int left = int(p.rows) - r0;
+        WriteTransposed(p, tile, r0, left < p.tile_rows ? left : p.tile_rows);
         __syncthreads();
       }
     }
-    t = next_t;
-    rr = next_rr;
   }
   if (p.amax_bits != nullptr) {
     amax_bits = BlockMaxU32(amax_bits);
@@ -282,14 +392,20 @@ __global__ void __launch_bounds__(1024) NormForwardKernel(FwdParams p) {
   }
 }
 
+int Log2(int v) {
+  int l = 0;
+  while ((1 << l) < v) ++l;
+  return l;
+}
+
 template <typename Tag>
-Status Launch(const NormForwardArgs& a, GpuStream stream) {
+Status Launch(const NormForwardArgs& a, const NormFwdTuning& tune, GpuStream stream) {
   using T = typename Tag::Storage;
   const bool colwise = a.q_colwise != nullptr;
   const bool quant = colwise || a.q_rowwise != nullptr;
   const bool aligned = Aligned16(a.x) && Aligned16(a.y) && Aligned16(a.gamma) &&
                        Aligned16(a.beta) && Aligned16(a.q_rowwise);
-  const RowGeometry g = ChooseRowGeometry(a.hidden, int(sizeof(T)), aligned);
+  const RowGeometry g = ChooseRowGeometry(a.hidden, int(sizeof(T)), aligned, tune.items);
   FwdParams p{};
   p.x = a.x;
   p.gamma = a.gamma;
@@ -311,29 +427,55 @@ Status Launch(const NormForwardArgs& a, GpuStream stream) {
   p.e5m2 = a.q_dtype == DType::kE5M2;
   p.col_words = colwise && Aligned16(a.q_colwise) && a.hidden % 4 == 0;
 
-  // Row groups per block: a power of two (so it divides tile_rows), at most 15 (named
-  // barriers), the block at most the target size.
+  // Row groups per block: a power of two, the block at most the target size, at most 8
+  // (named barriers 1..15) unless a row is one warp (no barrier).
+  const int tpr = g.threads_per_row;
+  const int max_groups = tpr == 32 ? 32 : 8;
+  const int target = colwise ? tune.colblock : tune.block;
   int groups = 1;
-  const int block_target = colwise ? kColBlockThreads : kBlockThreads;
-  while (groups * 2 * g.threads_per_row <= block_target && groups * 2 <= kMaxRowGroups) {
-    groups *= 2;
-  }
-  size_t smem = 0;
-  if (colwise) {
-    p.tile_stride = int((a.hidden + 15) / 16 * 16 + 4);  // stride / 4 odd: see the preamble
-    int tile_rows = kMaxTileRows;
-    while (tile_rows > 4 && int64_t(tile_rows) * p.tile_stride > kColTileBytes) tile_rows /= 2;
+  while (groups * 2 * tpr <= target && groups * 2 <= max_groups) groups *= 2;
+  int stages = g.vectorized ? tune.stages : 1;
+  int tile_rows = colwise ? kMaxTileRows : groups;
+  if (groups > tile_rows) groups = tile_rows;
+  p.tile_stride = colwise ? int((a.hidden + 15) / 16 * 16 + 4) : 0;  // stride / 4 odd
+  const int64_t row_bytes = g.vectorized ? int64_t(g.items) * int64_t(sizeof(T)) : 0;
+  auto smem_of = [&]() {
+    return int64_t(stages) * groups * tpr * row_bytes +
+           (colwise ? int64_t(tile_rows) * p.tile_stride : 0);
+  };
+  int device = 0, max_smem = 48 * 1024;
+  LOWBIT_RETURN_IF_ERROR(CudaStatus(cudaGetDevice(&device), kOp, "cudaGetDevice"));
+  LOWBIT_RETURN_IF_ERROR(CudaStatus(
+      cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, device), kOp,
+      "cudaDeviceGetAttribute"));
+  const int64_t max_dynamic = int64_t(max_smem) - kStaticSmem;
+  // Shrink until it fits: colwise tiles down to 16 rows, stages down to 2, tiles down to 4
+  // rows, one stage, fewer groups.
+  while (smem_of() > max_dynamic) {
+    if (colwise && tile_rows > 16) {
+      tile_rows /= 2;
+    } else if (stages > 2) {
+      --stages;
+    } else if (colwise && tile_rows > 4) {
+      tile_rows /= 2;
+    } else if (stages > 1) {
+      --stages;
+    } else if (groups > 1) {
+      groups /= 2;
+    } else {
+      return Status::Internal(std::string(kOp) + ": no launch plan fits the shared memory (" +
+                              std::to_string(smem_of()) + " bytes)");
+    }
     if (groups > tile_rows) groups = tile_rows;
-    p.tile_rows = tile_rows;
-    smem = size_t(tile_rows) * size_t(p.tile_stride);
-  } else {
-    p.tile_rows = groups;
+    if (!colwise) tile_rows = groups;
   }
-  int log2 = 0;
-  while ((1 << log2) < p.tile_rows) ++log2;
-  p.tile_rows_log2 = log2;
-  const int threads = groups * g.threads_per_row;
-  const int64_t tiles = (a.rows + p.tile_rows - 1) / p.tile_rows;
+  p.tile_rows = tile_rows;
+  p.tile_rows_log2 = Log2(tile_rows);
+  p.per_tile_log2 = Log2(tile_rows / groups);
+  p.stages = stages;
+  p.tiles = (a.rows + tile_rows - 1) / tile_rows;
+  const int threads = groups * tpr;
+  const size_t smem = size_t(smem_of());
 
   auto launch = [&](auto kernel) -> Status {
     if (smem > 48 * 1024) {
@@ -351,16 +493,16 @@ Status Launch(const NormForwardArgs& a, GpuStream stream) {
                               " bytes of shared memory)");
     }
     const int64_t cap = int64_t(per_sm) * SmCount();
-    const int grid = int(tiles < cap ? tiles : cap);
+    const int grid = int(p.tiles < cap ? p.tiles : cap);
     kernel<<<grid, threads, smem, stream>>>(p);
     return LaunchStatus(kOp);
   };
   return DispatchGeometry<16 / int(sizeof(T))>(g, kOp, [&](auto items, auto vectorized) {
-    constexpr int kI = decltype(items)::value;
     constexpr bool kV = decltype(vectorized)::value;
-    if (colwise) return launch(NormForwardKernel<Tag, kI, kV, true, true>);
-    if (quant) return launch(NormForwardKernel<Tag, kI, kV, true, false>);
-    return launch(NormForwardKernel<Tag, kI, kV, false, false>);
+    constexpr int kC = decltype(items)::value / (kV ? 16 / int(sizeof(T)) : 1);
+    if (colwise) return launch(NormForwardKernel<Tag, kC, kV, true, true>);
+    if (quant) return launch(NormForwardKernel<Tag, kC, kV, true, false>);
+    return launch(NormForwardKernel<Tag, kC, kV, false, false>);
   });
 }
 
@@ -368,13 +510,22 @@ Status Launch(const NormForwardArgs& a, GpuStream stream) {
 
 Status NormForwardCuda(const NormForwardArgs& a, GpuStream stream) {
   LOWBIT_RETURN_IF_ERROR(CheckNormForward(a, kOp));
+  NormFwdTuning tune;
+  std::string error;
+  if (!ParseNormFwdTuning(std::getenv("LOWBIT_NORM_FWD_VARIANT"), &tune, &error)) {
+    return Status::InvalidArgument(std::string(kOp) + ": LOWBIT_NORM_FWD_VARIANT: " + error);
+  }
   if (a.amax != nullptr) {
     LOWBIT_RETURN_IF_ERROR(CudaStatus(cudaMemsetAsync(a.amax, 0, sizeof(float), stream), kOp,
                                       "cudaMemsetAsync"));
   }
   if (a.rows == 0) return Status::Ok();
+  if (a.rows > (int64_t(1) << 31) - 2 * kMaxTileRows) {  // the kernel's 32-bit row numbers
+    return Status::InvalidArgument(std::string(kOp) + ": x has " + std::to_string(a.rows) +
+                                   " rows, more than the CUDA kernel supports (2^31 - 64)");
+  }
   return DispatchHighPrecision(a.x_dtype, kOp, "x",
-                               [&](auto tag) { return Launch<decltype(tag)>(a, stream); });
+                               [&](auto tag) { return Launch<decltype(tag)>(a, tune, stream); });
 }
 
 }  // namespace lowbit

@@ -1,6 +1,7 @@
 // Host-only launch planning of the normalization kernels that does not need a device:
-// the row geometry (shared by norm_fwd.cu and norm_bwd.cu) and the backward pass's
-// workspace size, a function of the shape alone.
+// the row geometry (shared by norm_fwd.cu and norm_bwd.cu), the forward's launch tuning
+// (NormFwdTuning, LOWBIT_NORM_FWD_VARIANT) and the backward pass's workspace size, a
+// function of the shape alone.
 //
 // The workspace size is duplicated in Python (lowbit/ops/norm.py:
 // norm_backward_workspace_bytes): JAX allocates it as an extra result of the
@@ -12,6 +13,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <string>
 
 #include "common/dtype.h"
 
@@ -35,22 +37,86 @@ struct RowGeometry {
 
 // Geometry of the forward and the backward: the fewest items per thread that keep a row at
 // <= 1024 threads (8 items, one 16-byte chunk of bf16/f16, up to hidden 8192; 16 beyond).
-// Fewer items per thread leave registers for the next row's loads.
-inline RowGeometry ChooseRowGeometry(int64_t hidden, int elem_bytes, bool pointers_aligned) {
+// Fewer items per thread leave registers for the next row's loads. `min_items` (forward
+// tuning, vectorized rows only) asks for at least that many items per thread where the row
+// then still spans >= 128 threads.
+inline RowGeometry ChooseRowGeometry(int64_t hidden, int elem_bytes, bool pointers_aligned,
+                                     int min_items = 4) {
   RowGeometry g;
   const int vec = 16 / elem_bytes;
   g.vectorized = pointers_aligned && hidden % vec == 0;
   const int v = g.vectorized ? vec : 1;
   const int64_t chunks = (hidden + v - 1) / v;
+  auto threads_for = [&](int items) {
+    const int64_t per_thread = items / v;
+    return ((chunks + per_thread - 1) / per_thread + 31) / 32 * 32;
+  };
   for (int items : {4, 8, 16}) {
     if (items < v) continue;
-    const int64_t per_thread = items / v;
-    const int64_t tpr = ((chunks + per_thread - 1) / per_thread + 31) / 32 * 32;
     g.items = items;
-    g.threads_per_row = int(tpr);
-    if (tpr <= 1024) break;
+    g.threads_per_row = int(threads_for(items));
+    if (g.threads_per_row <= 1024) break;
+  }
+  if (g.vectorized) {
+    for (int items : {8, 16}) {
+      if (items > g.items && items <= min_items && threads_for(items) >= 128) {
+        g.items = items;
+        g.threads_per_row = int(threads_for(items));
+      }
+    }
   }
   return g;
+}
+
+// Launch tuning of the forward pass (norm_fwd.cu). The defaults are the measured best; the
+// environment variable LOWBIT_NORM_FWD_VARIANT ("items=16,stages=3,block=512,colblock=1024",
+// any subset) overrides them, as a benchmark knob (bench/bench_norm.py --variants): every
+// setting computes the same results up to the order of the row sums.
+//   items:    fewest elements per thread on the vectorized path (8 or 16; see above)
+//   stages:   rows per row group in flight, staged in shared memory by cp.async (1..4;
+//             lowered by the launcher while the shared memory does not fit)
+//   block:    target threads per block without colwise (32..1024)
+//   colblock: target threads per block with colwise (32..1024)
+struct NormFwdTuning {
+  int items = 16;
+  int stages = 3;
+  int block = 512;
+  int colblock = 1024;
+};
+
+// Parses a LOWBIT_NORM_FWD_VARIANT value into *t (unset keys keep their value); false and
+// *error on a malformed entry, an unknown key or a value out of range.
+inline bool ParseNormFwdTuning(const char* text, NormFwdTuning* t, std::string* error) {
+  std::string s = text == nullptr ? "" : text;
+  size_t pos = 0;
+  while (pos < s.size()) {
+    size_t end = s.find(',', pos);
+    if (end == std::string::npos) end = s.size();
+    const std::string item = s.substr(pos, end - pos);
+    pos = end + 1;
+    if (item.empty()) continue;
+    const size_t eq = item.find('=');
+    const std::string key = item.substr(0, eq);
+    int value = 0;
+    bool ok = eq != std::string::npos && eq + 1 < item.size();
+    for (size_t i = eq + 1; ok && i < item.size(); ++i) {
+      ok = item[i] >= '0' && item[i] <= '9' && value < 100000;
+      value = value * 10 + (item[i] - '0');
+    }
+    if (ok && key == "items" && (value == 8 || value == 16)) {
+      t->items = value;
+    } else if (ok && key == "stages" && value >= 1 && value <= 4) {
+      t->stages = value;
+    } else if (ok && (key == "block" || key == "colblock") && value >= 32 && value <= 1024 &&
+               value % 32 == 0) {
+      (key == "block" ? t->block : t->colblock) = value;
+    } else {
+      *error = "bad entry '" + item + "' (expected items=8|16, stages=1..4, block=32..1024, "
+               "colblock=32..1024, blocks multiples of 32)";
+      return false;
+    }
+  }
+  return true;
 }
 
 // Row groups per backward block: the largest power of two that keeps the block at

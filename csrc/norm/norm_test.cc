@@ -1,11 +1,13 @@
 // GoogleTest checks of the normalization CPU reference: hand-computed rows, RMSNorm,
 // zero-centered gamma, the fused FP8 outputs (rowwise, transposed, amax), backward
-// against central differences, argument errors, and the backward workspace size.
+// against central differences, argument errors, the backward workspace size, the row
+// geometry and the forward's tuning knob (LOWBIT_NORM_FWD_VARIANT).
 #include "norm/norm.h"
 
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <string>
 #include <vector>
 
 #include "common/formats.h"
@@ -154,6 +156,50 @@ TEST(NormPlan, BackwardWorkspaceBytes) {
   for (const Case& c : cases) {
     EXPECT_EQ(NormBackwardWorkspaceBytes(c.dtype, c.rows, c.hidden), c.bytes)
         << DTypeName(c.dtype) << " " << c.rows << " x " << c.hidden;
+  }
+}
+
+// min_items: more items per thread where the row still spans >= 128 threads; the backward
+// (default min_items) keeps the fewest items per thread.
+TEST(NormPlan, RowGeometryMinItems) {
+  struct Case {
+    int64_t hidden;
+    int elem_bytes;
+    bool aligned;
+    int min_items, items, threads;
+  };
+  const Case cases[] = {{4096, 2, true, 4, 8, 512},    {4096, 2, true, 16, 16, 256},
+                        {8192, 2, true, 16, 16, 512},  {16384, 2, true, 8, 16, 1024},
+                        {1024, 2, true, 16, 8, 128},   {2048, 2, true, 16, 16, 128},
+                        {4096, 4, true, 16, 16, 256},  {4096, 4, true, 4, 4, 1024},
+                        {4097, 2, false, 16, 8, 544},  {128, 2, true, 16, 8, 32}};
+  for (const Case& c : cases) {
+    const RowGeometry g = ChooseRowGeometry(c.hidden, c.elem_bytes, c.aligned, c.min_items);
+    EXPECT_EQ(g.items, c.items) << c.hidden << " " << c.elem_bytes << " " << c.min_items;
+    EXPECT_EQ(g.threads_per_row, c.threads) << c.hidden << " " << c.elem_bytes << " " << c.min_items;
+    EXPECT_EQ(g.vectorized, c.aligned);
+  }
+}
+
+TEST(NormPlan, ForwardTuningKnob) {
+  NormFwdTuning t;
+  std::string error;
+  ASSERT_TRUE(ParseNormFwdTuning(nullptr, &t, &error));
+  ASSERT_TRUE(ParseNormFwdTuning("", &t, &error));
+  const NormFwdTuning defaults;
+  EXPECT_EQ(t.items, defaults.items);
+  EXPECT_EQ(t.stages, defaults.stages);
+  ASSERT_TRUE(ParseNormFwdTuning("items=8,stages=2,,block=256,colblock=512", &t, &error));
+  EXPECT_EQ(t.items, 8);
+  EXPECT_EQ(t.stages, 2);
+  EXPECT_EQ(t.block, 256);
+  EXPECT_EQ(t.colblock, 512);
+  for (const char* bad : {"items=12", "stages=0", "stages=5", "block=100", "block=2048",
+                          "foo=1", "items", "items=", "items=8x", "=8", "block=-32"}) {
+    NormFwdTuning u;
+    error.clear();
+    EXPECT_FALSE(ParseNormFwdTuning(bad, &u, &error)) << bad;
+    EXPECT_NE(error.find("bad entry"), std::string::npos) << bad;
   }
 }
 
