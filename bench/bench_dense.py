@@ -1,8 +1,9 @@
 """Seed Dense (x: 8x2048x8192 bf16 -> 32768 features) forward+backward, side by side in one
-run: bf16 Flax, Flax's FP8 (`Fp8DirectDotGeneralOp`), and lowbit per recipe. Prints time,
-speedup over bf16, the compiled step's peak memory, and the GEMM-only floor: the three
-lowbit FP8 GEMMs of the step (fwd, dgrad, wgrad) timed alone, beside the FP8 GEMM ceiling
-measured at 8192^3.
+run: bf16 Flax, Flax's FP8 (`Fp8DirectDotGeneralOp`), and lowbit per recipe (delayed,
+current, Float8BlockScaling as `lowbit_block`). Prints time, speedup over bf16, the compiled
+step's peak memory, and the GEMM-only floor: the three lowbit FP8 GEMMs of the step (fwd,
+dgrad, wgrad) timed alone, beside the per-tensor FP8 GEMM ceiling and the block-scaled one
+(1x128 x 128x128, cuBLASLt on Hopper) measured at 8192^3.
 
     python bench/bench_dense.py            # GPU, seed shape
     python bench/bench_dense.py --small    # CPU smoke run
@@ -24,7 +25,8 @@ import common  # noqa: E402
 from quickstart_jax_utils import make_step  # noqa: E402
 
 import lowbit  # noqa: E402
-from lowbit.recipe import DelayedScaling, Float8CurrentScaling  # noqa: E402
+from lowbit.ops.gemm import GemmScaleMode, scale_shape  # noqa: E402
+from lowbit.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling  # noqa: E402
 
 
 class DenseBlock(nn.Module):
@@ -48,6 +50,8 @@ def variants():
             features, lowbit.flax.make_dot_general_cls(DelayedScaling())),
         "lowbit_current": lambda features: DenseBlock(
             features, lowbit.flax.make_dot_general_cls(Float8CurrentScaling())),
+        "lowbit_block": lambda features: DenseBlock(
+            features, lowbit.flax.make_dot_general_cls(Float8BlockScaling())),
     }
 
 
@@ -85,6 +89,17 @@ def fp8_ceiling(size, iters):
     return 2 * size**3 / t / 1e12
 
 
+def fp8_block_ceiling(size, iters):
+    """TFLOP/s of the block-scaled FP8 GEMM (x 1x128 tiles, w 128x128 tiles) at size^3."""
+    a = jax.random.normal(jax.random.PRNGKey(0), (size, size)).astype(jnp.float8_e4m3fn)
+    sa = jnp.ones(scale_shape(GemmScaleMode.BLOCK_1x128, size, size), jnp.float32)
+    sb = jnp.ones(scale_shape(GemmScaleMode.BLOCK_128x128, size, size), jnp.float32)
+    t = common.time_fn(lambda a, b, sa, sb: lowbit.ops.gemm(
+        a, b, sa, sb, out_dtype=jnp.bfloat16, a_scale_mode=GemmScaleMode.BLOCK_1x128,
+        b_scale_mode=GemmScaleMode.BLOCK_128x128), [(a, a, sa, sb)], iters)
+    return 2 * size**3 / t / 1e12
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--small", action="store_true")
@@ -117,16 +132,24 @@ def main(argv=None):
                      "peak GiB": (r["peak_bytes"] or 0) / 2**30})
     t_fwd, t_dgrad, t_wgrad = gemm_floor(b * s, h, f, iters)
     floor_ms = (t_fwd + t_dgrad + t_wgrad) * 1e3
-    ceiling = fp8_ceiling(1024 if args.small else 8192, iters)
+    size = 1024 if args.small else 8192
+    ceiling = fp8_ceiling(size, iters)
+    block_ceiling = fp8_block_ceiling(size, iters)
     common.print_table(rows, ["variant", "ms", "TFLOP/s", "x bf16", "peak GiB"])
     print(f"FP8 GEMM-only floor of the step: {floor_ms:.3f} ms (fwd {t_fwd*1e3:.3f}, dgrad "
-          f"{t_dgrad*1e3:.3f}, wgrad {t_wgrad*1e3:.3f}) = {flops / (floor_ms / 1e3) / 1e12:.0f} TFLOP/s; "
-          f"FP8 GEMM ceiling at 8192^3: {ceiling:.0f} TFLOP/s")
+          f"{t_dgrad*1e3:.3f}, wgrad {t_wgrad*1e3:.3f}) = {flops / (floor_ms / 1e3) / 1e12:.0f} TFLOP/s")
+    common.print_table([
+        {"GEMM at %d^3" % size: "FP8 per-tensor (fast accum)", "TFLOP/s": ceiling, "x per-tensor": 1.0},
+        {"GEMM at %d^3" % size: "FP8 block 1x128 x 128x128", "TFLOP/s": block_ceiling,
+         "x per-tensor": block_ceiling / ceiling},
+    ], ["GEMM at %d^3" % size, "TFLOP/s", "x per-tensor"])
     path = common.write_results("dense" + ("_small" if args.small else ""), {
         "shape": {"batch": b, "seq": s, "hidden": h, "features": f},
         "variants": results, "gemm_floor_ms": floor_ms,
         "gemm_ms": {"fwd": t_fwd * 1e3, "dgrad": t_dgrad * 1e3, "wgrad": t_wgrad * 1e3},
         "fp8_gemm_ceiling_tflops": ceiling,
+        "fp8_block_gemm_ceiling_tflops": block_ceiling,
+        "gemm_ceiling_size": size,
     })
     print(f"wrote {path}")
 

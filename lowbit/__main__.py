@@ -28,8 +28,14 @@ RECIPES = {
     "MXFP8BlockScaling": (10, 0),
     "NVFP4BlockScaling": (10, 0),
 }
-# Recipes whose quantization kernels do not exist yet (issue "Quantization II").
-NOT_IMPLEMENTED = ("Float8BlockScaling", "MXFP8BlockScaling", "NVFP4BlockScaling")
+# Recipes whose GEMMs do not exist yet (issue "Quantization II").
+NOT_IMPLEMENTED = ("NVFP4BlockScaling",)
+# Recipes whose hardware GEMM runs on one compute capability only: cuBLASLt's FP8 block
+# scaling is Hopper's (sm_90); elsewhere lowbit.ops.gemm emulates it.
+ONLY_ON = {"Float8BlockScaling": (9, 0)}
+# Recipes lowbit.ops.gemm emulates on every device for now (the sm_100 MXFP8 cuBLASLt path
+# is not wired).
+EMULATED_ONLY = ("MXFP8BlockScaling",)
 
 
 def _cuda_driver_version() -> str | None:
@@ -64,9 +70,12 @@ def report() -> dict:
     cc = _capability(gpus[0]) if gpus else None
     recipes = {}
     for name, need in RECIPES.items():
+        native = cc is not None and (cc == ONLY_ON[name] if name in ONLY_ON else cc >= need)
         if name in NOT_IMPLEMENTED:
-            recipes[name] = "not implemented yet (quantizers only; the block-scaled GEMMs: issue Quantization II)"
-        elif cc is not None and cc >= need and info["cuda_registered"]:
+            recipes[name] = "not implemented yet (its quantizers and GEMMs: issue Quantization II)"
+        elif name in EMULATED_ONLY:
+            recipes[name] = "emulated exactly (its cuBLASLt GEMM is not wired yet)"
+        elif native and info["cuda_registered"]:
             recipes[name] = f"native (sm_{cc[0]}{cc[1]})"
         elif cc is not None:
             recipes[name] = f"emulated exactly (needs sm_{need[0]}{need[1]}+)"

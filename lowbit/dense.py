@@ -14,6 +14,15 @@ high-precision inputs. The quantizer set is a differentiable argument whose "gra
 the set updated with this step's amaxes (the overwrite-with-gradient convention of Flax's
 FP8 ops): with DelayedScaling, step t casts with the scale made at step t-1.
 
+Block scaling (Float8BlockScaling, MXFP8BlockScaling): the same dataflow, each copy quantized
+from the high-precision tensor (x, kernel, dy) by the block quantizers, and the GEMMs run in
+lowbit.ops.gemm's block scale modes: FP8 block x (1x128) . kernel (128x128) forward, dy (1x128)
+. kernel (128x128) for dgrad, x^T (1x128) . dy^T (1x128) for wgrad, all K-major as stored
+(the colwise copies are already transposed); MXFP8's colwise copies keep x's layout with
+their blocks down the columns, so their data and scales are transposed into the K-major
+operand (`gemm_operand`). Which GEMMs have a hardware path is lowbit.ops.gemm's business
+(cuBLASLt on Hopper for FP8 block; an exact emulation with a notice elsewhere).
+
 Accumulation: the forward GEMM uses the fast FP8 accumulation, the two backward GEMMs the
 split (more precise) one, as TransformerEngine does by default. With an empty quantizer set
 (no recipe) dense is a plain `lax.dot_general`. `forward_gemm` and `backward_gemms` are the
@@ -30,10 +39,11 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from lowbit.ops.gemm import gemm
+from lowbit.ops.gemm import GemmScaleMode, gemm
 from lowbit.quantize.helper import get_global_mesh_resource
 from lowbit.quantize.quantizer import QuantizerSet, noop_quantizer_set
-from lowbit.quantize.tensor import ScaledTensor1x, ScaledTensor2x
+from lowbit.quantize.scaling_modes import ScalingMode
+from lowbit.quantize.tensor import ScaledTensor1x, ScaledTensor2x, colwise_permutation
 
 # Names under which the GEMM outputs are visible to remat policies (checkpoint_policies.py).
 GEMM_CHECKPOINT_NAME = "lowbit_gemm"
@@ -94,11 +104,32 @@ def quantize_2x(quantizer, a, n_lead: int = 1) -> ScaledTensor2x:
     return tensor
 
 
+_GEMM_SCALE_MODES = {
+    ScalingMode.FP8_BLOCK_1x128: GemmScaleMode.BLOCK_1x128,
+    ScalingMode.FP8_BLOCK_128x128: GemmScaleMode.BLOCK_128x128,
+    ScalingMode.MXFP8_1D_SCALING: GemmScaleMode.MXFP8,
+}
+
+
+def gemm_operand(t: ScaledTensor1x):
+    """(data, scale_inv, GemmScaleMode) of a quantized copy as a K-major GEMM operand: an
+    MXFP8 colwise copy (x's layout, blocks down the columns) is transposed, data and scales
+    (its colwise scale layout transposed is exactly the rowwise layout of the transpose)."""
+    mode = _GEMM_SCALE_MODES.get(t.scaling_mode, GemmScaleMode.TENSOR)
+    if mode == GemmScaleMode.MXFP8 and t.is_colwise:
+        data = jnp.transpose(t.data, colwise_permutation(t.data.ndim, t.flatten_axis))
+        return data, t.scale_inv.T, mode
+    return t.data, t.scale_inv, mode
+
+
 def _gemm(a: ScaledTensor1x, b: ScaledTensor1x, bias, out_dtype, contracting_ndim, split,
           tokens_in_a=True):
-    out = gemm(a.data, b.data, a.scale_inv, b.scale_inv, bias, out_dtype=out_dtype,
+    a_data, a_scale, a_mode = gemm_operand(a)
+    b_data, b_scale, b_mode = gemm_operand(b)
+    out = gemm(a_data, b_data, a_scale, b_scale, bias, out_dtype=out_dtype,
                use_split_accumulator=split, contracting_ndim=contracting_ndim,
-               sequence_parallel=tokens_in_a and sequence_parallel())
+               sequence_parallel=tokens_in_a and sequence_parallel(),
+               a_scale_mode=a_mode, b_scale_mode=b_mode)
     return checkpoint_name(out, GEMM_CHECKPOINT_NAME)
 
 
@@ -138,8 +169,8 @@ def check_quantizer_set(op: str, quantizer_set: QuantizerSet) -> bool:
     if any(q is None for q in quantizers):
         raise ValueError(f"{op}: quantizer_set: give quantizers for x, kernel and dgrad, or none")
     for q in quantizers:
-        if q.scaling_mode.is_block_scaling:
-            # The quantizers exist (lowbit.quantize); the block-scaled GEMMs do not yet.
+        if q.scaling_mode.is_nvfp4:
+            # NVFP4's quantizers and GEMMs are the next step of issue Quantization II.
             raise NotImplementedError(f"{op}: {q.scaling_mode.name} GEMMs land with issue Quantization II")
     return True
 

@@ -8,6 +8,9 @@ then lowbit's norm backward turns d(ln) into dx, dgamma and dbeta. Saved for the
 x, mu, rsigma (the norm needs them) and the FP8 copies ln.colwise and kernel.rowwise.
 `return_layernorm_output=True` also returns the norm's output in x's dtype (its gradient
 is added to the GEMM's before the norm backward).
+Block recipes (Float8BlockScaling, MXFP8BlockScaling): the norm writes its output in x's
+dtype and the block quantizer follows (unfused; the fused norm + block-quantize kernels are
+a later step), then the block-scaled GEMMs of dense.
 """
 
 from __future__ import annotations

@@ -11,7 +11,9 @@ Backward:
     dln, dwi    = dgrad / wgrad of GEMM1
     dx, dgamma, dbeta = norm backward
 With current scaling the fused kernels write the high-precision output and the quantize op
-follows (the scale needs that output's amax first). Saved for the backward: x, mu, rsigma,
+follows (the scale needs that output's amax first); the block recipes (Float8BlockScaling,
+MXFP8BlockScaling) do the same, unfused, through their block quantizers, with the
+block-scaled GEMMs of dense (fused norm/act + block-quantize kernels are a later step). Saved for the backward: x, mu, rsigma,
 h (high precision, the activation's backward needs it) and the FP8 copies ln.colwise,
 wi.rowwise, a.colwise and wo.rowwise. `ffn1_ckpt_name` / `ffn2_ckpt_name` name h and out
 for remat policies.

@@ -18,6 +18,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import lowbit
 
 gemm_mod = importlib.import_module("lowbit.ops.gemm")  # the module; lowbit.ops.gemm is the function
+TENSOR_MODES = dict(a_scale_mode=np.int32(0), b_scale_mode=np.int32(0))  # gemm_p's per-tensor scales
 
 
 def gemm_ref(a, b, sa=1.0, sb=1.0, bias=None, out_dtype=jnp.bfloat16):
@@ -175,7 +176,7 @@ def test_padded_lowering_path_equals_direct(a_dtype, b_dtype, rng, cpu):
     a, b, sa, sb, bias = operands(rng, 7, 17, 40, a_dtype, b_dtype, BF16)
     args = (a, b, sa.reshape(1), sb.reshape(1), bias)
     padded = run_on(cpu, lambda *x: gemm_mod.gemm_padded(*x, out_dtype=jnp.dtype(BF16),
-                                                         use_split_accumulator=np.bool_(True)),
+                                                         use_split_accumulator=np.bool_(True), **TENSOR_MODES),
                     *args)
     np.testing.assert_array_equal(np.asarray(padded), sequential_ref(a, b, sa, sb, bias, BF16))
 
@@ -211,7 +212,7 @@ def test_workspace_is_a_dropped_second_result():
     assert "-> (tensor<5x16xbf16>, tensor<0xui8>)" in text
     one, empty = jax.ShapeDtypeStruct((1,), F32), jax.ShapeDtypeStruct((0,), BF16)
     out = jax.eval_shape(lambda a, b, s, e: gemm_mod.gemm_p.bind(
-        a, b, s, s, e, out_dtype=jnp.dtype(BF16), use_split_accumulator=np.bool_(True)),
+        a, b, s, s, e, out_dtype=jnp.dtype(BF16), use_split_accumulator=np.bool_(True), **TENSOR_MODES),
         *args, one, empty)
     assert out.shape == (5, 16) and out.dtype == jnp.bfloat16
     assert gemm_mod.GEMM_WORKSPACE_BYTES == (32 << 20) + 256  # kGemmWorkspaceBytes, gemm.h
@@ -244,7 +245,7 @@ def test_primitive_batching_rule(rng):
     b = rng.standard_normal((3, 4, 32)).astype(E4M3)
     one, empty = np.ones((1,), np.float32), np.zeros((0,), BF16)
     bind = lambda x, y: gemm_mod.gemm_p.bind(x, y, one, one, empty, out_dtype=jnp.dtype(BF16),
-                                             use_split_accumulator=np.bool_(True))
+                                             use_split_accumulator=np.bool_(True), **TENSOR_MODES)
     for in_axes, pick in [((0, None), lambda i: (a[i], b[0])), ((0, 0), lambda i: (a[i], b[i])),
                           ((None, 0), lambda i: (a[0], b[i])), ((1, None), lambda i: (a[:, i], b[0]))]:
         got = np.asarray(jax.vmap(bind, in_axes=in_axes)(a if in_axes[0] is not None else a[0],
@@ -332,7 +333,7 @@ def test_handler_validates_too():
     """The raw primitive reaches the C++ checks, which name the op and the argument."""
     one = np.ones((1,), np.float32)
     bind = lambda a, b, bias, out: gemm_mod.gemm_p.bind(
-        a, b, one, one, bias, out_dtype=jnp.dtype(out), use_split_accumulator=np.bool_(True))
+        a, b, one, one, bias, out_dtype=jnp.dtype(out), use_split_accumulator=np.bool_(True), **TENSOR_MODES)
     with pytest.raises(Exception, match=r"lowbit_gemm: bias: expected the out type bf16, got f32"):
         jax.block_until_ready(bind(np.ones((2, 16), E4M3), np.ones((3, 16), E4M3), np.ones((3,), F32), BF16))
     with pytest.raises(Exception, match=r"lowbit_gemm: b: f8e5m2 x f8e5m2"):
@@ -406,7 +407,7 @@ def test_cuda_rejects_e5m2_pair_from_handler(gpu):
     x = jax.device_put(np.ones((16, 16), E5M2), gpu)
     empty = jax.device_put(np.zeros((0,), BF16), gpu)
     f = jax.jit(lambda x, s, e: gemm_mod.gemm_p.bind(x, x, s, s, e, out_dtype=jnp.dtype(BF16),
-                                                     use_split_accumulator=np.bool_(True)))
+                                                     use_split_accumulator=np.bool_(True), **TENSOR_MODES))
     with pytest.raises(Exception, match=r"lowbit_gemm: b: f8e5m2 x f8e5m2"):
         jax.block_until_ready(f(x, one, empty))
 

@@ -42,7 +42,7 @@ def test_corpus_is_the_stdlib_and_split_is_deterministic():
 def test_tiny_run_trains_and_writes_outputs(gpt, tmp_path):
     out = tmp_path / "gpt"
     results = gpt.main(["--config", "tiny", "--steps", "16", "--out", str(out),
-                        "--recipes", "none,DelayedScaling,MXFP8BlockScaling"])
+                        "--recipes", "none,DelayedScaling,NVFP4BlockScaling"])
     assert set(results) == {"none", "DelayedScaling"}
     for r in results.values():
         curve = r["train_curve"]
@@ -52,6 +52,6 @@ def test_tiny_run_trains_and_writes_outputs(gpt, tmp_path):
     assert (out / "loss_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     table = (out / "results.md").read_text()
     assert "| none |" in table and "| DelayedScaling |" in table
-    assert "| MXFP8BlockScaling | skipped:" in table
+    assert "| NVFP4BlockScaling | skipped:" in table
     saved = json.loads((out / "results.json").read_text())
-    assert saved["skipped"]["MXFP8BlockScaling"]
+    assert saved["skipped"]["NVFP4BlockScaling"]

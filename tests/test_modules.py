@@ -21,7 +21,7 @@ from flax import linen as nn
 import lowbit
 from lowbit.flax import OVERWRITE_WITH_GRADIENT
 from lowbit.flax.module import DenseGeneral, LayerNorm, LayerNormDenseGeneral, LayerNormMLP, Softmax
-from lowbit.recipe import DelayedScaling, Float8CurrentScaling, MXFP8BlockScaling
+from lowbit.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling, NVFP4BlockScaling
 
 FP8_TOL = 0.08
 B, T, H, F = 2, 8, 32, 64
@@ -171,8 +171,19 @@ def test_autocast_recipe_and_explicit_recipe_agree():
 
 
 def test_missing_kernels_surface_not_implemented():
-    with pytest.raises(NotImplementedError, match="MXFP8"):
-        init(DenseGeneral(16, quantization_recipe=MXFP8BlockScaling()), x_in())
+    with pytest.raises(NotImplementedError, match="NVFP4"):
+        init(DenseGeneral(16, quantization_recipe=NVFP4BlockScaling()), x_in())
+
+
+@pytest.mark.parametrize("recipe", [Float8BlockScaling, MXFP8BlockScaling], ids=lambda r: r.__name__)
+def test_block_recipes_run_through_dense_general(recipe):
+    """The block recipes are stateless: no _overwrite_with_gradient variables, and the output
+    is within FP8 error (8% relative) of the unquantized module with the same parameters."""
+    x = x_in()
+    v = init(DenseGeneral(16, quantization_recipe=recipe()), x)
+    assert OVERWRITE_WITH_GRADIENT not in v
+    y = run(DenseGeneral(16, quantization_recipe=recipe()), v, x)
+    assert rel_err(y, run(DenseGeneral(16), v, x)) < 0.08
 
 
 def test_delayed_state_updates_step_to_step():

@@ -380,13 +380,15 @@ def test_block_quantizers_build_scaled_tensors(recipe, rng):
         np.testing.assert_array_equal(bits(dbias), bits(np.asarray(x, np.float32).sum(axis=(0, 1)).astype(x.dtype)))
 
 
-def test_block_recipes_keep_dense_not_implemented():
+def test_block_recipes_run_dense_and_nvfp4_raises():
     from lowbit.dense import dense
 
     x, k = jnp.ones((4, 128), jnp.bfloat16), jnp.ones((128, 16), jnp.bfloat16)
     for recipe in (MXFP8BlockScaling(), Float8BlockScaling()):
-        with pytest.raises(NotImplementedError, match="GEMMs land with issue Quantization II"):
-            dense(x, k, quantizer_set=QuantizerFactory.create_set(recipe))
+        y = dense(x, k, quantizer_set=QuantizerFactory.create_set(recipe))
+        np.testing.assert_array_equal(np.asarray(y, np.float32), 128.0)  # ones quantize exactly
+    with pytest.raises(NotImplementedError, match="GEMMs land with issue Quantization II"):
+        dense(x, k, quantizer_set=QuantizerFactory.create_set(NVFP4BlockScaling()))
 
 
 @pytest.mark.gpu

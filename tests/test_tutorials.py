@@ -21,9 +21,9 @@ import quickstart_jax_utils  # noqa: E402
 import te_integration_layer as tut  # noqa: E402
 
 import lowbit  # noqa: E402
-from lowbit.recipe import DelayedScaling, Float8CurrentScaling  # noqa: E402
+from lowbit.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling  # noqa: E402
 
-RECIPES = [DelayedScaling, Float8CurrentScaling]
+RECIPES = [DelayedScaling, Float8CurrentScaling, Float8BlockScaling, MXFP8BlockScaling]
 
 
 def rel_err(a, b):

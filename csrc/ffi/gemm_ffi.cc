@@ -1,5 +1,6 @@
 // XLA FFI handlers for lowbit_gemm (gemm/gemm.h): out (M, N) = a_scale_inv * b_scale_inv *
-// a (M, K) @ b (N, K)^T + bias. Compiled into liblowbit.so as LowbitGemmCpu (the C++
+// a (M, K) @ b (N, K)^T + bias, the scale_invs read per a_scale_mode / b_scale_mode (one f32,
+// or the 2-D block scale arrays of gemm.h, checked here against their exact shapes). Compiled into liblowbit.so as LowbitGemmCpu (the C++
 // reference) and, with LOWBIT_CUDA_HANDLERS, into liblowbit_cuda.so as LowbitGemmCuda
 // (cuBLASLt). Both validate identically.
 //
@@ -32,11 +33,38 @@ Status Invalid(const char* arg, const std::string& what) {
   return Status::InvalidArgument(std::string("lowbit_gemm: ") + arg + ": " + what);
 }
 
+// Checks one operand's scale buffer against its mode and the operand's rows x k.
+Status CheckScale(const char* arg, const ffi::AnyBuffer& scale, GemmScaleMode mode, int64_t rows,
+                  int64_t k) {
+  const DType want_type = mode == GemmScaleMode::kMxfp8 ? DType::kE8M0 : DType::kF32;
+  const DType got_type = ToDType(scale.element_type());
+  if (got_type != want_type) {
+    return Invalid(arg, std::string("expected ") + DTypeName(want_type) + " for scale mode " +
+                            GemmScaleModeName(mode) + ", got " + DTypeName(got_type));
+  }
+  if (mode == GemmScaleMode::kTensor) {
+    if (scale.element_count() != 1) {
+      return Invalid(arg, "expected one f32, got shape " + Dims(scale.dimensions()));
+    }
+    return Status::Ok();
+  }
+  const GemmScaleShape want = GemmScaleDims(mode, rows, k);
+  const auto d = scale.dimensions();
+  if (d.size() != 2 || d[0] != want.dim0 || d[1] != want.dim1) {
+    return Invalid(arg, std::string("expected shape (") + std::to_string(want.dim0) + ", " +
+                            std::to_string(want.dim1) + ") for scale mode " +
+                            GemmScaleModeName(mode) + " of a " + std::to_string(rows) + " x " +
+                            std::to_string(k) + " operand, got " + Dims(d));
+  }
+  return Status::Ok();
+}
+
 // Checks every buffer against the others and fills `args` (pointers, types, sizes).
 Status GemmArgsFromBuffers(const ffi::AnyBuffer& a, const ffi::AnyBuffer& b,
-                           const ffi::Buffer<ffi::F32>& a_scale_inv,
-                           const ffi::Buffer<ffi::F32>& b_scale_inv, const ffi::AnyBuffer& bias,
-                           ffi::AnyBuffer& out, bool use_split_accumulator, GemmArgs* args) {
+                           const ffi::AnyBuffer& a_scale_inv, const ffi::AnyBuffer& b_scale_inv,
+                           const ffi::AnyBuffer& bias, ffi::AnyBuffer& out,
+                           bool use_split_accumulator, int32_t a_scale_mode,
+                           int32_t b_scale_mode, GemmArgs* args) {
   const auto ad = a.dimensions(), bd = b.dimensions(), od = out.dimensions();
   if (ad.size() != 2) return Invalid("a", "expected rank 2 (M, K), got shape " + Dims(ad));
   if (bd.size() != 2) return Invalid("b", "expected rank 2 (N, K), got shape " + Dims(bd));
@@ -48,16 +76,15 @@ Status GemmArgsFromBuffers(const ffi::AnyBuffer& a, const ffi::AnyBuffer& b,
     return Invalid("out", "expected shape (" + std::to_string(ad[0]) + ", " +
                               std::to_string(bd[0]) + "), got " + Dims(od));
   }
-  if (a_scale_inv.element_count() != 1) {
-    return Invalid("a_scale_inv", "expected one f32, got shape " + Dims(a_scale_inv.dimensions()));
-  }
-  if (b_scale_inv.element_count() != 1) {
-    return Invalid("b_scale_inv", "expected one f32, got shape " + Dims(b_scale_inv.dimensions()));
-  }
   args->a_type = ToDType(a.element_type());
   args->b_type = ToDType(b.element_type());
   args->out_type = ToDType(out.element_type());
   LOWBIT_RETURN_IF_ERROR(CheckGemmTypes(args->a_type, args->b_type, args->out_type));
+  args->a_scale_mode = static_cast<GemmScaleMode>(a_scale_mode);
+  args->b_scale_mode = static_cast<GemmScaleMode>(b_scale_mode);
+  LOWBIT_RETURN_IF_ERROR(CheckGemmScaleModes(args->a_scale_mode, args->b_scale_mode, args->a_type));
+  LOWBIT_RETURN_IF_ERROR(CheckScale("a_scale_inv", a_scale_inv, args->a_scale_mode, ad[0], ad[1]));
+  LOWBIT_RETURN_IF_ERROR(CheckScale("b_scale_inv", b_scale_inv, args->b_scale_mode, bd[0], bd[1]));
   const int64_t bias_count = int64_t(bias.element_count());
   if (bias.dimensions().size() != 1 || (bias_count != 0 && bias_count != bd[0])) {
     return Invalid("bias", "expected shape (" + std::to_string(bd[0]) + ",) or (0,), got " +
@@ -69,8 +96,8 @@ Status GemmArgsFromBuffers(const ffi::AnyBuffer& a, const ffi::AnyBuffer& b,
   }
   args->a = a.untyped_data();
   args->b = b.untyped_data();
-  args->a_scale_inv = a_scale_inv.typed_data();
-  args->b_scale_inv = b_scale_inv.typed_data();
+  args->a_scale_inv = a_scale_inv.untyped_data();
+  args->b_scale_inv = b_scale_inv.untyped_data();
   args->bias = bias_count != 0 ? bias.untyped_data() : nullptr;
   args->out = out.untyped_data();
   args->m = ad[0];
@@ -82,14 +109,14 @@ Status GemmArgsFromBuffers(const ffi::AnyBuffer& a, const ffi::AnyBuffer& b,
 
 #if !defined(LOWBIT_CUDA_HANDLERS)
 
-ffi::Error GemmCpu(ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Buffer<ffi::F32> a_scale_inv,
-                   ffi::Buffer<ffi::F32> b_scale_inv, ffi::AnyBuffer bias,
+ffi::Error GemmCpu(ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer a_scale_inv,
+                   ffi::AnyBuffer b_scale_inv, ffi::AnyBuffer bias,
                    ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> workspace,
-                   bool use_split_accumulator) {
+                   bool use_split_accumulator, int32_t a_scale_mode, int32_t b_scale_mode) {
   (void)workspace;  // the reference needs none; the CPU lowering passes u8[0]
   GemmArgs args;
   Status s = GemmArgsFromBuffers(a, b, a_scale_inv, b_scale_inv, bias, *out,
-                                 use_split_accumulator, &args);
+                                 use_split_accumulator, a_scale_mode, b_scale_mode, &args);
   if (s.ok()) s = GemmRef(args);
   return ToFfiError(s);
 }
@@ -97,13 +124,13 @@ ffi::Error GemmCpu(ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Buffer<ffi::F32> a_s
 #else
 
 ffi::Error GemmGpu(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuffer a,
-                   ffi::AnyBuffer b, ffi::Buffer<ffi::F32> a_scale_inv,
-                   ffi::Buffer<ffi::F32> b_scale_inv, ffi::AnyBuffer bias,
-                   ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> workspace,
-                   bool use_split_accumulator) {
+                   ffi::AnyBuffer b, ffi::AnyBuffer a_scale_inv, ffi::AnyBuffer b_scale_inv,
+                   ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> out,
+                   ffi::Result<ffi::AnyBuffer> workspace, bool use_split_accumulator,
+                   int32_t a_scale_mode, int32_t b_scale_mode) {
   GemmArgs args;
   Status s = GemmArgsFromBuffers(a, b, a_scale_inv, b_scale_inv, bias, *out,
-                                 use_split_accumulator, &args);
+                                 use_split_accumulator, a_scale_mode, b_scale_mode, &args);
   if (!s.ok()) return ToFfiError(s);
   if (args.m == 0 || args.n == 0) return ffi::Error::Success();
   // XLA places the buffer; it is live only for this call, so work enqueued later may reuse
@@ -136,12 +163,14 @@ LOWBIT_FFI_HANDLER(LowbitGemmCpu, lowbit::GemmCpu,
                    xffi::Ffi::Bind()
                        .Arg<xffi::AnyBuffer>()             // a: (M, K) fp8 / bf16 / f16, row-major
                        .Arg<xffi::AnyBuffer>()             // b: (N, K) same family as a, row-major
-                       .Arg<xffi::Buffer<xffi::F32>>()     // a_scale_inv: (1,)
-                       .Arg<xffi::Buffer<xffi::F32>>()     // b_scale_inv: (1,)
+                       .Arg<xffi::AnyBuffer>()             // a_scale_inv: f32 (1,), or 2-D per a_scale_mode
+                       .Arg<xffi::AnyBuffer>()             // b_scale_inv: f32 (1,), or 2-D per b_scale_mode
                        .Arg<xffi::AnyBuffer>()             // bias: (N,) in out's type, or (0,)
                        .Ret<xffi::AnyBuffer>()             // out: (M, N) bf16 / f16 / f32
                        .Ret<xffi::AnyBuffer>()             // workspace: u8 (0,) here, unused
-                       .Attr<bool>("use_split_accumulator"));  // FP8 on GPU: false = fast accumulation
+                       .Attr<bool>("use_split_accumulator")  // FP8 on GPU: false = fast accumulation
+                       .Attr<int32_t>("a_scale_mode")      // GemmScaleMode of a_scale_inv
+                       .Attr<int32_t>("b_scale_mode"));    // GemmScaleMode of b_scale_inv
 #else
 LOWBIT_FFI_HANDLER(LowbitGemmCuda, lowbit::GemmGpu,
                    xffi::Ffi::Bind()
@@ -149,10 +178,12 @@ LOWBIT_FFI_HANDLER(LowbitGemmCuda, lowbit::GemmGpu,
                        .Ctx<xffi::DeviceOrdinal>()         // device: picks the cuBLASLt handle and plans
                        .Arg<xffi::AnyBuffer>()             // a: (M, K) fp8 / bf16 / f16, row-major
                        .Arg<xffi::AnyBuffer>()             // b: (N, K) same family as a, row-major
-                       .Arg<xffi::Buffer<xffi::F32>>()     // a_scale_inv: (1,)
-                       .Arg<xffi::Buffer<xffi::F32>>()     // b_scale_inv: (1,)
+                       .Arg<xffi::AnyBuffer>()             // a_scale_inv: f32 (1,), or 2-D per a_scale_mode
+                       .Arg<xffi::AnyBuffer>()             // b_scale_inv: f32 (1,), or 2-D per b_scale_mode
                        .Arg<xffi::AnyBuffer>()             // bias: (N,) in out's type, or (0,)
                        .Ret<xffi::AnyBuffer>()             // out: (M, N) bf16 / f16 / f32
                        .Ret<xffi::AnyBuffer>()             // workspace: u8 (kGemmWorkspaceBytes,), 256-B aligned
-                       .Attr<bool>("use_split_accumulator"));  // FP8: false = fast accumulation
+                       .Attr<bool>("use_split_accumulator")  // FP8 tensor mode: false = fast accumulation
+                       .Attr<int32_t>("a_scale_mode")      // GemmScaleMode of a_scale_inv
+                       .Attr<int32_t>("b_scale_mode"));    // GemmScaleMode of b_scale_inv
 #endif

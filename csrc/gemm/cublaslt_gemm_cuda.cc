@@ -3,11 +3,11 @@
 // Handles and plans: a process-wide CublasLtCache (created on first use, never destroyed,
 // so that no cuBLASLt call runs after the CUDA runtime has shut down at exit) holds one
 // DeviceState per device, created lazily: a cuBLASLt handle, and one plan per (M, N, K,
-// types, bias epilogue, fast accumulation, pointer alignments). A plan is the matmul
-// descriptor, the three matrix layouts and the algorithm cublasLtMatmulAlgoGetHeuristic
-// picked for a 32 MiB workspace; every descriptor lives in a unique_ptr with its destroy
-// function, so a check that fails halfway through building a plan leaks nothing. Plans are
-// never evicted (a training run uses a few dozen shapes).
+// types, bias epilogue, fast accumulation, pointer alignments, the two scale modes). A plan
+// is the matmul descriptor, the three matrix layouts and the algorithm
+// cublasLtMatmulAlgoGetHeuristic picked for a 32 MiB workspace; every descriptor lives in a
+// unique_ptr with its destroy function, so a check that fails halfway through building a
+// plan leaks nothing. Plans are never evicted (a training run uses a few dozen shapes).
 //
 // Locking: everything that touches a device's handle or plans (lookup, build, writing the
 // per-call data pointers into the descriptor, the cublasLtMatmul enqueue) runs under that
@@ -18,7 +18,19 @@
 //
 // cuBLASLt's A is our b and its B is our a: D^T (N x M, ld N) = op_T(b: K x N, ld K) *
 // (a: K x M, ld K). The FP8 scale of cuBLASLt's A is therefore b_scale_inv.
+//
+// FP8 block scaling (gemm.h's kBlock1x128 / kBlock128x128): cuBLASLt's A/B_SCALE_MODE =
+// VEC128_32F / BLK128x128_32F (cublasLt.h, CUDA 12.9+), the scale pointers being the 2-D
+// scale arrays as the quantizers lay them out: 1x128 [ceil(K/128)][rows] with the rows
+// contiguous, 128x128 [ceil(rows/128)][roundup(ceil(K/128), 4)] (the layouts PyTorch's
+// _scaled_mm checks before handing the same modes to cuBLASLt, ScaledBlas.cpp). Only on
+// compute capability 9.0, for the pairs (1x128, 128x128), (128x128, 1x128) and (1x128,
+// 1x128); M, N and K must be multiples of 16 (lowbit/ops/gemm.py pads them, so that a 1x128
+// scale row is exactly the operand's row count), no bias epilogue, no fast accumulation (the
+// kernel promotes to fp32 per 128-long K block). MXFP8 (VEC32_UE8M0 with the swizzled scale
+// layout, sm_100) is not wired here yet: lowbit/ops/gemm.py emulates it.
 #include <cublasLt.h>
+#include <cublas_api.h>
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
@@ -38,6 +50,15 @@ namespace {
 // FP8 tensor-core GEMMs exist from compute capability 8.9 (Ada) and 9.0 (Hopper); cuBLASLt
 // documents FP8 matmul for sm_89+ (cublasLtMatmul, "FP8" data type table, CUDA 12.0+).
 constexpr int kMinFp8ComputeCapability = 89;
+// cuBLASLt's VEC128_32F / BLK128x128_32F scale modes: cuBLAS 12.9 (headers and library), on
+// Hopper only (compute capability 9.0; Blackwell takes MX formats instead).
+constexpr int kBlockScaleCublasVersion = 120900;
+constexpr int kBlockScaleComputeCapability = 90;
+#if CUBLAS_VERSION >= 120900
+#define LOWBIT_HAS_CUBLASLT_BLOCK_SCALING 1
+#else
+#define LOWBIT_HAS_CUBLASLT_BLOCK_SCALING 0
+#endif
 
 std::string Problem(const GemmArgs& args) {
   return "M=" + std::to_string(args.m) + " N=" + std::to_string(args.n) + " K=" +
@@ -119,12 +140,14 @@ struct PlanKey {
   DType a_type, b_type, out_type;
   bool bias_epilogue, fast_accum;
   uint32_t align_a, align_b, align_out, align_bias;
+  GemmScaleMode a_scale_mode, b_scale_mode;
 
   bool operator==(const PlanKey& o) const {
     return device == o.device && m == o.m && n == o.n && k == o.k && a_type == o.a_type &&
            b_type == o.b_type && out_type == o.out_type && bias_epilogue == o.bias_epilogue &&
            fast_accum == o.fast_accum && align_a == o.align_a && align_b == o.align_b &&
-           align_out == o.align_out && align_bias == o.align_bias;
+           align_out == o.align_out && align_bias == o.align_bias &&
+           a_scale_mode == o.a_scale_mode && b_scale_mode == o.b_scale_mode;
   }
 };
 
@@ -140,6 +163,7 @@ struct PlanKeyHash {
         uint64_t(key.bias_epilogue) << 24 | uint64_t(key.fast_accum) << 25);
     mix(uint64_t(key.align_a) | uint64_t(key.align_b) << 16 | uint64_t(key.align_out) << 32 |
         uint64_t(key.align_bias) << 48);
+    mix(uint64_t(key.a_scale_mode) | uint64_t(key.b_scale_mode) << 8);
     return size_t(h);
   }
 };
@@ -180,6 +204,13 @@ Status SetDesc(cublasLtMatmulDesc_t desc, cublasLtMatmulDescAttributes_t attr, c
   return CublasStatus(cublasLtMatmulDescSetAttribute(desc, attr, &value, sizeof(value)), what, args);
 }
 
+#if LOWBIT_HAS_CUBLASLT_BLOCK_SCALING
+cublasLtMatmulMatrixScale_t CublasScaleMode(GemmScaleMode mode) {
+  return mode == GemmScaleMode::kBlock128x128 ? CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F
+                                              : CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F;
+}
+#endif
+
 Status MakeLayout(cudaDataType_t type, int64_t rows, int64_t cols, int64_t ld, const char* what,
                   const GemmArgs& args, UniqueLayout* out) {
   cublasLtMatrixLayout_t layout = nullptr;
@@ -202,6 +233,21 @@ Status BuildPlan(cublasLtHandle_t handle, const PlanKey& key, const GemmArgs& ar
   if (IsFp8(key.a_type)) {
     LOWBIT_RETURN_IF_ERROR(SetDesc(desc, CUBLASLT_MATMUL_DESC_FAST_ACCUM, int8_t(key.fast_accum),
                                    "cublasLtMatmulDescSetAttribute(FAST_ACCUM)", args));
+    if (IsBlockScaleMode(key.a_scale_mode)) {
+#if LOWBIT_HAS_CUBLASLT_BLOCK_SCALING
+      // cuBLASLt's A is our b: its scale mode is b's.
+      LOWBIT_RETURN_IF_ERROR(SetDesc(desc, CUBLASLT_MATMUL_DESC_A_SCALE_MODE,
+                                     int32_t(CublasScaleMode(key.b_scale_mode)),
+                                     "cublasLtMatmulDescSetAttribute(A_SCALE_MODE)", args));
+      LOWBIT_RETURN_IF_ERROR(SetDesc(desc, CUBLASLT_MATMUL_DESC_B_SCALE_MODE,
+                                     int32_t(CublasScaleMode(key.a_scale_mode)),
+                                     "cublasLtMatmulDescSetAttribute(B_SCALE_MODE)", args));
+#else
+      return Status::Unimplemented("lowbit_gemm: built against cuBLAS " +
+                                   std::to_string(CUBLAS_VERSION) +
+                                   ", which has no block scale modes (12.9+ has)");
+#endif
+    }
   } else {
     LOWBIT_RETURN_IF_ERROR(SetDesc(desc, CUBLASLT_MATMUL_DESC_POINTER_MODE,
                                    int32_t(CUBLASLT_POINTER_MODE_DEVICE),
@@ -335,6 +381,46 @@ Status CheckFp8Problem(const GemmArgs& args, int device, int capability) {
   return Status::Ok();
 }
 
+// The FP8 block-scaling rules of the preamble.
+Status CheckBlockScaleProblem(const GemmArgs& args, int device, int capability) {
+  const std::string modes = std::string(" (a ") + GemmScaleModeName(args.a_scale_mode) + ", b " +
+                            GemmScaleModeName(args.b_scale_mode) + ")";
+  if (args.a_scale_mode == GemmScaleMode::kMxfp8) {
+    return Status::Unimplemented("lowbit_gemm: MXFP8 scales have no cuBLASLt path here yet; "
+                                 "lowbit.ops.gemm emulates them");
+  }
+  if (args.a_scale_mode == GemmScaleMode::kBlock128x128 &&
+      args.b_scale_mode == GemmScaleMode::kBlock128x128) {
+    return Status::Unimplemented("lowbit_gemm: cuBLASLt has no 128x128 x 128x128 block-scaled "
+                                 "GEMM; quantize one operand in 1x128 tiles");
+  }
+  if (capability != kBlockScaleComputeCapability) {
+    return Status::Unimplemented(
+        "lowbit_gemm: cuBLASLt's FP8 block scaling runs on compute capability 9.0 only; device " +
+        std::to_string(device) + " is " + std::to_string(capability / 10) + "." +
+        std::to_string(capability % 10) + modes);
+  }
+  if (cublasLtGetVersion() < size_t(kBlockScaleCublasVersion)) {
+    return Status::Unimplemented("lowbit_gemm: the loaded cuBLASLt " +
+                                 std::to_string(cublasLtGetVersion()) +
+                                 " has no FP8 block scaling (12.9+ has)");
+  }
+  if (args.m % kFp8DimMultiple != 0) {
+    return Status::InvalidArgument("lowbit_gemm: FP8 block scaling on cuBLASLt needs M to be a "
+                                   "multiple of 16 too, got " + Problem(args) + modes +
+                                   "; lowbit.ops.gemm pads it");
+  }
+  if (args.bias != nullptr) {
+    return Status::InvalidArgument("lowbit_gemm: bias: block-scaled GEMMs take no bias on "
+                                   "cuBLASLt; lowbit.ops.gemm adds it in fp32");
+  }
+  if (Alignment(args.a_scale_inv) < 16 || Alignment(args.b_scale_inv) < 16) {
+    return Status::InvalidArgument("lowbit_gemm: block scale arrays must be 16-byte aligned, for " +
+                                   Problem(args) + modes);
+  }
+  return Status::Ok();
+}
+
 }  // namespace
 
 Status GemmCuda(const GemmArgs& args, int device_ordinal, void* workspace, GpuStream stream) {
@@ -345,15 +431,19 @@ Status GemmCuda(const GemmArgs& args, int device_ordinal, void* workspace, GpuSt
   }
   DeviceState* device = nullptr;
   LOWBIT_RETURN_IF_ERROR(CublasLtCache::Get().Device(device_ordinal, args, &device));
+  LOWBIT_RETURN_IF_ERROR(CheckGemmScaleModes(args.a_scale_mode, args.b_scale_mode, args.a_type));
   const bool fp8 = IsFp8(args.a_type);
+  const bool block = IsBlockScaleMode(args.a_scale_mode);
   if (fp8) LOWBIT_RETURN_IF_ERROR(CheckFp8Problem(args, device_ordinal, device->capability));
+  if (block) LOWBIT_RETURN_IF_ERROR(CheckBlockScaleProblem(args, device_ordinal, device->capability));
 
   // f32 outputs take their bias from GemmBiasAddF32Cuda (see gemm_epilogue.h).
   const bool bias_epilogue = args.bias != nullptr && args.out_type != DType::kF32;
   const PlanKey key{device_ordinal, args.m, args.n, args.k, args.a_type, args.b_type,
-                    args.out_type, bias_epilogue, fp8 && !args.use_split_accumulator,
+                    args.out_type, bias_epilogue, fp8 && !block && !args.use_split_accumulator,
                     Alignment(args.a), Alignment(args.b), Alignment(args.out),
-                    bias_epilogue ? Alignment(args.bias) : 0u};
+                    bias_epilogue ? Alignment(args.bias) : 0u, args.a_scale_mode,
+                    args.b_scale_mode};
 
   // Scalars first, then cuBLASLt's workspace (kGemmScalarBytes keeps it 256-byte aligned).
   float* alpha_beta = static_cast<float*>(workspace);
@@ -362,7 +452,9 @@ Status GemmCuda(const GemmArgs& args, int device_ordinal, void* workspace, GpuSt
   const void* alpha = &host_one;
   const void* beta = &host_zero;
   if (!fp8) {
-    LOWBIT_RETURN_IF_ERROR(GemmAlphaBetaCuda(args.a_scale_inv, args.b_scale_inv, alpha_beta, stream));
+    LOWBIT_RETURN_IF_ERROR(GemmAlphaBetaCuda(static_cast<const float*>(args.a_scale_inv),
+                                             static_cast<const float*>(args.b_scale_inv),
+                                             alpha_beta, stream));
     alpha = alpha_beta;
     beta = alpha_beta + 1;
   }

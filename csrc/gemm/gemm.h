@@ -16,6 +16,21 @@
 // significands are short enough), so the only roundings are: acc = the fp32 sum of the
 // products in increasing k order starting from +0; y = fl(fl(a_scale_inv * b_scale_inv) *
 // acc); y = fl(y + bias[n]); out = y rounded to the out type (nearest even).
+//
+// Block scale modes (FP8 operands only; a_scale_mode / b_scale_mode, GemmScaleMode below):
+// the scale_invs are then 2-D arrays in the quantizers' GEMM-ready layouts, for an operand of
+// R rows (M for a, N for b) and K columns:
+//   kBlock1x128    f32 (ceil(K/128), roundup(R, 4)): entry [j][r] scales x[r, 128j:128j+128]
+//                  (quantize_block.h; cuBLASLt's VEC128_32F, "M-major")
+//   kBlock128x128  f32 (ceil(R/128), roundup(ceil(K/128), 4)): entry [i][j] scales the tile
+//                  (i, j) (cuBLASLt's BLK128x128_32F, K-major, the K-block count padded to 4)
+//   kMxfp8         e8m0 (roundup(R, 128), roundup(ceil(K/32), 4)): entry [r][j] scales
+//                  x[r, 32j:32j+32] (quantize_mxfp8.h, before cuBLASLt's 128x4 swizzle)
+// Both operands use block modes or neither; MXFP8 pairs only with MXFP8. Numerics (the CPU
+// emulation, exactly): each operand is dequantized to fp32, a'[m,k] = fl(decode(a) * s_a)
+// (E8M0 s = 2^(e-127), NaN for 0xFF), then acc = the fp32 sum of fl(a'[m,k] * b'[n,k]) in
+// increasing k from +0, y = fl(acc + bias[n]), rounded to out. cuBLASLt applies the scales
+// per 128-long K block to fp32 partial sums instead (a different rounding order).
 #pragma once
 
 #include <cstddef>
@@ -28,19 +43,88 @@
 
 namespace lowbit {
 
+// How a_scale_inv / b_scale_inv are read (values are the FFI attribute's, and
+// lowbit/ops/gemm.py's GemmScaleMode).
+enum class GemmScaleMode : int32_t {
+  kTensor = 0,        // one f32 for the whole operand
+  kBlock1x128 = 1,    // f32 per 1x128 tile along K
+  kBlock128x128 = 2,  // f32 per 128x128 tile
+  kMxfp8 = 3,         // e8m0 byte per 32 values along K
+};
+
+inline const char* GemmScaleModeName(GemmScaleMode mode) {
+  switch (mode) {
+    case GemmScaleMode::kTensor: return "tensor";
+    case GemmScaleMode::kBlock1x128: return "block_1x128";
+    case GemmScaleMode::kBlock128x128: return "block_128x128";
+    case GemmScaleMode::kMxfp8: return "mxfp8";
+  }
+  return "invalid";
+}
+
+inline bool IsBlockScaleMode(GemmScaleMode mode) { return mode != GemmScaleMode::kTensor; }
+
+// (dim0, dim1) of the scale array of an operand of `rows` x `k` in `mode` (see above);
+// (1, 1) for kTensor.
+struct GemmScaleShape {
+  int64_t dim0 = 1;
+  int64_t dim1 = 1;
+};
+inline GemmScaleShape GemmScaleDims(GemmScaleMode mode, int64_t rows, int64_t k) {
+  auto cdiv = [](int64_t a, int64_t b) { return (a + b - 1) / b; };
+  auto roundup = [&](int64_t a, int64_t b) { return cdiv(a, b) * b; };
+  switch (mode) {
+    case GemmScaleMode::kBlock1x128: return {cdiv(k, 128), roundup(rows, 4)};
+    case GemmScaleMode::kBlock128x128: return {cdiv(rows, 128), roundup(cdiv(k, 128), 4)};
+    case GemmScaleMode::kMxfp8: return {roundup(rows, 128), roundup(cdiv(k, 32), 4)};
+    default: return {1, 1};
+  }
+}
+
 struct GemmArgs {
   const void* a = nullptr;  // (m, k) row-major, a_type
   const void* b = nullptr;  // (n, k) row-major, b_type
   DType a_type = DType::kInvalid;
   DType b_type = DType::kInvalid;
-  const float* a_scale_inv = nullptr;  // one f32 (host memory for the CPU reference, device for CUDA)
-  const float* b_scale_inv = nullptr;
+  // kTensor: one f32; block modes: the 2-D arrays above (f32, or e8m0 bytes for kMxfp8).
+  // Host memory for the CPU reference, device memory for CUDA.
+  const void* a_scale_inv = nullptr;
+  const void* b_scale_inv = nullptr;
+  GemmScaleMode a_scale_mode = GemmScaleMode::kTensor;
+  GemmScaleMode b_scale_mode = GemmScaleMode::kTensor;
   const void* bias = nullptr;  // n values of out_type, or null for none
   void* out = nullptr;         // (m, n) row-major, out_type
   DType out_type = DType::kInvalid;
   int64_t m = 0, n = 0, k = 0;
-  bool use_split_accumulator = true;  // FP8 on the GPU only: false = cuBLASLt fast accumulation
+  bool use_split_accumulator = true;  // FP8 tensor mode on the GPU only: false = fast accumulation
 };
+
+// The scale-mode rules above, shared by both handlers.
+inline Status CheckGemmScaleModes(GemmScaleMode a_mode, GemmScaleMode b_mode, DType a_type) {
+  const std::string op = "lowbit_gemm: ";
+  for (GemmScaleMode m : {a_mode, b_mode}) {
+    if (int32_t(m) < 0 || int32_t(m) > int32_t(GemmScaleMode::kMxfp8)) {
+      return Status::InvalidArgument(op + "scale_mode: expected 0 (tensor), 1 (block_1x128), "
+                                     "2 (block_128x128) or 3 (mxfp8), got " +
+                                     std::to_string(int32_t(m)));
+    }
+  }
+  if (IsBlockScaleMode(a_mode) != IsBlockScaleMode(b_mode)) {
+    return Status::InvalidArgument(op + "b_scale_mode: expected block scales on both operands "
+                                   "or neither, got a " + GemmScaleModeName(a_mode) + " and b " +
+                                   GemmScaleModeName(b_mode));
+  }
+  if ((a_mode == GemmScaleMode::kMxfp8) != (b_mode == GemmScaleMode::kMxfp8)) {
+    return Status::InvalidArgument(op + "b_scale_mode: MXFP8 scales pair only with MXFP8 scales, "
+                                   "got a " + std::string(GemmScaleModeName(a_mode)) + " and b " +
+                                   GemmScaleModeName(b_mode));
+  }
+  if (IsBlockScaleMode(a_mode) && !IsFp8(a_type)) {
+    return Status::InvalidArgument(op + "a: block scale modes need FP8 operands, got " +
+                                   DTypeName(a_type));
+  }
+  return Status::Ok();
+}
 
 // The type rules above, shared by both handlers so that CPU and GPU reject the same inputs.
 inline Status CheckGemmTypes(DType a, DType b, DType out) {

@@ -1,5 +1,7 @@
 // CPU reference for lowbit_gemm (numerics in gemm.h): out = s * (a @ b^T) + bias with
 // s = fl(a_scale_inv * b_scale_inv), each dot product summed in fp32 in increasing k order.
+// Block scale modes are the exact emulation of gemm.h: every decoded row is multiplied by its
+// block scales as it is decoded (fl(decode(q) * s)), and s = 1.
 //
 // Speed: b is decoded to fp32 one block of kBlockN columns at a time, transposed to
 // (K, kBlockN) so that the innermost loop runs over contiguous n; a is decoded kTileM rows
@@ -70,6 +72,47 @@ class Decoder {
   std::array<float, 256> lut_{};
 };
 
+// One operand (a or b): its data decoded row by row to fp32, times its block scales when
+// its scale mode is a block mode.
+class Operand {
+ public:
+  Operand(const void* data, DType type, GemmScaleMode mode, const void* scale, int64_t rows,
+          int64_t k)
+      : data_(data), decoder_(type), mode_(mode), scale_(scale), k_(k),
+        dims_(GemmScaleDims(mode, rows, k)) {}
+
+  void Row(int64_t r, float* out) const {
+    decoder_.Run(data_, r * k_, k_, out);
+    switch (mode_) {
+      case GemmScaleMode::kBlock1x128: {
+        const float* s = static_cast<const float*>(scale_);
+        for (int64_t kk = 0; kk < k_; ++kk) out[kk] = out[kk] * s[(kk / 128) * dims_.dim1 + r];
+        return;
+      }
+      case GemmScaleMode::kBlock128x128: {
+        const float* s = static_cast<const float*>(scale_) + (r / 128) * dims_.dim1;
+        for (int64_t kk = 0; kk < k_; ++kk) out[kk] = out[kk] * s[kk / 128];
+        return;
+      }
+      case GemmScaleMode::kMxfp8: {
+        const uint8_t* s = static_cast<const uint8_t*>(scale_) + r * dims_.dim1;
+        for (int64_t kk = 0; kk < k_; ++kk) out[kk] = out[kk] * E8m0ToFloat(s[kk / 32]);
+        return;
+      }
+      default:
+        return;
+    }
+  }
+
+ private:
+  const void* data_;
+  Decoder decoder_;
+  GemmScaleMode mode_;
+  const void* scale_;
+  int64_t k_;
+  GemmScaleShape dims_;
+};
+
 // acc[i][j] = sum over k of a_tile[i][k] * b_t[k][j], k ascending. a_tile is kTileM rows of
 // `k` floats; b_t has row stride `ldb` and kTileN valid columns.
 inline void MicroKernel(const float* a_tile, int64_t k, const float* b_t, int64_t ldb,
@@ -92,7 +135,8 @@ template <typename OutTag>
 void GemmRows(const GemmArgs& args, float scale, int64_t row_begin, int64_t row_end) {
   using Out = typename OutTag::Storage;
   const int64_t k = args.k, n = args.n;
-  const Decoder decode_a(args.a_type), decode_b(args.b_type);
+  const Operand op_a(args.a, args.a_type, args.a_scale_mode, args.a_scale_inv, args.m, k);
+  const Operand op_b(args.b, args.b_type, args.b_scale_mode, args.b_scale_inv, args.n, k);
   const Out* bias = static_cast<const Out*>(args.bias);
   Out* out = static_cast<Out*>(args.out);
 
@@ -106,7 +150,7 @@ void GemmRows(const GemmArgs& args, float scale, int64_t row_begin, int64_t row_
     const int64_t padded_n = (block_n + kTileN - 1) / kTileN * kTileN;
     std::fill(b_t.begin(), b_t.end(), 0.0f);
     for (int64_t j = 0; j < block_n; ++j) {
-      decode_b.Run(args.b, (n0 + j) * k, k, b_row.data());
+      op_b.Row(n0 + j, b_row.data());
       for (int64_t kk = 0; kk < k; ++kk) b_t[size_t(kk * kBlockN + j)] = b_row[size_t(kk)];
     }
     for (int64_t m0 = row_begin; m0 < row_end; m0 += kTileM) {
@@ -114,7 +158,7 @@ void GemmRows(const GemmArgs& args, float scale, int64_t row_begin, int64_t row_
       for (int64_t i = 0; i < kTileM; ++i) {
         float* dst = a_tile.data() + i * k;
         if (i < tile_m) {
-          decode_a.Run(args.a, (m0 + i) * k, k, dst);
+          op_a.Row(m0 + i, dst);
         } else {
           std::fill(dst, dst + k, 0.0f);
         }
@@ -185,12 +229,16 @@ Status GemmAllRows(const GemmArgs& args, float scale) {
 Status GemmRef(const GemmArgs& args) {
   const ScopedIeeeDenormals ieee;  // as the GPU (see ieee_denormals.h)
   LOWBIT_RETURN_IF_ERROR(CheckGemmTypes(args.a_type, args.b_type, args.out_type));
+  LOWBIT_RETURN_IF_ERROR(CheckGemmScaleModes(args.a_scale_mode, args.b_scale_mode, args.a_type));
   if (args.m < 0 || args.n < 0 || args.k < 0) {
     return Status::InvalidArgument("lowbit_gemm: negative dimension M=" + std::to_string(args.m) +
                                    " N=" + std::to_string(args.n) + " K=" + std::to_string(args.k));
   }
   if (args.m == 0 || args.n == 0) return Status::Ok();
-  const float scale = args.a_scale_inv[0] * args.b_scale_inv[0];
+  const float scale =
+      IsBlockScaleMode(args.a_scale_mode)
+          ? 1.0f
+          : static_cast<const float*>(args.a_scale_inv)[0] * static_cast<const float*>(args.b_scale_inv)[0];
   return DispatchHighPrecision(args.out_type, "lowbit_gemm", "out", [&](auto tag) {
     return GemmAllRows<decltype(tag)>(args, scale);
   });

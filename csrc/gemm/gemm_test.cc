@@ -45,7 +45,8 @@ float Decode(DType t, const uint8_t* bytes, int64_t i) {
 // The numerics of gemm.h written as plainly as possible; f32 output.
 std::vector<float> NaiveGemm(const GemmArgs& g, const std::vector<float>& bias) {
   std::vector<float> out(size_t(g.m * g.n));
-  const float scale = g.a_scale_inv[0] * g.b_scale_inv[0];
+  const float scale =
+      static_cast<const float*>(g.a_scale_inv)[0] * static_cast<const float*>(g.b_scale_inv)[0];
   const auto* a = static_cast<const uint8_t*>(g.a);
   const auto* b = static_cast<const uint8_t*>(g.b);
   for (int64_t i = 0; i < g.m; ++i) {

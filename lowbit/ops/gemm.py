@@ -11,6 +11,22 @@ faster, less precise FP8 accumulation).
 FP8 on cuBLASLt needs K and N to be multiples of 16: the CUDA lowering zero-pads K and N
 (zero terms leave every sum unchanged) and slices the result; the CPU handler takes any shape.
 
+Block scale modes (`a_scale_mode` / `b_scale_mode`, GemmScaleMode; FP8 operands only): the
+scale_invs are then the 2-D arrays the block quantizers emit for the (rows, K) view of each
+operand (csrc/gemm/gemm.h has the layouts): BLOCK_1x128 f32 (ceil(K/128), roundup(rows, 4)),
+BLOCK_128x128 f32 (ceil(rows/128), roundup(ceil(K/128), 4)), MXFP8 e8m0 (roundup(rows, 128),
+roundup(ceil(K/32), 4)). Both operands block-scaled or neither; MXFP8 only with MXFP8.
+  CPU: the exact emulation (each operand dequantized to fp32 with its block scales, then an
+    fp32 GEMM in increasing k order), with a one-time notice.
+  CUDA, FP8 block on compute capability 9.0: cuBLASLt's VEC128_32F / BLK128x128_32F scale
+    modes (CUDA 12.9+) for (1x128, 128x128), (128x128, 1x128) and (1x128, 1x128); M, N and K
+    are zero-padded to multiples of 16 (the scale arrays with them, so that the 1x128 scale
+    rows are exactly M or N long); accumulation is always cuBLASLt's per-128-K-block fp32
+    promotion (fast accumulation does not apply); bias is added in fp32 after the GEMM.
+  CUDA otherwise (MXFP8 anywhere, FP8 block off Hopper, 128x128 x 128x128): the same
+    emulation in jnp (fp32 HIGHEST dot), with a one-time notice.
+Block modes are not partitioned (sharded operands are gathered) and map over vmapped batches.
+
 Workspace: the lowbit_gemm custom call has a second result, a u8 workspace that XLA's buffer
 assignment plans like any temp (XLA's FFI scratch allocator hands out nothing in jax 0.11):
 GEMM_WORKSPACE_BYTES on CUDA, 0 bytes on the CPU. It exists only in the lowering rules
@@ -26,8 +42,10 @@ once and the sum is rounded to out_dtype. No other collective is inserted by the
 
 from __future__ import annotations
 
+import enum
 import functools
 import math
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -47,32 +65,113 @@ FP8_DIM_MULTIPLE = 16  # kFp8DimMultiple in csrc/gemm/gemm.h
 GEMM_WORKSPACE_BYTES = (32 << 20) + 256  # kGemmWorkspaceBytes in csrc/gemm/gemm.h
 
 
-def _abstract(a, b, a_scale_inv, b_scale_inv, bias, *, out_dtype, use_split_accumulator):
-    del a_scale_inv, b_scale_inv, bias, use_split_accumulator
+class GemmScaleMode(enum.IntEnum):
+    """How a scale_inv is read (GemmScaleMode in csrc/gemm/gemm.h)."""
+
+    TENSOR = 0          # one f32
+    BLOCK_1x128 = 1     # f32 per 1x128 tile along K
+    BLOCK_128x128 = 2   # f32 per 128x128 tile
+    MXFP8 = 3           # e8m0 per 32 values along K
+
+
+FP8_BLOCK_MODES = (GemmScaleMode.BLOCK_1x128, GemmScaleMode.BLOCK_128x128)
+# (a, b) mode pairs cuBLASLt runs, on sm_90 only (the pairs PyTorch's _scaled_mm hands it,
+# aten/src/ATen/native/cuda/ScaledBlas.cpp; 128x128 x 128x128 is not among them).
+CUBLASLT_BLOCK_PAIRS = ((GemmScaleMode.BLOCK_1x128, GemmScaleMode.BLOCK_128x128),
+                        (GemmScaleMode.BLOCK_128x128, GemmScaleMode.BLOCK_1x128),
+                        (GemmScaleMode.BLOCK_1x128, GemmScaleMode.BLOCK_1x128))
+_E8M0 = jnp.dtype(jnp.float8_e8m0fnu)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def scale_shape(mode: GemmScaleMode, rows: int, k: int) -> tuple[int, ...]:
+    """The scale_inv shape of a rows x k operand in `mode` ((1,) for TENSOR)."""
+    if mode == GemmScaleMode.BLOCK_1x128:
+        return (_cdiv(k, 128), _round_up(rows, 4))
+    if mode == GemmScaleMode.BLOCK_128x128:
+        return (_cdiv(rows, 128), _round_up(_cdiv(k, 128), 4))
+    if mode == GemmScaleMode.MXFP8:
+        return (_round_up(rows, 128), _round_up(_cdiv(k, 32), 4))
+    return (1,)
+
+
+_NOTICED: set[str] = set()
+
+
+def _notice_once(key: str, message: str) -> None:
+    """The one-time notice DESIGN.md asks for when a GEMM is emulated."""
+    if key not in _NOTICED:
+        _NOTICED.add(key)
+        warnings.warn(message, stacklevel=3)
+
+
+def dequantize_operand(data, scale, mode: GemmScaleMode):
+    """fp32 data (rows, K) times its block scales (the emulation's operand)."""
+    rows, k = data.shape
+    values = data.astype(jnp.float32)
+    if mode == GemmScaleMode.BLOCK_1x128:
+        s = jnp.repeat(scale[:, :rows].T, 128, axis=1)[:, :k]
+    elif mode == GemmScaleMode.BLOCK_128x128:
+        s = jnp.repeat(jnp.repeat(scale[:_cdiv(rows, 128), :_cdiv(k, 128)], 128, axis=0), 128, axis=1)
+        s = s[:rows, :k]
+    elif mode == GemmScaleMode.MXFP8:
+        e = jax.lax.bitcast_convert_type(scale[:rows, :_cdiv(k, 32)], jnp.uint8).astype(jnp.int32)
+        s = jnp.where(e == 255, jnp.float32(jnp.nan), jnp.ldexp(jnp.float32(1), e - 127))
+        s = jnp.repeat(s, 32, axis=1)[:, :k]
+    else:
+        s = scale.reshape(())
+    return values * s
+
+
+def emulated_gemm(a, b, a_scale_inv, b_scale_inv, bias, *, out_dtype, a_scale_mode, b_scale_mode):
+    """The block-scaled GEMM emulated in jnp: dequantize both operands to fp32, a HIGHEST
+    precision fp32 dot, + bias in fp32, rounded to out_dtype (the CPU handler's formula; only
+    the summation order differs)."""
+    a32 = dequantize_operand(a, a_scale_inv, GemmScaleMode(int(a_scale_mode)))
+    b32 = dequantize_operand(b, b_scale_inv, GemmScaleMode(int(b_scale_mode)))
+    acc = jnp.dot(a32, b32.T, precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+    if bias.shape[0]:
+        acc = acc + bias.astype(jnp.float32)
+    return acc.astype(out_dtype)
+
+
+def _abstract(a, b, a_scale_inv, b_scale_inv, bias, *, out_dtype, use_split_accumulator,
+              a_scale_mode, b_scale_mode):
+    del a_scale_inv, b_scale_inv, bias, use_split_accumulator, a_scale_mode, b_scale_mode
     return jax.core.ShapedArray((a.shape[0], b.shape[0]), out_dtype)
 
 
-# a (M, K), b (N, K), a_scale_inv (1,), b_scale_inv (1,), bias (N,) or (0,) -> (M, N).
-# The custom call's second result (the workspace) is added by the lowering rules below.
-gemm_p = ffi_primitive("lowbit_gemm", "lowbit_gemm", _abstract, attrs=("use_split_accumulator",))
+# a (M, K), b (N, K), a_scale_inv / b_scale_inv ((1,) or the 2-D block arrays), bias (N,) or
+# (0,) -> (M, N). The custom call's second result (the workspace) is added by the lowering
+# rules below.
+gemm_p = ffi_primitive("lowbit_gemm", "lowbit_gemm", _abstract,
+                       attrs=("use_split_accumulator", "a_scale_mode", "b_scale_mode"))
 _ffi_lowering = jax.ffi.ffi_lowering("lowbit_gemm")
 
 
 def _lower_with_workspace(ctx, a, b, a_scale_inv, b_scale_inv, bias, *, workspace_bytes,
-                          use_split_accumulator):
+                          use_split_accumulator, a_scale_mode, b_scale_mode):
     """Emits lowbit_gemm with results (out, workspace u8[workspace_bytes]); returns out."""
     (out_aval,) = ctx.avals_out
     workspace = jax.core.ShapedArray((workspace_bytes,), jnp.uint8)
     out, _ = _ffi_lowering(ctx.replace(avals_out=[out_aval, workspace]), a, b, a_scale_inv,
-                           b_scale_inv, bias, use_split_accumulator=use_split_accumulator)
+                           b_scale_inv, bias, use_split_accumulator=use_split_accumulator,
+                           a_scale_mode=np.int32(a_scale_mode), b_scale_mode=np.int32(b_scale_mode))
     return [out]
 
 
-def _cpu_lowering(ctx, *args, out_dtype, use_split_accumulator):
+def _cpu_lowering(ctx, *args, out_dtype, use_split_accumulator, a_scale_mode, b_scale_mode):
     del out_dtype
     _ffi.require_platform("lowbit_gemm", "cpu")
+    if a_scale_mode != GemmScaleMode.TENSOR:
+        _notice_once("cpu", "lowbit.ops.gemm: block-scaled GEMMs run as an exact emulation on the "
+                     "CPU (each operand dequantized to fp32 with its block scales, then an fp32 GEMM)")
     return _lower_with_workspace(ctx, *args, workspace_bytes=0,
-                                 use_split_accumulator=use_split_accumulator)
+                                 use_split_accumulator=use_split_accumulator,
+                                 a_scale_mode=a_scale_mode, b_scale_mode=b_scale_mode)
 
 
 mlir.register_lowering(gemm_p, _cpu_lowering, platform="cpu")
@@ -82,57 +181,107 @@ def _round_up(x: int, multiple: int) -> int:
     return (x + multiple - 1) // multiple * multiple
 
 
-def gemm_padded(a, b, a_scale_inv, b_scale_inv, bias, *, out_dtype, use_split_accumulator):
-    """gemm_p with K and N zero-padded to multiples of 16 and the result sliced back."""
+def gemm_padded(a, b, a_scale_inv, b_scale_inv, bias, *, out_dtype, use_split_accumulator,
+                a_scale_mode=GemmScaleMode.TENSOR, b_scale_mode=GemmScaleMode.TENSOR):
+    """gemm_p with K and N zero-padded to multiples of 16 (and M too under block scaling,
+    with the 1x128 scale rows padded alike) and the result sliced back."""
     (m, k), n = a.shape, b.shape[0]
+    block = a_scale_mode != GemmScaleMode.TENSOR
+    mp = _round_up(m, FP8_DIM_MULTIPLE) if block else m
     kp, np_ = _round_up(k, FP8_DIM_MULTIPLE), _round_up(n, FP8_DIM_MULTIPLE)
-    a = jnp.pad(a, ((0, 0), (0, kp - k)))
+    a = jnp.pad(a, ((0, mp - m), (0, kp - k)))
     b = jnp.pad(b, ((0, np_ - n), (0, kp - k)))
     if bias.shape[0]:
         bias = jnp.pad(bias, (0, np_ - n))
+
+    def pad_scale(scale, mode, rows):
+        if mode != GemmScaleMode.BLOCK_1x128:
+            return scale  # 16-padding never adds a 128-block: the 2-D shapes stay
+        return jnp.pad(scale, ((0, 0), (0, rows - scale.shape[1])))
+
+    a_scale_inv = pad_scale(a_scale_inv, a_scale_mode, mp)
+    b_scale_inv = pad_scale(b_scale_inv, b_scale_mode, np_)
     out = gemm_p.bind(a, b, a_scale_inv, b_scale_inv, bias, out_dtype=out_dtype,
-                      use_split_accumulator=use_split_accumulator)
+                      use_split_accumulator=use_split_accumulator,
+                      a_scale_mode=np.int32(a_scale_mode), b_scale_mode=np.int32(b_scale_mode))
     return out[:m, :n]
 
 
-def _cuda_lowering(ctx, a, b, a_scale_inv, b_scale_inv, bias, *, out_dtype, use_split_accumulator):
+def _block_gemm_cuda(a, b, a_scale_inv, b_scale_inv, bias, *, out_dtype, use_split_accumulator,
+                     a_scale_mode, b_scale_mode):
+    """FP8 block scaling on cuBLASLt: padded, and with the bias added in fp32 afterwards."""
+    if not bias.shape[0]:
+        return gemm_padded(a, b, a_scale_inv, b_scale_inv, bias, out_dtype=out_dtype,
+                           use_split_accumulator=use_split_accumulator,
+                           a_scale_mode=a_scale_mode, b_scale_mode=b_scale_mode)
+    acc = gemm_padded(a, b, a_scale_inv, b_scale_inv, jnp.zeros((0,), jnp.float32),
+                      out_dtype=jnp.dtype(jnp.float32), use_split_accumulator=use_split_accumulator,
+                      a_scale_mode=a_scale_mode, b_scale_mode=b_scale_mode)
+    return (acc + bias.astype(jnp.float32)).astype(out_dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_capability() -> str:
+    """The compute capability of the first CUDA device, "9.0" style ("" when unknown)."""
+    try:
+        return str(getattr(jax.devices("cuda")[0], "compute_capability", ""))
+    except RuntimeError:
+        return ""
+
+
+def _cuda_lowering(ctx, a, b, a_scale_inv, b_scale_inv, bias, *, out_dtype, use_split_accumulator,
+                   a_scale_mode, b_scale_mode):
     a_aval, b_aval = ctx.avals_in[0], ctx.avals_in[1]
-    k, n = a_aval.shape[1], b_aval.shape[0]
+    (m, k), n = a_aval.shape, b_aval.shape[0]
+    modes = (GemmScaleMode(int(a_scale_mode)), GemmScaleMode(int(b_scale_mode)))
+    kw = dict(out_dtype=out_dtype, a_scale_mode=a_scale_mode, b_scale_mode=b_scale_mode)
+    if modes[0] != GemmScaleMode.TENSOR:
+        if modes in CUBLASLT_BLOCK_PAIRS and _cuda_capability() == "9.0":
+            fn = functools.partial(_block_gemm_cuda, use_split_accumulator=use_split_accumulator, **kw)
+        else:
+            _notice_once(f"cuda-{modes}", f"lowbit.ops.gemm: no cuBLASLt path for scale modes "
+                         f"{modes[0].name} x {modes[1].name} on compute capability "
+                         f"{_cuda_capability() or 'unknown'}; emulating it exactly (dequantize to "
+                         "fp32, fp32 GEMM)")
+            fn = functools.partial(emulated_gemm, **kw)
+        return mlir.lower_fun(fn, multiple_results=False)(ctx, a, b, a_scale_inv, b_scale_inv, bias)
     if a_aval.dtype in FP8 and (k % FP8_DIM_MULTIPLE or n % FP8_DIM_MULTIPLE):
-        padded = functools.partial(gemm_padded, out_dtype=out_dtype,
-                                   use_split_accumulator=use_split_accumulator)
+        padded = functools.partial(gemm_padded, use_split_accumulator=use_split_accumulator, **kw)
         return mlir.lower_fun(padded, multiple_results=False)(ctx, a, b, a_scale_inv, b_scale_inv, bias)
     _ffi.require_platform("lowbit_gemm", "cuda")
-    m = ctx.avals_out[0].shape[0]
     workspace_bytes = GEMM_WORKSPACE_BYTES if m and n else 0  # the handler returns early on empty
     return _lower_with_workspace(ctx, a, b, a_scale_inv, b_scale_inv, bias,
                                  workspace_bytes=workspace_bytes,
-                                 use_split_accumulator=use_split_accumulator)
+                                 use_split_accumulator=use_split_accumulator,
+                                 a_scale_mode=a_scale_mode, b_scale_mode=b_scale_mode)
 
 
 mlir.register_lowering(gemm_p, _cuda_lowering, platform="cuda")
 
 
-def _gemm_2d(a, b, a_scale_inv, b_scale_inv, bias, out_dtype, use_split_accumulator, k_ndim=1):
+def _gemm_2d(a, b, a_scale_inv, b_scale_inv, bias, out_dtype, use_split_accumulator, k_ndim=1,
+             a_scale_mode=GemmScaleMode.TENSOR, b_scale_mode=GemmScaleMode.TENSOR):
     """a (M..., K...) . b (N..., K...) -> (M..., N...) through one gemm_p call on the (M, K) and
     (N, K) views (the last k_ndim dims of both are contracted)."""
     m_shape, n_shape = a.shape[:a.ndim - k_ndim], b.shape[:b.ndim - k_ndim]
     k = math.prod(a.shape[a.ndim - k_ndim:])
     out = gemm_p.bind(a.reshape(-1, k), b.reshape(-1, k), a_scale_inv, b_scale_inv, bias.reshape(-1),
-                      out_dtype=out_dtype, use_split_accumulator=np.bool_(use_split_accumulator))
+                      out_dtype=out_dtype, use_split_accumulator=np.bool_(use_split_accumulator),
+                      a_scale_mode=np.int32(a_scale_mode), b_scale_mode=np.int32(b_scale_mode))
     return out.reshape(*m_shape, *n_shape)
 
 
-def _gemm_p_batch(args, dims, *, out_dtype, use_split_accumulator):
+def _gemm_p_batch(args, dims, *, out_dtype, use_split_accumulator, a_scale_mode, b_scale_mode):
     a, b, sa, sb, bias = args
     da, *rest = dims
-    if all(d is None for d in rest):  # only a batched: fold the batch into M
-        a = jnp.moveaxis(a, da, 0)
+    if all(d is None for d in rest) and a_scale_mode == GemmScaleMode.TENSOR:
+        a = jnp.moveaxis(a, da, 0)  # only a batched: fold the batch into M
         return _gemm_2d(a, b, sa, sb, bias, out_dtype, use_split_accumulator), 0
     size = next(x.shape[d] for x, d in zip(args, dims) if d is not None)
     args = [batching.bdim_at_front(x, d, size) for x, d in zip(args, dims)]
     out = jax.lax.map(
-        lambda xs: gemm_p.bind(*xs, out_dtype=out_dtype, use_split_accumulator=use_split_accumulator),
+        lambda xs: gemm_p.bind(*xs, out_dtype=out_dtype, use_split_accumulator=use_split_accumulator,
+                               a_scale_mode=a_scale_mode, b_scale_mode=b_scale_mode),
         tuple(args))
     return out, 0
 
@@ -304,7 +453,19 @@ def _make_gemm(out_dtype: np.dtype, use_split_accumulator: bool, has_bias: bool,
     return gemm_fn
 
 
-def _scale_arg(name: str, x):
+def _scale_arg(name: str, x, mode: GemmScaleMode = GemmScaleMode.TENSOR, rows: int = 1, k: int = 1):
+    if mode != GemmScaleMode.TENSOR:
+        if x is None:
+            raise ValueError(f"{OP}: {name}: scale mode {mode.name} needs its scale array")
+        x = jnp.asarray(x)
+        want_dtype = _E8M0 if mode == GemmScaleMode.MXFP8 else jnp.dtype(jnp.float32)
+        if x.dtype != want_dtype:
+            raise TypeError(f"{OP}: {name}: expected {want_dtype} for scale mode {mode.name}, got {x.dtype}")
+        want = scale_shape(mode, rows, k)
+        if tuple(x.shape) != want:
+            raise ValueError(f"{OP}: {name}: expected shape {want} for scale mode {mode.name} of a "
+                             f"{rows} x {k} operand, got {tuple(x.shape)}")
+        return x
     if x is None:
         return jnp.ones((1,), jnp.float32)
     x = jnp.asarray(x)
@@ -315,9 +476,35 @@ def _scale_arg(name: str, x):
     return x.reshape(1)
 
 
+def _check_scale_modes(a_mode, b_mode, a_dtype):
+    for name, mode in (("a_scale_mode", a_mode), ("b_scale_mode", b_mode)):
+        try:
+            GemmScaleMode(mode)
+        except ValueError:
+            raise ValueError(f"{OP}: {name}: expected a GemmScaleMode, got {mode!r}") from None
+    a_mode, b_mode = GemmScaleMode(a_mode), GemmScaleMode(b_mode)
+    if (a_mode == GemmScaleMode.TENSOR) != (b_mode == GemmScaleMode.TENSOR):
+        raise ValueError(f"{OP}: b_scale_mode: expected block scales on both operands or neither, "
+                         f"got {a_mode.name} and {b_mode.name}")
+    if (a_mode == GemmScaleMode.MXFP8) != (b_mode == GemmScaleMode.MXFP8):
+        raise ValueError(f"{OP}: b_scale_mode: MXFP8 scales pair only with MXFP8 scales, "
+                         f"got {a_mode.name} and {b_mode.name}")
+    if a_mode != GemmScaleMode.TENSOR and a_dtype not in FP8:
+        raise TypeError(f"{OP}: a: block scale modes need FP8 operands, got {a_dtype}")
+    return a_mode, b_mode
+
+
+def _block_gemm(a, b, sa, sb, bias, *, out_dtype, kd, a_mode, b_mode):
+    """Block-scaled GEMM on the 2-D views; no partitioning rule (sharded operands are
+    gathered), vmap through gemm_p's batcher."""
+    bias_arr = jnp.zeros((0,), out_dtype) if bias is None else bias
+    return _gemm_2d(a, b, sa, sb, bias_arr, out_dtype, True, kd, a_mode, b_mode)
+
+
 def gemm(a, b, a_scale_inv=None, b_scale_inv=None, bias=None, *, out_dtype=jnp.bfloat16,
          use_split_accumulator: bool = True, contracting_ndim: int = 1,
-         sequence_parallel: bool = False) -> jax.Array:
+         sequence_parallel: bool = False, a_scale_mode: GemmScaleMode = GemmScaleMode.TENSOR,
+         b_scale_mode: GemmScaleMode = GemmScaleMode.TENSOR) -> jax.Array:
     """(a_scale_inv * a) . (b_scale_inv * b)^T + bias for a (M..., K...), b (N..., K...) ->
     (M..., N...), contracting the last `contracting_ndim` dims of both (default: a (..., K),
     b (N, K)); bias has b's N... shape.
@@ -327,6 +514,9 @@ def gemm(a, b, a_scale_inv=None, b_scale_inv=None, bias=None, *, out_dtype=jnp.b
     row dims after the first are gathered first (gather_rows), so a (batch, seq@tp, K) meets
     a column-parallel b (N@tp, K) by an all-gather of a (Megatron's sequence parallelism)
     instead of gathering b; see plan_sharding for the rest of the sharding rule.
+
+    `a_scale_mode` / `b_scale_mode` (GemmScaleMode, see the module docstring): the block
+    scale arrays are those of the (prod(M...), prod(K...)) and (prod(N...), prod(K...)) views.
     """
     a, b = jnp.asarray(a), jnp.asarray(b)
     kd = int(contracting_ndim)
@@ -353,7 +543,10 @@ def gemm(a, b, a_scale_inv=None, b_scale_inv=None, bias=None, *, out_dtype=jnp.b
         raise TypeError(f"{OP}: out_dtype: expected bfloat16, float16 or float32, got {out_dtype}")
     if a.dtype in HALF and out_dtype not in (a.dtype, jnp.dtype(jnp.float32)):
         raise TypeError(f"{OP}: out_dtype: with {a.dtype} operands expected {a.dtype} or float32, got {out_dtype}")
-    sa, sb = _scale_arg("a_scale_inv", a_scale_inv), _scale_arg("b_scale_inv", b_scale_inv)
+    a_mode, b_mode = _check_scale_modes(a_scale_mode, b_scale_mode, a.dtype)
+    k_size = math.prod(k_shape)
+    sa = _scale_arg("a_scale_inv", a_scale_inv, a_mode, math.prod(a.shape[:a.ndim - kd]), k_size)
+    sb = _scale_arg("b_scale_inv", b_scale_inv, b_mode, math.prod(n_shape), k_size)
     if bias is not None:
         bias = jnp.asarray(bias)
         if bias.shape != n_shape:
@@ -364,6 +557,8 @@ def gemm(a, b, a_scale_inv=None, b_scale_inv=None, bias=None, *, out_dtype=jnp.b
     if a.size == 0 or b.size == 0:  # nothing to multiply: out is bias (or 0)
         base = jnp.zeros(n_shape, out_dtype) if bias is None else bias
         return jnp.broadcast_to(base, (*m_shape, *n_shape))
+    if a_mode != GemmScaleMode.TENSOR:
+        return _block_gemm(a, b, sa, sb, bias, out_dtype=out_dtype, kd=kd, a_mode=a_mode, b_mode=b_mode)
     if sequence_parallel:
         a = gather_rows(a, a.ndim - kd)
     fn = _make_gemm(out_dtype, bool(use_split_accumulator), bias is not None, kd, len(n_shape))

@@ -1,0 +1,287 @@
+"""lowbit.ops.gemm with block scale modes (FP8 1x128 / 128x128, MXFP8): the CPU handler's
+exact emulation against a numpy reference written from gemm.h's formula (bit for bit on small
+shapes, and within fp32 error of a float64 product on larger ones), scale layouts (padding
+entries are never read), bad input, the one-time notice, and on the GPU cuBLASLt's
+block-scaled FP8 GEMM against the CPU emulation within a stated tolerance."""
+
+from __future__ import annotations
+
+import importlib
+import warnings
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from conftest import run_on
+
+import lowbit
+
+gemm_mod = importlib.import_module("lowbit.ops.gemm")
+Mode = gemm_mod.GemmScaleMode
+E4M3, E5M2, E8M0 = jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.float8_e8m0fnu
+BF16, F32 = jnp.bfloat16, jnp.float32
+PAIRS = [(Mode.BLOCK_1x128, Mode.BLOCK_128x128), (Mode.BLOCK_128x128, Mode.BLOCK_1x128),
+         (Mode.BLOCK_1x128, Mode.BLOCK_1x128), (Mode.BLOCK_128x128, Mode.BLOCK_128x128),
+         (Mode.MXFP8, Mode.MXFP8)]
+PAIR_IDS = [f"{a.name}-{b.name}" for a, b in PAIRS]
+
+
+def cdiv(a, b):
+    return -(-a // b)
+
+
+def scale_dims(mode, rows, k):
+    """gemm.h's table, written out again."""
+    return {Mode.BLOCK_1x128: (cdiv(k, 128), cdiv(rows, 4) * 4),
+            Mode.BLOCK_128x128: (cdiv(rows, 128), cdiv(cdiv(k, 128), 4) * 4),
+            Mode.MXFP8: (cdiv(rows, 128) * 128, cdiv(cdiv(k, 32), 4) * 4)}[mode]
+
+
+def element_scales(mode, scale, rows, k):
+    """The fp32 scale of every element (rows, k) of an operand, by indexing the scale array."""
+    r, c = np.arange(rows)[:, None], np.arange(k)[None, :]
+    s = np.asarray(scale)
+    if mode == Mode.BLOCK_1x128:
+        return s[c // 128, r]
+    if mode == Mode.BLOCK_128x128:
+        return s[r // 128, c // 128]
+    e = s.view(np.uint8)[r, c // 32].astype(np.int32)
+    return np.where(e == 255, np.float32(np.nan), np.ldexp(np.float32(1), e - 127)).astype(np.float32)
+
+
+def dequantized(x, mode, scale):
+    return np.asarray(x).astype(np.float32) * element_scales(mode, scale, *x.shape)
+
+
+def sequential_ref(a, b, a_mode, sa, b_mode, sb, bias, out_dtype):
+    """gemm.h's emulation: fl(decode * s) per operand, products rounded to fp32, summed in
+    increasing k (cumsum is sequential), + bias in fp32, rounded to out_dtype."""
+    a32, b32 = dequantized(a, a_mode, sa), dequantized(b, b_mode, sb)
+    acc = np.cumsum(a32[:, None, :] * b32[None, :, :], axis=-1, dtype=np.float32)[..., -1]
+    if bias is not None:
+        acc = acc + np.asarray(bias).astype(np.float32)
+    return acc.astype(out_dtype)
+
+
+def random_fp8(rng, shape, dtype):
+    """Finite FP8 values of every magnitude (random bytes, NaN codes replaced by 1)."""
+    bits = rng.integers(0, 256, size=shape, dtype=np.uint8)
+    x = bits.view(ml_dtypes.float8_e4m3fn if dtype == E4M3 else ml_dtypes.float8_e5m2)
+    return np.where(np.isfinite(x.astype(np.float32)), x, np.ones_like(x))
+
+
+def random_scale(rng, mode, rows, k, pad_value=np.nan):
+    """A scale array of the mode's shape with random values in its used entries and
+    `pad_value` in the padding (which must never be read)."""
+    d0, d1 = scale_dims(mode, rows, k)
+    used = {Mode.BLOCK_1x128: (cdiv(k, 128), rows), Mode.BLOCK_128x128: (cdiv(rows, 128), cdiv(k, 128)),
+            Mode.MXFP8: (rows, cdiv(k, 32))}[mode]
+    if mode == Mode.MXFP8:
+        s = np.full((d0, d1), 255 if np.isnan(pad_value) else 127, np.uint8)
+        s[:used[0], :used[1]] = rng.integers(110, 140, size=used, dtype=np.uint8)
+        return s.view(ml_dtypes.float8_e8m0fnu)
+    s = np.full((d0, d1), pad_value, np.float32)
+    s[:used[0], :used[1]] = np.exp2(rng.uniform(-12, 4, size=used)).astype(np.float32)
+    return s
+
+
+def operands(rng, m, n, k, a_mode, b_mode, a_dtype=E4M3, b_dtype=E4M3):
+    a, b = random_fp8(rng, (m, k), a_dtype), random_fp8(rng, (n, k), b_dtype)
+    return a, b, random_scale(rng, a_mode, m, k), random_scale(rng, b_mode, n, k)
+
+
+def call(a, b, sa, sb, a_mode, b_mode, bias=None, out_dtype=F32):
+    return lowbit.ops.gemm(a, b, sa, sb, bias, out_dtype=out_dtype, a_scale_mode=a_mode,
+                           b_scale_mode=b_mode)
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(7)
+
+
+# ---------------------------------------------------------------- CPU emulation
+
+
+@pytest.mark.parametrize("a_mode,b_mode", PAIRS, ids=PAIR_IDS)
+@pytest.mark.parametrize("m,n,k", [(1, 1, 1), (5, 7, 200), (130, 3, 257), (4, 129, 384)], ids=str)
+def test_cpu_emulation_is_the_documented_formula(a_mode, b_mode, m, n, k, rng):
+    a, b, sa, sb = operands(rng, m, n, k, a_mode, b_mode, E4M3, E5M2)
+    got = np.asarray(jax.jit(call, static_argnums=(4, 5))(a, b, sa, sb, a_mode, b_mode))
+    np.testing.assert_array_equal(got, sequential_ref(a, b, a_mode, sa, b_mode, sb, None, np.float32))
+    assert np.isfinite(got).all()  # the NaN padding of the scale arrays was never read
+
+
+@pytest.mark.parametrize("a_mode,b_mode", PAIRS, ids=PAIR_IDS)
+@pytest.mark.parametrize("out_dtype", [BF16, F32], ids=str)
+def test_cpu_emulation_bias_and_rounding(a_mode, b_mode, out_dtype, rng):
+    m, n, k = 9, 40, 300
+    a, b, sa, sb = operands(rng, m, n, k, a_mode, b_mode)
+    bias = rng.normal(size=(n,)).astype(out_dtype)
+    got = np.asarray(call(a, b, sa, sb, a_mode, b_mode, bias, out_dtype)).astype(np.float32)
+    want = sequential_ref(a, b, a_mode, sa, b_mode, sb, bias, out_dtype).astype(np.float32)
+    np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("a_mode,b_mode", PAIRS, ids=PAIR_IDS)
+def test_cpu_emulation_close_to_float64_product(a_mode, b_mode, rng):
+    """Larger shape: within fp32 summation error (2*K*u*sum|p|) of the exact product."""
+    m, n, k = 160, 136, 1100
+    a, b, sa, sb = operands(rng, m, n, k, a_mode, b_mode)
+    a64, b64 = dequantized(a, a_mode, sa).astype(np.float64), dequantized(b, b_mode, sb).astype(np.float64)
+    exact = a64 @ b64.T
+    bound = 2 * k * 2.0**-24 * (np.abs(a64) @ np.abs(b64).T) + 1e-30
+    got = np.asarray(call(a, b, sa, sb, a_mode, b_mode)).astype(np.float64)
+    assert np.all(np.abs(got - exact) <= bound)
+
+
+def test_cpu_emulation_of_quantized_tensors_matches_dequantized_product(rng):
+    """End to end with the block quantizers: x (1x128) . w (128x128) is the product of the
+    dequantized copies."""
+    x = rng.normal(size=(70, 300)).astype(np.float32)
+    w = rng.normal(size=(50, 300)).astype(np.float32)
+    xq = lowbit.ops.quantize_fp8_block(x, tile_2d=False)
+    wq = lowbit.ops.quantize_fp8_block(w, tile_2d=True)
+    got = call(xq.rowwise, wq.rowwise, xq.rowwise_scale, wq.rowwise_scale, Mode.BLOCK_1x128,
+               Mode.BLOCK_128x128)
+    xd = lowbit.ops.dequantize_fp8_block(xq.rowwise, xq.rowwise_scale, tile_2d=False, out_dtype=F32)
+    wd = lowbit.ops.dequantize_fp8_block(wq.rowwise, wq.rowwise_scale, tile_2d=True, out_dtype=F32)
+    want = np.asarray(xd, np.float64) @ np.asarray(wd, np.float64).T
+    bound = 2 * 300 * 2.0**-24 * (np.abs(np.asarray(xd, np.float64)) @ np.abs(np.asarray(wd, np.float64)).T)
+    assert np.all(np.abs(np.asarray(got, np.float64) - want) <= bound)
+    mq_x = lowbit.ops.quantize_mxfp8(x)
+    mq_w = lowbit.ops.quantize_mxfp8(w)
+    got = call(mq_x.rowwise, mq_w.rowwise, mq_x.rowwise_scale, mq_w.rowwise_scale, Mode.MXFP8, Mode.MXFP8)
+    xd = np.asarray(lowbit.ops.dequantize_mxfp8(mq_x.rowwise, mq_x.rowwise_scale, out_dtype=F32), np.float64)
+    wd = np.asarray(lowbit.ops.dequantize_mxfp8(mq_w.rowwise, mq_w.rowwise_scale, out_dtype=F32), np.float64)
+    assert np.all(np.abs(np.asarray(got, np.float64) - xd @ wd.T) <= 2 * 300 * 2.0**-24 * (np.abs(xd) @ np.abs(wd).T))
+
+
+def test_nan_scale_propagates(rng):
+    a, b, sa, sb = operands(rng, 3, 4, 64, Mode.MXFP8, Mode.MXFP8)
+    sa = np.array(sa)
+    sa.view(np.uint8)[1, 0] = 255  # NaN block of row 1
+    got = np.asarray(call(a, b, sa, sb, Mode.MXFP8, Mode.MXFP8))
+    assert np.isnan(got[1]).all() and np.isfinite(got[[0, 2]]).all()
+
+
+def test_multi_dim_operands_use_the_flattened_views(rng):
+    m, n, k = 6, 10, 130
+    a, b, sa, sb = operands(rng, m, n, k, Mode.BLOCK_1x128, Mode.BLOCK_128x128)
+    got = lowbit.ops.gemm(a.reshape(2, 3, k), b.reshape(2, 5, k).reshape(10, k), sa, sb, out_dtype=F32,
+                          a_scale_mode=Mode.BLOCK_1x128, b_scale_mode=Mode.BLOCK_128x128)
+    want = sequential_ref(a, b, Mode.BLOCK_1x128, sa, Mode.BLOCK_128x128, sb, None, np.float32)
+    np.testing.assert_array_equal(np.asarray(got).reshape(m, n), want)
+
+
+def test_vmap_maps_over_the_batch(rng):
+    ops = [operands(rng, 5, 6, 140, Mode.BLOCK_1x128, Mode.BLOCK_1x128) for _ in range(3)]
+    a, b, sa, sb = (np.stack(x) for x in zip(*ops))
+    f = jax.vmap(lambda *x: call(*x, Mode.BLOCK_1x128, Mode.BLOCK_1x128))
+    got = np.asarray(f(a, b, sa, sb))
+    for i in range(3):
+        want = sequential_ref(a[i], b[i], Mode.BLOCK_1x128, sa[i], Mode.BLOCK_1x128, sb[i], None, np.float32)
+        np.testing.assert_array_equal(got[i], want)
+
+
+def test_emulation_notice_is_given_once(rng):
+    gemm_mod._NOTICED.clear()
+    a, b, sa, sb = operands(rng, 3, 3, 33, Mode.BLOCK_1x128, Mode.BLOCK_1x128)
+    with pytest.warns(UserWarning, match="exact emulation"):
+        jax.jit(lambda *x: call(*x, Mode.BLOCK_1x128, Mode.BLOCK_1x128))(a, b, sa, sb)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        jax.jit(lambda *x: call(*x, Mode.BLOCK_1x128, Mode.BLOCK_1x128) + 1)(a, b, sa, sb)
+
+
+# ---------------------------------------------------------------- bad input
+
+
+def test_bad_scale_input_names_the_argument(rng):
+    a, b, sa, sb = operands(rng, 5, 7, 200, Mode.BLOCK_1x128, Mode.BLOCK_128x128)
+    with pytest.raises(ValueError, match=r"lowbit.ops.gemm: b_scale_inv: expected shape \(1, 4\)"):
+        call(a, b, sa, sb[:, :2], Mode.BLOCK_1x128, Mode.BLOCK_128x128)
+    with pytest.raises(TypeError, match=r"a_scale_inv: expected float32"):
+        call(a, b, sa.astype(np.float16), sb, Mode.BLOCK_1x128, Mode.BLOCK_128x128)
+    with pytest.raises(ValueError, match=r"b_scale_mode: expected block scales on both operands"):
+        call(a, b, sa, None, Mode.BLOCK_1x128, Mode.TENSOR)
+    with pytest.raises(ValueError, match=r"MXFP8 scales pair only with MXFP8"):
+        call(a, b, sa, sb, Mode.BLOCK_1x128, Mode.MXFP8)
+    with pytest.raises(ValueError, match=r"a_scale_inv: scale mode BLOCK_1x128 needs its scale array"):
+        call(a, b, None, sb, Mode.BLOCK_1x128, Mode.BLOCK_128x128)
+    with pytest.raises(TypeError, match=r"a: block scale modes need FP8 operands"):
+        call(a.astype(BF16), b.astype(BF16), sa, sb, Mode.BLOCK_1x128, Mode.BLOCK_128x128)
+    with pytest.raises(ValueError, match=r"a_scale_mode: expected a GemmScaleMode"):
+        call(a, b, sa, sb, 7, Mode.BLOCK_128x128)
+
+
+def test_handler_checks_scale_shapes(rng):
+    """The C++ handler validates too (a caller binding gemm_p directly)."""
+    a, b, sa, sb = operands(rng, 5, 7, 200, Mode.BLOCK_1x128, Mode.BLOCK_128x128)
+    f = jax.jit(lambda a, b, sa, sb: gemm_mod.gemm_p.bind(
+        a, b, sa, sb, jnp.zeros((0,), F32), out_dtype=jnp.dtype(F32), use_split_accumulator=np.bool_(True),
+        a_scale_mode=np.int32(1), b_scale_mode=np.int32(2)))
+    with pytest.raises(Exception, match=r"lowbit_gemm: a_scale_inv: expected shape \(2, 8\) for scale mode "
+                                        r"block_1x128 of a 5 x 200 operand, got \(2, 4\)"):
+        jax.block_until_ready(f(a, b, sa[:, :4], sb))
+
+
+# ---------------------------------------------------------------- cuBLASLt (GPU)
+
+# cuBLASLt's block-scaled kernel multiplies fp32 partial sums of 128 products by the two
+# scales per K block and adds the blocks in fp32; the emulation rounds every scaled product
+# and adds them one at a time. Both are fp32 sums of the same terms, so they differ by at
+# most 2*K*u*sum|p| plus the FP8 tensor cores' inner accumulation (about 14 bits inside a
+# 128-long block: DeepSeek-V3 report 3.3.2), modelled as 4*sqrt(128)*2^-14*sum|p|, and one
+# rounding of the out dtype.
+def block_tolerance(a, b, a_mode, sa, b_mode, sb, out_dtype):
+    a64 = dequantized(a, a_mode, sa).astype(np.float64)
+    b64 = dequantized(b, b_mode, sb).astype(np.float64)
+    abs_dot = np.abs(a64) @ np.abs(b64).T
+    k = a.shape[1]
+    eps_out = float(ml_dtypes.finfo(out_dtype).eps)
+    gamma = 4 * k * 2.0**-24 + 4 * np.sqrt(128) * 2.0**-14
+    return gamma * abs_dot + eps_out * np.abs(a64 @ b64.T) + float(ml_dtypes.finfo(out_dtype).tiny)
+
+
+GPU_SHAPES = [(128, 256, 512), (1, 16, 128), (7, 17, 200), (130, 33, 1000), (256, 384, 4096)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("a_mode,b_mode", PAIRS[:3], ids=PAIR_IDS[:3])
+@pytest.mark.parametrize("m,n,k", GPU_SHAPES, ids=str)
+@pytest.mark.parametrize("out_dtype", [BF16, F32], ids=str)
+def test_cuda_block_gemm_matches_cpu_emulation(a_mode, b_mode, m, n, k, out_dtype, rng, cpu, gpu):
+    a, b, sa, sb = operands(rng, m, n, k, a_mode, b_mode, E4M3, E5M2)
+    bias = rng.normal(size=(n,)).astype(out_dtype)
+    f = lambda *x: call(*x, a_mode, b_mode, out_dtype=out_dtype)  # noqa: E731
+    g = np.asarray(run_on(gpu, f, a, b, sa, sb, bias), np.float64)
+    c = np.asarray(run_on(cpu, f, a, b, sa, sb, bias), np.float64)
+    tol = block_tolerance(a, b, a_mode, sa, b_mode, sb, out_dtype)
+    assert np.all(np.abs(g - c) <= tol), np.max(np.abs(g - c) / tol)
+    # A wrong scale layout would be off by factors of 2^16 (the scales span 2^-12..2^4).
+    assert np.linalg.norm(g - c) <= 2.0**-6 * np.linalg.norm(c) + 1e-30
+
+
+@pytest.mark.gpu
+def test_cuda_block_gemm_runs_cublaslt_on_hopper(rng, gpu):
+    """On compute capability 9.0 the program holds lowbit_gemm (no emulation); elsewhere the
+    documented emulation runs."""
+    a, b, sa, sb = operands(rng, 64, 128, 256, Mode.BLOCK_1x128, Mode.BLOCK_128x128)
+    args = jax.device_put((a, b, sa, sb), gpu)
+    hlo = jax.jit(lambda *x: call(*x, Mode.BLOCK_1x128, Mode.BLOCK_128x128)).lower(*args).compile().as_text()
+    assert ("lowbit_gemm" in hlo) == (getattr(gpu, "compute_capability", "") == "9.0")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("a_mode,b_mode", PAIRS[3:], ids=PAIR_IDS[3:])
+def test_cuda_pairs_without_cublaslt_path_are_emulated(a_mode, b_mode, rng, cpu, gpu):
+    """128x128 x 128x128 and MXFP8 (before the sm_100 path exists): the jnp emulation."""
+    a, b, sa, sb = operands(rng, 33, 40, 300, a_mode, b_mode)
+    f = lambda *x: call(*x, a_mode, b_mode)  # noqa: E731
+    g = np.asarray(run_on(gpu, f, a, b, sa, sb), np.float64)
+    c = np.asarray(run_on(cpu, f, a, b, sa, sb), np.float64)
+    a64, b64 = dequantized(a, a_mode, sa).astype(np.float64), dequantized(b, b_mode, sb).astype(np.float64)
+    assert np.all(np.abs(g - c) <= 8 * 300 * 2.0**-24 * (np.abs(a64) @ np.abs(b64).T))
