@@ -5,12 +5,20 @@ bandwidth, and the speedup over XLA; writes bench/results/activation_<device>.js
 
     python bench/bench_activation.py            # GPU: 16384 x 16384 bf16, softmax (4, 32, 2048, 2048)
     python bench/bench_activation.py --small    # CPU smoke run
+    python bench/bench_activation.py --variants # GPU: lowbit times per kernel geometry variant
+
+--variants times the lowbit ops once per value 0, 1, 2 of the tuning knobs
+LOWBIT_ACT_VARIANT (activation grid: 8 / 4 / 16 blocks per SM) and LOWBIT_SOFTMAX_VARIANT
+(softmax elements per thread, forward 32 / 16 / 64, backward fewest / 16 / 32), each in a
+subprocess (the launchers read the variables at every call; results are identical).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import subprocess
 import sys
 
 import jax
@@ -63,7 +71,11 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--small", action="store_true", help="small shapes (CPU smoke run)")
     parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--variants", action="store_true", help="time every kernel variant (subprocesses)")
+    parser.add_argument("--lowbit-only", action="store_true", help=argparse.SUPPRESS)  # --variants child
     args = parser.parse_args()
+    if args.variants:
+        return run_variants(args)
     rows, hidden = (256, 512) if args.small else (16384, 16384)
     sm_shape = (1, 2, 64, 64) if args.small else (4, 32, 2048, 2048)
     iters = 2 if args.small else args.iters
@@ -71,6 +83,9 @@ def main():
     rng = np.random.default_rng(0)
     scale = jnp.ones((1,), jnp.float32)
     rows_out = []
+
+    def time_xla(fn, sets):
+        return float("nan") if args.lowbit_only else common.time_fn(fn, sets, iters=iters)
 
     def record(name, bytes_moved, t_lowbit, t_xla):
         gbs = bytes_moved / t_lowbit / 1e9
@@ -83,28 +98,52 @@ def main():
         a = "silu" if act == "swiglu" else act
         n_in, n_out = int(np.prod(in_shape)), rows * hidden
         t_l = common.time_fn(lambda x, s: lowbit_forward(x, s, act, gated), sets, iters=iters)
-        t_x = common.time_fn(lambda x, s: xla_forward(x, s, a, gated), sets, iters=iters)
+        t_x = time_xla(lambda x, s: xla_forward(x, s, a, gated), sets)
         record(f"{act} fwd+q", 2 * n_in + 2 * n_out + 2 * n_out, t_l, t_x)
         dsets = [(jnp.asarray(rng.standard_normal((rows, hidden)), jnp.bfloat16), x, s) for x, s in sets]
         t_l = common.time_fn(lambda d, x, s: lowbit_backward(d, x, s, act, gated), dsets, iters=iters)
-        t_x = common.time_fn(lambda d, x, s: xla_backward(d, x, s, a, gated), dsets, iters=iters)
+        t_x = time_xla(lambda d, x, s: xla_backward(d, x, s, a, gated), dsets)
         record(f"d{act}+dbias+q", 2 * n_out + 2 * n_in + 2 * n_in + 2 * n_in, t_l, t_x)
 
     x = [(jnp.asarray(rng.standard_normal(sm_shape), jnp.bfloat16),) for _ in range(2)]
     n = int(np.prod(sm_shape))
     t_l = common.time_fn(lambda v: lowbit.ops.softmax_forward(v, None, 0.125), x, iters=iters)
-    t_x = common.time_fn(lambda v: softmax_reference(v, None, 0.125), x, iters=iters)
+    t_x = time_xla(lambda v: softmax_reference(v, None, 0.125), x)
     record("softmax fwd", 4 * n, t_l, t_x)
     y = [(v, lowbit.ops.softmax_forward(v, None, 0.125)) for (v,) in x]
     t_l = common.time_fn(lambda d, yy: lowbit.ops.softmax_backward(d, yy, 0.125), y, iters=iters)
-    t_x = common.time_fn(lambda d, yy: softmax_backward_reference(d, yy, 0.125), y, iters=iters)
+    t_x = time_xla(lambda d, yy: softmax_backward_reference(d, yy, 0.125), y)
     record("softmax bwd", 6 * n, t_l, t_x)
 
+    if args.lowbit_only:
+        print("VARIANT_RESULT " + json.dumps(dict(copy_GBps=copy_bw / 1e9, results=rows_out)))
+        return
     print(f"copy bandwidth {copy_bw / 1e9:.1f} GB/s; activations {rows} x {hidden} bf16, "
           f"softmax {sm_shape} bf16")
     common.print_table(rows_out, ["op", "lowbit_us", "xla_us", "GBps", "pct_copy", "speedup"])
     path = common.write_results("activation", dict(copy_GBps=copy_bw / 1e9, rows=rows, hidden=hidden,
                                                    softmax_shape=list(sm_shape), results=rows_out))
+    print(f"wrote {path}")
+
+
+def run_variants(args):
+    """Times the lowbit ops under each variant in a subprocess; one table, one results file."""
+    table, raw = {}, {}
+    for v in ("0", "1", "2"):
+        env = dict(os.environ, LOWBIT_ACT_VARIANT=v, LOWBIT_SOFTMAX_VARIANT=v)
+        cmd = [sys.executable, os.path.abspath(__file__), "--lowbit-only", "--iters", str(args.iters)]
+        out = subprocess.run(cmd + (["--small"] if args.small else []), env=env, capture_output=True, text=True)
+        line = [ln for ln in out.stdout.splitlines() if ln.startswith("VARIANT_RESULT ")]
+        if out.returncode != 0 or not line:
+            raise SystemExit(f"variant {v} failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
+        raw[v] = json.loads(line[0].split(" ", 1)[1])
+        for r in raw[v]["results"]:
+            row = table.setdefault(r["op"], {"op": r["op"]})
+            row[f"v{v}_us"], row[f"v{v}_pct"] = r["lowbit_us"], r["pct_copy"]
+    print(f"copy bandwidth {raw['0']['copy_GBps']:.1f} GB/s; LOWBIT_ACT_VARIANT / LOWBIT_SOFTMAX_VARIANT = 0, 1, 2")
+    cols = ["op"] + [f"v{v}_{k}" for v in "012" for k in ("us", "pct")]
+    common.print_table(list(table.values()), cols)
+    path = common.write_results("activation_variants", dict(variants=raw))
     print(f"wrote {path}")
 
 

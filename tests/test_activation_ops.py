@@ -318,3 +318,26 @@ def test_subnormals_kept_and_nan_canonical():
     assert y[0, 1:3].view(np.uint32).tolist() == [0x7FC00000, 0x7FC00000]
     s = np.asarray(lowbit.ops.act_forward(x, "silu").y)
     assert s[0, 3] != 0  # sigmoid(-88) ~ 6e-39 is subnormal; -88 times it is not
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["1", "2"])  # LOWBIT_ACT_VARIANT: the grid size (activation.cu)
+@pytest.mark.parametrize("act,gated", [("gelu", False), ("silu", True)], ids=str)
+def test_cuda_variants_equal_default(act, gated, variant, rng, gpu, monkeypatch):
+    x = make_x(rng, (4099, 1000), gated, ml_dtypes.bfloat16, 4.0)
+    dz = rng.standard_normal((4099, 1000)).astype(ml_dtypes.bfloat16)
+
+    def f(d, v):
+        fw = lowbit.ops.act_forward(v, act, gated=gated, quant_scale=np.float32(8), colwise=True)
+        bw = lowbit.ops.act_backward(d, v, act, gated=gated, quant_scale=np.float32(8), colwise=True,
+                                     compute_dbias=True)
+        return fw, bw
+
+    base = run_on(gpu, f, dz, x)
+    monkeypatch.setenv("LOWBIT_ACT_VARIANT", variant)  # read by the launcher at every call
+    other = run_on(gpu, f, dz, x)
+    for a, b in zip(jax.tree.leaves(other), jax.tree.leaves(base)):
+        np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
+    monkeypatch.setenv("LOWBIT_ACT_VARIANT", "9")
+    with pytest.raises(Exception, match="LOWBIT_ACT_VARIANT: expected 0, 1 or 2"):
+        run_on(gpu, f, dz, x)

@@ -157,11 +157,13 @@ def test_bad_input():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["0", "1", "2"])  # LOWBIT_SOFTMAX_VARIANT (softmax.cu)
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
 @pytest.mark.parametrize("fusion", FUSIONS)
 @pytest.mark.parametrize("shape", [(2, 3, 129, 129), (1, 2, 7, 16384), (2, 1, 64, 4097), (3, 2, 33, 1),
-                                   (1, 1, 1000, 1000)], ids=str)
-def test_cuda_equals_cpu(shape, fusion, dtype, rng, cpu, gpu):
+                                   (1, 1, 1000, 1000), (1, 2, 40, 2048)], ids=str)
+def test_cuda_equals_cpu(shape, fusion, dtype, variant, rng, cpu, gpu, monkeypatch):
+    monkeypatch.setenv("LOWBIT_SOFTMAX_VARIANT", variant)  # the launcher reads it at every call
     if fusion == "scaled_upper_triang" and shape[2] > shape[3]:
         shape = (*shape[:2], shape[3], shape[3])
     x, mask = make(rng, shape, dtype, fusion)
@@ -195,3 +197,11 @@ def test_cuda_unaligned(rng, cpu, gpu):
     f = lambda v: lowbit.ops.softmax_forward(v[..., 1:129], None, 1.0)  # noqa: E731
     np.testing.assert_allclose(run_on(gpu, f, x).astype(np.float32), run_on(cpu, f, x).astype(np.float32),
                                **tol(ml_dtypes.bfloat16))
+
+
+@pytest.mark.gpu
+def test_cuda_bad_variant_is_an_error(rng, gpu, monkeypatch):
+    monkeypatch.setenv("LOWBIT_SOFTMAX_VARIANT", "7")
+    x = rng.standard_normal((1, 1, 4, 64)).astype(np.float32)
+    with pytest.raises(Exception, match="lowbit_softmax_forward: LOWBIT_SOFTMAX_VARIANT: expected 0, 1 or 2"):
+        np.asarray(run_on(gpu, lambda v: lowbit.ops.softmax_forward(v, None, 1.0), x))

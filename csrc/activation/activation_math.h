@@ -126,25 +126,38 @@ LOWBIT_HD float GateDerivative(const ActParams& p, float g) {
   return (g > p.limit || g < -p.limit) ? 0.0f : 1.0f;
 }
 
+// Forward before the NaN canonicalization (the CUDA kernel canonicalizes only chunks that
+// hold a NaN: activation.cu).
+LOWBIT_HD float ActForwardValueRaw(const ActParams& p, float a, float g) {
+  const float y = ActValue(p, a);
+  return p.gated ? Fp32Mul(y, GateValue(p, g)) : y;
+}
+
 // Forward: y from the activation input a and (gated) the gate input g. A NaN result is
 // the canonical 0x7FC00000 (CanonicalNan), on the CPU and on the GPU.
 LOWBIT_HD float ActForwardValue(const ActParams& p, float a, float g) {
-  const float y = ActValue(p, a);
-  return CanonicalNan(p.gated ? Fp32Mul(y, GateValue(p, g)) : y);
+  return CanonicalNan(ActForwardValueRaw(p, a, g));
+}
+
+// Backward before the NaN canonicalization: da (and dg when gated) from dz, a, g.
+LOWBIT_HD void ActBackwardValueRaw(const ActParams& p, float dz, float a, float g, float* da, float* dg) {
+  float value, deriv;
+  ActValueAndDerivative(p, a, &value, &deriv);
+  if (!p.gated) {
+    *da = Fp32Mul(dz, deriv);
+    *dg = 0.0f;
+    return;
+  }
+  *da = Fp32Mul(Fp32Mul(dz, GateValue(p, g)), deriv);
+  *dg = Fp32Mul(Fp32Mul(dz, value), GateDerivative(p, g));
 }
 
 // Backward: da (and dg when gated) from dz, a, g; NaN results canonical as above.
 LOWBIT_HD void ActBackwardValue(const ActParams& p, float dz, float a, float g, float* da,
                                 float* dg) {
-  float value, deriv;
-  ActValueAndDerivative(p, a, &value, &deriv);
-  if (!p.gated) {
-    *da = CanonicalNan(Fp32Mul(dz, deriv));
-    *dg = 0.0f;
-    return;
-  }
-  *da = CanonicalNan(Fp32Mul(Fp32Mul(dz, GateValue(p, g)), deriv));
-  *dg = CanonicalNan(Fp32Mul(Fp32Mul(dz, value), GateDerivative(p, g)));
+  ActBackwardValueRaw(p, dz, a, g, da, dg);
+  *da = CanonicalNan(*da);
+  *dg = CanonicalNan(*dg);
 }
 
 }  // namespace lowbit
