@@ -53,7 +53,8 @@ constexpr int64_t kQuantizeTileCols = 128;
 
 // Tuning knob for benchmarks, read by the CUDA launcher on every call that takes the
 // tiled kernel (anything with colwise or dbias): which tile variant to run. Unset or
-// empty: the default, "r64s2". Values: r64s2 | r64s3 | r128s2 (tile rows 64 or 128 with
+// empty: the default, "r128s2" (the fastest on an H100, bench/results/quantize_variants_*:
+// 128-byte colwise segments). Values: r64s2 | r64s3 | r128s2 (tile rows 64 or 128 with
 // 4 * rows threads per block; 2 or 3 input stages in flight), optionally followed by
 // b<N> (N = 1..4096): tiles in bands of N tile rows, column-major inside a band, instead
 // of row-major. Any other value is an InvalidArgument error. f32 x always uses r64s2

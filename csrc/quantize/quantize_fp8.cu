@@ -598,7 +598,7 @@ __global__ void DbiasFinalizeKernel(const float* __restrict__ partials, int64_t 
 
 // The tiled kernel's tuning knobs (quantize.h, LOWBIT_QUANTIZE_TILE_VARIANT).
 struct TileVariant {
-  int rows = 64;    // tile height: 64 (256 threads) or 128 (512 threads)
+  int rows = 128;   // tile height: 64 (256 threads) or 128 (512 threads, the default)
   int stages = 2;   // input stages: 2 or 3
   int band = 0;     // 0: row-major tile order; else bands of `band` tile rows
 };
@@ -650,7 +650,7 @@ Status LaunchTiled(const QuantizeFp8Args& a, float* partials, const TileVariant&
 
 // Picks the instantiation for the variant. f32 x always takes 64-row tiles and two stages
 // (its 32 KB stages would leave one block per SM otherwise); a variant whose shared memory
-// exceeds what this device grants a block falls back to the default.
+// exceeds what this device grants a block falls back to r64s2.
 template <typename Tag, typename Fmt, bool kVectorIO>
 Status LaunchTiledVariant(const QuantizeFp8Args& a, float* partials, const TileVariant& v, GpuStream stream,
                           int* tile_rows) {
