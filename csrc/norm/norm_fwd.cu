@@ -478,20 +478,8 @@ Status Launch(const NormForwardArgs& a, const NormFwdTuning& tune, GpuStream str
   const size_t smem = size_t(smem_of());
 
   auto launch = [&](auto kernel) -> Status {
-    if (smem > 48 * 1024) {
-      LOWBIT_RETURN_IF_ERROR(CudaStatus(
-          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)),
-          kOp, "cudaFuncSetAttribute"));
-    }
     int per_sm = 0;
-    LOWBIT_RETURN_IF_ERROR(CudaStatus(
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem), kOp,
-        "cudaOccupancyMaxActiveBlocksPerMultiprocessor"));
-    if (per_sm < 1) {
-      return Status::Internal(std::string(kOp) + ": kernel does not fit on an SM (" +
-                              std::to_string(threads) + " threads, " + std::to_string(smem) +
-                              " bytes of shared memory)");
-    }
+    LOWBIT_RETURN_IF_ERROR(PrepareLaunch(kernel, threads, smem, kOp, &per_sm));
     const int64_t cap = int64_t(per_sm) * SmCount();
     const int grid = int(p.tiles < cap ? p.tiles : cap);
     kernel<<<grid, threads, smem, stream>>>(p);
