@@ -319,20 +319,8 @@ Status Plan(int64_t rows, int64_t hidden, bool aligned, BwdPlan* plan) {
   const int64_t tiles = (rows + groups - 1) / groups;
   return DispatchGeometry<16 / int(sizeof(T))>(plan->geometry, kOp, [&](auto items, auto vec) {
     auto kernel = NormBackwardKernel<Tag, decltype(items)::value, decltype(vec)::value>;
-    if (plan->smem > 48 * 1024) {
-      LOWBIT_RETURN_IF_ERROR(CudaStatus(
-          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(plan->smem)),
-          kOp, "cudaFuncSetAttribute"));
-    }
     int per_sm = 0;
-    LOWBIT_RETURN_IF_ERROR(CudaStatus(
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, plan->threads, plan->smem),
-        kOp, "cudaOccupancyMaxActiveBlocksPerMultiprocessor"));
-    if (per_sm < 1) {
-      return Status::Internal(std::string(kOp) + ": kernel does not fit on an SM (" +
-                              std::to_string(plan->threads) + " threads, " +
-                              std::to_string(plan->smem) + " bytes of shared memory)");
-    }
+    LOWBIT_RETURN_IF_ERROR(PrepareLaunch(kernel, plan->threads, plan->smem, kOp, &per_sm));
     int64_t cap = int64_t(per_sm) * SmCount();
     // Never more parts than NormBackwardWorkspaceBytes (norm_plan.h) provides for.
     if (cap > kNormBwdMaxBlocks) cap = kNormBwdMaxBlocks;

@@ -14,6 +14,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <string>
 #include <type_traits>
 
 #include "common/cuda_check.h"
@@ -279,6 +280,43 @@ inline int SmCount() {
     cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
   }
   return sms;
+}
+
+// Readies `kernel` (the exact instantiation that will be launched) for `threads` threads and
+// `dynamic_smem` bytes of dynamic shared memory and returns in *per_sm the blocks that fit
+// on one SM. A block whose static + dynamic shared memory exceeds 48 KB needs the opt-in
+// (cudaFuncAttributeMaxDynamicSharedMemorySize, up to cudaDevAttrMaxSharedMemoryPerBlockOptin
+// minus the static bytes), set here on every call before the occupancy query (which
+// otherwise reports 0 blocks). Errors name the threads, the bytes and the registers.
+template <typename Kernel>
+Status PrepareLaunch(Kernel* kernel, int threads, size_t dynamic_smem, const char* op,
+                     int* per_sm) {
+  int device = 0, optin = 48 * 1024;
+  LOWBIT_RETURN_IF_ERROR(CudaStatus(cudaGetDevice(&device), op, "cudaGetDevice"));
+  LOWBIT_RETURN_IF_ERROR(CudaStatus(
+      cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device), op,
+      "cudaDeviceGetAttribute"));
+  cudaFuncAttributes attr{};
+  LOWBIT_RETURN_IF_ERROR(
+      CudaStatus(cudaFuncGetAttributes(&attr, kernel), op, "cudaFuncGetAttributes"));
+  auto describe = [&]() {
+    return std::to_string(threads) + " threads, " + std::to_string(dynamic_smem) + " + " +
+           std::to_string(attr.sharedSizeBytes) + " (static) bytes of shared memory of " +
+           std::to_string(optin) + ", " + std::to_string(attr.numRegs) + " registers";
+  };
+  if (threads > attr.maxThreadsPerBlock || dynamic_smem + attr.sharedSizeBytes > size_t(optin)) {
+    return Status::Internal(std::string(op) + ": kernel does not fit on an SM (" + describe() + ")");
+  }
+  LOWBIT_RETURN_IF_ERROR(CudaStatus(
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(dynamic_smem)),
+      op, "cudaFuncSetAttribute"));
+  LOWBIT_RETURN_IF_ERROR(CudaStatus(
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(per_sm, kernel, threads, dynamic_smem), op,
+      "cudaOccupancyMaxActiveBlocksPerMultiprocessor"));
+  if (*per_sm < 1) {
+    return Status::Internal(std::string(op) + ": kernel does not fit on an SM (" + describe() + ")");
+  }
+  return Status::Ok();
 }
 
 // Calls fn(integral_constant<int, items>, bool_constant<vectorized>) for the kernel

@@ -16,21 +16,27 @@
 // against the formats.h codecs except for NaN; a chunk holding a NaN (seen from its amax
 // bits), or any chunk when scale is 0/inf/NaN, takes the codecs. Outputs are template
 // switches (quantize, colwise), so the plain forward does no FP8 work.
-// Colwise: a tile is tile_rows rows whose codes are staged in shared memory ([tile_rows]
-// [stride] bytes after the row stages, stride = hidden rounded up to 16, + 4 so that stride
-// / 4 is odd and the transposing reads are bank-conflict free), then written transposed:
-// each thread takes 4 columns x 16 (or 4) rows, transposes 4x4 byte blocks with byte
-// permutes and stores 16 (4) contiguous bytes per column. Tiles are 32 rows where they fit
-// beside the stages (hidden <= ~5000), else 16 (8192: consecutive tiles of one block
-// complete each 32-byte column sector within microseconds, in L2).
+// Colwise: the codes of a block tile (tile_rows rows) are staged in shared memory
+// ([tile_rows][stride] bytes after the row stages, stride = hidden rounded up to 16, + 4 so
+// that stride / 4 is odd and the transposing reads are bank-conflict free), then written
+// transposed in 32-row column segments (full 32-byte sectors; 16-byte halves written apart
+// in time cost HBM read-modify-writes, 2x slower on H100): each thread takes 4 columns x 16
+// (or 4) rows, transposes 4x4 byte blocks with byte permutes and stores 16 (4) contiguous
+// bytes per column, neighbouring threads the two halves of a segment. Where 32 rows of
+// codes do not fit beside the stages (or would leave one block per SM: hidden >= ~2500
+// bf16), a cluster of 32 / tile_rows blocks (sm_90+) takes consecutive block tiles and
+// each block writes a share of the columns of all 32 rows, reading its peers' codes
+// through distributed shared memory between two cluster barriers.
 // Tuning (items per thread, stages, block sizes): NormFwdTuning in norm_plan.h, overridable
 // through LOWBIT_NORM_FWD_VARIANT for benchmarks.
+#include <cooperative_groups.h>
 #include <cuda_runtime.h>
 
 #include <cstdlib>
 #include <cstring>
 #include <string>
 #include <type_traits>
+#include <utility>
 
 #include "norm/norm.h"
 #include "norm/norm_check.h"
@@ -62,8 +68,10 @@ struct FwdParams {
   int64_t tiles;        // ceil(rows / tile_rows)
   int hidden;
   int threads_per_row;
-  int tile_rows;        // rows per tile: groups << per_tile_log2 (a power of two)
+  int tile_rows;        // rows per block tile: groups << per_tile_log2 (a power of two)
   int tile_rows_log2;
+  int cluster;          // blocks per cluster (colwise, sm_90+; else 1): a cluster tile is
+  int cluster_log2;     // `cluster` consecutive block tiles, one per block of the cluster
   int per_tile_log2;    // log2(rows of one group per tile)
   int tile_stride;      // bytes per staged row of codes (colwise)
   int stages;           // row stages in shared memory (vectorized path), >= 1
@@ -84,15 +92,40 @@ __device__ __forceinline__ void Transpose4x4(uint32_t w0, uint32_t w1, uint32_t 
   out[3] = __byte_perm(hi01, hi23, 0x7632);
 }
 
-// Writes kG rows x 4 columns (rows rs.., columns c..) of the staged tile to q_col rows r0 +
-// rs.., as kG contiguous bytes per column (one 16- or 4-byte store).
+// The staged codes of row rr of the cluster tile: in the shared memory of cluster block
+// rr / tile_rows (distributed shared memory, sm_90+), else of this block.
+__device__ __forceinline__ const uint8_t* CodeRow(const FwdParams& p, const uint8_t* tile, int rr) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if (p.cluster > 1) {
+    const uint8_t* base = cooperative_groups::this_cluster().map_shared_rank(
+        tile, unsigned(rr >> p.tile_rows_log2));
+    return base + (rr & (p.tile_rows - 1)) * p.tile_stride;
+  }
+#endif
+  return tile + rr * p.tile_stride;
+}
+
+// Barrier of the blocks that share a cluster tile (release/acquire of their shared memory).
+__device__ __forceinline__ void TileSync(const FwdParams& p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if (p.cluster > 1) {
+    cooperative_groups::this_cluster().sync();
+    return;
+  }
+#endif
+  __syncthreads();
+}
+
+// Writes kG rows x 4 columns (rows rs.., columns c..) of the staged cluster tile to q_col
+// rows r0 + rs.., as kG contiguous bytes per column (one 16- or 4-byte store). A 4-row
+// block lies in one block's tile (tile_rows >= 4).
 template <int kG>
 __device__ __forceinline__ void WriteColumnBlock(const FwdParams& p, const uint8_t* tile,
                                                  int64_t r0, int rs, int c) {
   uint32_t cols[4][kG / 4];
 #pragma unroll
   for (int m = 0; m < kG / 4; ++m) {
-    const uint8_t* src = tile + (rs + 4 * m) * p.tile_stride + c;
+    const uint8_t* src = CodeRow(p, tile, rs + 4 * m) + c;
     uint32_t t[4];
     Transpose4x4(*reinterpret_cast<const uint32_t*>(src),
                  *reinterpret_cast<const uint32_t*>(src + p.tile_stride),
@@ -112,28 +145,33 @@ __device__ __forceinline__ void WriteColumnBlock(const FwdParams& p, const uint8
   }
 }
 
-// Writes the staged tile rows [r0, r0 + n) transposed into q_col (hidden x rows).
+// Writes the staged cluster tile rows [r0, r0 + n) transposed into q_col (hidden x rows);
+// the blocks of a cluster take interleaved shares of the column blocks. Threads i and i + 1
+// write the two 16-byte halves of a 32-row column segment: one full 32-byte sector.
 __device__ __forceinline__ void WriteTransposed(const FwdParams& p, const uint8_t* tile, int64_t r0, int n) {
   const int h = p.hidden;
-  const bool full = n == p.tile_rows;
+  const int span_log2 = p.tile_rows_log2 + p.cluster_log2;
+  const bool full = n == 1 << span_log2;
+  const int first = (blockIdx.x & (p.cluster - 1)) * blockDim.x + threadIdx.x;
+  const int step = p.cluster * blockDim.x;
   if (p.col_words && p.rows % 16 == 0 && n % 16 == 0) {
-    // Row blocks of 16 (r0 is a multiple of 16: tile_rows >= 16 here, since n % 16 == 0).
+    // Row blocks of 16 (r0 is a multiple of 16: the span is >= 16 here, since n % 16 == 0).
     const int per_col = n >> 4, items = (h >> 2) * per_col;
-    const int shift = full ? p.tile_rows_log2 - 4 : 0;
-    for (int i = threadIdx.x; i < items; i += blockDim.x) {
+    const int shift = full ? span_log2 - 4 : 0;
+    for (int i = first; i < items; i += step) {
       const int rb = full ? (i & (per_col - 1)) : i % per_col;
       const int cb = full ? (i >> shift) : i / per_col;
       WriteColumnBlock<16>(p, tile, r0, rb * 16, cb * 4);
     }
   } else if (p.col_words && p.rows % 4 == 0 && n % 4 == 0) {
     const int per_col = n >> 2, items = (h >> 2) * per_col;
-    for (int i = threadIdx.x; i < items; i += blockDim.x) {
+    for (int i = first; i < items; i += step) {
       WriteColumnBlock<4>(p, tile, r0, (i % per_col) * 4, (i / per_col) * 4);
     }
   } else {
-    for (int i = threadIdx.x; i < h * n; i += blockDim.x) {
+    for (int i = first; i < h * n; i += step) {
       const int c = i / n, r = i - c * n;
-      p.q_col[int64_t(c) * p.rows + r0 + r] = tile[r * p.tile_stride + c];
+      p.q_col[int64_t(c) * p.rows + r0 + r] = CodeRow(p, tile, r)[c];
     }
   }
 }
@@ -161,10 +199,12 @@ __device__ __forceinline__ void EncodeFp8Words(const float (&y)[kVec], float sca
 }
 
 // Iteration k of row group `group` of a block handles row
-//   (t_begin + k / per_tile) * tile_rows + group + (k % per_tile) * groups,
-// per_tile = tile_rows / groups: the block's tiles in order, a tile's rows interleaved over
-// the groups. Every group of a block runs the same number of iterations (rows past the end
-// are masked), so a tile ends for the whole block at once (the colwise barrier).
+//   ((t_begin + k / per_tile) * cluster + rank) * tile_rows + group + (k % per_tile) * groups,
+// per_tile = tile_rows / groups, rank = the block's rank in its cluster: the cluster's tiles
+// in order, a cluster tile's rows split into one block tile per rank, a block tile's rows
+// interleaved over the groups. Every group of every block of a cluster runs the same number
+// of iterations (rows past the end are masked), so a tile ends for the whole cluster at once
+// (the colwise barriers).
 template <typename Tag, int kChunks, bool kVectorized, bool kQuant, bool kColwise>
 __global__ void __launch_bounds__(1024) NormForwardKernel(FwdParams p) {
   using T = typename Tag::Storage;
@@ -195,13 +235,16 @@ __global__ void __launch_bounds__(1024) NormForwardKernel(FwdParams p) {
   const uint32_t chunk_bytes = blockDim.x * 16, slot_bytes = kChunks * chunk_bytes;
 
   // 32-bit row arithmetic: the launcher keeps rows + tile_rows below 2^31.
-  const int t_begin = int(int64_t(blockIdx.x) * p.tiles / gridDim.x);
-  const int t_end = int(int64_t(blockIdx.x + 1) * p.tiles / gridDim.x);
+  const int rank = blockIdx.x & (p.cluster - 1);
+  const int clusters = gridDim.x >> p.cluster_log2, cluster_id = blockIdx.x >> p.cluster_log2;
+  const int t_begin = int(int64_t(cluster_id) * p.tiles / clusters);
+  const int t_end = int(int64_t(cluster_id + 1) * p.tiles / clusters);
   const int iters = (t_end - t_begin) << p.per_tile_log2;
   const int per_tile_mask = (1 << p.per_tile_log2) - 1;
   auto row_in_tile = [&](int k) { return group + (k & per_tile_mask) * groups; };
   auto row_of = [&](int k) {
-    return ((t_begin + (k >> p.per_tile_log2)) << p.tile_rows_log2) + row_in_tile(k);
+    return ((((t_begin + (k >> p.per_tile_log2)) << p.cluster_log2) + rank) << p.tile_rows_log2) +
+           row_in_tile(k);
   };
   auto first_elem = [&](int j) { return (j * tpr + lane) * kVec; };
 
@@ -378,11 +421,12 @@ __global__ void __launch_bounds__(1024) NormForwardKernel(FwdParams p) {
     }
     if constexpr (kColwise) {
       if ((int(k) & per_tile_mask) == per_tile_mask) {  // the tile's last rows: every group is here
-        __syncthreads();
-        const int r0 = (t_begin + (k >> p.per_tile_log2)) << p.tile_rows_log2;
+        TileSync(p);
+        const int span_log2 = p.tile_rows_log2 + p.cluster_log2;
+        const int r0 = (t_begin + (k >> p.per_tile_log2)) << span_log2;
         const int left = int(p.rows) - r0;
-        WriteTransposed(p, tile, r0, left < p.tile_rows ? left : p.tile_rows);
-        __syncthreads();
+        WriteTransposed(p, tile, r0, left < (1 << span_log2) ? left : 1 << span_log2);
+        TileSync(p);  // no block rewrites its tile while the cluster reads it, or exits
       }
     }
   }
@@ -435,20 +479,45 @@ Status Launch(const NormForwardArgs& a, const NormFwdTuning& tune, GpuStream str
   int groups = 1;
   while (groups * 2 * tpr <= target && groups * 2 <= max_groups) groups *= 2;
   int stages = g.vectorized ? tune.stages : 1;
-  int tile_rows = colwise ? kMaxTileRows : groups;
-  if (groups > tile_rows) groups = tile_rows;
   p.tile_stride = colwise ? int((a.hidden + 15) / 16 * 16 + 4) : 0;  // stride / 4 odd
   const int64_t row_bytes = g.vectorized ? int64_t(g.items) * int64_t(sizeof(T)) : 0;
-  auto smem_of = [&]() {
-    return int64_t(stages) * groups * tpr * row_bytes +
+  auto smem_for = [&](int tile_rows) {
+    const int64_t gr = groups < tile_rows ? groups : tile_rows;
+    return int64_t(stages) * gr * tpr * row_bytes +
            (colwise ? int64_t(tile_rows) * p.tile_stride : 0);
   };
-  int device = 0, max_smem = 48 * 1024;
+  int device = 0, max_smem = 48 * 1024, sm_smem = 0, major = 0, cluster_launch = 0;
   LOWBIT_RETURN_IF_ERROR(CudaStatus(cudaGetDevice(&device), kOp, "cudaGetDevice"));
-  LOWBIT_RETURN_IF_ERROR(CudaStatus(
-      cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, device), kOp,
-      "cudaDeviceGetAttribute"));
+  for (auto [attr, out] : {std::pair{cudaDevAttrMaxSharedMemoryPerBlockOptin, &max_smem},
+                           std::pair{cudaDevAttrMaxSharedMemoryPerMultiprocessor, &sm_smem},
+                           std::pair{cudaDevAttrComputeCapabilityMajor, &major},
+                           std::pair{cudaDevAttrClusterLaunch, &cluster_launch}}) {
+    LOWBIT_RETURN_IF_ERROR(CudaStatus(cudaDeviceGetAttribute(out, attr, device), kOp,
+                                      "cudaDeviceGetAttribute"));
+  }
   const int64_t max_dynamic = int64_t(max_smem) - kStaticSmem;
+  // Colwise: 32-row column segments (full 32-byte sectors: 16-byte halves written apart in
+  // time cost HBM read-modify-writes and doubled the kernel's time on H100). A block stages
+  // tile_rows rows of codes; a cluster of 32 / tile_rows blocks (sm_90+) writes a 32-row
+  // tile. Auto: the largest block tile that lets two blocks share an SM, else the largest
+  // that fits. Without clusters tiles are 32 rows where they fit (else 16 and down, slow).
+  const bool clusters = colwise && major >= 9 && cluster_launch != 0;
+  int tile_rows = groups;
+  if (colwise) {
+    tile_rows = kMaxTileRows;
+    if (tune.coltile != 0 && clusters) {
+      tile_rows = tune.coltile;
+    } else if (clusters) {
+      const int64_t half = int64_t(sm_smem) / 2 - 1024 - kStaticSmem;  // 1 KB reserved per block
+      while (tile_rows > 4 && smem_for(tile_rows) > half) tile_rows /= 2;
+      if (smem_for(tile_rows) > half) {
+        tile_rows = kMaxTileRows;
+        while (tile_rows > 4 && smem_for(tile_rows) > max_dynamic) tile_rows /= 2;
+      }
+    }
+  }
+  if (groups > tile_rows) groups = tile_rows;
+  auto smem_of = [&]() { return smem_for(tile_rows); };
   // Shrink until it fits: colwise tiles down to 16 rows, stages down to 2, tiles down to 4
   // rows, one stage, fewer groups.
   while (smem_of() > max_dynamic) {
@@ -469,32 +538,50 @@ Status Launch(const NormForwardArgs& a, const NormFwdTuning& tune, GpuStream str
     if (groups > tile_rows) groups = tile_rows;
     if (!colwise) tile_rows = groups;
   }
+  const int cluster = clusters ? kMaxTileRows / tile_rows : 1;
   p.tile_rows = tile_rows;
   p.tile_rows_log2 = Log2(tile_rows);
   p.per_tile_log2 = Log2(tile_rows / groups);
+  p.cluster = cluster;
+  p.cluster_log2 = Log2(cluster);
   p.stages = stages;
-  p.tiles = (a.rows + tile_rows - 1) / tile_rows;
+  p.tiles = (a.rows + int64_t(tile_rows) * cluster - 1) / (int64_t(tile_rows) * cluster);
   const int threads = groups * tpr;
   const size_t smem = size_t(smem_of());
 
   auto launch = [&](auto kernel) -> Status {
-    if (smem > 48 * 1024) {
-      LOWBIT_RETURN_IF_ERROR(CudaStatus(
-          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)),
-          kOp, "cudaFuncSetAttribute"));
-    }
     int per_sm = 0;
-    LOWBIT_RETURN_IF_ERROR(CudaStatus(
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem), kOp,
-        "cudaOccupancyMaxActiveBlocksPerMultiprocessor"));
-    if (per_sm < 1) {
-      return Status::Internal(std::string(kOp) + ": kernel does not fit on an SM (" +
-                              std::to_string(threads) + " threads, " + std::to_string(smem) +
-                              " bytes of shared memory)");
+    LOWBIT_RETURN_IF_ERROR(PrepareLaunch(kernel, threads, smem, kOp, &per_sm));
+    if (cluster == 1) {
+      const int64_t cap = int64_t(per_sm) * SmCount();
+      const int grid = int(p.tiles < cap ? p.tiles : cap);
+      kernel<<<grid, threads, smem, stream>>>(p);
+      return LaunchStatus(kOp);
     }
-    const int64_t cap = int64_t(per_sm) * SmCount();
-    const int grid = int(p.tiles < cap ? p.tiles : cap);
-    kernel<<<grid, threads, smem, stream>>>(p);
+    cudaLaunchAttribute attr[1] = {};
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = unsigned(cluster);
+    attr[0].val.clusterDim.y = 1;
+    attr[0].val.clusterDim.z = 1;
+    cudaLaunchConfig_t config = {};
+    config.gridDim = dim3(unsigned(cluster));
+    config.blockDim = dim3(unsigned(threads));
+    config.dynamicSmemBytes = smem;
+    config.stream = stream;
+    config.attrs = attr;
+    config.numAttrs = 1;
+    int max_clusters = 0;
+    LOWBIT_RETURN_IF_ERROR(CudaStatus(cudaOccupancyMaxActiveClusters(&max_clusters, kernel, &config),
+                                      kOp, "cudaOccupancyMaxActiveClusters"));
+    if (max_clusters < 1) {
+      return Status::Internal(std::string(kOp) + ": no cluster of " + std::to_string(cluster) +
+                              " blocks (" + std::to_string(threads) + " threads, " +
+                              std::to_string(smem) + " bytes of shared memory) fits the GPU");
+    }
+    const int64_t n = p.tiles < max_clusters ? p.tiles : max_clusters;
+    config.gridDim = dim3(unsigned(n * cluster));
+    LOWBIT_RETURN_IF_ERROR(
+        CudaStatus(cudaLaunchKernelEx(&config, kernel, p), kOp, "cudaLaunchKernelEx"));
     return LaunchStatus(kOp);
   };
   return DispatchGeometry<16 / int(sizeof(T))>(g, kOp, [&](auto items, auto vectorized) {

@@ -68,20 +68,25 @@ inline RowGeometry ChooseRowGeometry(int64_t hidden, int elem_bytes, bool pointe
   return g;
 }
 
-// Launch tuning of the forward pass (norm_fwd.cu). The defaults are the measured best; the
-// environment variable LOWBIT_NORM_FWD_VARIANT ("items=16,stages=3,block=512,colblock=1024",
-// any subset) overrides them, as a benchmark knob (bench/bench_norm.py --variants): every
+// Launch tuning of the forward pass (norm_fwd.cu). The defaults are the measured best (H100,
+// 16384 x 4096/8192 bf16: stages=2 beat 3 and 4); the environment variable
+// LOWBIT_NORM_FWD_VARIANT ("items=16,stages=2,block=512,colblock=512,coltile=16", any
+// subset) overrides them, as a benchmark knob (bench/bench_norm.py --variants): every
 // setting computes the same results up to the order of the row sums.
 //   items:    fewest elements per thread on the vectorized path (8 or 16; see above)
 //   stages:   rows per row group in flight, staged in shared memory by cp.async (1..4;
 //             lowered by the launcher while the shared memory does not fit)
 //   block:    target threads per block without colwise (32..1024)
 //   colblock: target threads per block with colwise (32..1024)
+//   coltile:  colwise: rows of FP8 codes one block stages (4, 8, 16 or 32; 0 = the largest
+//             that lets two blocks share an SM). 32-row column segments are written by a
+//             cluster of 32 / coltile blocks (sm_90+) that read each other's codes.
 struct NormFwdTuning {
   int items = 16;
-  int stages = 3;
+  int stages = 2;
   int block = 512;
-  int colblock = 1024;
+  int colblock = 512;
+  int coltile = 0;
 };
 
 // Parses a LOWBIT_NORM_FWD_VARIANT value into *t (unset keys keep their value); false and
@@ -107,12 +112,15 @@ inline bool ParseNormFwdTuning(const char* text, NormFwdTuning* t, std::string* 
       t->items = value;
     } else if (ok && key == "stages" && value >= 1 && value <= 4) {
       t->stages = value;
+    } else if (ok && key == "coltile" && (value == 0 || value == 4 || value == 8 ||
+                                           value == 16 || value == 32)) {
+      t->coltile = value;
     } else if (ok && (key == "block" || key == "colblock") && value >= 32 && value <= 1024 &&
                value % 32 == 0) {
       (key == "block" ? t->block : t->colblock) = value;
     } else {
       *error = "bad entry '" + item + "' (expected items=8|16, stages=1..4, block=32..1024, "
-               "colblock=32..1024, blocks multiples of 32)";
+               "colblock=32..1024, blocks multiples of 32, coltile=0|4|8|16|32)";
       return false;
     }
   }

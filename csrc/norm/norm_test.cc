@@ -189,13 +189,14 @@ TEST(NormPlan, ForwardTuningKnob) {
   const NormFwdTuning defaults;
   EXPECT_EQ(t.items, defaults.items);
   EXPECT_EQ(t.stages, defaults.stages);
-  ASSERT_TRUE(ParseNormFwdTuning("items=8,stages=2,,block=256,colblock=512", &t, &error));
+  ASSERT_TRUE(ParseNormFwdTuning("items=8,stages=2,,block=256,colblock=512,coltile=8", &t, &error));
   EXPECT_EQ(t.items, 8);
   EXPECT_EQ(t.stages, 2);
   EXPECT_EQ(t.block, 256);
   EXPECT_EQ(t.colblock, 512);
+  EXPECT_EQ(t.coltile, 8);
   for (const char* bad : {"items=12", "stages=0", "stages=5", "block=100", "block=2048",
-                          "foo=1", "items", "items=", "items=8x", "=8", "block=-32"}) {
+                          "foo=1", "coltile=2", "coltile=64", "items", "items=", "items=8x", "=8", "block=-32"}) {
     NormFwdTuning u;
     error.clear();
     EXPECT_FALSE(ParseNormFwdTuning(bad, &u, &error)) << bad;
