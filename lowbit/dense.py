@@ -24,9 +24,9 @@ operand (`gemm_operand`). Which GEMMs have a hardware path is lowbit.ops.gemm's 
 (cuBLASLt on Hopper for FP8 block; an exact emulation with a notice elsewhere).
 
 Accumulation: the forward GEMM uses the fast FP8 accumulation, the two backward GEMMs the
-split (more precise) one, as TransformerEngine does by default. With an empty quantizer set
-(no recipe) dense is a plain `lax.dot_general`. `forward_gemm` and `backward_gemms` are the
-pieces layernorm_dense and layernorm_mlp reuse.
+split (more precise) one, as TransformerEngine does by default (block-scaled GEMMs have only
+the split one). With an empty quantizer set (no recipe) dense is a plain `lax.dot_general`.
+`forward_gemm` and `backward_gemms` are the pieces layernorm_dense and layernorm_mlp reuse.
 """
 
 from __future__ import annotations

@@ -6,10 +6,13 @@ error stated below; (3) NVFP4 still raises."""
 
 from __future__ import annotations
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from cuda_lowering import cuda_gemm_calls
 
 import lowbit
 from lowbit.quantize import QuantizerFactory
@@ -139,6 +142,63 @@ def test_layernorm_dense_and_mlp_run_with_block_recipes(recipe):
                      argnums=(0, 1, 2))(x, wi, wo)
     for a, b in zip(g, g_ref):
         assert rel_err(a, b) < 2 * BWD_TOL
+
+
+# The CUDA programs (lowered for compute capability 9.0 without a GPU): every FP8 block GEMM
+# of the forward and backward is one cuBLASLt call, modes (a, b): forward x 1x128 . kernel
+# 128x128, dgrad dy 1x128 . kernel 128x128, wgrad x^T 1x128 . dy^T 1x128.
+FWD, DGRAD, WGRAD = (1, 2), (1, 2), (1, 1)
+
+
+def _ln_model_inputs():
+    rng = np.random.default_rng(11)
+    h, f = 128, 200
+    x = jnp.asarray(rng.normal(size=(2, 9, h)), jnp.bfloat16)
+    wi = jnp.asarray(rng.normal(size=(h, f)) / np.sqrt(h), jnp.bfloat16)
+    wo = jnp.asarray(rng.normal(size=(f, h)) / np.sqrt(f), jnp.bfloat16)
+    return x, wi, wo, jnp.ones((h,), jnp.bfloat16), jnp.zeros((h,), jnp.bfloat16)
+
+
+def _grad_program(fn, n_args):
+    return jax.grad(lambda *a: jnp.sum(fn(*a).astype(jnp.float32) ** 2), argnums=tuple(range(n_args)))
+
+
+def test_cuda_lowering_of_block_dense_fwd_and_bwd(data, monkeypatch):
+    x, w, bias, _ = data
+    qs = QuantizerFactory.create_set(Float8BlockScaling())
+    dense = lambda x, w, b: lowbit.dense(x, w, b, quantizer_set=qs)  # noqa: E731
+    calls = cuda_gemm_calls(monkeypatch, dense, x, w, bias)
+    assert [(c.a_scale_mode, c.b_scale_mode) for c in calls] == [FWD]
+    assert calls[0].operand_types[:2] == ["80x304xf8E4M3FN", "144x304xf8E4M3FN"]  # 70, 136, 300 padded
+    calls = cuda_gemm_calls(monkeypatch, _grad_program(dense, 3), x, w, bias)
+    assert sorted((c.a_scale_mode, c.b_scale_mode) for c in calls) == sorted([FWD, DGRAD, WGRAD])
+    # Block scaling has no fast accumulation (lowbit.ops.gemm): the forward's False is dropped.
+    assert all(c.use_split_accumulator for c in calls)
+
+
+def test_cuda_lowering_of_block_layernorm_dense_and_mlp(monkeypatch):
+    x, wi, wo, gamma, beta = _ln_model_inputs()
+    qs = QuantizerFactory.create_set(Float8BlockScaling())
+    qs2 = QuantizerFactory.create_set(Float8BlockScaling(), n_quantizer_sets=2)
+    ln_dense = lambda x, w: lowbit.layernorm_dense(x, w, gamma, beta, quantizer_set=qs)  # noqa: E731
+    mlp = lambda x, wi, wo: lowbit.layernorm_mlp(x, gamma, beta, (wi, wo), quantizer_sets=qs2,  # noqa: E731
+                                                 activation_type=("gelu",))
+    modes = lambda calls: sorted((c.a_scale_mode, c.b_scale_mode) for c in calls)  # noqa: E731
+    assert modes(cuda_gemm_calls(monkeypatch, ln_dense, x, wi)) == [FWD]
+    assert modes(cuda_gemm_calls(monkeypatch, _grad_program(ln_dense, 2), x, wi)) == sorted([FWD, DGRAD, WGRAD])
+    assert modes(cuda_gemm_calls(monkeypatch, mlp, x, wi, wo)) == [FWD, FWD]
+    assert modes(cuda_gemm_calls(monkeypatch, _grad_program(mlp, 3), x, wi, wo)) == sorted(
+        [FWD, DGRAD, WGRAD] * 2)
+
+
+def test_cuda_lowering_of_mxfp8_dense_is_the_emulation(data, monkeypatch):
+    """MXFP8 has no Hopper GEMM: the CUDA program lowers, with no lowbit_gemm in it."""
+    x, w, bias, _ = data
+    qs = QuantizerFactory.create_set(MXFP8BlockScaling())
+    dense = lambda x, w, b: lowbit.dense(x, w, b, quantizer_set=qs)  # noqa: E731
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the one-time emulation notice
+        assert cuda_gemm_calls(monkeypatch, _grad_program(dense, 3), x, w, bias) == []
 
 
 def test_nvfp4_dense_still_raises():

@@ -15,6 +15,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 from conftest import run_on
+from cuda_lowering import cuda_gemm_calls
 
 import lowbit
 
@@ -228,6 +229,90 @@ def test_handler_checks_scale_shapes(rng):
         jax.block_until_ready(f(a, b, sa[:, :4], sb))
 
 
+# ------------------------------------------- the CUDA path's Python side (CPU CI)
+
+def round16(x):
+    return cdiv(x, 16) * 16
+
+
+def f8_name(dtype):
+    return {E4M3: "f8E4M3FN", E5M2: "f8E5M2"}[dtype]
+
+
+CUDA_SHAPES = [(7, 17, 200), (1, 16, 128), (128, 256, 512), (130, 33, 1000)]
+
+
+@pytest.mark.parametrize("a_mode,b_mode", PAIRS[:3], ids=PAIR_IDS[:3])
+@pytest.mark.parametrize("m,n,k", CUDA_SHAPES, ids=str)
+@pytest.mark.parametrize("out_dtype,with_bias", [(BF16, True), (F32, True), (BF16, False)], ids=str)
+def test_cuda_lowering_emits_one_padded_cublaslt_call(a_mode, b_mode, m, n, k, out_dtype, with_bias,
+                                                      rng, monkeypatch):
+    """Lowered for CUDA on compute capability 9.0 (no GPU needed): exactly one lowbit_gemm,
+    its operands zero-padded to multiples of 16 in the order (a, b, sa, sb, bias) with the
+    scale shapes the handler checks for the padded operands, no bias (added afterwards in
+    fp32), and the modes as attributes."""
+    a, b, sa, sb = operands(rng, m, n, k, a_mode, b_mode, E4M3, E5M2)
+    bias = rng.normal(size=(n,)).astype(out_dtype) if with_bias else None
+    f = lambda a, b, sa, sb, bias: call(a, b, sa, sb, a_mode, b_mode, bias, out_dtype)  # noqa: E731
+    (c,) = cuda_gemm_calls(monkeypatch, f, a, b, sa, sb, bias)
+    mp, np_, kp = round16(m), round16(n), round16(k)
+    dims = lambda *d: "x".join(map(str, d))  # noqa: E731
+    out = "f32" if with_bias or out_dtype == F32 else "bf16"  # the empty bias has the out type
+    assert c.operand_types == [f"{dims(mp, kp)}x{f8_name(E4M3)}", f"{dims(np_, kp)}x{f8_name(E5M2)}",
+                               dims(*scale_dims(a_mode, mp, kp)) + "xf32",
+                               dims(*scale_dims(b_mode, np_, kp)) + "xf32", f"0x{out}"]
+    assert c.result_types == [f"{dims(mp, np_)}x{out}", f"{gemm_mod.GEMM_WORKSPACE_BYTES}xui8"]
+    assert (c.a_scale_mode, c.b_scale_mode) == (int(a_mode), int(b_mode))
+
+
+def test_cuda_lowering_under_vmap(rng, monkeypatch):
+    """vmap over a block-scaled GEMM lowers for CUDA too (one padded call inside the map)."""
+    ops = [operands(rng, 5, 6, 140, Mode.BLOCK_1x128, Mode.BLOCK_1x128) for _ in range(3)]
+    a, b, sa, sb = (np.stack(x) for x in zip(*ops))
+    f = jax.vmap(lambda *x: call(*x, Mode.BLOCK_1x128, Mode.BLOCK_1x128))
+    (c,) = cuda_gemm_calls(monkeypatch, f, a, b, sa, sb)
+    assert c.operand_types[:3] == ["16x144xf8E4M3FN", "16x144xf8E4M3FN", "2x16xf32"]
+
+
+@pytest.mark.parametrize("a_mode,b_mode,capability", [
+    (Mode.BLOCK_128x128, Mode.BLOCK_128x128, "9.0"), (Mode.MXFP8, Mode.MXFP8, "9.0"),
+    (Mode.BLOCK_1x128, Mode.BLOCK_128x128, "8.9"), (Mode.BLOCK_1x128, Mode.BLOCK_1x128, "10.0")], ids=str)
+def test_cuda_lowering_emulates_pairs_without_cublaslt_path(a_mode, b_mode, capability, rng, monkeypatch):
+    a, b, sa, sb = operands(rng, 33, 40, 300, a_mode, b_mode)
+    f = lambda *x: call(*x, a_mode, b_mode)  # noqa: E731
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the one-time emulation notice
+        assert cuda_gemm_calls(monkeypatch, f, a, b, sa, sb, capability=capability) == []
+
+
+def test_cuda_tensor_scaled_fp8_lowering_pads_k_and_n(rng, monkeypatch):
+    """The per-tensor FP8 path through the same lowering rule: K and N padded, M kept."""
+    a = random_fp8(rng, (7, 200), E4M3)
+    b = random_fp8(rng, (17, 200), E4M3)
+    one = np.ones((1,), np.float32)
+    f = lambda a, b: lowbit.ops.gemm(a, b, one, one, out_dtype=BF16)  # noqa: E731
+    (c,) = cuda_gemm_calls(monkeypatch, f, a, b)
+    assert c.operand_types == ["7x208xf8E4M3FN", "32x208xf8E4M3FN", "1xf32", "1xf32", "0xbf16"]
+    assert (c.a_scale_mode, c.b_scale_mode) == (0, 0)
+
+
+@pytest.mark.parametrize("a_mode,b_mode", PAIRS[:3], ids=PAIR_IDS[:3])
+@pytest.mark.parametrize("m,n,k", CUDA_SHAPES, ids=str)
+@pytest.mark.parametrize("with_bias", [True, False], ids=str)
+def test_cuda_wrapper_padding_on_cpu_handler_is_exact(a_mode, b_mode, m, n, k, with_bias, rng):
+    """The CUDA lowering's wrapper (_block_gemm_cuda: zero padding of M, N, K and of the 1x128
+    scale rows, bias split off and added in fp32) run through the CPU handler equals the
+    documented formula bit for bit: the padding adds only zero terms and is sliced off."""
+    a, b, sa, sb = operands(rng, m, n, k, a_mode, b_mode, E4M3, E5M2)
+    bias = rng.normal(size=(n,)).astype(BF16) if with_bias else np.zeros((0,), BF16)
+    f = jax.jit(lambda a, b, sa, sb, bias: gemm_mod._block_gemm_cuda(
+        a, b, sa, sb, bias, out_dtype=jnp.dtype(BF16), use_split_accumulator=np.bool_(True),
+        a_scale_mode=np.int32(a_mode), b_scale_mode=np.int32(b_mode)))
+    got = np.asarray(f(a, b, sa, sb, bias)).astype(np.float32)
+    want = sequential_ref(a, b, a_mode, sa, b_mode, sb, bias if with_bias else None, BF16)
+    np.testing.assert_array_equal(got, want.astype(np.float32))
+
+
 # ---------------------------------------------------------------- cuBLASLt (GPU)
 
 # cuBLASLt's block-scaled kernel multiplies fp32 partial sums of 128 products by the two
@@ -256,7 +341,7 @@ GPU_SHAPES = [(128, 256, 512), (1, 16, 128), (7, 17, 200), (130, 33, 1000), (256
 def test_cuda_block_gemm_matches_cpu_emulation(a_mode, b_mode, m, n, k, out_dtype, rng, cpu, gpu):
     a, b, sa, sb = operands(rng, m, n, k, a_mode, b_mode, E4M3, E5M2)
     bias = rng.normal(size=(n,)).astype(out_dtype)
-    f = lambda *x: call(*x, a_mode, b_mode, out_dtype=out_dtype)  # noqa: E731
+    f = lambda a, b, sa, sb, bias: call(a, b, sa, sb, a_mode, b_mode, bias, out_dtype)  # noqa: E731
     g = np.asarray(run_on(gpu, f, a, b, sa, sb, bias), np.float64)
     c = np.asarray(run_on(cpu, f, a, b, sa, sb, bias), np.float64)
     tol = block_tolerance(a, b, a_mode, sa, b_mode, sb, out_dtype)

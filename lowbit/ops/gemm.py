@@ -207,9 +207,17 @@ def gemm_padded(a, b, a_scale_inv, b_scale_inv, bias, *, out_dtype, use_split_ac
     return out[:m, :n]
 
 
+def _cublaslt_block_ready(m: int, n: int, k: int, bias_len: int) -> bool:
+    """True for the block-scaled problems the CUDA lowering hands to the custom call as they
+    are: M, N and K multiples of 16 and no bias (what _block_gemm_cuda binds)."""
+    return not (m % FP8_DIM_MULTIPLE or n % FP8_DIM_MULTIPLE or k % FP8_DIM_MULTIPLE or bias_len)
+
+
 def _block_gemm_cuda(a, b, a_scale_inv, b_scale_inv, bias, *, out_dtype, use_split_accumulator,
                      a_scale_mode, b_scale_mode):
-    """FP8 block scaling on cuBLASLt: padded, and with the bias added in fp32 afterwards."""
+    """FP8 block scaling on cuBLASLt: padded, and with the bias added in fp32 afterwards.
+    Every gemm_p it binds is _cublaslt_block_ready, so the CUDA lowering of those emits the
+    custom call directly (no second trip through this function)."""
     if not bias.shape[0]:
         return gemm_padded(a, b, a_scale_inv, b_scale_inv, bias, out_dtype=out_dtype,
                            use_split_accumulator=use_split_accumulator,
@@ -235,19 +243,22 @@ def _cuda_lowering(ctx, a, b, a_scale_inv, b_scale_inv, bias, *, out_dtype, use_
     (m, k), n = a_aval.shape, b_aval.shape[0]
     modes = (GemmScaleMode(int(a_scale_mode)), GemmScaleMode(int(b_scale_mode)))
     kw = dict(out_dtype=out_dtype, a_scale_mode=a_scale_mode, b_scale_mode=b_scale_mode)
+    lower = functools.partial(mlir.lower_fun, multiple_results=False)
     if modes[0] != GemmScaleMode.TENSOR:
-        if modes in CUBLASLT_BLOCK_PAIRS and _cuda_capability() == "9.0":
-            fn = functools.partial(_block_gemm_cuda, use_split_accumulator=use_split_accumulator, **kw)
-        else:
+        if modes not in CUBLASLT_BLOCK_PAIRS or _cuda_capability() != "9.0":
             _notice_once(f"cuda-{modes}", f"lowbit.ops.gemm: no cuBLASLt path for scale modes "
                          f"{modes[0].name} x {modes[1].name} on compute capability "
                          f"{_cuda_capability() or 'unknown'}; emulating it exactly (dequantize to "
                          "fp32, fp32 GEMM)")
-            fn = functools.partial(emulated_gemm, **kw)
-        return mlir.lower_fun(fn, multiple_results=False)(ctx, a, b, a_scale_inv, b_scale_inv, bias)
-    if a_aval.dtype in FP8 and (k % FP8_DIM_MULTIPLE or n % FP8_DIM_MULTIPLE):
+            return lower(functools.partial(emulated_gemm, **kw))(ctx, a, b, a_scale_inv, b_scale_inv, bias)
+        if not _cublaslt_block_ready(m, n, k, ctx.avals_in[4].shape[0]):
+            # Padded (and bias split off) by _block_gemm_cuda, whose gemm_p binds come back
+            # here ready and fall through to the custom call.
+            fn = functools.partial(_block_gemm_cuda, use_split_accumulator=use_split_accumulator, **kw)
+            return lower(fn)(ctx, a, b, a_scale_inv, b_scale_inv, bias)
+    elif a_aval.dtype in FP8 and (k % FP8_DIM_MULTIPLE or n % FP8_DIM_MULTIPLE):
         padded = functools.partial(gemm_padded, use_split_accumulator=use_split_accumulator, **kw)
-        return mlir.lower_fun(padded, multiple_results=False)(ctx, a, b, a_scale_inv, b_scale_inv, bias)
+        return lower(padded)(ctx, a, b, a_scale_inv, b_scale_inv, bias)
     _ffi.require_platform("lowbit_gemm", "cuda")
     workspace_bytes = GEMM_WORKSPACE_BYTES if m and n else 0  # the handler returns early on empty
     return _lower_with_workspace(ctx, a, b, a_scale_inv, b_scale_inv, bias,
