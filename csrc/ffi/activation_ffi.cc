@@ -58,11 +58,6 @@ Status XLayout(const char* op, const ffi::AnyBuffer& x, bool gated, int64_t* row
   return Status::Ok();
 }
 
-Status ExpectScale(const char* op, const ffi::AnyBuffer& scale) {
-  if (scale.element_type() == ffi::DataType::F32 && DimsOf(scale) == Dims{1}) return Status::Ok();
-  return Invalid(op, "scale", "expected f32 of shape (1,), got " + Describe(scale.element_type(), DimsOf(scale)));
-}
-
 // An optional result: empty, or `want_type` (kInvalid: any fp8) with dims `want`.
 Status CheckOptional(const char* op, const char* arg, const ffi::Result<ffi::AnyBuffer>& r,
                      DType want_type, const Dims& want, bool* requested) {
@@ -94,7 +89,7 @@ Status CheckColwise(const char* op, const ffi::Result<ffi::AnyBuffer>& r, int64_
 Status CheckQuantized(const char* op, const ffi::AnyBuffer& scale, ffi::Result<ffi::AnyBuffer>& q_row,
                       ffi::Result<ffi::AnyBuffer>& q_col, const Dims& out_dims, int64_t cols,
                       int64_t rows, const Dims& lead, ffi::Result<ffi::AnyBuffer>& amax, ActArgs* a) {
-  LOWBIT_RETURN_IF_ERROR(ExpectScale(op, scale));
+  LOWBIT_RETURN_IF_ERROR(ExpectScalarF32(op, "scale", scale));
   bool want_row = false, want_col = false;
   // q_rowwise: the output's shape or its 2-D view (rows, C).
   const bool row_2d = q_row->element_count() != 0 && DimsOf(*q_row) == Dims{rows, cols};
@@ -102,14 +97,10 @@ Status CheckQuantized(const char* op, const ffi::AnyBuffer& scale, ffi::Result<f
                                        row_2d ? Dims{rows, cols} : out_dims, &want_row));
   const Dims tail(out_dims.begin() + int64_t(lead.size()), out_dims.end());
   LOWBIT_RETURN_IF_ERROR(CheckColwise(op, q_col, cols, rows, tail, lead, &want_col));
-  if (want_row && want_col && q_row->element_type() != q_col->element_type()) {
-    return Invalid(op, "q_colwise", std::string("expected q_rowwise's dtype ") +
-                                        DTypeName(ToDType(q_row->element_type())) + ", got " +
-                                        DTypeName(ToDType(q_col->element_type())));
+  if (want_row && want_col) {
+    LOWBIT_RETURN_IF_ERROR(ExpectSameFp8(op, "q_colwise", "q_rowwise's dtype", q_row, q_col));
   }
-  if (amax->element_type() != ffi::DataType::F32 || DimsOf(*amax) != Dims{1}) {
-    return Invalid(op, "amax", "expected f32 of shape (1,), got " + Describe(amax->element_type(), DimsOf(*amax)));
-  }
+  LOWBIT_RETURN_IF_ERROR(ExpectScalarF32(op, "amax", *amax));
   a->scale = static_cast<const float*>(scale.untyped_data());
   a->q_rowwise = want_row ? static_cast<uint8_t*>(q_row->untyped_data()) : nullptr;
   a->q_colwise = want_col ? static_cast<uint8_t*>(q_col->untyped_data()) : nullptr;

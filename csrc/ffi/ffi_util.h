@@ -83,6 +83,82 @@ inline Status ExpectHighPrecision(const char* op, const char* arg, const ffi::An
                                  ": expected f32, f16 or bf16, got " + DTypeName(t));
 }
 
+// "<arg>: expected f32 of shape (1,), got ..." for a buffer or a result.
+template <typename B>
+Status ExpectScalarF32(const char* op, const char* arg, const B& b) {
+  const Dims d = DimsOf(b);
+  if (b.element_type() == ffi::DataType::F32 && d == Dims{1}) return Status::Ok();
+  return Invalid(op, arg, "expected f32 of shape (1,), got " + Describe(b.element_type(), d));
+}
+
+// A buffer of exactly `type` and `want` dims: "expected <type> of shape <want>, got ...".
+template <typename B>
+Status ExpectTypeAndDims(const char* op, const char* arg, const B& b, ffi::DataType type,
+                         const Dims& want) {
+  if (b.element_type() == type && DimsOf(b) == want) return Status::Ok();
+  return Invalid(op, arg, "expected " + Describe(type, want) + ", got " +
+                              Describe(b.element_type(), DimsOf(b)));
+}
+
+inline Status ExpectFp8(const char* op, const char* arg, const ffi::AnyBuffer& b) {
+  if (IsFp8(ToDType(b.element_type()))) return Status::Ok();
+  return Invalid(op, arg, std::string("expected f8e4m3fn or f8e5m2, got ") +
+                              DTypeName(ToDType(b.element_type())));
+}
+
+// A high-precision result of `want` dims (a dequantized copy of its input).
+inline Status ExpectHighPrecisionResult(const char* op, const char* arg,
+                                        const ffi::Result<ffi::AnyBuffer>& r, const Dims& want) {
+  if (IsHighPrecision(ToDType(r->element_type())) && DimsOf(*r) == want) return Status::Ok();
+  return Invalid(op, arg, "expected f32, f16 or bf16 of shape " + ShapeString(want) + ", got " +
+                              Describe(r->element_type(), DimsOf(*r)));
+}
+
+// An fp8 result that is either empty (not requested) or has exactly `want` dims. Sets
+// *requested.
+inline Status ExpectOptionalFp8(const char* op, const char* arg, const ffi::Result<ffi::AnyBuffer>& r,
+                                const Dims& want, bool* requested) {
+  *requested = r->element_count() != 0;
+  if (!*requested) return Status::Ok();
+  if (IsFp8(ToDType(r->element_type())) && DimsOf(*r) == want) return Status::Ok();
+  return Invalid(op, arg, "expected f8e4m3fn or f8e5m2 of shape " + ShapeString(want) +
+                              " or an empty result, got " + Describe(r->element_type(), DimsOf(*r)));
+}
+
+// Two copies of one quantization share their fp8 type: "expected <like> <dtype>, got <dtype>"
+// (like: "the rowwise dtype", "q_rowwise's dtype").
+inline Status ExpectSameFp8(const char* op, const char* arg, const char* like,
+                            const ffi::Result<ffi::AnyBuffer>& ref,
+                            const ffi::Result<ffi::AnyBuffer>& r) {
+  if (ref->element_type() == r->element_type()) return Status::Ok();
+  return Invalid(op, arg, std::string("expected ") + like + " " +
+                              DTypeName(ToDType(ref->element_type())) + ", got " +
+                              DTypeName(ToDType(r->element_type())));
+}
+
+// rows x cols of a shape of rank >= 1 split at flatten_axis: rows = prod(shape[:flatten_axis]).
+inline Status FlatView(const char* op, const char* arg, const Dims& shape, int32_t flatten_axis,
+                       int64_t* rows, int64_t* cols) {
+  const int rank = int(shape.size());
+  if (rank < 1) return Invalid(op, arg, "expected rank >= 1, got a scalar");
+  if (flatten_axis < 0 || flatten_axis >= rank) {
+    return Invalid(op, "flatten_axis",
+                   "expected a value in [0, " + std::to_string(rank - 1) + "] for " + arg +
+                       " of shape " + ShapeString(shape) + ", got " + std::to_string(flatten_axis));
+  }
+  *rows = 1;
+  *cols = 1;
+  for (int i = 0; i < rank; ++i) (i < flatten_axis ? *rows : *cols) *= shape[size_t(i)];
+  return Status::Ok();
+}
+
+// The colwise (transposed) copy's shape: shape[flatten_axis:] + shape[:flatten_axis].
+inline Dims TransposedShape(const Dims& shape, int32_t flatten_axis) {
+  Dims t(shape.begin() + flatten_axis, shape.end());
+  t.insert(t.end(), shape.begin(), shape.begin() + flatten_axis);
+  return t;
+}
+
 }  // namespace lowbit
 
 // Defines an exported FFI handler symbol. The library is built with -fvisibility=hidden;

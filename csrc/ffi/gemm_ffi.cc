@@ -23,14 +23,12 @@
 namespace lowbit {
 namespace {
 
-std::string Dims(ffi::Span<const int64_t> dims) {
-  std::string s = "(";
-  for (size_t i = 0; i < dims.size(); ++i) s += (i ? ", " : "") + std::to_string(dims[i]);
-  return s + (dims.size() == 1 ? ",)" : ")");
+std::string Shape(ffi::Span<const int64_t> dims) {
+  return ShapeString(lowbit::Dims(dims.begin(), dims.end()));
 }
 
 Status Invalid(const char* arg, const std::string& what) {
-  return Status::InvalidArgument(std::string("lowbit_gemm: ") + arg + ": " + what);
+  return lowbit::Invalid("lowbit_gemm", arg, what);
 }
 
 // Checks one operand's scale buffer against its mode and the operand's rows x k.
@@ -44,7 +42,7 @@ Status CheckScale(const char* arg, const ffi::AnyBuffer& scale, GemmScaleMode mo
   }
   if (mode == GemmScaleMode::kTensor) {
     if (scale.element_count() != 1) {
-      return Invalid(arg, "expected one f32, got shape " + Dims(scale.dimensions()));
+      return Invalid(arg, "expected one f32, got shape " + Shape(scale.dimensions()));
     }
     return Status::Ok();
   }
@@ -54,7 +52,7 @@ Status CheckScale(const char* arg, const ffi::AnyBuffer& scale, GemmScaleMode mo
     return Invalid(arg, std::string("expected shape (") + std::to_string(want.dim0) + ", " +
                             std::to_string(want.dim1) + ") for scale mode " +
                             GemmScaleModeName(mode) + " of a " + std::to_string(rows) + " x " +
-                            std::to_string(k) + " operand, got " + Dims(d));
+                            std::to_string(k) + " operand, got " + Shape(d));
   }
   return Status::Ok();
 }
@@ -66,15 +64,15 @@ Status GemmArgsFromBuffers(const ffi::AnyBuffer& a, const ffi::AnyBuffer& b,
                            bool use_split_accumulator, int32_t a_scale_mode,
                            int32_t b_scale_mode, GemmArgs* args) {
   const auto ad = a.dimensions(), bd = b.dimensions(), od = out.dimensions();
-  if (ad.size() != 2) return Invalid("a", "expected rank 2 (M, K), got shape " + Dims(ad));
-  if (bd.size() != 2) return Invalid("b", "expected rank 2 (N, K), got shape " + Dims(bd));
+  if (ad.size() != 2) return Invalid("a", "expected rank 2 (M, K), got shape " + Shape(ad));
+  if (bd.size() != 2) return Invalid("b", "expected rank 2 (N, K), got shape " + Shape(bd));
   if (bd[1] != ad[1]) {
-    return Invalid("b", "expected (N, " + std::to_string(ad[1]) + ") to match a " + Dims(ad) +
-                            ", got " + Dims(bd));
+    return Invalid("b", "expected (N, " + std::to_string(ad[1]) + ") to match a " + Shape(ad) +
+                            ", got " + Shape(bd));
   }
   if (od.size() != 2 || od[0] != ad[0] || od[1] != bd[0]) {
     return Invalid("out", "expected shape (" + std::to_string(ad[0]) + ", " +
-                              std::to_string(bd[0]) + "), got " + Dims(od));
+                              std::to_string(bd[0]) + "), got " + Shape(od));
   }
   args->a_type = ToDType(a.element_type());
   args->b_type = ToDType(b.element_type());
@@ -88,7 +86,7 @@ Status GemmArgsFromBuffers(const ffi::AnyBuffer& a, const ffi::AnyBuffer& b,
   const int64_t bias_count = int64_t(bias.element_count());
   if (bias.dimensions().size() != 1 || (bias_count != 0 && bias_count != bd[0])) {
     return Invalid("bias", "expected shape (" + std::to_string(bd[0]) + ",) or (0,), got " +
-                               Dims(bias.dimensions()));
+                               Shape(bias.dimensions()));
   }
   if (bias_count != 0 && ToDType(bias.element_type()) != args->out_type) {
     return Invalid("bias", std::string("expected the out type ") + DTypeName(args->out_type) +

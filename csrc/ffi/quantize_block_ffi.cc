@@ -25,28 +25,6 @@ constexpr const char* kDequantizeBlockOp = "lowbit_dequantize_fp8_block";
 constexpr const char* kQuantizeMxOp = "lowbit_quantize_mxfp8";
 constexpr const char* kDequantizeMxOp = "lowbit_dequantize_mxfp8";
 
-// rows x cols of a shape split at flatten_axis.
-Status FlatView(const char* op, const char* arg, const Dims& shape, int32_t flatten_axis,
-                int64_t* rows, int64_t* cols) {
-  const int rank = int(shape.size());
-  if (rank < 1) return Invalid(op, arg, "expected rank >= 1, got a scalar");
-  if (flatten_axis < 0 || flatten_axis >= rank) {
-    return Invalid(op, "flatten_axis",
-                   "expected a value in [0, " + std::to_string(rank - 1) + "] for " + arg +
-                       " of shape " + ShapeString(shape) + ", got " + std::to_string(flatten_axis));
-  }
-  *rows = 1;
-  *cols = 1;
-  for (int i = 0; i < rank; ++i) (i < flatten_axis ? *rows : *cols) *= shape[size_t(i)];
-  return Status::Ok();
-}
-
-Dims Transposed(const Dims& shape, int32_t flatten_axis) {
-  Dims t(shape.begin() + flatten_axis, shape.end());
-  t.insert(t.end(), shape.begin(), shape.begin() + flatten_axis);
-  return t;
-}
-
 Dims ScaleShape(const ScaleDims& d) { return Dims{d.dim0, d.dim1}; }
 
 // One requested-or-empty copy: fp8 data of `want` dims and a scale array of `want_scale`
@@ -54,96 +32,88 @@ Dims ScaleShape(const ScaleDims& d) { return Dims{d.dim0, d.dim1}; }
 Status CheckCopy(const char* op, const char* data_arg, const char* scale_arg,
                  const ffi::Result<ffi::AnyBuffer>& data, const ffi::Result<ffi::AnyBuffer>& scale,
                  const Dims& want, const Dims& want_scale, ffi::DataType scale_type, bool* requested) {
-  *requested = data->element_count() != 0;
-  if (!*requested) {
-    if (scale->element_count() != 0) {
-      return Invalid(op, scale_arg, std::string("expected an empty result when ") + data_arg +
-                                        " is not requested, got " +
-                                        Describe(scale->element_type(), DimsOf(*scale)));
-    }
-    return Status::Ok();
+  LOWBIT_RETURN_IF_ERROR(ExpectOptionalFp8(op, data_arg, data, want, requested));
+  if (*requested) return ExpectTypeAndDims(op, scale_arg, *scale, scale_type, want_scale);
+  if (scale->element_count() == 0) return Status::Ok();
+  return Invalid(op, scale_arg, std::string("expected an empty result when ") + data_arg +
+                                    " is not requested, got " +
+                                    Describe(scale->element_type(), DimsOf(*scale)));
+}
+
+// The buffers of one block-scaled quantization: both copies with their scale arrays.
+struct Copies {
+  ffi::Result<ffi::AnyBuffer>& rowwise;
+  ffi::Result<ffi::AnyBuffer>& rowwise_scale;
+  ffi::Result<ffi::AnyBuffer>& colwise;
+  ffi::Result<ffi::AnyBuffer>& colwise_scale;
+};
+
+// What both quantizers check after x's flat view: each copy requested or empty, the
+// colwise copy in `colwise_shape`, one fp8 type, and at least one copy for a non-empty x.
+// Sets *want_row, *want_col and *out_dtype (e4m3 when neither is requested).
+Status CheckCopies(const char* op, const char* rowwise_scale_arg, const char* colwise_scale_arg,
+                   const Copies& c, const Dims& shape, const Dims& colwise_shape,
+                   const ScaleDims& rowwise_scale_dims, const ScaleDims& colwise_scale_dims,
+                   ffi::DataType scale_type, int64_t n, bool* want_row, bool* want_col,
+                   DType* out_dtype) {
+  LOWBIT_RETURN_IF_ERROR(CheckCopy(op, "rowwise", rowwise_scale_arg, c.rowwise, c.rowwise_scale,
+                                   shape, ScaleShape(rowwise_scale_dims), scale_type, want_row));
+  LOWBIT_RETURN_IF_ERROR(CheckCopy(op, "colwise", colwise_scale_arg, c.colwise, c.colwise_scale,
+                                   colwise_shape, ScaleShape(colwise_scale_dims), scale_type,
+                                   want_col));
+  if (*want_row && *want_col) {
+    LOWBIT_RETURN_IF_ERROR(ExpectSameFp8(op, "colwise", "the rowwise dtype", c.rowwise, c.colwise));
   }
-  if (!IsFp8(ToDType(data->element_type())) || DimsOf(*data) != want) {
-    return Invalid(op, data_arg, "expected f8e4m3fn or f8e5m2 of shape " + ShapeString(want) +
-                                     " or an empty result, got " +
-                                     Describe(data->element_type(), DimsOf(*data)));
+  if (n != 0 && !*want_row && !*want_col) {
+    return Invalid(op, "rowwise", "neither rowwise nor colwise output requested");
   }
-  if (scale->element_type() != scale_type || DimsOf(*scale) != want_scale) {
-    return Invalid(op, scale_arg, "expected " + Describe(scale_type, want_scale) + ", got " +
-                                      Describe(scale->element_type(), DimsOf(*scale)));
-  }
+  *out_dtype = *want_row ? ToDType(c.rowwise->element_type())
+                         : *want_col ? ToDType(c.colwise->element_type()) : DType::kE4M3;
   return Status::Ok();
 }
 
-Status CheckSameFp8(const char* op, const ffi::Result<ffi::AnyBuffer>& rowwise,
-                    const ffi::Result<ffi::AnyBuffer>& colwise) {
-  if (rowwise->element_type() == colwise->element_type()) return Status::Ok();
-  return Invalid(op, "colwise", std::string("expected the rowwise dtype ") +
-                                    DTypeName(ToDType(rowwise->element_type())) + ", got " +
-                                    DTypeName(ToDType(colwise->element_type())));
-}
-
-Status QuantizeBlockArgs(const ffi::AnyBuffer& x, ffi::Result<ffi::AnyBuffer>& rowwise,
-                         ffi::Result<ffi::AnyBuffer>& rowwise_scale_inv,
-                         ffi::Result<ffi::AnyBuffer>& colwise,
-                         ffi::Result<ffi::AnyBuffer>& colwise_scale_inv, int32_t flatten_axis,
+Status QuantizeBlockArgs(const ffi::AnyBuffer& x, const Copies& c, int32_t flatten_axis,
                          bool tile_2d, bool pow2_scales, QuantizeFp8BlockArgs* a) {
   const char* op = kQuantizeBlockOp;
   LOWBIT_RETURN_IF_ERROR(ExpectHighPrecision(op, "x", x));
   const Dims shape = DimsOf(x);
   LOWBIT_RETURN_IF_ERROR(FlatView(op, "x", shape, flatten_axis, &a->rows, &a->cols));
   bool want_row = false, want_col = false;
-  LOWBIT_RETURN_IF_ERROR(CheckCopy(op, "rowwise", "rowwise_scale_inv", rowwise, rowwise_scale_inv,
-                                   shape, ScaleShape(Fp8BlockScaleDims(a->rows, a->cols, tile_2d)),
-                                   ffi::DataType::F32, &want_row));
-  LOWBIT_RETURN_IF_ERROR(CheckCopy(op, "colwise", "colwise_scale_inv", colwise, colwise_scale_inv,
-                                   Transposed(shape, flatten_axis),
-                                   ScaleShape(Fp8BlockScaleDims(a->cols, a->rows, tile_2d)),
-                                   ffi::DataType::F32, &want_col));
-  if (want_row && want_col) LOWBIT_RETURN_IF_ERROR(CheckSameFp8(op, rowwise, colwise));
-  if (a->rows * a->cols != 0 && !want_row && !want_col) {
-    return Invalid(op, "rowwise", "neither rowwise nor colwise output requested");
-  }
+  LOWBIT_RETURN_IF_ERROR(CheckCopies(op, "rowwise_scale_inv", "colwise_scale_inv", c, shape,
+                                     TransposedShape(shape, flatten_axis),
+                                     Fp8BlockScaleDims(a->rows, a->cols, tile_2d),
+                                     Fp8BlockScaleDims(a->cols, a->rows, tile_2d),
+                                     ffi::DataType::F32, a->rows * a->cols, &want_row, &want_col,
+                                     &a->out_dtype));
   a->x = x.untyped_data();
   a->x_dtype = ToDType(x.element_type());
-  a->out_dtype = want_row ? ToDType(rowwise->element_type())
-                          : want_col ? ToDType(colwise->element_type()) : DType::kE4M3;
   a->tile_2d = tile_2d;
   a->pow2_scales = pow2_scales;
-  a->rowwise = want_row ? static_cast<uint8_t*>(rowwise->untyped_data()) : nullptr;
-  a->rowwise_scale_inv = want_row ? static_cast<float*>(rowwise_scale_inv->untyped_data()) : nullptr;
-  a->colwise = want_col ? static_cast<uint8_t*>(colwise->untyped_data()) : nullptr;
-  a->colwise_scale_inv = want_col ? static_cast<float*>(colwise_scale_inv->untyped_data()) : nullptr;
+  a->rowwise = want_row ? static_cast<uint8_t*>(c.rowwise->untyped_data()) : nullptr;
+  a->rowwise_scale_inv = want_row ? static_cast<float*>(c.rowwise_scale->untyped_data()) : nullptr;
+  a->colwise = want_col ? static_cast<uint8_t*>(c.colwise->untyped_data()) : nullptr;
+  a->colwise_scale_inv = want_col ? static_cast<float*>(c.colwise_scale->untyped_data()) : nullptr;
   return Status::Ok();
 }
 
-Status QuantizeMxArgs(const ffi::AnyBuffer& x, ffi::Result<ffi::AnyBuffer>& rowwise,
-                      ffi::Result<ffi::AnyBuffer>& rowwise_scale, ffi::Result<ffi::AnyBuffer>& colwise,
-                      ffi::Result<ffi::AnyBuffer>& colwise_scale, int32_t flatten_axis,
+Status QuantizeMxArgs(const ffi::AnyBuffer& x, const Copies& c, int32_t flatten_axis,
                       QuantizeMxfp8Args* a) {
   const char* op = kQuantizeMxOp;
   LOWBIT_RETURN_IF_ERROR(ExpectHighPrecision(op, "x", x));
   const Dims shape = DimsOf(x);
   LOWBIT_RETURN_IF_ERROR(FlatView(op, "x", shape, flatten_axis, &a->rows, &a->cols));
   bool want_row = false, want_col = false;
-  LOWBIT_RETURN_IF_ERROR(CheckCopy(op, "rowwise", "rowwise_scale", rowwise, rowwise_scale, shape,
-                                   ScaleShape(Mxfp8ScaleDims(a->rows, a->cols, false)),
-                                   ffi::DataType::F8E8M0FNU, &want_row));
-  LOWBIT_RETURN_IF_ERROR(CheckCopy(op, "colwise", "colwise_scale", colwise, colwise_scale, shape,
-                                   ScaleShape(Mxfp8ScaleDims(a->rows, a->cols, true)),
-                                   ffi::DataType::F8E8M0FNU, &want_col));
-  if (want_row && want_col) LOWBIT_RETURN_IF_ERROR(CheckSameFp8(op, rowwise, colwise));
-  if (a->rows * a->cols != 0 && !want_row && !want_col) {
-    return Invalid(op, "rowwise", "neither rowwise nor colwise output requested");
-  }
+  LOWBIT_RETURN_IF_ERROR(CheckCopies(op, "rowwise_scale", "colwise_scale", c, shape, shape,
+                                     Mxfp8ScaleDims(a->rows, a->cols, false),
+                                     Mxfp8ScaleDims(a->rows, a->cols, true),
+                                     ffi::DataType::F8E8M0FNU, a->rows * a->cols, &want_row,
+                                     &want_col, &a->out_dtype));
   a->x = x.untyped_data();
   a->x_dtype = ToDType(x.element_type());
-  a->out_dtype = want_row ? ToDType(rowwise->element_type())
-                          : want_col ? ToDType(colwise->element_type()) : DType::kE4M3;
-  a->rowwise = want_row ? static_cast<uint8_t*>(rowwise->untyped_data()) : nullptr;
-  a->rowwise_scale = want_row ? static_cast<uint8_t*>(rowwise_scale->untyped_data()) : nullptr;
-  a->colwise = want_col ? static_cast<uint8_t*>(colwise->untyped_data()) : nullptr;
-  a->colwise_scale = want_col ? static_cast<uint8_t*>(colwise_scale->untyped_data()) : nullptr;
+  a->rowwise = want_row ? static_cast<uint8_t*>(c.rowwise->untyped_data()) : nullptr;
+  a->rowwise_scale = want_row ? static_cast<uint8_t*>(c.rowwise_scale->untyped_data()) : nullptr;
+  a->colwise = want_col ? static_cast<uint8_t*>(c.colwise->untyped_data()) : nullptr;
+  a->colwise_scale = want_col ? static_cast<uint8_t*>(c.colwise_scale->untyped_data()) : nullptr;
   return Status::Ok();
 }
 
@@ -151,20 +121,10 @@ Status QuantizeMxArgs(const ffi::AnyBuffer& x, ffi::Result<ffi::AnyBuffer>& roww
 // array of `want_scale` dims and `scale_type`, out high precision of data's shape.
 Status DequantizeArgs(const char* op, const char* scale_arg, const ffi::AnyBuffer& data,
                       const ffi::AnyBuffer& scale, const ffi::Result<ffi::AnyBuffer>& out,
-                      ffi::DataType scale_type, const Dims& want_scale) {
-  if (!IsFp8(ToDType(data.element_type()))) {
-    return Invalid(op, "data", std::string("expected f8e4m3fn or f8e5m2, got ") +
-                                   DTypeName(ToDType(data.element_type())));
-  }
-  if (scale.element_type() != scale_type || DimsOf(scale) != want_scale) {
-    return Invalid(op, scale_arg, "expected " + Describe(scale_type, want_scale) + ", got " +
-                                      Describe(scale.element_type(), DimsOf(scale)));
-  }
-  if (!IsHighPrecision(ToDType(out->element_type())) || DimsOf(*out) != DimsOf(data)) {
-    return Invalid(op, "out", "expected f32, f16 or bf16 of shape " + ShapeString(DimsOf(data)) +
-                                  ", got " + Describe(out->element_type(), DimsOf(*out)));
-  }
-  return Status::Ok();
+                      ffi::DataType scale_type, const ScaleDims& want_scale) {
+  LOWBIT_RETURN_IF_ERROR(ExpectFp8(op, "data", data));
+  LOWBIT_RETURN_IF_ERROR(ExpectTypeAndDims(op, scale_arg, scale, scale_type, ScaleShape(want_scale)));
+  return ExpectHighPrecisionResult(op, "out", out, DimsOf(data));
 }
 
 Status DequantizeBlockArgs(const ffi::AnyBuffer& data, const ffi::AnyBuffer& scale_inv,
@@ -172,7 +132,7 @@ Status DequantizeBlockArgs(const ffi::AnyBuffer& data, const ffi::AnyBuffer& sca
                            bool tile_2d, int64_t* rows, int64_t* cols) {
   LOWBIT_RETURN_IF_ERROR(FlatView(kDequantizeBlockOp, "data", DimsOf(data), flatten_axis, rows, cols));
   return DequantizeArgs(kDequantizeBlockOp, "scale_inv", data, scale_inv, out, ffi::DataType::F32,
-                        ScaleShape(Fp8BlockScaleDims(*rows, *cols, tile_2d)));
+                        Fp8BlockScaleDims(*rows, *cols, tile_2d));
 }
 
 Status DequantizeMxArgs(const ffi::AnyBuffer& data, const ffi::AnyBuffer& scale,
@@ -180,7 +140,7 @@ Status DequantizeMxArgs(const ffi::AnyBuffer& data, const ffi::AnyBuffer& scale,
                         int64_t* rows, int64_t* cols) {
   LOWBIT_RETURN_IF_ERROR(FlatView(kDequantizeMxOp, "data", DimsOf(data), flatten_axis, rows, cols));
   return DequantizeArgs(kDequantizeMxOp, "scale", data, scale, out, ffi::DataType::F8E8M0FNU,
-                        ScaleShape(Mxfp8ScaleDims(*rows, *cols, colwise)));
+                        Mxfp8ScaleDims(*rows, *cols, colwise));
 }
 
 #if !defined(LOWBIT_CUDA_HANDLERS)
@@ -191,7 +151,7 @@ ffi::Error QuantizeBlockCpu(ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> rowwis
                             ffi::Result<ffi::AnyBuffer> colwise_scale_inv, int32_t flatten_axis,
                             bool tile_2d, bool pow2_scales) {
   QuantizeFp8BlockArgs a;
-  Status s = QuantizeBlockArgs(x, rowwise, rowwise_scale_inv, colwise, colwise_scale_inv,
+  Status s = QuantizeBlockArgs(x, {rowwise, rowwise_scale_inv, colwise, colwise_scale_inv},
                                flatten_axis, tile_2d, pow2_scales, &a);
   if (s.ok()) s = QuantizeFp8BlockRef(a);
   return ToFfiError(s);
@@ -214,7 +174,7 @@ ffi::Error QuantizeMxCpu(ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> rowwise,
                          ffi::Result<ffi::AnyBuffer> rowwise_scale, ffi::Result<ffi::AnyBuffer> colwise,
                          ffi::Result<ffi::AnyBuffer> colwise_scale, int32_t flatten_axis) {
   QuantizeMxfp8Args a;
-  Status s = QuantizeMxArgs(x, rowwise, rowwise_scale, colwise, colwise_scale, flatten_axis, &a);
+  Status s = QuantizeMxArgs(x, {rowwise, rowwise_scale, colwise, colwise_scale}, flatten_axis, &a);
   if (s.ok()) s = QuantizeMxfp8Ref(a);
   return ToFfiError(s);
 }
@@ -240,7 +200,7 @@ ffi::Error QuantizeBlockGpu(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<f
                             ffi::Result<ffi::AnyBuffer> colwise_scale_inv, int32_t flatten_axis,
                             bool tile_2d, bool pow2_scales) {
   QuantizeFp8BlockArgs a;
-  Status s = QuantizeBlockArgs(x, rowwise, rowwise_scale_inv, colwise, colwise_scale_inv,
+  Status s = QuantizeBlockArgs(x, {rowwise, rowwise_scale_inv, colwise, colwise_scale_inv},
                                flatten_axis, tile_2d, pow2_scales, &a);
   if (s.ok()) s = QuantizeFp8BlockCuda(a, stream);
   return ToFfiError(s);
@@ -263,7 +223,7 @@ ffi::Error QuantizeMxGpu(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi:
                          ffi::Result<ffi::AnyBuffer> rowwise_scale, ffi::Result<ffi::AnyBuffer> colwise,
                          ffi::Result<ffi::AnyBuffer> colwise_scale, int32_t flatten_axis) {
   QuantizeMxfp8Args a;
-  Status s = QuantizeMxArgs(x, rowwise, rowwise_scale, colwise, colwise_scale, flatten_axis, &a);
+  Status s = QuantizeMxArgs(x, {rowwise, rowwise_scale, colwise, colwise_scale}, flatten_axis, &a);
   if (s.ok()) s = QuantizeMxfp8Cuda(a, stream);
   return ToFfiError(s);
 }

@@ -22,25 +22,6 @@ namespace {
 constexpr const char* kQuantizeOp = "lowbit_quantize_fp8";
 constexpr const char* kDequantizeOp = "lowbit_dequantize_fp8";
 
-Status ExpectScalarF32(const char* op, const char* arg, const ffi::AnyBuffer& b) {
-  const Dims d = DimsOf(b);
-  if (b.element_type() == ffi::DataType::F32 && d == Dims{1}) return Status::Ok();
-  return Invalid(op, arg, "expected f32 of shape (1,), got " + Describe(b.element_type(), d));
-}
-
-// An fp8 result that is either empty (not requested) or has exactly `want` dims.
-Status CheckFp8Result(const char* arg, const ffi::Result<ffi::AnyBuffer>& r, const Dims& want,
-                      bool* requested) {
-  const Dims d = DimsOf(*r);
-  *requested = r->element_count() != 0;
-  if (!*requested) return Status::Ok();
-  if (!IsFp8(ToDType(r->element_type())) || d != want) {
-    return Invalid(kQuantizeOp, arg, "expected f8e4m3fn or f8e5m2 of shape " + ShapeString(want) +
-                                         " or an empty result, got " + Describe(r->element_type(), d));
-  }
-  return Status::Ok();
-}
-
 // Decodes and validates every quantize buffer into `a`.
 Status QuantizeArgs(const ffi::AnyBuffer& x, const ffi::AnyBuffer& scale,
                     ffi::Result<ffi::AnyBuffer>& rowwise, ffi::Result<ffi::AnyBuffer>& colwise,
@@ -49,37 +30,21 @@ Status QuantizeArgs(const ffi::AnyBuffer& x, const ffi::AnyBuffer& scale,
   LOWBIT_RETURN_IF_ERROR(ExpectHighPrecision(kQuantizeOp, "x", x));
   LOWBIT_RETURN_IF_ERROR(ExpectScalarF32(kQuantizeOp, "scale", scale));
   const Dims shape = DimsOf(x);
-  const int rank = int(shape.size());
-  if (rank < 1) return Invalid(kQuantizeOp, "x", "expected rank >= 1, got a scalar");
-  if (flatten_axis < 0 || flatten_axis >= rank) {
-    return Invalid(kQuantizeOp, "flatten_axis",
-                   "expected a value in [0, " + std::to_string(rank - 1) + "] for x of shape " +
-                       ShapeString(shape) + ", got " + std::to_string(flatten_axis));
-  }
-  a->rows = 1;
-  a->cols = 1;
-  for (int i = 0; i < rank; ++i) (i < flatten_axis ? a->rows : a->cols) *= shape[size_t(i)];
+  LOWBIT_RETURN_IF_ERROR(FlatView(kQuantizeOp, "x", shape, flatten_axis, &a->rows, &a->cols));
   const Dims col_dims(shape.begin() + flatten_axis, shape.end());
-  Dims colwise_dims = col_dims;
-  colwise_dims.insert(colwise_dims.end(), shape.begin(), shape.begin() + flatten_axis);
 
   bool want_rowwise = false, want_colwise = false;
-  LOWBIT_RETURN_IF_ERROR(CheckFp8Result("rowwise", rowwise, shape, &want_rowwise));
-  LOWBIT_RETURN_IF_ERROR(CheckFp8Result("colwise", colwise, colwise_dims, &want_colwise));
-  if (want_rowwise && want_colwise && rowwise->element_type() != colwise->element_type()) {
-    return Invalid(kQuantizeOp, "colwise",
-                   std::string("expected the rowwise dtype ") +
-                       DTypeName(ToDType(rowwise->element_type())) + ", got " +
-                       DTypeName(ToDType(colwise->element_type())));
+  LOWBIT_RETURN_IF_ERROR(ExpectOptionalFp8(kQuantizeOp, "rowwise", rowwise, shape, &want_rowwise));
+  LOWBIT_RETURN_IF_ERROR(ExpectOptionalFp8(kQuantizeOp, "colwise", colwise,
+                                           TransposedShape(shape, flatten_axis), &want_colwise));
+  if (want_rowwise && want_colwise) {
+    LOWBIT_RETURN_IF_ERROR(ExpectSameFp8(kQuantizeOp, "colwise", "the rowwise dtype", rowwise, colwise));
   }
   const int64_t n = a->rows * a->cols;
   if (n != 0 && !want_rowwise && !want_colwise) {
     return Invalid(kQuantizeOp, "rowwise", "neither rowwise nor colwise output requested");
   }
-  if (amax->element_type() != ffi::DataType::F32 || DimsOf(*amax) != Dims{1}) {
-    return Invalid(kQuantizeOp, "amax",
-                   "expected f32 of shape (1,), got " + Describe(amax->element_type(), DimsOf(*amax)));
-  }
+  LOWBIT_RETURN_IF_ERROR(ExpectScalarF32(kQuantizeOp, "amax", *amax));
   const bool want_dbias = dbias->element_count() != 0;
   const ffi::DataType dbias_type = dbias->element_type();
   if (want_dbias && ((dbias_type != x.element_type() && dbias_type != ffi::DataType::F32) ||
@@ -105,17 +70,9 @@ Status QuantizeArgs(const ffi::AnyBuffer& x, const ffi::AnyBuffer& scale,
 
 Status DequantizeArgs(const ffi::AnyBuffer& data, const ffi::AnyBuffer& scale_inv,
                       const ffi::Result<ffi::AnyBuffer>& out) {
-  if (!IsFp8(ToDType(data.element_type()))) {
-    return Invalid(kDequantizeOp, "data", std::string("expected f8e4m3fn or f8e5m2, got ") +
-                                              DTypeName(ToDType(data.element_type())));
-  }
+  LOWBIT_RETURN_IF_ERROR(ExpectFp8(kDequantizeOp, "data", data));
   LOWBIT_RETURN_IF_ERROR(ExpectScalarF32(kDequantizeOp, "scale_inv", scale_inv));
-  if (!IsHighPrecision(ToDType(out->element_type())) || DimsOf(*out) != DimsOf(data)) {
-    return Invalid(kDequantizeOp, "out",
-                   "expected f32, f16 or bf16 of shape " + ShapeString(DimsOf(data)) + ", got " +
-                       Describe(out->element_type(), DimsOf(*out)));
-  }
-  return Status::Ok();
+  return ExpectHighPrecisionResult(kDequantizeOp, "out", out, DimsOf(data));
 }
 
 #if !defined(LOWBIT_CUDA_HANDLERS)

@@ -19,10 +19,6 @@ constexpr const char* kComputeOp = "lowbit_compute_scale";
 constexpr const char* kInverseOp = "lowbit_scale_inverse";
 constexpr const char* kDelayedOp = "lowbit_update_delayed_scaling";
 
-Status Invalid(const char* op, const char* arg, const std::string& what) {
-  return Status::InvalidArgument(std::string(op) + ": " + arg + ": " + what);
-}
-
 int64_t Count(const ffi::Buffer<ffi::F32>& b) { return int64_t(b.element_count()); }
 int64_t Count(const ffi::Result<ffi::Buffer<ffi::F32>>& b) { return int64_t(b->element_count()); }
 
