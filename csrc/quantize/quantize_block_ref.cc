@@ -6,6 +6,7 @@
 #include "common/element.h"
 #include "common/ieee_denormals.h"
 #include "quantize/block_codec.h"
+#include "quantize/dequantize_scaled_ref.h"
 #include "quantize/quantize_block.h"
 
 namespace lowbit {
@@ -65,20 +66,10 @@ Status QuantizeFp8BlockRef(const QuantizeFp8BlockArgs& a) {
 
 Status DequantizeFp8BlockRef(const uint8_t* data, DType data_dtype, int64_t rows, int64_t cols,
                              bool tile_2d, const float* scale_inv, void* out, DType out_dtype) {
-  const ScopedIeeeDenormals ieee;
-  return DispatchHighPrecision(out_dtype, kDequantizeOp, "out", [&](auto tag) {
-    return DispatchFp8(data_dtype, kDequantizeOp, "data", [&](auto fmt) {
-      using T = typename decltype(tag)::Storage;
-      T* dst = static_cast<T*>(out);
-      for (int64_t r = 0; r < rows; ++r) {
-        for (int64_t c = 0; c < cols; ++c) {
-          const float s = scale_inv[Fp8BlockScaleOffset(r, c, rows, cols, tile_2d)];
-          dst[r * cols + c] = StoreFromFloat(tag, DecodeScaled(fmt, data[r * cols + c], s));
-        }
-      }
-      return Status::Ok();
-    });
-  });
+  return DequantizeScaledRef(kDequantizeOp, data, data_dtype, rows, cols, out, out_dtype,
+                             [&](int64_t r, int64_t c) {
+                               return scale_inv[Fp8BlockScaleOffset(r, c, rows, cols, tile_2d)];
+                             });
 }
 
 }  // namespace lowbit

@@ -6,6 +6,7 @@
 #include "common/element.h"
 #include "common/ieee_denormals.h"
 #include "quantize/block_codec.h"
+#include "quantize/dequantize_scaled_ref.h"
 #include "quantize/quantize_mxfp8.h"
 
 namespace lowbit {
@@ -61,20 +62,10 @@ Status QuantizeMxfp8Ref(const QuantizeMxfp8Args& a) {
 
 Status DequantizeMxfp8Ref(const uint8_t* data, DType data_dtype, int64_t rows, int64_t cols,
                           bool colwise, const uint8_t* scale, void* out, DType out_dtype) {
-  const ScopedIeeeDenormals ieee;
-  return DispatchHighPrecision(out_dtype, kDequantizeOp, "out", [&](auto tag) {
-    return DispatchFp8(data_dtype, kDequantizeOp, "data", [&](auto fmt) {
-      using T = typename decltype(tag)::Storage;
-      T* dst = static_cast<T*>(out);
-      for (int64_t r = 0; r < rows; ++r) {
-        for (int64_t c = 0; c < cols; ++c) {
-          const float s = E8m0ToFloat(scale[Mxfp8ScaleOffset(r, c, rows, cols, colwise)]);
-          dst[r * cols + c] = StoreFromFloat(tag, DecodeScaled(fmt, data[r * cols + c], s));
-        }
-      }
-      return Status::Ok();
-    });
-  });
+  return DequantizeScaledRef(kDequantizeOp, data, data_dtype, rows, cols, out, out_dtype,
+                             [&](int64_t r, int64_t c) {
+                               return E8m0ToFloat(scale[Mxfp8ScaleOffset(r, c, rows, cols, colwise)]);
+                             });
 }
 
 }  // namespace lowbit
