@@ -17,6 +17,18 @@ namespace {
 const float kNan = std::numeric_limits<float>::quiet_NaN();
 const float kInf = std::numeric_limits<float>::infinity();
 
+// The args of an f32 x (rows x cols) quantized to E4M3; the copies are set by each test.
+template <typename Args>
+Args F32ToE4m3Args(const std::vector<float>& x, int64_t rows, int64_t cols) {
+  Args a;
+  a.x = x.data();
+  a.x_dtype = DType::kF32;
+  a.rows = rows;
+  a.cols = cols;
+  a.out_dtype = DType::kE4M3;
+  return a;
+}
+
 TEST(QuantizeFp8BlockRef, OneByOneTwentyEightTilesAndLayout) {
   // 5 rows x 130 cols: two column tiles (128 + a partial 2), scale_inv (2, 8), padding 0.
   const int64_t rows = 5, cols = 130;
@@ -34,12 +46,7 @@ TEST(QuantizeFp8BlockRef, OneByOneTwentyEightTilesAndLayout) {
   ASSERT_EQ(dt.dim0, 1);
   ASSERT_EQ(dt.dim1, 132);
   std::vector<float> s(size_t(d.size()), -1.0f), st(size_t(dt.size()), -1.0f);
-  QuantizeFp8BlockArgs a;
-  a.x = x.data();
-  a.x_dtype = DType::kF32;
-  a.rows = rows;
-  a.cols = cols;
-  a.out_dtype = DType::kE4M3;
+  auto a = F32ToE4m3Args<QuantizeFp8BlockArgs>(x, rows, cols);
   a.rowwise = q.data();
   a.rowwise_scale_inv = s.data();
   a.colwise = qt.data();
@@ -79,12 +86,7 @@ TEST(QuantizeFp8BlockRef, PowerOfTwoAnd128x128) {
   ASSERT_EQ(d.dim0, 2);
   ASSERT_EQ(d.dim1, 4);
   std::vector<float> s(size_t(d.size()), -1.0f);
-  QuantizeFp8BlockArgs a;
-  a.x = x.data();
-  a.x_dtype = DType::kF32;
-  a.rows = rows;
-  a.cols = cols;
-  a.out_dtype = DType::kE4M3;
+  auto a = F32ToE4m3Args<QuantizeFp8BlockArgs>(x, rows, cols);
   a.tile_2d = true;
   a.pow2_scales = true;
   a.rowwise = q.data();
@@ -112,12 +114,7 @@ TEST(QuantizeMxfp8Ref, ScaleByteRuleAndLayouts) {
   ASSERT_EQ(dc.dim0, 4);
   ASSERT_EQ(dc.dim1, 128);
   std::vector<uint8_t> s(size_t(d.size()), 0xAB), sc(size_t(dc.size()), 0xAB);
-  QuantizeMxfp8Args a;
-  a.x = x.data();
-  a.x_dtype = DType::kF32;
-  a.rows = rows;
-  a.cols = cols;
-  a.out_dtype = DType::kE4M3;
+  auto a = F32ToE4m3Args<QuantizeMxfp8Args>(x, rows, cols);
   a.rowwise = q.data();
   a.rowwise_scale = s.data();
   a.colwise = qc.data();
