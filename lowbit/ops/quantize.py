@@ -37,6 +37,23 @@ from lowbit.ops.amax import HIGH_PRECISION, check_high_precision
 FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 
 
+def check_quantize_args(op: str, x, out_dtype, rowwise: bool, colwise: bool, flatten_axis: int):
+    """The argument checks of every quantizer: x, out_dtype, a copy asked for, flatten_axis;
+    returns x as an array, out_dtype as a dtype and flatten_axis made non-negative."""
+    x = jnp.asarray(x)
+    check_high_precision(op, "x", x)
+    out_dtype = jnp.dtype(out_dtype)
+    if out_dtype not in FP8_DTYPES:
+        raise TypeError(f"{op}: out_dtype: expected float8_e4m3fn or float8_e5m2, got {out_dtype}")
+    if not (rowwise or colwise):
+        raise ValueError(f"{op}: rowwise, colwise: expected at least one of them to be True")
+    if x.ndim == 0:
+        raise ValueError(f"{op}: x: expected rank >= 1, got a scalar")
+    if not -x.ndim <= flatten_axis < x.ndim:
+        raise ValueError(f"{op}: flatten_axis: expected an axis of x {x.shape}, got {flatten_axis}")
+    return x, out_dtype, flatten_axis % x.ndim
+
+
 class Fp8Quantized(NamedTuple):
     rowwise: jax.Array | None  # fp8, x's shape
     colwise: jax.Array | None  # fp8, shape[f:] + shape[:f]
@@ -198,18 +215,7 @@ def quantize_fp8(
 ) -> Fp8Quantized:
     """Quantizes x to FP8 with one per-tensor `scale` (see the module docstring)."""
     op = "lowbit.ops.quantize_fp8"
-    x = jnp.asarray(x)
-    check_high_precision(op, "x", x)
-    out_dtype = jnp.dtype(out_dtype)
-    if out_dtype not in FP8_DTYPES:
-        raise TypeError(f"{op}: out_dtype: expected float8_e4m3fn or float8_e5m2, got {out_dtype}")
-    if not (rowwise or colwise):
-        raise ValueError(f"{op}: rowwise, colwise: expected at least one of them to be True")
-    if x.ndim == 0:
-        raise ValueError(f"{op}: x: expected rank >= 1, got a scalar")
-    if not -x.ndim <= flatten_axis < x.ndim:
-        raise ValueError(f"{op}: flatten_axis: expected an axis of x {x.shape}, got {flatten_axis}")
-    axis = flatten_axis % x.ndim
+    x, out_dtype, axis = check_quantize_args(op, x, out_dtype, rowwise, colwise, flatten_axis)
     scale = _scale_arg(op, "scale", scale)
     outs = list(_quantize_fn(axis, out_dtype, bool(rowwise), bool(colwise), bool(compute_dbias))(x, scale))
     return Fp8Quantized(

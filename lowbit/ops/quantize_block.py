@@ -41,9 +41,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from lowbit.ops._primitive import ffi_primitive
 from lowbit.ops._sharding import mesh_axes, spec_entries
-from lowbit.ops.amax import HIGH_PRECISION, check_high_precision
-
-FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
+from lowbit.ops.amax import HIGH_PRECISION
+from lowbit.ops.quantize import FP8_DTYPES, check_quantize_args
 E8M0 = jnp.dtype(jnp.float8_e8m0fnu)
 FP8_BLOCK_LEN = 128
 MXFP8_BLOCK_LEN = 32
@@ -236,21 +235,6 @@ def _quantize_fn(kind: str, flatten_axis: int, out_dtype, rowwise: bool, colwise
     return fn
 
 
-def _check_quantize_args(op: str, x, out_dtype, rowwise: bool, colwise: bool, flatten_axis: int):
-    x = jnp.asarray(x)
-    check_high_precision(op, "x", x)
-    out_dtype = jnp.dtype(out_dtype)
-    if out_dtype not in FP8_DTYPES:
-        raise TypeError(f"{op}: out_dtype: expected float8_e4m3fn or float8_e5m2, got {out_dtype}")
-    if not (rowwise or colwise):
-        raise ValueError(f"{op}: rowwise, colwise: expected at least one of them to be True")
-    if x.ndim == 0:
-        raise ValueError(f"{op}: x: expected rank >= 1, got a scalar")
-    if not -x.ndim <= flatten_axis < x.ndim:
-        raise ValueError(f"{op}: flatten_axis: expected an axis of x {x.shape}, got {flatten_axis}")
-    return x, out_dtype, flatten_axis % x.ndim
-
-
 def _pack(outs, rowwise: bool, colwise: bool) -> BlockQuantized:
     outs = list(outs)
     row = (outs.pop(0), outs.pop(0)) if rowwise else (None, None)
@@ -262,7 +246,7 @@ def quantize_fp8_block(x, *, out_dtype=jnp.float8_e4m3fn, tile_2d: bool = False,
                        pow2_scales: bool = False, rowwise: bool = True, colwise: bool = False,
                        flatten_axis: int = -1) -> BlockQuantized:
     """FP8 block quantization, 1x128 tiles (tile_2d=False) or 128x128 (see the module doc)."""
-    x, out_dtype, axis = _check_quantize_args("lowbit.ops.quantize_fp8_block", x, out_dtype,
+    x, out_dtype, axis = check_quantize_args("lowbit.ops.quantize_fp8_block", x, out_dtype,
                                               rowwise, colwise, flatten_axis)
     fn = _quantize_fn("fp8_block", axis, out_dtype, bool(rowwise), bool(colwise), bool(tile_2d),
                       bool(pow2_scales))
@@ -272,7 +256,7 @@ def quantize_fp8_block(x, *, out_dtype=jnp.float8_e4m3fn, tile_2d: bool = False,
 def quantize_mxfp8(x, *, out_dtype=jnp.float8_e4m3fn, rowwise: bool = True, colwise: bool = False,
                    flatten_axis: int = -1) -> BlockQuantized:
     """MXFP8 quantization, 32-value blocks with E8M0 scales (see the module doc)."""
-    x, out_dtype, axis = _check_quantize_args("lowbit.ops.quantize_mxfp8", x, out_dtype,
+    x, out_dtype, axis = check_quantize_args("lowbit.ops.quantize_mxfp8", x, out_dtype,
                                               rowwise, colwise, flatten_axis)
     fn = _quantize_fn("mxfp8", axis, out_dtype, bool(rowwise), bool(colwise))
     return _pack(fn(x), rowwise, colwise)
