@@ -72,3 +72,24 @@ def test_quantizer_makes_scaled_tensors_that_dequantize():
         assert part.dequantize().shape == x.shape and _rel(part.dequantize(), x) < 0.15
     np.testing.assert_allclose(np.asarray(dbias), np.asarray(x.sum(axis=(0, 1))), rtol=1e-5, atol=1e-5)
     jax.jit(lambda t: t.dequantize())(t)  # a pytree through jit
+
+
+def test_flax_dense_general_takes_its_key_from_the_sr_rng_stream():
+    from flax import linen as nn
+
+    from lowbit.flax import DenseGeneral
+
+    x, _, _ = _problem(3)
+    layer = DenseGeneral(24, quantization_recipe=NVFP4BlockScaling())
+    variables = nn.meta.unbox(layer.init(jax.random.PRNGKey(0), x))
+
+    def loss(v, key):
+        return jnp.sum(layer.apply(v, x, rngs={"sr_rng": key}) ** 2)
+
+    grad = jax.jit(jax.grad(loss))
+    g0, g1 = grad(variables, jax.random.PRNGKey(1)), grad(variables, jax.random.PRNGKey(2))
+    k0, k1 = g0["params"]["kernel"], g1["params"]["kernel"]
+    assert not np.array_equal(np.asarray(k0), np.asarray(k1))  # the stream drives SR
+    np.testing.assert_array_equal(np.asarray(k0), np.asarray(grad(variables, jax.random.PRNGKey(1))["params"]["kernel"]))
+    with pytest.raises(ValueError, match="sr_rng"):
+        jax.grad(lambda v: jnp.sum(layer.apply(v, x) ** 2))(variables)
