@@ -41,6 +41,12 @@ TARGETS: dict[str, str] = {
     "lowbit_update_delayed_scaling": "LowbitUpdateDelayedScaling",
 }
 
+# Targets with a CPU handler only (no CUDA kernel yet): the CUDA library need not export
+# them, and their ops lower to an exact jnp twin on the GPU instead (see each op's module).
+CPU_ONLY_TARGETS: dict[str, str] = {
+    "lowbit_quantize_nvfp4": "LowbitQuantizeNvfp4",
+}
+
 _REBUILD = (
     "rebuild it from the source tree with `pip install --no-build-isolation -e .` "
     "(or `pip install .`), or point LOWBIT_LIBRARY_DIR at a folder holding a current build"
@@ -92,7 +98,8 @@ def _check(lib: ctypes.CDLL, path: Path, suffix: str) -> None:
         abi = lib.LowbitAbiVersion()
     except AttributeError:
         abi = None
-    missing = [p + suffix for p in TARGETS.values() if not hasattr(lib, p + suffix)]
+    prefixes = list(TARGETS.values()) + (list(CPU_ONLY_TARGETS.values()) if suffix == "Cpu" else [])
+    missing = [p + suffix for p in prefixes if not hasattr(lib, p + suffix)]
     if abi != ABI_VERSION or missing:
         raise LowbitLibraryError(
             f"lowbit: {path} is stale (ABI {abi}, this lowbit expects {ABI_VERSION}"
@@ -124,7 +131,7 @@ def load() -> None:
             )
         lib = ctypes.cdll.LoadLibrary(str(path))
         _check(lib, path, "Cpu")
-        for target, prefix in TARGETS.items():
+        for target, prefix in {**TARGETS, **CPU_ONLY_TARGETS}.items():
             fn = getattr(lib, prefix + "Cpu")
             jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(fn), platform="cpu")
         _State.cpu, _State.cpu_path = lib, path
@@ -153,6 +160,8 @@ def load() -> None:
 def require_platform(op: str, platform: str) -> None:
     """Raises a clear error when `op` is lowered for a platform lowbit has no handler for."""
     load()
+    if platform == "cuda" and op in CPU_ONLY_TARGETS:
+        raise LowbitLibraryError(f"{op}: has no CUDA handler (its op lowers to a jnp twin on the GPU)")
     if platform == "cuda" and not _State.cuda_registered:
         raise LowbitLibraryError(
             f"{op}: cannot lower for CUDA: {_State.cuda_error}. Rebuild lowbit on a machine "

@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from lowbit.ops.gemm import GemmScaleMode, gemm
+from lowbit.ops.gemm import GemmScaleMode, emulated_nvfp4_gemm, gemm
 from lowbit.quantize.helper import get_global_mesh_resource
 from lowbit.quantize.quantizer import QuantizerSet, noop_quantizer_set
 from lowbit.quantize.scaling_modes import ScalingMode
@@ -122,8 +122,20 @@ def gemm_operand(t: ScaledTensor1x):
     return t.data, t.scale_inv, mode
 
 
+def _nvfp4_operand(t: ScaledTensor1x):
+    """An NVFP4 copy dequantized to fp32 as its GEMM operand (a colwise copy transposed)."""
+    values = t.dequantize(jnp.float32)
+    if t.is_colwise:
+        values = jnp.transpose(values, colwise_permutation(values.ndim, t.flatten_axis))
+    return values
+
+
 def _gemm(a: ScaledTensor1x, b: ScaledTensor1x, bias, out_dtype, contracting_ndim, split,
           tokens_in_a=True):
+    if a.scaling_mode.is_nvfp4:
+        out = emulated_nvfp4_gemm(_nvfp4_operand(a), _nvfp4_operand(b), bias, out_dtype=out_dtype,
+                                  contracting_ndim=contracting_ndim)
+        return checkpoint_name(out, GEMM_CHECKPOINT_NAME)
     a_data, a_scale, a_mode = gemm_operand(a)
     b_data, b_scale, b_mode = gemm_operand(b)
     out = gemm(a_data, b_data, a_scale, b_scale, bias, out_dtype=out_dtype,
@@ -144,7 +156,7 @@ def dgrad_wgrad(dyq: ScaledTensor2x, x_col: ScaledTensor1x, k_row: ScaledTensor1
     """dx (M..., K...) = dy . kernel^T and dw (K..., N...) = x^T . dy from the quantized
     dy (M..., N...) (n_lead M dims), x's colwise copy (K..., M...) and the kernel's rowwise
     copy (K..., N...)."""
-    n_out = dyq.rowwise_tensor.data.ndim - n_lead
+    n_out = len(dyq.rowwise_tensor.shape) - n_lead
     dx = _gemm(dyq.rowwise_tensor, k_row, None, x_dtype, n_out, True)
     dw = _gemm(x_col, dyq.colwise_tensor, None, k_dtype, n_lead, True, tokens_in_a=False)
     return dx, dw
@@ -168,11 +180,18 @@ def check_quantizer_set(op: str, quantizer_set: QuantizerSet) -> bool:
         return False
     if any(q is None for q in quantizers):
         raise ValueError(f"{op}: quantizer_set: give quantizers for x, kernel and dgrad, or none")
-    for q in quantizers:
-        if q.scaling_mode.is_nvfp4:
-            # NVFP4's quantizers and GEMMs are the next step of issue Quantization II.
-            raise NotImplementedError(f"{op}: {q.scaling_mode.name} GEMMs land with issue Quantization II")
+    if len({q.scaling_mode.is_nvfp4 for q in quantizers}) != 1:
+        raise ValueError(f"{op}: quantizer_set: NVFP4 quantizers pair only with NVFP4 quantizers")
     return True
+
+
+def with_sr_key(quantizer_set: QuantizerSet, key) -> QuantizerSet:
+    """The set with `key` given to its NVFP4 quantizers (x: fold_in 0, kernel 1, dgrad 2);
+    other quantizers, and key None, leave it unchanged."""
+    if key is None:
+        return quantizer_set
+    return QuantizerSet(*(q.with_key(jax.random.fold_in(key, i)) if hasattr(q, "with_key") else q
+                          for i, q in enumerate(quantizer_set)))
 
 
 def dense(
@@ -181,10 +200,13 @@ def dense(
     bias: jax.Array | None = None,
     contracting_dims=((1,), (0,)),
     quantizer_set: QuantizerSet = noop_quantizer_set,
+    sr_key=None,
 ) -> jax.Array:
     """x . kernel over `contracting_dims` (+ bias over the kernel's free dims), quantized by
     `quantizer_set` (see the module docstring). The output has x's free dims then the
-    kernel's free dims, in x's dtype."""
+    kernel's free dims, in x's dtype. sr_key: the PRNG key of NVFP4's stochastic rounding
+    and RHT signs (with_sr_key)."""
+    quantizer_set = with_sr_key(quantizer_set, sr_key)
     x, kernel = jnp.asarray(x), jnp.asarray(kernel)
     x, kernel, n_contract = _canonical(x, kernel, contracting_dims)
     out_free = kernel.shape[n_contract:]

@@ -2,7 +2,7 @@
 MXFP8BlockScaling), under jit and grad: (1) forward and both backward GEMMs equal the products
 of the quantizers' own dequantized copies (x . w, dy . w^T, x^T . dy) within fp32 summation
 error, which pins every operand layout; (2) close to the unquantized model within the FP8
-error stated below; (3) NVFP4 still raises."""
+error stated below; (3) NVFP4 gradients need a key."""
 
 from __future__ import annotations
 
@@ -201,7 +201,8 @@ def test_cuda_lowering_of_mxfp8_dense_is_the_emulation(data, monkeypatch):
         assert cuda_gemm_calls(monkeypatch, _grad_program(dense, 3), x, w, bias) == []
 
 
-def test_nvfp4_dense_still_raises():
+def test_nvfp4_dense_needs_a_key_for_its_gradients():
+    """NVFP4 runs (tests/test_dense_nvfp4.py); its SR gradient quantizer refuses to run keyless."""
     qs = QuantizerFactory.create_set(NVFP4BlockScaling())
-    with pytest.raises(NotImplementedError, match="NVFP4"):
-        lowbit.dense(jnp.ones((4, 32)), jnp.ones((32, 32)), quantizer_set=qs)
+    with pytest.raises(ValueError, match="stochastic rounding needs a PRNG key"):
+        jax.grad(lambda x: jnp.sum(lowbit.dense(x, jnp.ones((32, 32)), quantizer_set=qs)))(jnp.ones((4, 32)))

@@ -170,8 +170,12 @@ def test_autocast_recipe_and_explicit_recipe_agree():
     assert rel_err(y_auto, run(module, v, x)) > 0  # quantized inside the block only
 
 
-def test_missing_kernels_surface_not_implemented():
-    with pytest.raises(NotImplementedError, match="NVFP4"):
+def test_nvfp4_forward_runs_through_dense_general():
+    """The forward needs no key (no SR in x and kernel); the "sr_rng" stream is not wired yet."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the one-time NVFP4 emulation notice
         init(DenseGeneral(16, quantization_recipe=NVFP4BlockScaling()), x_in())
 
 

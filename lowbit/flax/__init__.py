@@ -43,7 +43,8 @@ __all__ = [
 def _bind_state(module: nn.Module, quantizer_set: QuantizerSet, postfix: str = "",
                 collection: str = OVERWRITE_WITH_GRADIENT) -> QuantizerSet:
     """Replaces the state leaves of stateful quantizers by this module's variables, named
-    `{x|kernel|grad}{postfix}_scale` / `..._amax_history` in `collection`."""
+    `{x|kernel|grad}{postfix}_scale` / `..._amax_history` in `collection`, and gives NVFP4
+    quantizers a key from the "sr_rng" RNG stream when there is one."""
     bound = {}
     for field, prefix in _STATE_PREFIX.items():
         q = getattr(quantizer_set, field)
@@ -55,7 +56,14 @@ def _bind_state(module: nn.Module, quantizer_set: QuantizerSet, postfix: str = "
                                       jnp.zeros, (length,), jnp.float32)
             q = dataclasses.replace(q, scale=scale.value, amax_history=history.value)
         bound[field] = q
-    return QuantizerSet(**bound)
+    bound = QuantizerSet(**bound)
+    # NVFP4's stochastic rounding and RHT signs draw from the "sr_rng" stream when the module
+    # has one (apply(..., rngs={"sr_rng": key})); without it SR gradients raise a clear error.
+    if any(hasattr(q, "with_key") for q in bound) and module.has_rng("sr_rng"):
+        from lowbit.dense import with_sr_key
+
+        bound = with_sr_key(bound, module.make_rng("sr_rng"))
+    return bound
 
 
 def wrap_function_in_state_module(f, quantization_recipe, name: str | None = None):

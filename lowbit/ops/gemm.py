@@ -138,6 +138,22 @@ def emulated_gemm(a, b, a_scale_inv, b_scale_inv, bias, *, out_dtype, a_scale_mo
     return acc.astype(out_dtype)
 
 
+def emulated_nvfp4_gemm(a, b, bias=None, *, out_dtype, contracting_ndim: int = 1):
+    """The NVFP4 GEMM emulation: a (M..., K...) . b (N..., K...)^T over the last
+    contracting_ndim dims of the two dequantized operands (fp32, NVFP4Tensor1x.dequantize),
+    a HIGHEST-precision fp32 dot, + bias in fp32, rounded to out_dtype. No device has an
+    NVFP4 GEMM path in lowbit yet (cuBLASLt's sm_100 one is to come): said once."""
+    _notice_once("nvfp4", "lowbit.ops.gemm: NVFP4 GEMMs run as an exact emulation (dequantize to "
+                 "fp32, fp32 GEMM) on every device for now")
+    kd = int(contracting_ndim)
+    dims = ((tuple(range(a.ndim - kd, a.ndim)), tuple(range(b.ndim - kd, b.ndim))), ((), ()))
+    acc = jax.lax.dot_general(a.astype(jnp.float32), b.astype(jnp.float32), dims,
+                              precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+    if bias is not None:
+        acc = acc + bias.astype(jnp.float32)
+    return acc.astype(out_dtype)
+
+
 def _abstract(a, b, a_scale_inv, b_scale_inv, bias, *, out_dtype, use_split_accumulator,
               a_scale_mode, b_scale_mode):
     del a_scale_inv, b_scale_inv, bias, use_split_accumulator, a_scale_mode, b_scale_mode

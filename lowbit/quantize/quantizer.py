@@ -20,8 +20,8 @@ transposed colwise copy, amax, optionally dbias):
 `scale_inv = 1 / scale`, correctly rounded by lowbit's scale ops (lowbit/ops/scale.py), not
 by XLA's division, so that the CPU and CUDA backends agree bit for bit.
 BlockScaleQuantizer (MXFP8, FP8 block 1x128 / 128x128) calls lowbit.ops.quantize_block
-(one pass per tensor: the requested copies and their per-block scales). NVFP4 has a
-placeholder that raises NotImplementedError until its kernels exist.
+(one pass per tensor: the requested copies and their per-block scales). NVFP4Quantizer calls
+lowbit.ops.quantize_nvfp4 (a CPU handler; an exact jnp twin on the GPU).
 
 Gradients: quantization is piecewise constant, so its derivative is zero almost
 everywhere, and that is what `jax.grad` sees: x and the scale enter the kernels through
@@ -49,7 +49,7 @@ from lowbit.quantize.delayed import (
     update_delayed_scaling,
 )
 from lowbit.quantize.scaling_modes import QuantizeLayout, ScalingMode
-from lowbit.quantize.tensor import ScaledTensor, ScaledTensor1x, ScaledTensor2x
+from lowbit.quantize.tensor import NVFP4Tensor1x, ScaledTensor, ScaledTensor1x, ScaledTensor2x
 from lowbit.recipe import AMAX_COMPUTE_ALGOS
 
 __all__ = [
@@ -326,26 +326,78 @@ class BlockScaleQuantizer(Quantizer):
 
 @dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
 class NVFP4Quantizer(Quantizer):
-    """NVFP4 (1-D 16-value blocks, or 16x16 for weights): configuration only for now."""
+    """NVFP4 (lowbit.ops.quantize_nvfp4): 16-value blocks (or 16x16 tiles for weights) with
+    E4M3 scales under a per-copy fp32 global scale; stochastic rounding and the RHT of the
+    colwise copy as configured. `key` (a PRNG key leaf, or None) feeds both: the RHT sign
+    vector comes from fold_in(key, 0) (signs all + without a key: a plain Hadamard
+    transform), the SR words from fold_in(key, 1) (SR without a key is an error). Stateless:
+    every scale comes from the tensor itself; the ScaledTensors carry no amax."""
 
     q_dtype: np.dtype = jnp.float4_e2m1fn
     mode: ScalingMode = ScalingMode.NVFP4_1D_SCALING
     stochastic_rounding: bool = False
     use_rht: bool = False
+    key: jax.Array | None = None
 
     @property
     def scaling_mode(self) -> ScalingMode:
         return self.mode
 
-    def quantize(self, x, **kwargs):
-        raise NotImplementedError(KERNELS_PENDING.format(mode=self.mode.name))
+    def with_key(self, key) -> NVFP4Quantizer:
+        return dataclasses.replace(self, key=key)
+
+    def quantize(
+        self,
+        x,
+        *,
+        is_rowwise: bool = True,
+        is_colwise: bool = False,
+        flatten_axis: int = -1,
+        dq_dtype=None,
+        compute_dbias: bool = False,
+    ) -> tuple[ScaledTensor, jax.Array | None]:
+        """Returns (NVFP4Tensor1x, or ScaledTensor2x of two; dbias or None)."""
+        from lowbit.ops.quantize_nvfp4 import quantize_nvfp4, rht_sign_bits, sr_random_bits
+
+        op = f"{type(self).__name__}.quantize"
+        x = jnp.asarray(x)
+        check_high_precision(op, "x", x)
+        axis = _normalize_flatten_axis(op, x, flatten_axis)
+        QuantizeLayout.of(is_rowwise, is_colwise)
+        dq_dtype = jnp.dtype(x.dtype if dq_dtype is None else dq_dtype)
+        x = jax.lax.stop_gradient(x)
+        if self.stochastic_rounding and self.key is None:
+            raise ValueError(f"{op}: key: stochastic rounding needs a PRNG key (with_key, the dense "
+                             "functions' sr_key, or the Flax RNG stream 'sr_rng')")
+        random = sr_random_bits(jax.random.fold_in(self.key, 1), x.shape) if self.stochastic_rounding else None
+        signs = None
+        if self.use_rht and is_colwise:
+            signs = (rht_sign_bits(jax.random.fold_in(self.key, 0)) if self.key is not None
+                     else jnp.zeros((1,), jnp.uint32))
+        out = quantize_nvfp4(x, random=random, rht_sign_bits=signs,
+                             tile_2d=self.mode == ScalingMode.NVFP4_2D_SCALING,
+                             rowwise=is_rowwise, colwise=is_colwise, flatten_axis=axis)
+
+        def copy(data, scale, global_scale_inv, colwise: bool) -> NVFP4Tensor1x:
+            return NVFP4Tensor1x(data=data, scale_inv=scale, amax=None, scaling_mode=self.mode,
+                                 dq_dtype=dq_dtype, is_colwise=colwise, flatten_axis=axis,
+                                 global_scale_inv=global_scale_inv,
+                                 rht_sign_bits=signs if colwise else None, logical_shape=tuple(x.shape))
+
+        row = copy(out.rowwise, out.rowwise_scale, out.rowwise_global_scale_inv, False) if is_rowwise else None
+        col = copy(out.colwise, out.colwise_scale, out.colwise_global_scale_inv, True) if is_colwise else None
+        tensor = ScaledTensor2x(row, col) if row is not None and col is not None else (row or col)
+        dbias = None
+        if compute_dbias:
+            dbias = jnp.sum(x.astype(jnp.float32), axis=tuple(range(axis))).astype(x.dtype)
+        return tensor, dbias
 
 
 for _cls, _leaves in (
     (DelayedScaleQuantizer, ["scale", "amax_history"]),
     (CurrentScaleQuantizer, []),
     (BlockScaleQuantizer, []),
-    (NVFP4Quantizer, []),
+    (NVFP4Quantizer, ["key"]),
 ):
     _static = [f.name for f in dataclasses.fields(_cls) if f.name not in _leaves]
     jax.tree_util.register_dataclass(_cls, data_fields=_leaves, meta_fields=_static)

@@ -74,8 +74,10 @@ class ScalingMode(enum.Enum):
     def colwise_is_transposed(self) -> bool:
         """True when the colwise copy is stored transposed (tensor scaling and FP8 block
         scaling: Hopper's FP8 GEMMs take both operands K-major), False when it keeps the
-        input's shape (MXFP8, NVFP4: Blackwell reads either major-ness)."""
-        return self.is_tensor_scaling or self in (ScalingMode.FP8_BLOCK_1x128, ScalingMode.FP8_BLOCK_128x128)
+        input's shape (MXFP8: Blackwell reads either major-ness). NVFP4's colwise copy is
+        transposed too (its 16-value blocks run along the wgrad GEMM's K)."""
+        return self.is_tensor_scaling or self.is_nvfp4 or self in (ScalingMode.FP8_BLOCK_1x128,
+                                                                   ScalingMode.FP8_BLOCK_128x128)
 
 
 _BLOCK_SHAPE = {

@@ -6,7 +6,9 @@ splitting S into rows S[:f] and columns S[f:]):
   - colwise, tensor scaling: the TRANSPOSED tensor, `data.shape == S[f:] + S[:f]` (Hopper
     FP8 GEMMs take both operands K-major); `dequantize()` transposes back to S;
   - colwise, FP8 block scaling: transposed as well (Hopper's block-scaled GEMM is K-major);
-  - colwise, MXFP8 and NVFP4: `data.shape == S` (the scales run down the columns).
+  - colwise, MXFP8: `data.shape == S` (the scales run down the columns);
+  - NVFP4 (NVFP4Tensor1x): packed 2-D data, the colwise copy transposed (K-major), with a
+    global scale and the logical shape beside it.
 `x ~= data * scale_inv` elementwise: scale_inv has shape (1,) for tensor scaling; for block
 scaling it is the 2-D scale array of the stored copy in the GEMM-ready layouts of
 lowbit.ops.quantize_block (fp32 scale_inv per 1x128 / 128x128 tile, E8M0 bytes per 32
@@ -35,7 +37,7 @@ import numpy as np
 
 from lowbit.quantize.scaling_modes import ScalingMode
 
-__all__ = ["ScaledTensor", "ScaledTensor1x", "ScaledTensor2x", "colwise_permutation"]
+__all__ = ["ScaledTensor", "ScaledTensor1x", "ScaledTensor2x", "NVFP4Tensor1x", "colwise_permutation"]
 
 BLOCK_DEQUANTIZE_PENDING = (
     "{mode}: dequantize of block-scaled tensors lands with issue Quantization II"
@@ -138,6 +140,44 @@ jax.tree_util.register_dataclass(
     ScaledTensor1x,
     data_fields=["data", "scale_inv", "amax"],
     meta_fields=["scaling_mode", "dq_dtype", "is_colwise", "flatten_axis"],
+)
+@dataclasses.dataclass(frozen=True, eq=False)
+class NVFP4Tensor1x(ScaledTensor1x):
+    """One NVFP4 copy: `data` packed E2M1 (uint8, 2-D: rowwise (R, ceil(C/2)), colwise the
+    transpose (C, ceil(R/2))), `scale_inv` the E4M3 block scales, `global_scale_inv` (1,) f32,
+    `rht_sign_bits` (1,) uint32 when the copy went through the RHT (else None), and the
+    logical shape (lowbit.ops.quantize_nvfp4 has the layouts)."""
+
+    global_scale_inv: jax.Array | None = None
+    rht_sign_bits: jax.Array | None = None
+    logical_shape: tuple[int, ...] = ()
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.logical_shape)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.logical_shape)
+
+    def dequantize(self, dtype=None) -> jax.Array:
+        """(e2m1 * e4m3 scale) * global_scale_inv (RHT undone) in the logical layout."""
+        from lowbit.ops.quantize_nvfp4 import dequantize_nvfp4
+
+        shape, f = tuple(self.logical_shape), self.flatten_axis
+        rows, cols = int(np.prod(shape[:f], dtype=np.int64)), int(np.prod(shape[f:], dtype=np.int64))
+        values = dequantize_nvfp4(self.data, self.scale_inv, self.global_scale_inv,
+                                  cols=rows if self.is_colwise else cols,
+                                  rht_sign_bits=self.rht_sign_bits, out_dtype=jnp.float32)
+        if self.is_colwise:
+            values = values.T
+        return values.reshape(shape).astype(self.dq_dtype if dtype is None else dtype)
+
+
+jax.tree_util.register_dataclass(
+    NVFP4Tensor1x,
+    data_fields=["data", "scale_inv", "amax", "global_scale_inv", "rht_sign_bits"],
+    meta_fields=["scaling_mode", "dq_dtype", "is_colwise", "flatten_axis", "logical_shape"],
 )
 jax.tree_util.register_dataclass(
     ScaledTensor2x, data_fields=["rowwise_tensor", "colwise_tensor"], meta_fields=[]
