@@ -28,8 +28,9 @@ RECIPES = {
     "MXFP8BlockScaling": (10, 0),
     "NVFP4BlockScaling": (10, 0),
 }
-# Recipes whose GEMMs do not exist yet (issue "Quantization II").
-NOT_IMPLEMENTED = ("NVFP4BlockScaling",)
+# Recipes with no kernels yet: NVFP4 quantizes through its C++ reference on the CPU and an
+# exact jnp copy of it on a GPU, and its GEMM is emulated (dequantize, fp32 GEMM).
+NO_KERNELS = ("NVFP4BlockScaling",)
 # Recipes whose hardware GEMM runs on one compute capability only: cuBLASLt's FP8 block
 # scaling is Hopper's (sm_90); elsewhere lowbit.ops.gemm emulates it.
 ONLY_ON = {"Float8BlockScaling": (9, 0)}
@@ -71,8 +72,8 @@ def report() -> dict:
     recipes = {}
     for name, need in RECIPES.items():
         native = cc is not None and (cc == ONLY_ON[name] if name in ONLY_ON else cc >= need)
-        if name in NOT_IMPLEMENTED:
-            recipes[name] = "not implemented yet (its quantizers and GEMMs: issue Quantization II)"
+        if name in NO_KERNELS:
+            recipes[name] = "emulated exactly (no CUDA kernels or hardware GEMM yet)"
         elif name in EMULATED_ONLY:
             recipes[name] = "emulated exactly (its cuBLASLt GEMM is not wired yet)"
         elif native and info["cuda_registered"]:
