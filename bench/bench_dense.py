@@ -55,14 +55,6 @@ def variants():
     }
 
 
-def peak_bytes(compiled) -> int | None:
-    m = compiled.memory_analysis()
-    if m is None:
-        return None
-    return int(m.temp_size_in_bytes + m.argument_size_in_bytes + m.output_size_in_bytes
-               - m.alias_size_in_bytes)
-
-
 def gemm_floor(m, k, n, iters):
     """Seconds of the step's three FP8 GEMMs alone (fwd fast accumulation, bwd split)."""
     key = jax.random.PRNGKey(3)
@@ -112,24 +104,18 @@ def main(argv=None):
     dy = jax.random.normal(jax.random.PRNGKey(1), (b, s, f), jnp.bfloat16)
     flops = 3 * 2 * b * s * h * f
 
-    rows, results = [], {}
-    params = None
+    results, params = {}, None
     for name, make in variants().items():
         model = make(f)
         variables = model.init(key, x)
         if params is None:
             params = variables["params"]
         variables = {**variables, "params": params}
-        step = make_step(model.apply, {})
-        compiled = step.lower(variables, x, dy).compile()
-        t = common.time_fn(lambda v, x, dy: step(v, x, dy)[1:], [(variables, x, dy)], iters)
-        results[name] = {"ms": t * 1e3, "tflops": flops / t / 1e12, "peak_bytes": peak_bytes(compiled)}
-    base = results["bf16"]["ms"]
-    for name, r in results.items():
-        r["speedup_vs_bf16"] = base / r["ms"]
-        rows.append({"variant": name, "ms": r["ms"], "TFLOP/s": r["tflops"],
-                     "x bf16": r["speedup_vs_bf16"],
-                     "peak GiB": (r["peak_bytes"] or 0) / 2**30})
+        results[name] = common.time_step(make_step(model.apply, {}), variables, x, dy, iters)
+        results[name]["tflops"] = flops / results[name]["ms"] * 1e3 / 1e12
+    rows = common.speedup_table(results)
+    for row in rows:
+        row["TFLOP/s"] = results[row["variant"]]["tflops"]
     t_fwd, t_dgrad, t_wgrad = gemm_floor(b * s, h, f, iters)
     floor_ms = (t_fwd + t_dgrad + t_wgrad) * 1e3
     size = 1024 if args.small else 8192

@@ -20,7 +20,6 @@ from flax import linen as nn
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 import common  # noqa: E402
-from bench_dense import peak_bytes  # noqa: E402
 from quickstart_jax_utils import make_step  # noqa: E402
 from te_integration_layer import FlaxTransformerLayer  # noqa: E402
 
@@ -56,17 +55,9 @@ def main(argv=None):
             params = variables["params"]
         variables = {**variables, "params": params}
         step = make_step(layer.apply, kwargs, rngs={"dropout": dropout_key})
-        compiled = step.lower(variables, x, dy).compile()
-        t = common.time_fn(lambda v, x, dy: step(v, x, dy)[1:], [(variables, x, dy)], iters)
-        results[name] = {"ms": t * 1e3, "peak_bytes": peak_bytes(compiled)}
-        print(f"{name}: {t * 1e3:.3f} ms", flush=True)
-    rows = []
-    for name, r in results.items():
-        r["speedup_vs_bf16"] = results["bf16"]["ms"] / r["ms"]
-        r["speedup_vs_flax_fp8"] = results["flax_fp8"]["ms"] / r["ms"]
-        rows.append({"variant": name, "ms": r["ms"], "x bf16": r["speedup_vs_bf16"],
-                     "x flax_fp8": r["speedup_vs_flax_fp8"], "peak GiB": (r["peak_bytes"] or 0) / 2**30})
-    common.print_table(rows, ["variant", "ms", "x bf16", "x flax_fp8", "peak GiB"])
+        results[name] = common.time_step(step, variables, x, dy, iters)
+        print(f"{name}: {results[name]['ms']:.3f} ms", flush=True)
+    common.print_table(common.speedup_table(results), ["variant", "ms", "x bf16", "x flax_fp8", "peak GiB"])
     path = common.write_results("layer" + ("_small" if args.small else ""), {
         "shape": {"batch": b, "seq": s, "hidden": h, "ffn": f, "heads": heads}, "variants": results})
     print(f"wrote {path}")

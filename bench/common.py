@@ -51,6 +51,38 @@ def time_fn(fn, input_sets, iters: int = 20, repeats: int = 5, warmup: int = 3,
     return statistics.median(samples)
 
 
+def peak_bytes(compiled) -> int | None:
+    """Peak device bytes of a compiled program (arguments + outputs + temporaries - aliases)."""
+    m = compiled.memory_analysis()
+    if m is None:
+        return None
+    return int(m.temp_size_in_bytes + m.argument_size_in_bytes + m.output_size_in_bytes
+               - m.alias_size_in_bytes)
+
+
+def time_step(step, variables, x, dy, iters: int) -> dict:
+    """A training step (examples/quickstart_jax_utils.make_step) timed and measured:
+    {"ms": median ms per step, "peak_bytes": the compiled step's peak device memory}."""
+    compiled = step.lower(variables, x, dy).compile()
+    t = time_fn(lambda v, x, dy: step(v, x, dy)[1:], [(variables, x, dy)], iters)
+    return {"ms": t * 1e3, "peak_bytes": peak_bytes(compiled)}
+
+
+def speedup_table(results: dict) -> list[dict]:
+    """Adds speedup_vs_bf16 (and speedup_vs_flax_fp8 where a "flax_fp8" variant exists) to
+    each variant's result dict and returns the printable rows."""
+    rows = []
+    for name, r in results.items():
+        r["speedup_vs_bf16"] = results["bf16"]["ms"] / r["ms"]
+        row = {"variant": name, "ms": r["ms"], "x bf16": r["speedup_vs_bf16"]}
+        if "flax_fp8" in results:
+            r["speedup_vs_flax_fp8"] = results["flax_fp8"]["ms"] / r["ms"]
+            row["x flax_fp8"] = r["speedup_vs_flax_fp8"]
+        row["peak GiB"] = (r["peak_bytes"] or 0) / 2**30
+        rows.append(row)
+    return rows
+
+
 def copy_bandwidth(nbytes: int = 1 << 30) -> float:
     """Measured device copy bandwidth in bytes/s, counting bytes read plus written."""
     n = nbytes // 4
