@@ -25,7 +25,7 @@ roundup(ceil(K/32), 4)). Both operands block-scaled or neither; MXFP8 only with 
     promotion (fast accumulation does not apply); bias is added in fp32 after the GEMM.
   CUDA otherwise (MXFP8 anywhere, FP8 block off Hopper, 128x128 x 128x128): the same
     emulation in jnp (fp32 HIGHEST dot), with a one-time notice.
-Block modes are not partitioned (sharded operands are gathered) and map over vmapped batches.
+Block modes map over vmapped batches and are partitioned (below) where shards hold whole tiles.
 
 Workspace: the lowbit_gemm custom call has a second result, a u8 workspace that XLA's buffer
 assignment plans like any temp (XLA's FFI scratch allocator hands out nothing in jax 0.11):
@@ -38,6 +38,21 @@ multiplies its rows (data parallel); N sharded (b's rows, column-parallel TP) ->
 dim and bias sharded alike; K sharded in both operands (row-parallel TP) -> each device
 computes its partial product in fp32, a psum over the K axes sums them, then bias is added
 once and the sum is rounded to out_dtype. No other collective is inserted by the op.
+
+Block modes: the same rule, with the scale arrays sharded with their data, when (a) only the
+first row dim and the first contracted dim of an operand are sharded (a shard's flattened
+rows / K are then one contiguous slice) and (b) each shard holds whole tiles and the scale
+dim it splits has no padding (_sharding.clean_split): rows of a 1x128 operand with R % 4 == 0;
+rows of a 128x128 operand in whole 128-row tiles; MXFP8 rows with R % 128 == 0; K in whole
+128-blocks (32 for MXFP8) with, for 128x128, ceil(K/128) % 4 == 0 and, for MXFP8,
+ceil(K/32) % 4 == 0. Each shard re-pads its scale slices to its own layout (fit_scale). A
+sharded dim failing (a) or (b) is gathered, its scales with it: exact, not parallel. No
+clean rule exists where the global scale dim is padded (R % 4 != 0 for 1x128 rows,
+ceil(K/128) % 4 != 0 for 128x128 K, R % 128 != 0 or ceil(K/32) % 4 != 0 for MXFP8): the
+padding sits at the end of the global dim, so equal slices of it do not line up with equal
+slices of the data; nor where a shard would split a tile. The Shardy rule ties the first row
+and contracted dims to their scale dims by a shared major factor (tiled_group_rule), so that
+propagation shards the scales with their data.
 """
 
 from __future__ import annotations
@@ -56,6 +71,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from lowbit import _ffi
 from lowbit.ops._primitive import ffi_primitive
+from lowbit.ops._sharding import (COLS, ROWS, SCALE_DIMS, clean_split, compound_sizes, fit_scale,
+                                  tiled_group_rule)
 
 OP = "lowbit.ops.gemm"
 FP8 = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
@@ -412,19 +429,73 @@ def gather_rows(a, n_rows: int):
     return _make_gather_rows(n_rows, a.ndim - n_rows)(a)
 
 
+_LAYOUT = {GemmScaleMode.BLOCK_1x128: "1x128", GemmScaleMode.BLOCK_128x128: "128x128",
+           GemmScaleMode.MXFP8: "mxfp8"}
+
+
+def _block_clean(mesh_shape: dict, axes, extent: int, group: int, modes) -> bool:
+    """True when sharding an operand group (ROWS or COLS = K) of `extent` over `axes` keeps
+    whole tiles and unpadded scale dims in every one of `modes` (clean_split)."""
+    shards = math.prod(mesh_shape[ax] for ax in axes)
+    return all(clean_split(extent, shards, t, p)
+               for mode in modes for g, t, p in SCALE_DIMS[_LAYOUT[mode]] if g == group)
+
+
+def _block_specs(mesh_shape: dict, a_spec, b_spec, a_shape, b_shape, k_ndim: int, a_mode, b_mode):
+    """a's and b's specs cut to what a block-scaled GEMM can run sharded: only the first
+    row dim and the first contracted dim of each keep their axes (the flattened shard is
+    then one contiguous slice), and only where clean_split holds for the scale layouts."""
+    def cut(spec, shape, mode):
+        rows = len(shape) - k_ndim
+        out = [() for _ in spec]
+        if rows and _block_clean(mesh_shape, spec[0], math.prod(shape[:rows]), ROWS, (mode,)):
+            out[0] = spec[0]
+        out[rows] = spec[rows]
+        return out
+    a, b = cut(a_spec, a_shape, a_mode), cut(b_spec, b_shape, b_mode)
+    ka, kb = len(a_shape) - k_ndim, len(b_shape) - k_ndim
+    k = math.prod(a_shape[ka:])
+    for spec, at in ((a, ka), (b, kb)):
+        if not _block_clean(mesh_shape, spec[at], k, COLS, (a_mode, b_mode)):
+            spec[at] = ()
+    return a, b
+
+
+def _scale_sharding(mode, row_axes, k_axes):
+    """The scale array's per-dim axes for an operand whose rows / K are sharded so."""
+    return [row_axes if g == ROWS else k_axes for g, _, _ in SCALE_DIMS[_LAYOUT[mode]]]
+
+
 @functools.lru_cache(maxsize=None)
 def _make_gemm(out_dtype: np.dtype, use_split_accumulator: bool, has_bias: bool, k_ndim: int,
-               n_ndim: int):
-    """The partitioned, vmappable gemm for one static configuration; args (a, b, sa, sb[, bias])."""
+               n_ndim: int, a_mode: GemmScaleMode = GemmScaleMode.TENSOR,
+               b_mode: GemmScaleMode = GemmScaleMode.TENSOR):
+    """The partitioned, vmappable gemm for one static configuration; args (a, b, sa, sb[, bias]).
+
+    Block modes: sharded like the tensor mode where _block_specs allows (rows on the first
+    row dim, K on the first contracted dim, whole tiles and unpadded scale dims per shard),
+    the scales sharded with their data (each shard re-pads its slices to its own layout,
+    fit_scale); every other sharded dim is gathered, scales with it."""
+    block = a_mode != GemmScaleMode.TENSOR
+
+    def fitted(a, b, sa, sb):
+        if not block:
+            return sa, sb
+        rows_a, rows_b = math.prod(a.shape[:a.ndim - k_ndim]), math.prod(b.shape[:b.ndim - k_ndim])
+        k = math.prod(a.shape[a.ndim - k_ndim:])
+        return (fit_scale(sa, scale_shape(a_mode, rows_a, k)), fit_scale(sb, scale_shape(b_mode, rows_b, k)))
 
     def local(a, b, sa, sb, *bias):
         bias_arr = bias[0] if has_bias else jnp.zeros((0,), out_dtype)
-        return _gemm_2d(a, b, sa, sb, bias_arr, out_dtype, use_split_accumulator, k_ndim)
+        sa, sb = fitted(a, b, sa, sb)
+        return _gemm_2d(a, b, sa, sb, bias_arr, out_dtype, use_split_accumulator, k_ndim, a_mode, b_mode)
 
     def local_k_sharded(psum_axes, scatter):
         def lower(a, b, sa, sb, *bias):
             empty = jnp.zeros((0,), jnp.float32)
-            acc = _gemm_2d(a, b, sa, sb, empty, jnp.dtype(jnp.float32), use_split_accumulator, k_ndim)
+            sa, sb = fitted(a, b, sa, sb)
+            acc = _gemm_2d(a, b, sa, sb, empty, jnp.dtype(jnp.float32), use_split_accumulator, k_ndim,
+                           a_mode, b_mode)
             for axis, dim in scatter:
                 acc = jax.lax.psum_scatter(acc, axis, scatter_dimension=dim, tiled=True)
             if psum_axes:
@@ -439,12 +510,21 @@ def _make_gemm(out_dtype: np.dtype, use_split_accumulator: bool, has_bias: bool,
     def partition(mesh, arg_shapes, result_shape):
         specs = [[_spec_axes(e) for e in _padded_spec(s.sharding, len(s.shape))]
                  for s in (arg_shapes[0], arg_shapes[1], result_shape)]
+        if block:
+            specs[:2] = _block_specs(dict(mesh.shape), specs[0], specs[1], arg_shapes[0].shape,
+                                     arg_shapes[1].shape, k_ndim, a_mode, b_mode)
         m, n, k, scatter = plan_sharding(dict(mesh.shape), *specs, result_shape.shape, k_ndim)
         out = m + n
         for axis, dim in scatter:
             out[dim] = out[dim] + (axis,)
         ns = lambda *entries: NamedSharding(mesh, PartitionSpec(*[_entry(e) for e in entries]))  # noqa: E731
-        arg_shardings = [ns(*m, *k), ns(*n, *k), ns(()), ns(())]
+        if block:
+            k0 = k[0] if k else ()
+            scales = [ns(*_scale_sharding(a_mode, m[0] if m else (), k0)),
+                      ns(*_scale_sharding(b_mode, n[0] if n else (), k0))]
+        else:
+            scales = [ns(()), ns(())]
+        arg_shardings = [ns(*m, *k), ns(*n, *k), *scales]
         if has_bias:
             arg_shardings.append(ns(*out[len(m):]))
         scattered = {axis for axis, _ in scatter}
@@ -454,24 +534,61 @@ def _make_gemm(out_dtype: np.dtype, use_split_accumulator: bool, has_bias: bool,
 
     def rule(mesh, value_types, result_types):
         del mesh, result_types
-        m = [f"m{i}" for i in range(len(value_types[0].shape) - k_ndim)]
+        a_shape, b_shape = value_types[0].shape, value_types[1].shape
+        m = [f"m{i}" for i in range(len(a_shape) - k_ndim)]
         n = [f"n{i}" for i in range(n_ndim)]
         k = [f"k{i}" for i in range(k_ndim)]
-        operands = [" ".join(m + k), " ".join(n + k), "sa", "sb"] + ([" ".join(n)] if has_bias else [])
-        return (f"{', '.join(operands)} -> {' '.join(m + n)}",
-                {"reduction_factors": tuple(k), "need_replication_factors": ("sa", "sb")})
+        reduction = list(k)
+        if not block:
+            operands = [" ".join(m + k), " ".join(n + k), "sa", "sb"] + ([" ".join(n)] if has_bias else [])
+            return (f"{', '.join(operands)} -> {' '.join(m + n)}",
+                    {"reduction_factors": tuple(reduction), "need_replication_factors": ("sa", "sb")})
+        # Block modes: the first row dim of each operand and the first contracted dim share a
+        # major factor with the scale dims that tile them (tiled_group_rule), so that the
+        # scales propagate with their data; untied scale dims get factors of their own.
+        sizes = {}
+        kk = math.prod(a_shape[len(m):])
+        k_tiles = [(t, p) for mode in (a_mode, b_mode) for g, t, p in SCALE_DIMS[_LAYOUT[mode]] if g == COLS]
+        k_expr, k_scale, k_sizes = tiled_group_rule("k0", a_shape[len(m)], kk, k_tiles)
+        sizes.update(k_sizes)
+        reduction = k_expr.strip("()").split() + k[1:]
+        k = [k_expr] + k[1:]
+        k_scale = iter(k_scale)
+        scale_exprs = []
+        groups = []
+        for tag, names, shape, mode in (("a", m, a_shape, a_mode), ("b", n, b_shape, b_mode)):
+            rows = len(names)
+            layout = SCALE_DIMS[_LAYOUT[mode]]
+            row_tiles = [(t, p) for g, t, p in layout if g == ROWS]
+            if rows:
+                r_expr, r_scale, r_sizes = tiled_group_rule(names[0], shape[0], math.prod(shape[:rows]), row_tiles)
+                sizes.update(r_sizes)
+                names[0] = r_expr
+            else:
+                r_scale = [None] * len(row_tiles)
+            r_scale = iter(r_scale)
+            dims = []
+            for i, (g, _, _) in enumerate(layout):
+                e = next(r_scale) if g == ROWS else next(k_scale)
+                dims.append(e if e is not None else f"s{tag}{i}")
+            scale_exprs.append(" ".join(dims))
+            groups.append(names)
+        operands = [" ".join(m + k), " ".join(n + k), *scale_exprs] + ([" ".join(n)] if has_bias else [])
+        text = f"{', '.join(operands)} -> {' '.join(m + n)}"
+        return text, {"reduction_factors": tuple(reduction), **compound_sizes([text], sizes)}
 
     partitioned.def_partition(partition=partition, sharding_rule=rule)
 
     # custom_partitioning has no batching rule: under vmap, a batched `a` alone folds into
-    # M (still partitioned); anything else maps over the batch.
+    # M (still partitioned; tensor scaling only, as block scales cover the unbatched rows);
+    # anything else maps over the batch.
     @jax.custom_batching.custom_vmap
     def gemm_fn(*args):
         return partitioned(*args)
 
     @gemm_fn.def_vmap
     def gemm_vmap(axis_size, in_batched, *args):
-        if in_batched[0] and not any(in_batched[1:]):
+        if not block and in_batched[0] and not any(in_batched[1:]):
             return gemm_fn(*args), True
         args = [x if batched else jnp.broadcast_to(x, (axis_size, *x.shape))
                 for x, batched in zip(args, in_batched)]
@@ -519,13 +636,6 @@ def _check_scale_modes(a_mode, b_mode, a_dtype):
     if a_mode != GemmScaleMode.TENSOR and a_dtype not in FP8:
         raise TypeError(f"{OP}: a: block scale modes need FP8 operands, got {a_dtype}")
     return a_mode, b_mode
-
-
-def _block_gemm(a, b, sa, sb, bias, *, out_dtype, kd, a_mode, b_mode):
-    """Block-scaled GEMM on the 2-D views; no partitioning rule (sharded operands are
-    gathered), vmap through gemm_p's batcher."""
-    bias_arr = jnp.zeros((0,), out_dtype) if bias is None else bias
-    return _gemm_2d(a, b, sa, sb, bias_arr, out_dtype, True, kd, a_mode, b_mode)
 
 
 def gemm(a, b, a_scale_inv=None, b_scale_inv=None, bias=None, *, out_dtype=jnp.bfloat16,
@@ -584,11 +694,11 @@ def gemm(a, b, a_scale_inv=None, b_scale_inv=None, bias=None, *, out_dtype=jnp.b
     if a.size == 0 or b.size == 0:  # nothing to multiply: out is bias (or 0)
         base = jnp.zeros(n_shape, out_dtype) if bias is None else bias
         return jnp.broadcast_to(base, (*m_shape, *n_shape))
-    if a_mode != GemmScaleMode.TENSOR:
-        return _block_gemm(a, b, sa, sb, bias, out_dtype=out_dtype, kd=kd, a_mode=a_mode, b_mode=b_mode)
     if sequence_parallel:
         a = gather_rows(a, a.ndim - kd)
-    fn = _make_gemm(out_dtype, bool(use_split_accumulator), bias is not None, kd, len(n_shape))
+    if a_mode != GemmScaleMode.TENSOR:
+        use_split_accumulator = True  # block scales have the split accumulation only
+    fn = _make_gemm(out_dtype, bool(use_split_accumulator), bias is not None, kd, len(n_shape), a_mode, b_mode)
     return fn(a, b, sa, sb, *([bias] if bias is not None else []))
 
 

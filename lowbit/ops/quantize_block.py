@@ -21,10 +21,13 @@ Tiles and blocks at the edges are partial (as if x were zero-padded); data is ne
 
 jit: yes. vmap: each batch element is quantized on its own (a loop over the batch, as the
 scales of a 3-D view would otherwise mix elements). Sharded jit (Shardy custom partitioning):
-only x's leading dim may stay sharded, and only when every shard holds whole tiles and whole
-rows of padded scales (local R a multiple of 128; 512 for a 128x128 colwise copy; 4 for a
-1x128 rowwise-only copy); the scales are then sharded along their matching dim. Any other
-sharding gathers x first (exact, just not parallel). The dequantize ops are not partitioned.
+the first dim of R (x's dim 0) and the first dim of C (x's dim flatten_axis) may stay
+sharded, each when every shard holds whole tiles along it and every scale dim it splits is
+unpadded (lowbit.ops._sharding.clean_split; e.g. 1x128: R % 4 == 0 for the rowwise scales,
+whole 128-row tiles for the colwise ones; 128x128: whole 128-tiles and a 128-block count
+that is a multiple of 4 on the K side); the scales are then sharded with their data (each
+shard's kernel output cut to its slice of the unpadded dim). Any other sharded dim is
+gathered first (exact, just not parallel). The dequantize ops are not partitioned.
 """
 
 from __future__ import annotations
@@ -40,7 +43,8 @@ from jax.interpreters import batching
 from jax.sharding import NamedSharding, PartitionSpec
 
 from lowbit.ops._primitive import ffi_primitive
-from lowbit.ops._sharding import mesh_axes, spec_entries
+from lowbit.ops._sharding import (SCALE_DIMS, clean_split, compound_sizes, fit_scale, mesh_axes,
+                                  spec_entries, tiled_group_rule, transposed_layout)
 from lowbit.ops.amax import HIGH_PRECISION
 from lowbit.ops.quantize import FP8_DTYPES, check_quantize_args
 E8M0 = jnp.dtype(jnp.float8_e8m0fnu)
@@ -160,14 +164,13 @@ for _p in (quantize_fp8_block_p, dequantize_fp8_block_p, quantize_mxfp8_p, dequa
     _looped_batcher(_p)
 
 
-# Per format and copy: (the scale dim that follows x's leading dim, the multiple the local
-# row count R must be for the shards' scales to concatenate into the global layout).
-def _scale_split(kind: str, tile_2d: bool, colwise: bool) -> tuple[int, int]:
+def _copy_layout(kind: str, tile_2d: bool, colwise: bool):
+    """(group, tile, pad) of the copy's scale dims 0 and 1 in x's R x C terms (SCALE_DIMS; an
+    FP8 block colwise copy is stored transposed, so its rows are x's C)."""
     if kind == "mxfp8":
-        return 0, 128
-    if tile_2d:
-        return (1, 512) if colwise else (0, 128)
-    return (0, 128) if colwise else (1, 4)
+        return SCALE_DIMS["mxfp8_colwise" if colwise else "mxfp8"]
+    layout = SCALE_DIMS["128x128" if tile_2d else "1x128"]
+    return transposed_layout(layout) if colwise else layout
 
 
 @lru_cache(maxsize=None)
@@ -186,39 +189,77 @@ def _quantize_fn(kind: str, flatten_axis: int, out_dtype, rowwise: bool, colwise
         return tuple(outs[:2]) * rowwise + tuple(outs[2:]) * colwise
 
     copies = [False] * rowwise + [True] * colwise  # is_colwise of each returned pair
+    layouts = [_copy_layout(kind, tile_2d, cw) for cw in copies]
 
     def partition(mesh, arg_shapes, result_shape):
         shape = arg_shapes[0].shape
         ndim = len(shape)
-        lead = spec_entries(arg_shapes[0].sharding, ndim)[0] if flatten_axis >= 1 else None
-        axes = mesh_axes((lead,))
-        shards = int(np.prod([mesh.shape[a] for a in axes], dtype=np.int64)) if axes else 1
-        rows, _ = flat_view(shape, flatten_axis)
-        local_rows = rows // shards if shards and rows % shards == 0 else -1
-        if shards > 1 and not all(local_rows > 0 and local_rows % _scale_split(kind, tile_2d, cw)[1] == 0
-                                  for cw in copies):
-            lead = None  # not whole tiles per shard: gather x, quantize it whole
+        spec = spec_entries(arg_shapes[0].sharding, ndim)
+        extents = flat_view(shape, flatten_axis)
+        firsts = (0, flatten_axis)  # the first dim of R and of C: the only ones kept sharded
+        keep = []
+        for group, first in enumerate(firsts):
+            axes = mesh_axes((spec[first],)) if first < ndim else ()
+            shards = int(np.prod([mesh.shape[a] for a in axes], dtype=np.int64)) if axes else 1
+            ok = all(clean_split(extents[group], shards, t, p)
+                     for layout in layouts for g, t, p in layout if g == group)
+            keep.append(spec[first] if ok and axes else None)
+        x_spec = [None] * ndim
+        x_spec[0] = keep[0]
+        if flatten_axis < ndim:
+            x_spec[flatten_axis] = keep[1]
         named = lambda *s: NamedSharding(mesh, PartitionSpec(*s))  # noqa: E731
-        results = []
-        for cw in copies:
-            if cw and kind != "mxfp8":
-                at = ndim - flatten_axis  # x's dim 0 in the transposed copy
-                results.append(named(*([None] * at + [lead] + [None] * (ndim - at - 1))))
+        results, scale_shapes = [], []
+        for cw, layout in zip(copies, layouts):
+            if cw and kind != "mxfp8":  # the transposed copy: x's dims from flatten_axis on first
+                results.append(named(*(x_spec[flatten_axis:] + x_spec[:flatten_axis])))
             else:
-                results.append(named(lead, *([None] * (ndim - 1))))
-            dim = _scale_split(kind, tile_2d, cw)[0]
-            results.append(named(lead, None) if dim == 0 else named(None, lead))
-        return mesh, local, tuple(results), (named(lead, *([None] * (ndim - 1))),)
+                results.append(named(*x_spec))
+            results.append(named(*[keep[g] for g, _, _ in layout]))
+        # Each shard's kernel writes its own padded layout; a sharded scale dim keeps the
+        # shard's slice of the global (unpadded) dim: the padding is cut off.
+        global_scales = [r.shape for r in list(result_shape)[1::2]]
+        for i, layout in enumerate(layouts):
+            local_shape = []
+            for d, (g, _, _) in enumerate(layout):
+                axes = mesh_axes((keep[g],))
+                shards = int(np.prod([mesh.shape[a] for a in axes], dtype=np.int64)) if axes else 1
+                local_shape.append(global_scales[i][d] // shards)
+            scale_shapes.append(tuple(local_shape))
+
+        def lower(x):
+            outs = list(local(x))
+            for i, want in enumerate(scale_shapes):
+                outs[2 * i + 1] = fit_scale(outs[2 * i + 1], want)
+            return tuple(outs)
+        return mesh, lower, tuple(results), (named(*x_spec),)
 
     def rule(mesh, value_types, result_types):
-        dims = [f"d{i}" for i in range(len(value_types[0].shape))]
+        shape = value_types[0].shape
+        dims = [f"d{i}" for i in range(len(shape))]
+        extents = flat_view(shape, flatten_axis)
+        sizes, scale_exprs = {}, [[None, None] for _ in copies]
+        for group, first in enumerate((0, flatten_axis)):
+            if first >= len(shape):
+                continue
+            tiles = [(t, p) for layout in layouts for g, t, p in layout if g == group]
+            expr, ties, got = tiled_group_rule(dims[first], shape[first], extents[group], tiles)
+            sizes.update(got)
+            dims[first] = expr
+            ties = iter(ties)
+            for i, layout in enumerate(layouts):
+                for d, (g, _, _) in enumerate(layout):
+                    if g == group:
+                        scale_exprs[i][d] = next(ties)
         transposed = " ".join(dims[flatten_axis:] + dims[:flatten_axis])
         out = []
         for i, cw in enumerate(copies):
             out.append(transposed if cw and kind != "mxfp8" else " ".join(dims))
-            # Scale dims get factors of their own: their sizes are padded, not x's.
-            out.append(f"s{2 * i} s{2 * i + 1}")
-        return f"{' '.join(dims)} -> {', '.join(out)}", {}
+            # Scale dims not tied to x's (padded, or tiles split across x's dims) get
+            # factors of their own.
+            out.append(" ".join(e if e is not None else f"s{i}_{d}" for d, e in enumerate(scale_exprs[i])))
+        text = f"{' '.join(dims)} -> {', '.join(out)}"
+        return text, compound_sizes([text], sizes)
 
     partitioned = custom_partitioning(local)
     partitioned.def_partition(partition=partition, sharding_rule=rule)
