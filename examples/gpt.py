@@ -1,5 +1,5 @@
 """A small GPT built from lowbit.flax modules, trained on bytes of CPython's standard library
-sources (examples/data.py) in bf16 and with each FP8 recipe; the recipes are compared on
+sources (examples/data.py) in bf16, with each FP8 recipe and NVFP4; the recipes are compared on
 the same initialisation and the same batches.
 
     python examples/gpt.py --config small      # the CPU: a few minutes
@@ -13,8 +13,10 @@ Parameters are fp32, activations bf16; every GEMM of the blocks runs in the reci
 The recipe is taken from `lowbit.autocast` around the traced step. DelayedScaling's state
 (collection `_overwrite_with_gradient`) is threaded through the steps: the step
 differentiates with respect to it and the gradient is the next step's state; optax only
-updates `params`. Recipes whose kernels are missing on this build are listed and skipped
-with the reason their quantizer gives.
+updates `params`. NVFP4's stochastic rounding and RHT signs draw from the Flax RNG stream
+"sr_rng", fed a fresh key each step (fold_in(key(seed + 2), step); evaluation uses a fixed
+one). Recipes whose kernels are missing on this build are listed and skipped with the
+reason their quantizer gives.
 
 Writes to --out (default runs/gpt): loss_curves.png, results.md (final train/val loss per
 recipe), results.json; progress (step, loss, tokens/s) is printed while it trains.
@@ -135,8 +137,6 @@ def recipe_unavailable(recipe) -> str | None:
     """Why this build cannot run `recipe` (its quantizers' or GEMMs' error), or None."""
     if recipe is None:
         return None
-    if isinstance(recipe, NVFP4BlockScaling):
-        return "this example does not feed the 'sr_rng' RNG stream NVFP4's stochastic rounding needs yet"
     try:
         lowbit.dense(jnp.ones((4, 32), ACT_DTYPE), jnp.ones((32, 32), ACT_DTYPE),
                      quantizer_set=QuantizerFactory.create_set(recipe))
@@ -153,19 +153,21 @@ def train_one(name, recipe, cfg, corpus, seed, log):
                                                        end_value=cfg.lr / 10),
                     b2=0.95, weight_decay=cfg.weight_decay))
 
-    def loss_fn(variables, x, y):
+    def loss_fn(variables, x, y, sr_key):
         with lowbit.autocast(enabled=recipe is not None, recipe=recipe):
-            logits = model.apply(variables, x)
+            logits = model.apply(variables, x, rngs={"sr_rng": sr_key})  # NVFP4's SR and RHT
         return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
     @jax.jit
-    def step(params, qstate, opt_state, x, y):
-        loss, grads = jax.value_and_grad(loss_fn)({"params": params, OVERWRITE_WITH_GRADIENT: qstate}, x, y)
+    def step(params, qstate, opt_state, x, y, sr_key):
+        loss, grads = jax.value_and_grad(loss_fn)({"params": params, OVERWRITE_WITH_GRADIENT: qstate}, x, y,
+                                                  sr_key)
         updates, opt_state = tx.update(grads["params"], opt_state, params)
         # overwrite-with-gradient: the quantizer state's gradient is its next value
         return optax.apply_updates(params, updates), grads[OVERWRITE_WITH_GRADIENT], opt_state, loss
 
-    eval_loss = jax.jit(lambda p, q, x, y: loss_fn({"params": p, OVERWRITE_WITH_GRADIENT: q}, x, y))
+    sr_base = jax.random.PRNGKey(seed + 2)
+    eval_loss = jax.jit(lambda p, q, x, y: loss_fn({"params": p, OVERWRITE_WITH_GRADIENT: q}, x, y, sr_base))
     val_batches = [b for b, _ in zip(batches(corpus.val, cfg.batch, cfg.seq_len, seed + 1),
                                      range(cfg.eval_batches))]
 
@@ -186,7 +188,8 @@ def train_one(name, recipe, cfg, corpus, seed, log):
     data = batches(corpus.train, cfg.batch, cfg.seq_len, seed)
     for i in range(1, cfg.steps + 1):
         x, y = next(data)
-        params, qstate, opt_state, loss = step(params, qstate, opt_state, x, y)
+        params, qstate, opt_state, loss = step(params, qstate, opt_state, x, y,
+                                               jax.random.fold_in(sr_base, i))
         train_curve.append(float(loss))
         if i == 1:
             log(f"[{name}] step 1 loss {train_curve[-1]:.3f} (compiled in {time.perf_counter() - start:.1f}s)")
@@ -247,7 +250,7 @@ def write_plot(results, cfg, path, log):
         ax.plot(steps, vals, "o--", color=line.get_color(), label=f"{name} val")
     ax.set_xlabel("step")
     ax.set_ylabel("cross-entropy (nats/byte)")
-    ax.set_title(f"GPT {cfg.layers}x{cfg.d_model}, seq {cfg.seq_len}: bf16 vs FP8 recipes")
+    ax.set_title(f"GPT {cfg.layers}x{cfg.d_model}, seq {cfg.seq_len}: bf16 vs FP8/FP4 recipes")
     ax.legend()
     ax.grid(alpha=0.3)
     fig.tight_layout()

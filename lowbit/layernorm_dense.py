@@ -10,7 +10,9 @@ x, mu, rsigma (the norm needs them) and the FP8 copies ln.colwise and kernel.row
 is added to the GEMM's before the norm backward).
 Block recipes (Float8BlockScaling, MXFP8BlockScaling): the norm writes its output in x's
 dtype and the block quantizer follows (unfused; the fused norm + block-quantize kernels are
-a later step), then the block-scaled GEMMs of dense.
+a later step), then the block-scaled GEMMs of dense. NVFP4 (NVFP4BlockScaling) takes the same
+unfused path with dense's emulated NVFP4 GEMMs; its key comes in as `sr_key` (or already in
+the set, lowbit.dense.with_sr_key).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from lowbit.dense import backward_gemms, check_quantizer_set, dense, forward_gemm, quantize_2x
+from lowbit.dense import backward_gemms, check_quantizer_set, dense, forward_gemm, quantize_2x, with_sr_key
 from lowbit.layernorm import NormConfig, layernorm, norm_quantize
 from lowbit.ops.norm import norm_backward
 from lowbit.quantize.quantizer import QuantizerSet, noop_quantizer_set
@@ -52,11 +54,14 @@ def layernorm_dense(
     kernel_axes=None,
     quantizer_set: QuantizerSet = noop_quantizer_set,
     return_layernorm_output: bool = False,
+    sr_key=None,
 ):
     """norm(x) . kernel (+ bias): x (..., H), kernel (H, N...), output (..., N...) in x's
-    dtype; with return_layernorm_output, (output, norm(x))."""
+    dtype; with return_layernorm_output, (output, norm(x)). sr_key: the PRNG key of NVFP4's
+    stochastic rounding and RHT signs, given to the set as lowbit.dense does (with_sr_key)."""
     del layernorm_input_axes, dot_input_axes, kernel_axes  # sharding hints: see lowbit.sharding
     op = "lowbit.layernorm_dense"
+    quantizer_set = with_sr_key(quantizer_set, sr_key)
     x, kernel, gamma = jnp.asarray(x), jnp.asarray(kernel), jnp.asarray(gamma)
     cfg = NormConfig(norm_type, bool(zero_centered_gamma), float(epsilon))
     cfg.check(op, x, gamma, beta)

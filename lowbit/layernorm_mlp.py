@@ -13,10 +13,11 @@ Backward:
 With current scaling the fused kernels write the high-precision output and the quantize op
 follows (the scale needs that output's amax first); the block recipes (Float8BlockScaling,
 MXFP8BlockScaling) do the same, unfused, through their block quantizers, with the
-block-scaled GEMMs of dense (fused norm/act + block-quantize kernels are a later step). Saved for the backward: x, mu, rsigma,
-h (high precision, the activation's backward needs it) and the FP8 copies ln.colwise,
-wi.rowwise, a.colwise and wo.rowwise. `ffn1_ckpt_name` / `ffn2_ckpt_name` name h and out
-for remat policies.
+block-scaled GEMMs of dense (fused norm/act + block-quantize kernels are a later step), and so
+does NVFP4 with dense's emulated NVFP4 GEMMs (its key: `sr_key`, see layernorm_mlp). Saved
+for the backward: x, mu, rsigma, h (high precision, the activation's backward needs it) and
+the quantized copies ln.colwise, wi.rowwise, a.colwise and wo.rowwise. `ffn1_ckpt_name` /
+`ffn2_ckpt_name` name h and out for remat policies.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from lowbit.activation import parse_activation_type
-from lowbit.dense import backward_gemms, check_quantizer_set, dense, dgrad_wgrad, forward_gemm, quantize_2x
+from lowbit.dense import (backward_gemms, check_quantizer_set, dense, dgrad_wgrad, forward_gemm, quantize_2x,
+                          with_sr_key)
 from lowbit.layernorm import NormConfig, fused_2x, layernorm, norm_quantize
 from lowbit.ops.activation import act_backward, act_forward
 from lowbit.ops.norm import norm_backward
@@ -71,9 +73,12 @@ def layernorm_mlp(
     ffn2_ckpt_name: str = "ffn2",
     activation_type: Sequence[str] = ("gelu",),
     quantizer_sets=(noop_quantizer_set, noop_quantizer_set),
+    sr_key=None,
 ) -> jax.Array:
     """The MLP block of a transformer layer: x (..., H), kernels (wi (H, n_act, F) or (H, F),
-    wo (F, H)), biases (wi_bias (n_act, F) or (F,), wo_bias (H,); None for none)."""
+    wo (F, H)), biases (wi_bias (n_act, F) or (F,), wo_bias (H,); None for none). sr_key: the
+    PRNG key of NVFP4's stochastic rounding and RHT signs; GEMM i's set gets
+    with_sr_key(quantizer_sets[i], fold_in(sr_key, i)) (lowbit.dense.with_sr_key)."""
     del norm_input_axes, dot_1_input_axes, dot_2_input_axes, kernel_1_axes, kernel_2_axes
     op = "lowbit.layernorm_mlp"
     x, gamma = jnp.asarray(x), jnp.asarray(gamma)
@@ -94,6 +99,8 @@ def layernorm_mlp(
     if wo_bias is not None and tuple(wo_bias.shape) != (hidden,):
         raise ValueError(f"{op}: biases[1]: expected shape ({hidden},), got {tuple(wo_bias.shape)}")
     qs1, qs2 = quantizer_sets
+    if sr_key is not None:
+        qs1, qs2 = (with_sr_key(qs, jax.random.fold_in(sr_key, i)) for i, qs in enumerate((qs1, qs2)))
     quantized = check_quantizer_set(op, qs1)
     if quantized != check_quantizer_set(op, qs2):
         raise ValueError(f"{op}: quantizer_sets: quantize both GEMMs or neither")

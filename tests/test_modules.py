@@ -171,7 +171,8 @@ def test_autocast_recipe_and_explicit_recipe_agree():
 
 
 def test_nvfp4_forward_runs_through_dense_general():
-    """The forward needs no key (no SR in x and kernel); the "sr_rng" stream is not wired yet."""
+    """The forward needs no key (no SR in x and kernel); the backward's key from "sr_rng" is
+    tested in tests/test_dense_nvfp4.py and tests/test_layernorm_nvfp4.py."""
     import warnings
 
     with warnings.catch_warnings():

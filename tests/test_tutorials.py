@@ -2,7 +2,10 @@
 lowbit with only their imports changed: at small shapes here, at the seed shapes on a GPU
 (tools/gpu_check.sh runs the scripts). Outputs are compared with the unquantized model with
 the same parameters; FP8 (E4M3) error allows 8% of the output's RMS for the layer's
-quantized part (the residual path is exact)."""
+quantized part (the residual path is exact), NVFP4 (E2M1 values, 16-value blocks) 35%: one
+of its GEMMs lands ~14% off, the tutorial's MLP (two GEMMs and a GELU) 0.21, the layer (four
+GEMMs, the attention's softmax on quantized logits) 0.24-0.25, measured over seeds. NVFP4's stochastic rounding and RHT signs take their key from the Flax RNG
+stream "sr_rng" (apply(..., rngs={"sr_rng": key})), as the tutorial scripts pass it."""
 
 from __future__ import annotations
 
@@ -21,9 +24,16 @@ import quickstart_jax_utils  # noqa: E402
 import te_integration_layer as tut  # noqa: E402
 
 import lowbit  # noqa: E402
-from lowbit.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling  # noqa: E402
+from lowbit.recipe import (  # noqa: E402
+    DelayedScaling,
+    Float8BlockScaling,
+    Float8CurrentScaling,
+    MXFP8BlockScaling,
+    NVFP4BlockScaling,
+)
 
-RECIPES = [DelayedScaling, Float8CurrentScaling, Float8BlockScaling, MXFP8BlockScaling]
+RECIPES = [DelayedScaling, Float8CurrentScaling, Float8BlockScaling, MXFP8BlockScaling, NVFP4BlockScaling]
+pytestmark = pytest.mark.filterwarnings("ignore:lowbit.ops.gemm. NVFP4")  # the emulation notice
 
 
 def rel_err(a, b):
@@ -58,10 +68,38 @@ def test_layer_tutorial_close_to_unquantized(recipe):
     y_quant = quant.apply(variables, x, attention_mask=None, deterministic=True)
     assert y_quant.shape == y_base.shape
     # Compare the layer's update (y - x): the residual x itself is exact.
-    assert rel_err(y_quant - x, y_base - x) < 0.08
+    err = rel_err(y_quant - x, y_base - x)
+    assert 0 < err < (0.35 if recipe is NVFP4BlockScaling else 0.08)
 
 
-@pytest.mark.parametrize("recipe", ["DelayedScaling", "Float8CurrentScaling"])
+def test_nvfp4_dot_general_takes_its_key_from_the_sr_rng_stream():
+    """make_dot_general_cls(NVFP4BlockScaling()): the gradients' stochastic rounding draws from
+    apply(..., rngs={"sr_rng": key}): the same key gives the same gradients, another key other
+    ones, no stream a clear error naming it; the gradients stay within NVFP4 error of bf16's."""
+    mlp = tut.FlaxMLP(hidden_size=64, ffn_hidden_size=128,
+                      dot_general_cls=lowbit.flax.make_dot_general_cls(NVFP4BlockScaling()))
+    base = tut.FlaxMLP(hidden_size=64, ffn_hidden_size=128)
+    x = jax.random.normal(jax.random.PRNGKey(0), (2, 16, 64), jnp.float32)
+    dy = jax.random.normal(jax.random.PRNGKey(1), (2, 16, 64), jnp.float32)
+    variables = base.init(jax.random.PRNGKey(2), x)
+
+    def grads(step):  # the kernels' and x's (the last bias's is sum(dy), exact with any key)
+        _, _, var_grads, x_grad = step(variables, x, dy)
+        params = var_grads["params"]
+        return [params["Dense_0"]["kernel"], params["Dense_1"]["kernel"], params["Dense_0"]["bias"], x_grad]
+
+    make_step = quickstart_jax_utils.make_step
+    got = [grads(make_step(mlp.apply, {}, rngs={"sr_rng": jax.random.PRNGKey(k)})) for k in (7, 7, 8)]
+    want = grads(make_step(base.apply, {}))
+    for a, a_again, b, w in zip(*got, want):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(a_again))
+        assert not np.array_equal(np.asarray(a), np.asarray(b))
+        assert 0 < rel_err(a, w) < 0.35
+    with pytest.raises(ValueError, match="sr_rng"):
+        quickstart_jax_utils.make_step(mlp.apply, {})(variables, x, dy)
+
+
+@pytest.mark.parametrize("recipe", ["DelayedScaling", "Float8CurrentScaling", "NVFP4BlockScaling"])
 def test_layer_tutorial_script_runs(recipe, capsys):
     tut.main(["--small", "--recipe", recipe, "--iters", "2"])
     out = capsys.readouterr().out
@@ -70,7 +108,7 @@ def test_layer_tutorial_script_runs(recipe, capsys):
         assert "_overwrite_with_gradient" in out and "Wrapper_dot_general_0" in out
 
 
-@pytest.mark.parametrize("recipe", ["DelayedScaling", "Float8CurrentScaling"])
+@pytest.mark.parametrize("recipe", ["DelayedScaling", "Float8CurrentScaling", "NVFP4BlockScaling"])
 def test_dense_tutorial_script_runs(recipe, capsys):
     dense_tutorial.main(["--small", "--recipe", recipe, "--iters", "2"])
     assert "speedup over bf16" in capsys.readouterr().out

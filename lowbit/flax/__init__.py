@@ -7,6 +7,14 @@ variables in the collection `_overwrite_with_gradient`: `x_scale (1,)`,
 `x_amax_history (L,)`, and the same for `kernel` and `grad`. Their "gradient" is the state
 for the next step, which the training loop writes back (overwrite-with-gradient); pass the
 whole variable dict, not only `params`, from step to step.
+
+NVFP4 (NVFP4BlockScaling) keeps no state but needs randomness: its stochastic rounding (of
+the gradients) and random Hadamard transform signs take a key from the Flax RNG stream
+"sr_rng", which the caller passes like dropout's, e.g.
+`model.apply(variables, x, rngs={"dropout": k1, "sr_rng": k2})` (a new key per training
+step). Each module that quantizes draws its own key from the stream; a forward without it
+runs (no SR there), a gradient without it raises an error naming "sr_rng". This holds for
+make_dot_general_cls, wrap_function_in_state_module and the modules of module.py alike.
 """
 
 from __future__ import annotations
@@ -68,7 +76,9 @@ def _bind_state(module: nn.Module, quantizer_set: QuantizerSet, postfix: str = "
 
 def wrap_function_in_state_module(f, quantization_recipe, name: str | None = None):
     """A Linen module class whose __call__(*args, **kwargs) calls
-    f(*args, quantizer_set=<the recipe's set, bound to this module's state>, **kwargs)."""
+    f(*args, quantizer_set=<the recipe's set, bound to this module's state>, **kwargs).
+    With NVFP4BlockScaling the set carries a key drawn from the "sr_rng" RNG stream when the
+    caller passes one (apply(..., rngs={"sr_rng": key}); see the module docstring)."""
 
     class Wrapper(nn.Module):
         @nn.compact
@@ -84,7 +94,10 @@ wrap_function_in_te_state_module = wrap_function_in_state_module
 
 
 def make_dot_general_cls(quantization_recipe):
-    """A module class usable as `nn.Dense(dot_general=cls())` that runs lowbit.dense."""
+    """A module class usable as `nn.Dense(dot_general=cls())` that runs lowbit.dense.
+    NVFP4BlockScaling: pass the "sr_rng" RNG stream to the model's apply,
+    `model.apply(variables, x, rngs={"sr_rng": key})`, with a fresh key per step; gradients
+    without it raise an error naming the stream (see the module docstring)."""
 
     def dot_general(x, kernel, dimension_numbers, precision=None, preferred_element_type=None,
                     quantizer_set=None):
