@@ -52,7 +52,7 @@ if has sanitize; then
   # instead of hits inside XLA's memory pool.
   export XLA_PYTHON_CLIENT_ALLOCATOR=platform
   step "compute-sanitizer memcheck" sanitizer.log 300 compute-sanitizer --tool memcheck \
-    --error-exitcode 3 $PY -m pytest -q -m gpu -p no:cacheprovider -k "${SANITIZE_K:-unaligned or misaligned or nan or variants or odd_shapes or vmap_rows or device_codecs or dbias_deterministic}" tests
+    --error-exitcode 3 $PY -m pytest -q -m gpu -p no:cacheprovider -k "${SANITIZE_K:-(unaligned or misaligned or nan or variants or odd_shapes or vmap_rows or device_codecs or dbias_deterministic) and not tile_variants and not tuning_variants}" tests
   grep -E "ERROR SUMMARY|passed|failed" "$OUT/sanitizer.log" | tail -5
   unset XLA_PYTHON_CLIENT_ALLOCATOR
 fi
