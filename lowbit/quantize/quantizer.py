@@ -103,6 +103,17 @@ class Quantizer:
         del new_amax
         return self
 
+    def _checked_input(self, x, is_rowwise: bool, is_colwise: bool, flatten_axis: int, dq_dtype):
+        """The checks every quantize starts with: (op name for messages, x as an array with
+        its gradient stopped, flatten_axis normalized, the dequantized dtype)."""
+        op = f"{type(self).__name__}.quantize"
+        x = jnp.asarray(x)
+        check_high_precision(op, "x", x)
+        axis = _normalize_flatten_axis(op, x, flatten_axis)
+        QuantizeLayout.of(is_rowwise, is_colwise)
+        dq_dtype = jnp.dtype(x.dtype if dq_dtype is None else dq_dtype)
+        return op, jax.lax.stop_gradient(x), axis, dq_dtype
+
     def quantize(
         self,
         x,
@@ -140,14 +151,7 @@ class _TensorScaleQuantizer(Quantizer):
     ) -> tuple[ScaledTensor, jax.Array | None]:
         """Returns (ScaledTensor1x, or ScaledTensor2x when both copies are asked for; dbias,
         the sums of x over its rows, or None)."""
-        op = f"{type(self).__name__}.quantize"
-        x = jnp.asarray(x)
-        check_high_precision(op, "x", x)
-        axis = _normalize_flatten_axis(op, x, flatten_axis)
-        QuantizeLayout.of(is_rowwise, is_colwise)
-        dq_dtype = jnp.dtype(x.dtype if dq_dtype is None else dq_dtype)
-
-        x = jax.lax.stop_gradient(x)
+        _, x, axis, dq_dtype = self._checked_input(x, is_rowwise, is_colwise, flatten_axis, dq_dtype)
         scale, scale_inv = jax.lax.stop_gradient(self._scale(x))
         scale, scale_inv = scale.reshape(1), scale_inv.reshape(1)
         out = quantize_fp8(
@@ -291,13 +295,7 @@ class BlockScaleQuantizer(Quantizer):
     ) -> tuple[ScaledTensor, jax.Array | None]:
         """Returns (ScaledTensor1x, or ScaledTensor2x for both copies; dbias, the sums of x
         over its rows in fp32 rounded to x's dtype (plain XLA, not fused yet), or None)."""
-        op = f"{type(self).__name__}.quantize"
-        x = jnp.asarray(x)
-        check_high_precision(op, "x", x)
-        axis = _normalize_flatten_axis(op, x, flatten_axis)
-        QuantizeLayout.of(is_rowwise, is_colwise)
-        dq_dtype = jnp.dtype(x.dtype if dq_dtype is None else dq_dtype)
-        x = jax.lax.stop_gradient(x)
+        _, x, axis, dq_dtype = self._checked_input(x, is_rowwise, is_colwise, flatten_axis, dq_dtype)
         if self.mode == ScalingMode.MXFP8_1D_SCALING:
             out = quantize_mxfp8(x, out_dtype=self.q_dtype, rowwise=is_rowwise, colwise=is_colwise,
                                  flatten_axis=axis)
@@ -359,13 +357,7 @@ class NVFP4Quantizer(Quantizer):
         """Returns (NVFP4Tensor1x, or ScaledTensor2x of two; dbias or None)."""
         from lowbit.ops.quantize_nvfp4 import quantize_nvfp4, rht_sign_bits, sr_random_bits
 
-        op = f"{type(self).__name__}.quantize"
-        x = jnp.asarray(x)
-        check_high_precision(op, "x", x)
-        axis = _normalize_flatten_axis(op, x, flatten_axis)
-        QuantizeLayout.of(is_rowwise, is_colwise)
-        dq_dtype = jnp.dtype(x.dtype if dq_dtype is None else dq_dtype)
-        x = jax.lax.stop_gradient(x)
+        op, x, axis, dq_dtype = self._checked_input(x, is_rowwise, is_colwise, flatten_axis, dq_dtype)
         if self.stochastic_rounding and self.key is None:
             raise ValueError(f"{op}: key: stochastic rounding needs a PRNG key (with_key, the dense "
                              "functions' sr_key, or the Flax RNG stream 'sr_rng')")
