@@ -38,6 +38,12 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def rel_err(a, b) -> float:
+    """Relative Frobenius error ||a - b|| / ||b||, in float64."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
 def run_on(device, fn, *args, **kwargs):
     """Runs jit(fn) with its inputs and computation placed on `device`; returns numpy."""
     args = jax.device_put(args, device)

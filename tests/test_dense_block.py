@@ -17,14 +17,11 @@ from cuda_lowering import cuda_gemm_calls
 import lowbit
 from lowbit.quantize import QuantizerFactory
 from lowbit.recipe import Float8BlockScaling, MXFP8BlockScaling, NVFP4BlockScaling
+from conftest import rel_err
 
 RECIPES = [Float8BlockScaling, MXFP8BlockScaling]
 U = 2.0**-24
 
-
-def rel_err(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return np.linalg.norm(a - b) / np.linalg.norm(b)
 
 
 def deq(t):

@@ -15,13 +15,10 @@ import pytest
 from lowbit.dense import dense
 from lowbit.quantize import NVFP4Quantizer, QuantizerFactory, ScaledTensor2x, ScalingMode
 from lowbit.recipe import NVFP4BlockScaling
+from conftest import rel_err
 
 warnings.filterwarnings("ignore", message="lowbit.ops.gemm: NVFP4")
 
-
-def _rel(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return np.linalg.norm(a - b) / np.linalg.norm(b)
 
 
 def _problem(seed=0):
@@ -44,11 +41,11 @@ def test_dense_fwd_bwd_close_to_unquantized(recipe):
                                                  sr_key=key)))
     ref = lambda x, k, b: jnp.sum(jnp.sin(jnp.einsum("bmk,kn->bmn", x, k, precision="highest") + b))  # noqa: E731
     y = dense(x, k, b, contracting_dims=((2,), (0,)), quantizer_set=qs, sr_key=key)
-    assert _rel(y, jnp.einsum("bmk,kn->bmn", x, k, precision="highest") + b) < 0.2
+    assert rel_err(y, jnp.einsum("bmk,kn->bmn", x, k, precision="highest") + b) < 0.2
     got = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(x, k, b)
     want = jax.grad(ref, argnums=(0, 1, 2))(x, k, b)
     for g, w in zip(got, want):
-        assert 0 < _rel(g, w) < tol
+        assert 0 < rel_err(g, w) < tol
 
 
 def test_sr_key_changes_gradients_and_is_required():
@@ -69,7 +66,7 @@ def test_quantizer_makes_scaled_tensors_that_dequantize():
     assert isinstance(t, ScaledTensor2x) and t.shape == x.shape
     assert t.rowwise_tensor.data.dtype == jnp.uint8 and t.colwise_tensor.data.shape == (48, 21)
     for part in (t.rowwise_tensor, t.colwise_tensor):
-        assert part.dequantize().shape == x.shape and _rel(part.dequantize(), x) < 0.15
+        assert part.dequantize().shape == x.shape and rel_err(part.dequantize(), x) < 0.15
     np.testing.assert_allclose(np.asarray(dbias), np.asarray(x.sum(axis=(0, 1))), rtol=1e-5, atol=1e-5)
     jax.jit(lambda t: t.dequantize())(t)  # a pytree through jit
 

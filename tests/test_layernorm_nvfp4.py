@@ -26,6 +26,7 @@ from lowbit.layernorm_dense import layernorm_dense
 from lowbit.layernorm_mlp import layernorm_mlp
 from lowbit.quantize import QuantizerFactory
 from lowbit.recipe import NVFP4BlockScaling
+from conftest import rel_err
 
 pytestmark = pytest.mark.filterwarnings("ignore:lowbit.ops.gemm. NVFP4")  # the emulation notice
 
@@ -34,10 +35,6 @@ PLAIN = NVFP4BlockScaling(disable_rht=True, disable_stochastic_rounding=True, di
 RECIPES = pytest.mark.parametrize("recipe", [FULL, PLAIN], ids=["full", "plain"])
 ACT = ("gelu", "linear")
 
-
-def _rel(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return np.linalg.norm(a - b) / np.linalg.norm(b)
 
 
 def _problem(seed=0):
@@ -81,9 +78,9 @@ def test_layernorm_dense_nvfp4(recipe):
     _assert_close_trees(got, _grads(composed, x, k, gamma, beta))
     tol = 0.3 if recipe.disable_stochastic_rounding else 0.4
     y = layernorm_dense(x, k, gamma, beta, quantizer_set=qs, sr_key=key)
-    assert 0 < _rel(y, layernorm_dense(x, k, gamma, beta)) < 0.2
+    assert 0 < rel_err(y, layernorm_dense(x, k, gamma, beta)) < 0.2
     for g, w in zip(got[1], _grads(ref, x, k, gamma, beta)[1]):
-        assert 0 < _rel(g, w) < tol
+        assert 0 < rel_err(g, w) < tol
 
 
 @RECIPES
@@ -111,7 +108,7 @@ def test_layernorm_mlp_nvfp4(recipe):
     _assert_close_trees(got, _grads(composed, x, gamma, beta, wi, wo))
     tol = 0.4 if recipe.disable_stochastic_rounding else 0.5
     for g, w in zip(got[1], _grads(ref, x, gamma, beta, wi, wo)[1]):
-        assert 0 < _rel(g, w) < tol
+        assert 0 < rel_err(g, w) < tol
 
 
 def test_sr_key_is_required_and_drives_the_mlp_gradients():
@@ -156,6 +153,6 @@ def test_modules_take_the_key_from_the_sr_rng_stream(module):
     want = jax.grad(lambda v: loss(base, v))(variables)
     for a, b, w in zip(jax.tree.leaves(g0), jax.tree.leaves(g1), jax.tree.leaves(want)):
         assert not np.array_equal(np.asarray(a), np.asarray(b))  # the stream drives SR
-        assert 0 < _rel(a, w) < 0.5
+        assert 0 < rel_err(a, w) < 0.5
     with pytest.raises(ValueError, match="sr_rng"):
         jax.grad(lambda v: loss(quant, v))(variables)

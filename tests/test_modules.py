@@ -22,15 +22,12 @@ import lowbit
 from lowbit.flax import OVERWRITE_WITH_GRADIENT
 from lowbit.flax.module import DenseGeneral, LayerNorm, LayerNormDenseGeneral, LayerNormMLP, Softmax
 from lowbit.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling, NVFP4BlockScaling
+from conftest import rel_err
 
 FP8_TOL = 0.08
 B, T, H, F = 2, 8, 32, 64
 OWG = OVERWRITE_WITH_GRADIENT
 
-
-def rel_err(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
 def x_in(seed=0, shape=(B, T, H)):

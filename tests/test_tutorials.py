@@ -23,6 +23,8 @@ import dense_tutorial  # noqa: E402
 import quickstart_jax_utils  # noqa: E402
 import te_integration_layer as tut  # noqa: E402
 
+from conftest import rel_err  # noqa: E402
+
 import lowbit  # noqa: E402
 from lowbit.recipe import (  # noqa: E402
     DelayedScaling,
@@ -35,10 +37,6 @@ from lowbit.recipe import (  # noqa: E402
 RECIPES = [DelayedScaling, Float8CurrentScaling, Float8BlockScaling, MXFP8BlockScaling, NVFP4BlockScaling]
 pytestmark = pytest.mark.filterwarnings("ignore:lowbit.ops.gemm. NVFP4")  # the emulation notice
 
-
-def rel_err(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return np.linalg.norm(a - b) / np.linalg.norm(b)
 
 
 def small_layer(dot_general_cls=lambda: None):
