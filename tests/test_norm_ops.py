@@ -76,6 +76,26 @@ def assert_y_close(y, ref_y, dtype):
         assert np.all(np.abs(y - ref) <= tol), float(np.max(np.abs(y - ref) / tol))
 
 
+def assert_forward_matches(g, c, norm_type, dtype, hidden, copies):
+    """CUDA forward outputs g against the CPU ones c: statistics within stat_rtol, y within
+    assert_y_close, FP8 codes at most one code apart (<= 0.1% of them), amax within 2 rtol.
+    `copies`: the FP8 outputs that must exist ("q_rowwise", "q_colwise"); amax with them."""
+    rtol = stat_rtol(hidden)
+    np.testing.assert_allclose(g.rsigma, c.rsigma, rtol=rtol)
+    if norm_type == "layernorm":
+        np.testing.assert_allclose(g.mu, c.mu, rtol=rtol, atol=rtol)
+    assert_y_close(g.y, c.y.astype(np.float32), dtype)
+    for name in copies:
+        assert getattr(c, name) is not None and c.amax is not None, name
+    for a, b in ((g.q_rowwise, c.q_rowwise), (g.q_colwise, c.q_colwise)):
+        assert (a is None) == (b is None)
+        if b is not None:
+            d = code_distance(a, b)
+            assert d.max() <= 1 and (d > 0).mean() <= 1e-3
+    if c.amax is not None:
+        np.testing.assert_allclose(g.amax, c.amax, rtol=2 * rtol)
+
+
 def code_distance(a, b):
     """|a - b| in codes for fp8 arrays (sign-magnitude order)."""
     def ordered(q):
@@ -434,16 +454,8 @@ GPU_FWD_SHAPES = GPU_SHAPES + [(1040, 4096), (1028, 2048), (96, 8192), (64, 1638
 @pytest.mark.parametrize("shape", GPU_FWD_SHAPES, ids=str)
 def test_cuda_forward_equals_cpu(norm_type, dtype, shape, rng, cpu, gpu):
     x, gamma, beta, fwd = _gpu_case(norm_type, dtype, shape, rng)
-    g, c = run_on(gpu, fwd, x, gamma, beta), run_on(cpu, fwd, x, gamma, beta)
-    rtol = stat_rtol(shape[-1])
-    np.testing.assert_allclose(g.rsigma, c.rsigma, rtol=rtol)
-    if norm_type == "layernorm":
-        np.testing.assert_allclose(g.mu, c.mu, rtol=rtol, atol=rtol)
-    assert_y_close(g.y, c.y.astype(np.float32), dtype)
-    for a, b in ((g.q_rowwise, c.q_rowwise), (g.q_colwise, c.q_colwise)):
-        d = code_distance(a, b)
-        assert d.max() <= 1 and (d > 0).mean() <= 1e-3
-    np.testing.assert_allclose(g.amax, c.amax, rtol=2 * rtol)
+    assert_forward_matches(run_on(gpu, fwd, x, gamma, beta), run_on(cpu, fwd, x, gamma, beta),
+                           norm_type, dtype, shape[-1], ("q_rowwise", "q_colwise"))
 
 
 @pytest.mark.gpu
@@ -500,19 +512,9 @@ def test_cuda_forward_tuning_variants(variant, norm_type, dtype, shape, rng, cpu
     for kw in (dict(quant_scale=np.float32(40.0), colwise=True),
                dict(quant_scale=np.float32(40.0)), {}):
         fwd = lambda x, g, b: norm_forward(x, g, b, norm_type=norm_type, **kw)  # noqa: E731
-        g, c = run_on(gpu, fwd, x, gamma, beta), run_on(cpu, fwd, x, gamma, beta)
-        rtol = stat_rtol(shape[-1])
-        np.testing.assert_allclose(g.rsigma, c.rsigma, rtol=rtol)
-        if norm_type == "layernorm":
-            np.testing.assert_allclose(g.mu, c.mu, rtol=rtol, atol=rtol)
-        assert_y_close(g.y, c.y.astype(np.float32), dtype)
-        for a, b in ((g.q_rowwise, c.q_rowwise), (g.q_colwise, c.q_colwise)):
-            assert (a is None) == (b is None)
-            if b is not None:
-                d = code_distance(a, b)
-                assert d.max() <= 1 and (d > 0).mean() <= 1e-3
-        if c.amax is not None:
-            np.testing.assert_allclose(g.amax, c.amax, rtol=2 * rtol)
+        assert_forward_matches(run_on(gpu, fwd, x, gamma, beta), run_on(cpu, fwd, x, gamma, beta),
+                               norm_type, dtype, shape[-1],
+                               ("q_rowwise",) * ("quant_scale" in kw) + ("q_colwise",) * bool(kw.get("colwise")))
 
 
 @pytest.mark.gpu
