@@ -62,9 +62,9 @@ def xla_fn(rowwise, colwise, dbias):
     return f
 
 
-# Tile variants --variants times by default: the default (128-row tiles) first, then 64-row tiles, a
-# third stage, and banded tile orders (bands of 16 x 64 rows or 8 x 128 rows).
-DEFAULT_VARIANTS = ["r128s2", "r64s2", "r64s3", "r128s2b8", "r64s2b16", "r64s3b16"]
+# Tile variants --variants times by default: the default (128-row tiles) first, then L2 prefetch
+# 1 or 2 tiles further ahead, 256-row tiles (256-byte colwise segments), 64-row tiles with 3 stages.
+DEFAULT_VARIANTS = ["r128s2", "r128s2p1", "r128s2p2", "r256s2", "r256s2p1", "r64s3p1"]
 VARIANT_ENV = "LOWBIT_QUANTIZE_TILE_VARIANT"
 ROWS_MARK = "BENCH_ROWS_JSON "
 

@@ -248,6 +248,22 @@ __device__ __forceinline__ void CopyAsyncWait() {
 #endif
 }
 
+// Asks L2 to fetch the 128-byte lines of a tile's rows (in-range lines only; PTX
+// prefetch.global.L2, a hint with no result). The cp.async copies of that tile, issued
+// steps later, then find the data in L2: more bytes in flight from DRAM than the shared
+// memory stages alone can hold.
+template <typename T, int kRows>
+__device__ __forceinline__ void PrefetchTileL2(const T* __restrict__ x_tile, int64_t cols, int rows_left,
+                                               int cols_left) {
+  constexpr int kLinesPerRow = kTileCols * int(sizeof(T)) / 128;  // 2 (16-bit x) or 4 (f32)
+  for (int i = threadIdx.x; i < kRows * kLinesPerRow; i += blockDim.x) {
+    const int row = i / kLinesPerRow, col = (i % kLinesPerRow) * (128 / int(sizeof(T)));
+    if (row < rows_left && col < cols_left) {
+      asm volatile("prefetch.global.L2 [%0];" ::"l"(x_tile + row * cols + col));
+    }
+  }
+}
+
 // Stores 16 codes (`words`, little-endian) at dst, of which the first `valid` are in range:
 // one 16-byte store where dst allows it, else 8-, 4- or 1-byte stores.
 __device__ __forceinline__ void StoreCodes16(uint8_t* dst, const uint32_t (&words)[4], int valid) {
@@ -409,7 +425,7 @@ __global__ void __launch_bounds__(TileShape<typename Tag::Storage, kRows, kStage
     QuantizeTiledKernel(const typename Tag::Storage* __restrict__ x, int64_t rows, int64_t cols,
                         const float* __restrict__ scale_ptr, uint8_t* __restrict__ rowwise,
                         uint8_t* __restrict__ colwise, uint32_t* __restrict__ amax,
-                        float* __restrict__ partials, uint32_t band) {
+                        float* __restrict__ partials, uint32_t band, uint32_t l2_ahead) {
   using T = typename Tag::Storage;
   using Shape = TileShape<T, kRows, kStages>;
   extern __shared__ __align__(128) uint8_t smem[];
@@ -451,6 +467,13 @@ __global__ void __launch_bounds__(TileShape<typename Tag::Storage, kRows, kStage
     if (have) {
       const uint64_t ahead = uint64_t(tile) + uint64_t(kStages - 1) * gridDim.x;
       if (ahead < tiles) load(uint32_t(ahead), (stage + kStages - 1) % kStages);
+      // L2 prefetch of the tile l2_ahead steps after that one (once per tile: the prologue
+      // covers none, so the first l2_ahead loads go to DRAM directly).
+      const uint64_t far = ahead + uint64_t(l2_ahead) * gridDim.x;
+      if (l2_ahead != 0 && far < tiles) {
+        const TileOrigin o = tile_at(uint32_t(far));
+        PrefetchTileL2<T, kRows>(x + o.r0 * cols + o.c0, cols, o.rows_left, o.cols_left);
+      }
     }
     CopyAsyncCommit();
 
@@ -598,9 +621,10 @@ __global__ void DbiasFinalizeKernel(const float* __restrict__ partials, int64_t 
 
 // The tiled kernel's tuning knobs (quantize.h, LOWBIT_QUANTIZE_TILE_VARIANT).
 struct TileVariant {
-  int rows = 128;   // tile height: 64 (256 threads) or 128 (512 threads, the default)
+  int rows = 128;   // tile height: 64, 128 (the default) or 256 (4 threads per tile row)
   int stages = 2;   // input stages: 2 or 3
   int band = 0;     // 0: row-major tile order; else bands of `band` tile rows
+  int l2_ahead = 0; // > 0: L2 prefetch of the tile this many steps beyond the staged one
 };
 
 Status ParseTileVariant(TileVariant* v) {
@@ -608,19 +632,28 @@ Status ParseTileVariant(TileVariant* v) {
   if (env == nullptr || *env == '\0') return Status::Ok();
   int rows = 0, stages = 0, band = 0, used = 0;
   const int n = std::sscanf(env, "r%ds%d%n", &rows, &stages, &used);
-  bool ok = n == 2 && ((rows == 64 && (stages == 2 || stages == 3)) || (rows == 128 && stages == 2));
-  if (ok && env[used] != '\0') {
+  bool ok = n == 2 && ((rows == 64 && (stages == 2 || stages == 3)) || ((rows == 128 || rows == 256) && stages == 2));
+  if (ok && env[used] == 'b') {
     int more = 0;
-    ok = std::sscanf(env + used, "b%d%n", &band, &more) == 1 && env[used + more] == '\0' && band >= 1 &&
-         band <= 4096;
+    ok = std::sscanf(env + used, "b%d%n", &band, &more) == 1 && band >= 1 && band <= 4096;
+    used += more;
   }
+  int l2_ahead = 0;
+  if (ok && env[used] == 'p') {
+    int more = 0;
+    ok = std::sscanf(env + used, "p%d%n", &l2_ahead, &more) == 1 && l2_ahead >= 0 && l2_ahead <= 8;
+    used += more;
+  }
+  ok = ok && env[used] == '\0';
   if (!ok) {
     return Status::InvalidArgument(std::string(kQuantizeOp) + ": " + kTileVariantEnv + "=\"" + env +
-                                   "\": expected r64s2, r64s3 or r128s2, optionally followed by b<1..4096>");
+                                   "\": expected r64s2, r64s3, r128s2 or r256s2, optionally followed by "
+                                   "b<1..4096>, then optionally p<0..8>");
   }
   v->rows = rows;
   v->stages = stages;
   v->band = band;
+  v->l2_ahead = l2_ahead;
   return Status::Ok();
 }
 
@@ -644,7 +677,7 @@ Status LaunchTiled(const QuantizeFp8Args& a, float* partials, const TileVariant&
   const int blocks = GridStrideBlocks(tiles * Shape::kThreads, Shape::kThreads, per_sm > 0 ? per_sm : 1);
   kernel<<<blocks, Shape::kThreads, Shape::kSmemBytes, stream>>>(
       static_cast<const T*>(a.x), a.rows, a.cols, a.scale, a.rowwise, a.colwise,
-      reinterpret_cast<uint32_t*>(a.amax), partials, uint32_t(v.band));
+      reinterpret_cast<uint32_t*>(a.amax), partials, uint32_t(v.band), uint32_t(v.l2_ahead));
   return LaunchStatus(kQuantizeOp);
 }
 
@@ -662,6 +695,9 @@ Status LaunchTiledVariant(const QuantizeFp8Args& a, float* partials, const TileV
     LOWBIT_RETURN_IF_ERROR(CudaStatus(cudaGetDevice(&device), kQuantizeOp, "cudaGetDevice"));
     LOWBIT_RETURN_IF_ERROR(CudaStatus(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device),
                                       kQuantizeOp, "cudaDeviceGetAttribute"));
+    if (v.rows == 256 && TileShape<T, 256, 2>::kSmemBytes <= optin) {
+      return LaunchTiled<Tag, Fmt, kVectorIO, 256, 2>(a, partials, v, stream, tile_rows);
+    }
     if (v.rows == 128 && TileShape<T, 128, 2>::kSmemBytes <= optin) {
       return LaunchTiled<Tag, Fmt, kVectorIO, 128, 2>(a, partials, v, stream, tile_rows);
     }
