@@ -500,9 +500,8 @@ FWD_VARIANTS = ["items=8", "items=8,stages=2", "items=16,stages=3", "items=16,st
                 "colblock=256,stages=4", "colblock=1024,stages=3", "coltile=32", "coltile=16",
                 "coltile=8", "coltile=4,colblock=1024", "items=8,coltile=8",
                 "colspan=32,colorder=0,colsplit=0,l1keep=0", "colspan=32,coltile=8", "colspan=64",
-                "colspan=64,colorder=0,coltile=16", "colspan=128,colorder=0,colsplit=0",
-                "colspan=128,colsplit=0,coltile=4", "colspan=64,colsplit=0,colblock=1024",
-                "l1keep=0", "l1keep=0,colorder=0"]
+                "colspan=64,colorder=0,coltile=16", "colspan=128,colsplit=0,coltile=4",
+                "colsplit=0,colblock=1024", "l1keep=0,colorder=0"]
 FWD_VARIANT_SHAPES = [(3, 200), (272, 128), (257, 1000), (1040, 4096), (333, 8192), (80, 8192),
                       (65, 16384)]
 
