@@ -233,9 +233,9 @@ __device__ __forceinline__ void EncodeFp8Words(const float (&y)[kVec], float sca
 // per_tile = tile_rows / groups, rank = the block's rank in its cluster, tile(s) the
 // cluster's s-th cluster tile: t_begin + s (contiguous ranges) or cluster_id + s * clusters
 // (interleaved); a cluster tile's rows split into one block tile per rank, a block tile's
-// rows interleaved over the groups. Every group of every block of a cluster runs the same number
-// of iterations (rows past the end are masked), so a tile ends for the whole cluster at once
-// (the colwise barriers).
+// rows interleaved over the groups. Every group of every block of a cluster runs the same
+// number of iterations (rows past the end are masked), so a tile ends for the whole
+// cluster at once (the colwise barriers).
 template <typename Tag, int kChunks, bool kVectorized, bool kQuant, bool kColwise>
 __global__ void __launch_bounds__(1024) NormForwardKernel(FwdParams p) {
   using T = typename Tag::Storage;
@@ -585,8 +585,8 @@ Status Launch(const NormForwardArgs& a, const NormFwdTuning& tune, GpuStream str
       auto fits_two = [&](int rows) {
         const int64_t need = 2 * (smem_for(rows) + kStaticUsed + 1024);
         const int64_t carve = CarveoutFor(need, sm_smem);
-        return smem_for(rows) <= half &&
-               (!l1keep || (carve >= 0 && int64_t(sm_smem) + kL1Floor - carve >= param_bytes + 8 * 1024));
+        const int64_t l1 = int64_t(sm_smem) + kL1Floor - carve;
+        return smem_for(rows) <= half && (!l1keep || (carve >= 0 && l1 >= param_bytes + 8 * 1024));
       };
       while (tile_rows > 4 && !fits_two(tile_rows)) tile_rows /= 2;
       if (!fits_two(tile_rows) && smem_for(tile_rows) > half) {
@@ -634,18 +634,20 @@ Status Launch(const NormForwardArgs& a, const NormFwdTuning& tune, GpuStream str
   const size_t smem = size_t(smem_of());
 
   auto launch = [&](auto kernel) -> Status {
+    // The carveout hint (colwise, l1keep) is per kernel and sticky: back to the default
+    // first, so that a hint set for another shape does not lower this one's occupancy.
+    auto set_carveout = [&](int percent) {
+      return CudaStatus(
+          cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, percent),
+          kOp, "cudaFuncSetAttribute(PreferredSharedMemoryCarveout)");
+    };
+    if (colwise) LOWBIT_RETURN_IF_ERROR(set_carveout(-1));  // cudaSharedmemCarveoutDefault
     int per_sm = 0;
     LOWBIT_RETURN_IF_ERROR(PrepareLaunch(kernel, threads, smem, kOp, &per_sm));
-    if (colwise) {  // a hint (rounded up to a carveout the GPU has); set on every launch
-      int carveout = -1;  // cudaSharedmemCarveoutDefault
-      if (l1keep && sm_smem > 0) {  // percent of the maximum; the driver rounds up
-        const int64_t carve =
-            CarveoutFor(int64_t(per_sm) * (int64_t(smem) + kStaticUsed + 1024), sm_smem);
-        if (carve >= 0) carveout = int(carve * 100 / sm_smem);
-      }
-      LOWBIT_RETURN_IF_ERROR(CudaStatus(
-          cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, carveout),
-          kOp, "cudaFuncSetAttribute(PreferredSharedMemoryCarveout)"));
+    if (l1keep && sm_smem > 0) {  // percent of the maximum; the driver rounds it up
+      const int64_t carve =
+          CarveoutFor(int64_t(per_sm) * (int64_t(smem) + kStaticUsed + 1024), sm_smem);
+      if (carve >= 0) LOWBIT_RETURN_IF_ERROR(set_carveout(int(carve * 100 / sm_smem)));
     }
     // Clusters of more than 8 blocks (non-portable) where the GPU allows them; a cluster
     // that does not fit is halved (shorter column segments, same results).
