@@ -13,7 +13,8 @@ per-row or per-column, negligible at these shapes, and are not counted).
 
 --variants times the two forward cases once per LOWBIT_NORM_FWD_VARIANT setting (the
 forward launcher's tuning knob, csrc/norm/norm_plan.h: items per thread, cp.async row
-stages, block sizes, colwise block tile / cluster), each in its own subprocess, and prints
+stages, block sizes, colwise block tile, column segment length / cluster, tile order,
+barrier split), each in its own subprocess, and prints
 one table (XLA alongside);
 --variants "items=8;items=16,stages=4" times the given ';'-separated settings instead.
 """
@@ -75,9 +76,12 @@ def make_lowbit_bwd(x, gamma, beta):
 
 
 # Launch-tuning settings timed by --variants ("" = the built-in defaults).
-VARIANTS = ["", "stages=3", "items=8", "items=16,block=1024", "colblock=1024",
-            "colblock=256", "coltile=32", "coltile=16", "coltile=8", "coltile=4",
-            "colblock=1024,coltile=8", "colblock=1024,coltile=16"]
+# The colwise path before colspan/colorder/colsplit/l1keep: LEGACY_COLWISE.
+LEGACY_COLWISE = "colspan=32,colorder=0,colsplit=0,l1keep=0"
+VARIANTS = ["", LEGACY_COLWISE, "l1keep=0", "colspan=32", "colspan=64", "colorder=0",
+            "colsplit=0", "colspan=128,colorder=0,colsplit=0", "colspan=32,l1keep=0",
+            "colspan=64,l1keep=0", "colspan=64,coltile=8", "coltile=8", "stages=3", "items=8",
+            "colblock=1024", "colblock=256"]
 
 
 def run(rows: int, hidden: int, dtype, copy_bw: float, iters: int,

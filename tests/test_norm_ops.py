@@ -487,16 +487,23 @@ def test_cuda_forward_variants(variant, rng, cpu, gpu):
 
 # The forward's launch tuning (LOWBIT_NORM_FWD_VARIANT, csrc/norm/norm_plan.h; benchmarked
 # by bench/bench_norm.py --variants): every variant must agree with the CPU reference like
-# the default. Shapes: one- and two-chunk rows, masked lanes (1000), one-warp rows (200),
-# rows spread thinly over blocks; colwise: 32-row tiles of one block (coltile=32) or of a
-# cluster of 2, 4, 8 blocks reading each other's codes (coltile=16, 8, 4), with 16-byte
-# column stores (rows % 16 == 0: 1040 and 80, whose last tile has 16 rows), 4-byte stores
-# or bytes (333, 257, 65 rows).
+# the default. Shapes: one- and two-chunk rows, masked lanes (1000), one-warp rows (200,
+# 128), rows spread thinly over blocks; colwise: column segments of 32, 64 or 128 rows
+# (colspan) from one block or a cluster of up to 16 blocks reading each other's codes
+# (coltile=32, 16, 8, 4; 4 with colspan=128 is capped at 16 blocks, 64 rows), cluster tiles
+# contiguous or interleaved over the clusters (colorder), the barrier after the transposed
+# stores whole or split (colsplit), block tiles chosen to leave L1 to gamma/beta or not
+# (l1keep); 16-byte column stores (rows % 16 == 0: 1040, 272 and 80,
+# whose last tiles have 16 or 80 rows), 4-byte stores or bytes (333, 257, 65 rows).
 FWD_VARIANTS = ["items=8", "items=8,stages=2", "items=16,stages=3", "items=16,stages=4",
                 "stages=1", "items=16,block=256", "items=16,block=1024", "items=8,colblock=512",
                 "colblock=256,stages=4", "colblock=1024,stages=3", "coltile=32", "coltile=16",
-                "coltile=8", "coltile=4,colblock=1024", "items=8,coltile=8"]
-FWD_VARIANT_SHAPES = [(3, 200), (257, 1000), (1040, 4096), (333, 8192), (80, 8192), (65, 16384)]
+                "coltile=8", "coltile=4,colblock=1024", "items=8,coltile=8",
+                "colspan=32,colorder=0,colsplit=0,l1keep=0", "colspan=32,coltile=8", "colspan=64",
+                "colspan=64,colorder=0,coltile=16", "colspan=128,colsplit=0,coltile=4",
+                "colsplit=0,colblock=1024", "l1keep=0,colorder=0"]
+FWD_VARIANT_SHAPES = [(3, 200), (272, 128), (257, 1000), (1040, 4096), (333, 8192), (80, 8192),
+                      (65, 16384)]
 
 
 @pytest.mark.gpu

@@ -19,14 +19,19 @@
 // Colwise: the codes of a block tile (tile_rows rows) are staged in shared memory
 // ([tile_rows][stride] bytes after the row stages, stride = hidden rounded up to 16, + 4 so
 // that stride / 4 is odd and the transposing reads are bank-conflict free), then written
-// transposed in 32-row column segments (full 32-byte sectors; 16-byte halves written apart
-// in time cost HBM read-modify-writes, 2x slower on H100): each thread takes 4 columns x 16
-// (or 4) rows, transposes 4x4 byte blocks with byte permutes and stores 16 (4) contiguous
-// bytes per column, neighbouring threads the two halves of a segment. Where 32 rows of
-// codes do not fit beside the stages (or would leave one block per SM: hidden >= ~2500
-// bf16), a cluster of 32 / tile_rows blocks (sm_90+) takes consecutive block tiles and
-// each block writes a share of the columns of all 32 rows, reading its peers' codes
-// through distributed shared memory between two cluster barriers.
+// transposed in column segments of `span` rows (colspan: 32, 64 or 128; whole 32-byte
+// sectors at least: 16-byte halves written apart in time cost HBM read-modify-writes, 2x
+// slower on H100): each thread takes 4 columns x 16 (or 4) rows, transposes 4x4 byte
+// blocks with byte permutes and stores 16 (4) contiguous bytes per column, span / 16
+// neighbouring threads one whole segment. A cluster of span / tile_rows blocks (sm_90+, up
+// to 16) takes consecutive block tiles (one cluster tile) and each block writes a share of
+// the columns of all span rows, reading its peers' codes through distributed shared memory
+// between two cluster barriers: a whole one before (every block's codes are staged) and
+// one after (no block restages or exits while peers read), split (colsplit) into an arrive
+// right after the stores and a wait before the next tile's first codes are staged, so the
+// next row's loads and sums overlap it. Cluster tiles go to clusters in contiguous ranges
+// or interleaved (colorder), so neighbouring segments of a 128-byte line are written at
+// about the same time.
 // Tuning (items per thread, stages, block sizes): NormFwdTuning in norm_plan.h, overridable
 // through LOWBIT_NORM_FWD_VARIANT for benchmarks.
 #include <cooperative_groups.h>
@@ -50,8 +55,12 @@ namespace {
 using namespace norm_cuda;
 
 constexpr const char* kOp = "lowbit_norm_forward";
-constexpr int kMaxTileRows = 32;  // 32-byte column segments
+constexpr int kMaxTileRows = 32;  // block tile rows without clusters, and the coltile knob's
+constexpr int kMaxSpan = 128;     // rows per cluster tile: 128-byte column segments
+constexpr int kMaxCluster = 16;   // blocks per cluster (non-portable above 8, sm_90)
 constexpr int kStaticSmem = 1024; // partial sums and BlockMaxU32, rounded up
+constexpr int kStaticUsed = 512;   // the static bytes used (384: partial, BlockMaxU32), rounded
+constexpr int kL1Floor = 28 * 1024;  // L1 left at the largest carveout (sm_80..sm_100)
 
 struct FwdParams {
   const void* x;
@@ -72,6 +81,8 @@ struct FwdParams {
   int tile_rows_log2;
   int cluster;          // blocks per cluster (colwise, sm_90+; else 1): a cluster tile is
   int cluster_log2;     // `cluster` consecutive block tiles, one per block of the cluster
+  bool interleave;      // cluster tiles interleaved over the clusters, else contiguous
+  bool split_sync;      // colwise: the barrier after the transposed stores split in two
   int per_tile_log2;    // log2(rows of one group per tile)
   int tile_stride;      // bytes per staged row of codes (colwise)
   int stages;           // row stages in shared memory (vectorized path), >= 1
@@ -116,6 +127,24 @@ __device__ __forceinline__ void TileSync(const FwdParams& p) {
   __syncthreads();
 }
 
+// The barrier after the transposed stores, split (colsplit): TileArrive right after them,
+// TileWait before the block stages the next tile's codes (or exits). Release/acquire: the
+// peers' reads of this block's codes are performed before the wait returns.
+__device__ __forceinline__ void TileArrive(const FwdParams& p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if (p.cluster > 1) asm volatile("barrier.cluster.arrive.release;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void TileWait(const FwdParams& p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if (p.cluster > 1) {
+    asm volatile("barrier.cluster.wait.acquire;" ::: "memory");
+    return;
+  }
+#endif
+  __syncthreads();
+}
+
 // Writes kG rows x 4 columns (rows rs.., columns c..) of the staged cluster tile to q_col
 // rows r0 + rs.., as kG contiguous bytes per column (one 16- or 4-byte store). A 4-row
 // block lies in one block's tile (tile_rows >= 4).
@@ -146,8 +175,9 @@ __device__ __forceinline__ void WriteColumnBlock(const FwdParams& p, const uint8
 }
 
 // Writes the staged cluster tile rows [r0, r0 + n) transposed into q_col (hidden x rows);
-// the blocks of a cluster take interleaved shares of the column blocks. Threads i and i + 1
-// write the two 16-byte halves of a 32-row column segment: one full 32-byte sector.
+// the blocks of a cluster take interleaved shares of the column blocks. Threads i .. i +
+// span / 16 - 1 write the 16-byte pieces of one span-row column segment (a full tile), so
+// each store instruction covers whole segments of 32, 64 or 128 bytes.
 __device__ __forceinline__ void WriteTransposed(const FwdParams& p, const uint8_t* tile, int64_t r0, int n) {
   const int h = p.hidden;
   const int span_log2 = p.tile_rows_log2 + p.cluster_log2;
@@ -199,12 +229,13 @@ __device__ __forceinline__ void EncodeFp8Words(const float (&y)[kVec], float sca
 }
 
 // Iteration k of row group `group` of a block handles row
-//   ((t_begin + k / per_tile) * cluster + rank) * tile_rows + group + (k % per_tile) * groups,
-// per_tile = tile_rows / groups, rank = the block's rank in its cluster: the cluster's tiles
-// in order, a cluster tile's rows split into one block tile per rank, a block tile's rows
-// interleaved over the groups. Every group of every block of a cluster runs the same number
-// of iterations (rows past the end are masked), so a tile ends for the whole cluster at once
-// (the colwise barriers).
+//   (tile(k / per_tile) * cluster + rank) * tile_rows + group + (k % per_tile) * groups,
+// per_tile = tile_rows / groups, rank = the block's rank in its cluster, tile(s) the
+// cluster's s-th cluster tile: t_begin + s (contiguous ranges) or cluster_id + s * clusters
+// (interleaved); a cluster tile's rows split into one block tile per rank, a block tile's
+// rows interleaved over the groups. Every group of every block of a cluster runs the same
+// number of iterations (rows past the end are masked), so a tile ends for the whole
+// cluster at once (the colwise barriers).
 template <typename Tag, int kChunks, bool kVectorized, bool kQuant, bool kColwise>
 __global__ void __launch_bounds__(1024) NormForwardKernel(FwdParams p) {
   using T = typename Tag::Storage;
@@ -237,14 +268,20 @@ __global__ void __launch_bounds__(1024) NormForwardKernel(FwdParams p) {
   // 32-bit row arithmetic: the launcher keeps rows + tile_rows below 2^31.
   const int rank = blockIdx.x & (p.cluster - 1);
   const int clusters = gridDim.x >> p.cluster_log2, cluster_id = blockIdx.x >> p.cluster_log2;
-  const int t_begin = int(int64_t(cluster_id) * p.tiles / clusters);
-  const int t_end = int(int64_t(cluster_id + 1) * p.tiles / clusters);
-  const int iters = (t_end - t_begin) << p.per_tile_log2;
+  int t_begin = cluster_id, t_step = clusters, my_tiles;  // interleaved
+  if (p.interleave) {
+    my_tiles = int((p.tiles - cluster_id + clusters - 1) / clusters);
+  } else {
+    t_begin = int(int64_t(cluster_id) * p.tiles / clusters);
+    my_tiles = int(int64_t(cluster_id + 1) * p.tiles / clusters) - t_begin;
+    t_step = 1;
+  }
+  const int iters = my_tiles << p.per_tile_log2;
   const int per_tile_mask = (1 << p.per_tile_log2) - 1;
+  auto tile_of = [&](int k) { return t_begin + (k >> p.per_tile_log2) * t_step; };
   auto row_in_tile = [&](int k) { return group + (k & per_tile_mask) * groups; };
   auto row_of = [&](int k) {
-    return ((((t_begin + (k >> p.per_tile_log2)) << p.cluster_log2) + rank) << p.tile_rows_log2) +
-           row_in_tile(k);
+    return (((tile_of(k) << p.cluster_log2) + rank) << p.tile_rows_log2) + row_in_tile(k);
   };
   auto first_elem = [&](int j) { return (j * tpr + lane) * kVec; };
 
@@ -346,6 +383,11 @@ __global__ void __launch_bounds__(1024) NormForwardKernel(FwdParams p) {
     sq = RowGroupSum(sq, partial[parity], group, groups, tpr);
     parity ^= 1;
     const float rsigma = NormRsigma(Fp32Div(sq, hidden_f), p.epsilon);
+    if constexpr (kColwise) {
+      // Split barrier: every thread waits here (uniform) before the first codes of a new
+      // tile are staged, i.e. after the peers have read the previous tile's codes.
+      if (p.split_sync && k > 0 && (k & per_tile_mask) == 0) TileWait(p);
+    }
     if (row_ok && lane == 0) {
       if (p.layernorm) p.mu[r] = mu;
       p.rsigma[r] = rsigma;
@@ -421,19 +463,37 @@ __global__ void __launch_bounds__(1024) NormForwardKernel(FwdParams p) {
     }
     if constexpr (kColwise) {
       if ((int(k) & per_tile_mask) == per_tile_mask) {  // the tile's last rows: every group is here
-        TileSync(p);
+        TileSync(p);  // every block's codes of the tile are staged and visible
         const int span_log2 = p.tile_rows_log2 + p.cluster_log2;
-        const int r0 = (t_begin + (k >> p.per_tile_log2)) << span_log2;
+        const int r0 = tile_of(k) << span_log2;
         const int left = int(p.rows) - r0;
         WriteTransposed(p, tile, r0, left < (1 << span_log2) ? left : 1 << span_log2);
-        TileSync(p);  // no block rewrites its tile while the cluster reads it, or exits
+        // No block rewrites its tile while the cluster reads it, or exits.
+        if (p.split_sync) {
+          TileArrive(p);
+        } else {
+          TileSync(p);
+        }
       }
     }
+  }
+  if constexpr (kColwise) {
+    if (p.split_sync && iters > 0) TileWait(p);  // the last tile's arrive
   }
   if (p.amax_bits != nullptr) {
     amax_bits = BlockMaxU32(amax_bits);
     if (threadIdx.x == 0 && amax_bits != 0) atomicMax(p.amax_bits, amax_bits);
   }
+}
+
+// The smallest shared memory carveout (bytes) of sm_80..sm_100 (0, 8, 16, 32, 64, 100, 132,
+// 164, 196, 228 KB, up to the SM's maximum) that holds `need` bytes; -1 if none does.
+int64_t CarveoutFor(int64_t need, int64_t sm_smem) {
+  for (int kb : {0, 8, 16, 32, 64, 100, 132, 164, 196, 228}) {
+    if (int64_t(kb) * 1024 > sm_smem) break;
+    if (int64_t(kb) * 1024 >= need) return int64_t(kb) * 1024;
+  }
+  return -1;
 }
 
 int Log2(int v) {
@@ -496,22 +556,41 @@ Status Launch(const NormForwardArgs& a, const NormFwdTuning& tune, GpuStream str
                                       "cudaDeviceGetAttribute"));
   }
   const int64_t max_dynamic = int64_t(max_smem) - kStaticSmem;
-  // Colwise: 32-row column segments (full 32-byte sectors: 16-byte halves written apart in
-  // time cost HBM read-modify-writes and doubled the kernel's time on H100). A block stages
-  // tile_rows rows of codes; a cluster of 32 / tile_rows blocks (sm_90+) writes a 32-row
-  // tile. Auto: the largest block tile that lets two blocks share an SM, else the largest
-  // that fits. Without clusters tiles are 32 rows where they fit (else 16 and down, slow).
+  // Colwise: column segments of `span` = colspan rows (32, 64 or 128 bytes per column
+  // store; 16-byte halves of a sector written apart in time cost HBM read-modify-writes and
+  // doubled the kernel's time on H100). A block stages tile_rows rows of codes; a cluster
+  // of span / tile_rows blocks (sm_90+, at most 16) writes a span-row tile. Auto: the
+  // largest block tile (up to span) that lets two blocks share an SM, else the largest that
+  // fits. Without clusters tiles are min(span, 32) rows where they fit (else 16 and down).
+  // l1keep: the colwise kernel reloads gamma (and beta) per row through L1, which is what
+  // the shared memory leaves of the unified L1/shared storage (sm_smem + 28 KB on sm_80..
+  // sm_100); two blocks of the largest tile left too little (28 KB at 8192, whose f32
+  // gamma + beta are 64 KB: every row read them from L2). So the two blocks' tiles are
+  // chosen to leave the parameters + 8 KB of L1, and the carveout is set to the smallest
+  // that holds the resident blocks.
   const bool clusters = colwise && major >= 9 && cluster_launch != 0;
+  const int64_t param_bytes =
+      a.hidden * (p.gamma_f32 ? 4 : int64_t(sizeof(T))) * (p.layernorm ? 2 : 1);
+  const bool l1keep = colwise && tune.l1keep == 1;
+  const int span = tune.colspan;
   int tile_rows = groups;
   if (colwise) {
-    tile_rows = kMaxTileRows;
+    tile_rows = clusters ? span : (span < kMaxTileRows ? span : kMaxTileRows);
     if (tune.coltile != 0 && clusters) {
       tile_rows = tune.coltile;
     } else if (clusters) {
-      const int64_t half = int64_t(sm_smem) / 2 - 1024 - kStaticSmem;  // 1 KB reserved per block
-      while (tile_rows > 4 && smem_for(tile_rows) > half) tile_rows /= 2;
-      if (smem_for(tile_rows) > half) {
-        tile_rows = kMaxTileRows;
+      // Two blocks per SM (1 KB reserved per block), with l1keep in a carveout that leaves
+      // the parameters + 8 KB of L1.
+      const int64_t half = int64_t(sm_smem) / 2 - 1024 - kStaticSmem;
+      auto fits_two = [&](int rows) {
+        const int64_t need = 2 * (smem_for(rows) + kStaticUsed + 1024);
+        const int64_t carve = CarveoutFor(need, sm_smem);
+        const int64_t l1 = int64_t(sm_smem) + kL1Floor - carve;
+        return smem_for(rows) <= half && (!l1keep || (carve >= 0 && l1 >= param_bytes + 8 * 1024));
+      };
+      while (tile_rows > 4 && !fits_two(tile_rows)) tile_rows /= 2;
+      if (!fits_two(tile_rows) && smem_for(tile_rows) > half) {
+        tile_rows = span;
         while (tile_rows > 4 && smem_for(tile_rows) > max_dynamic) tile_rows /= 2;
       }
     }
@@ -538,48 +617,77 @@ Status Launch(const NormForwardArgs& a, const NormFwdTuning& tune, GpuStream str
     if (groups > tile_rows) groups = tile_rows;
     if (!colwise) tile_rows = groups;
   }
-  const int cluster = clusters ? kMaxTileRows / tile_rows : 1;
   p.tile_rows = tile_rows;
   p.tile_rows_log2 = Log2(tile_rows);
   p.per_tile_log2 = Log2(tile_rows / groups);
-  p.cluster = cluster;
-  p.cluster_log2 = Log2(cluster);
   p.stages = stages;
-  p.tiles = (a.rows + int64_t(tile_rows) * cluster - 1) / (int64_t(tile_rows) * cluster);
+  p.interleave = colwise && tune.colorder == 1;
+  p.split_sync = colwise && tune.colsplit == 1;
+  auto set_cluster = [&](int c) {
+    p.cluster = c;
+    p.cluster_log2 = Log2(c);
+    p.tiles = (a.rows + int64_t(tile_rows) * c - 1) / (int64_t(tile_rows) * c);
+  };
+  const int cluster = clusters && span > tile_rows ? span / tile_rows : 1;
+  set_cluster(cluster < kMaxCluster ? cluster : kMaxCluster);
   const int threads = groups * tpr;
   const size_t smem = size_t(smem_of());
 
   auto launch = [&](auto kernel) -> Status {
+    // The carveout hint (colwise, l1keep) is per kernel and sticky: back to the default
+    // first, so that a hint set for another shape does not lower this one's occupancy.
+    auto set_carveout = [&](int percent) {
+      return CudaStatus(
+          cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, percent),
+          kOp, "cudaFuncSetAttribute(PreferredSharedMemoryCarveout)");
+    };
+    if (colwise) LOWBIT_RETURN_IF_ERROR(set_carveout(-1));  // cudaSharedmemCarveoutDefault
     int per_sm = 0;
     LOWBIT_RETURN_IF_ERROR(PrepareLaunch(kernel, threads, smem, kOp, &per_sm));
-    if (cluster == 1) {
-      const int64_t cap = int64_t(per_sm) * SmCount();
-      const int grid = int(p.tiles < cap ? p.tiles : cap);
-      kernel<<<grid, threads, smem, stream>>>(p);
-      return LaunchStatus(kOp);
+    if (l1keep && sm_smem > 0) {  // percent of the maximum; the driver rounds it up
+      const int64_t carve =
+          CarveoutFor(int64_t(per_sm) * (int64_t(smem) + kStaticUsed + 1024), sm_smem);
+      if (carve >= 0) LOWBIT_RETURN_IF_ERROR(set_carveout(int(carve * 100 / sm_smem)));
     }
+    // Clusters of more than 8 blocks (non-portable) where the GPU allows them; a cluster
+    // that does not fit is halved (shorter column segments, same results).
     cudaLaunchAttribute attr[1] = {};
     attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = unsigned(cluster);
-    attr[0].val.clusterDim.y = 1;
-    attr[0].val.clusterDim.z = 1;
     cudaLaunchConfig_t config = {};
-    config.gridDim = dim3(unsigned(cluster));
     config.blockDim = dim3(unsigned(threads));
     config.dynamicSmemBytes = smem;
     config.stream = stream;
     config.attrs = attr;
     config.numAttrs = 1;
     int max_clusters = 0;
-    LOWBIT_RETURN_IF_ERROR(CudaStatus(cudaOccupancyMaxActiveClusters(&max_clusters, kernel, &config),
-                                      kOp, "cudaOccupancyMaxActiveClusters"));
-    if (max_clusters < 1) {
-      return Status::Internal(std::string(kOp) + ": no cluster of " + std::to_string(cluster) +
-                              " blocks (" + std::to_string(threads) + " threads, " +
-                              std::to_string(smem) + " bytes of shared memory) fits the GPU");
+    while (p.cluster > 1) {
+      if (p.cluster > 8 &&
+          cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) !=
+              cudaSuccess) {
+        cudaGetLastError();  // not sticky; take the portable size
+        set_cluster(8);
+        continue;
+      }
+      attr[0].val.clusterDim.x = unsigned(p.cluster);
+      attr[0].val.clusterDim.y = 1;
+      attr[0].val.clusterDim.z = 1;
+      config.gridDim = dim3(unsigned(p.cluster));
+      max_clusters = 0;
+      if (cudaOccupancyMaxActiveClusters(&max_clusters, kernel, &config) != cudaSuccess) {
+        cudaGetLastError();  // treated as "does not fit"
+        max_clusters = 0;
+      }
+      if (max_clusters >= 1) break;
+      set_cluster(p.cluster / 2);
+    }
+    if (p.cluster == 1) {
+      const int64_t cap = int64_t(per_sm) * SmCount();
+      const int grid = int(p.tiles < cap ? p.tiles : cap);
+      kernel<<<grid, threads, smem, stream>>>(p);
+      return LaunchStatus(kOp);
     }
     const int64_t n = p.tiles < max_clusters ? p.tiles : max_clusters;
-    config.gridDim = dim3(unsigned(n * cluster));
+    config.gridDim = dim3(unsigned(n * p.cluster));
     LOWBIT_RETURN_IF_ERROR(
         CudaStatus(cudaLaunchKernelEx(&config, kernel, p), kOp, "cudaLaunchKernelEx"));
     return LaunchStatus(kOp);
@@ -607,9 +715,9 @@ Status NormForwardCuda(const NormForwardArgs& a, GpuStream stream) {
                                       "cudaMemsetAsync"));
   }
   if (a.rows == 0) return Status::Ok();
-  if (a.rows > (int64_t(1) << 31) - 2 * kMaxTileRows) {  // the kernel's 32-bit row numbers
+  if (a.rows > (int64_t(1) << 31) - 2 * kMaxSpan) {  // the kernel's 32-bit row numbers
     return Status::InvalidArgument(std::string(kOp) + ": x has " + std::to_string(a.rows) +
-                                   " rows, more than the CUDA kernel supports (2^31 - 64)");
+                                   " rows, more than the CUDA kernel supports (2^31 - 256)");
   }
   return DispatchHighPrecision(a.x_dtype, kOp, "x",
                                [&](auto tag) { return Launch<decltype(tag)>(a, tune, stream); });

@@ -69,24 +69,41 @@ inline RowGeometry ChooseRowGeometry(int64_t hidden, int elem_bytes, bool pointe
 }
 
 // Launch tuning of the forward pass (norm_fwd.cu). The defaults are the measured best (H100,
-// 16384 x 4096/8192 bf16: stages=2 beat 3 and 4); the environment variable
-// LOWBIT_NORM_FWD_VARIANT ("items=16,stages=2,block=512,colblock=512,coltile=16", any
-// subset) overrides them, as a benchmark knob (bench/bench_norm.py --variants): every
-// setting computes the same results up to the order of the row sums.
+// 16384 x 4096/8192 bf16: stages=2 beat 3 and 4) except the colwise geometry (colspan,
+// colorder, colsplit, l1keep), whose defaults are predicted, not yet measured; the environment
+// variable LOWBIT_NORM_FWD_VARIANT ("items=16,stages=2,block=512,colblock=512,coltile=16,
+// colspan=128,colorder=1,colsplit=1,l1keep=1", any subset) overrides them, as a benchmark knob
+// (bench/bench_norm.py --variants): every setting computes the same results up to the order
+// of the row sums. "colspan=32,colorder=0,colsplit=0,l1keep=0" is the colwise path before colspan.
 //   items:    fewest elements per thread on the vectorized path (8 or 16; see above)
 //   stages:   rows per row group in flight, staged in shared memory by cp.async (1..4;
 //             lowered by the launcher while the shared memory does not fit)
 //   block:    target threads per block without colwise (32..1024)
 //   colblock: target threads per block with colwise (32..1024)
 //   coltile:  colwise: rows of FP8 codes one block stages (4, 8, 16 or 32; 0 = the largest
-//             that lets two blocks share an SM). 32-row column segments are written by a
-//             cluster of 32 / coltile blocks (sm_90+) that read each other's codes.
+//             up to colspan that lets two blocks share an SM).
+//   colspan:  colwise: rows per transposed column segment (32, 64 or 128 bytes per column
+//             store): a cluster of colspan / coltile blocks (sm_90+, at most 16) reads each
+//             other's codes. Where the cluster does not fit the GPU the launcher halves it.
+//   colorder: colwise: cluster tiles per cluster contiguous (0) or interleaved over the
+//             clusters (1: the clusters write neighbouring column segments at the same time,
+//             so a 128-byte line of q_colwise is completed in L2 before it is evicted).
+//   colsplit: colwise: after the transposed stores, the barrier that keeps a block from
+//             rewriting its staged codes while peers read them is split (1: arrive at once,
+//             wait only before the next tile's first codes are staged) or whole (0).
+//   l1keep:   colwise: the automatic block tile leaves L1 room for gamma (and beta), read
+//             per row, and the shared memory carveout is the smallest that holds the
+//             resident blocks (1), or the tile ignores L1 and the carveout is the driver's (0).
 struct NormFwdTuning {
   int items = 16;
   int stages = 2;
   int block = 512;
   int colblock = 512;
   int coltile = 0;
+  int colspan = 128;
+  int colorder = 1;
+  int colsplit = 1;
+  int l1keep = 1;
 };
 
 // Parses a LOWBIT_NORM_FWD_VARIANT value into *t (unset keys keep their value); false and
@@ -115,12 +132,17 @@ inline bool ParseNormFwdTuning(const char* text, NormFwdTuning* t, std::string* 
     } else if (ok && key == "coltile" && (value == 0 || value == 4 || value == 8 ||
                                            value == 16 || value == 32)) {
       t->coltile = value;
+    } else if (ok && key == "colspan" && (value == 32 || value == 64 || value == 128)) {
+      t->colspan = value;
+    } else if (ok && (key == "colorder" || key == "colsplit" || key == "l1keep") && value <= 1) {
+      (key == "colorder" ? t->colorder : key == "colsplit" ? t->colsplit : t->l1keep) = value;
     } else if (ok && (key == "block" || key == "colblock") && value >= 32 && value <= 1024 &&
                value % 32 == 0) {
       (key == "block" ? t->block : t->colblock) = value;
     } else {
       *error = "bad entry '" + item + "' (expected items=8|16, stages=1..4, block=32..1024, "
-               "colblock=32..1024, blocks multiples of 32, coltile=0|4|8|16|32)";
+               "colblock=32..1024, blocks multiples of 32, coltile=0|4|8|16|32, "
+               "colspan=32|64|128, colorder=0|1, colsplit=0|1, l1keep=0|1)";
       return false;
     }
   }

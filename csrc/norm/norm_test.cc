@@ -195,8 +195,20 @@ TEST(NormPlan, ForwardTuningKnob) {
   EXPECT_EQ(t.block, 256);
   EXPECT_EQ(t.colblock, 512);
   EXPECT_EQ(t.coltile, 8);
+  ASSERT_TRUE(ParseNormFwdTuning("colspan=64,colorder=0,colsplit=0,l1keep=0", &t, &error));
+  EXPECT_EQ(t.l1keep, 0);
+  EXPECT_EQ(t.colspan, 64);
+  EXPECT_EQ(t.colorder, 0);
+  EXPECT_EQ(t.colsplit, 0);
+  EXPECT_EQ(t.coltile, 8);  // kept from the previous call
+  ASSERT_TRUE(ParseNormFwdTuning("colspan=128,colorder=1,colsplit=1,l1keep=1", &t, &error));
+  EXPECT_EQ(t.l1keep, 1);
+  EXPECT_EQ(t.colspan, 128);
+  EXPECT_EQ(t.colorder, 1);
+  EXPECT_EQ(t.colsplit, 1);
   for (const char* bad : {"items=12", "stages=0", "stages=5", "block=100", "block=2048",
-                          "foo=1", "coltile=2", "coltile=64", "items", "items=", "items=8x", "=8", "block=-32"}) {
+                          "foo=1", "coltile=2", "coltile=64", "colspan=16", "colspan=256",
+                          "colorder=2", "colsplit=3", "l1keep=2", "items", "items=", "items=8x", "=8", "block=-32"}) {
     NormFwdTuning u;
     error.clear();
     EXPECT_FALSE(ParseNormFwdTuning(bad, &u, &error)) << bad;
