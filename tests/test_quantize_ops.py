@@ -399,8 +399,7 @@ def test_cuda_vmap_equals_cpu(rng, cpu, gpu):
 # 128), so blocks loop through the pipeline; rows = 4 (mod 8) (4-byte colwise stores,
 # partial 128-row tiles); cols = 4 (mod 8) (element loads for 16-bit x); unaligned odd
 # shapes; one row (1-byte colwise stores).
-TILE_VARIANTS = ["r64s2", "r64s3", "r128s2", "r64s2b16", "r64s3b1", "r128s2b3", "r256s2", "r256s2b2p2",
-                 "r128s2p1", "r64s3p3"]
+TILE_VARIANTS = ["r64s2", "r64s3", "r128s2", "r64s2b16", "r64s3b1", "r128s2b3", "r256s2", "r256s2b2"]
 VARIANT_SHAPES = [((4160, 2056), -1), ((4100, 1028), -1), ((513, 3001), -1), ((2, 7, 64, 96), 2),
                   ((1, 4100), -1)]
 
@@ -431,7 +430,7 @@ def test_cuda_tile_variants_equal_cpu(variant, dtype, rng, cpu, gpu, monkeypatch
 @pytest.mark.gpu
 def test_cuda_bad_tile_variant(gpu, monkeypatch):
     x = jnp.ones((64, 128), jnp.bfloat16)
-    for bad in ("r32s2", "r128s3", "r256s3", "r512s2", "r64s2b0", "r64s2x", "fast", "r64s2p9", "r64s2p1b2"):
+    for bad in ("r32s2", "r128s3", "r256s3", "r512s2", "r64s2b0", "r64s2x", "fast", "r64s2p1"):
         monkeypatch.setenv("LOWBIT_QUANTIZE_TILE_VARIANT", bad)
         with pytest.raises(Exception, match=r"lowbit_quantize_fp8: LOWBIT_QUANTIZE_TILE_VARIANT=\"" + bad):
             run_on(gpu, lambda v: quantize_fp8(v, jnp.float32(1.0), colwise=True), x)

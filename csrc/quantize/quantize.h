@@ -53,15 +53,14 @@ constexpr int64_t kQuantizeTileCols = 128;
 
 // Tuning knob for benchmarks, read by the CUDA launcher on every call that takes the
 // tiled kernel (anything with colwise or dbias): which tile variant to run. Unset or
-// empty: the default, "r128s2" (the fastest on an H100, bench/results/quantize_variants_*:
-// 128-byte colwise segments). Values: r64s2 | r64s3 | r128s2 | r256s2 (tile rows 64, 128
+// empty: the default, "r256s2" (the fastest on an H100, bench/results/quantize_variants_*:
+// 256-byte colwise segments; 2-3% faster than r128s2; an L2 prefetch of the tiles beyond
+// the staged one, tried as a knob, was 5-20% slower and is gone). Values: r64s2 | r64s3 | r128s2 | r256s2 (tile rows 64, 128
 // or 256 with 4 * rows threads per block; 2 or 3 input stages in flight), optionally followed by
 // b<N> (N = 1..4096): tiles in bands of N tile rows, column-major inside a band, instead
-// of row-major, then optionally p<D> (D = 0..8): each step also asks L2 to prefetch the
-// tile D steps beyond the one it stages (prefetch.global.L2), for more bytes in flight than
-// the shared-memory stages hold. Any other value is an InvalidArgument error. f32 x always uses r64s2
-// (the band applies); a variant whose shared memory exceeds the device's per-block limit
-// runs as r64s2. Every variant gives the same rowwise, colwise and amax bits; dbias
+// of row-major. Any other value is an InvalidArgument error. f32 x always uses r64s2
+// (the band applies); where a variant's shared memory exceeds the device's per-block limit,
+// 256 rows run as r128s2 (or r64s2 below that) and the others as r64s2. Every variant gives the same rowwise, colwise and amax bits; dbias
 // differs only by fp32 summation order (the tile height changes it).
 constexpr const char* kQuantizeTileVariantEnv = "LOWBIT_QUANTIZE_TILE_VARIANT";
 

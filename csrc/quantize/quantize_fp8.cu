@@ -2,7 +2,7 @@
 // Numerics and layouts: quantize.h. Kernels:
 //   QuantizeRowwiseKernel  rowwise only, no dbias: a flat grid-stride pass, 16-byte loads.
 //   QuantizeTiledKernel    anything with colwise or dbias: one resident wave of blocks loops
-//                          over tiles of 64 or 128 rows x 128 columns (4 threads per tile
+//                          over tiles of 64, 128 or 256 rows x 128 columns (4 threads per tile
 //                          row), with one __syncthreads per tile: tile i + 1 (or i + 2) is
 //                          copied into shared memory (cp.async) while tile i is encoded
 //                          (rowwise 16-byte stores, codes kept in shared memory) and tile
@@ -248,22 +248,6 @@ __device__ __forceinline__ void CopyAsyncWait() {
 #endif
 }
 
-// Asks L2 to fetch the 128-byte lines of a tile's rows (in-range lines only; PTX
-// prefetch.global.L2, a hint with no result). The cp.async copies of that tile, issued
-// steps later, then find the data in L2: more bytes in flight from DRAM than the shared
-// memory stages alone can hold.
-template <typename T, int kRows>
-__device__ __forceinline__ void PrefetchTileL2(const T* __restrict__ x_tile, int64_t cols, int rows_left,
-                                               int cols_left) {
-  constexpr int kLinesPerRow = kTileCols * int(sizeof(T)) / 128;  // 2 (16-bit x) or 4 (f32)
-  for (int i = threadIdx.x; i < kRows * kLinesPerRow; i += blockDim.x) {
-    const int row = i / kLinesPerRow, col = (i % kLinesPerRow) * (128 / int(sizeof(T)));
-    if (row < rows_left && col < cols_left) {
-      asm volatile("prefetch.global.L2 [%0];" ::"l"(x_tile + row * cols + col));
-    }
-  }
-}
-
 // Stores 16 codes (`words`, little-endian) at dst, of which the first `valid` are in range:
 // one 16-byte store where dst allows it, else 8-, 4- or 1-byte stores.
 __device__ __forceinline__ void StoreCodes16(uint8_t* dst, const uint32_t (&words)[4], int valid) {
@@ -425,7 +409,7 @@ __global__ void __launch_bounds__(TileShape<typename Tag::Storage, kRows, kStage
     QuantizeTiledKernel(const typename Tag::Storage* __restrict__ x, int64_t rows, int64_t cols,
                         const float* __restrict__ scale_ptr, uint8_t* __restrict__ rowwise,
                         uint8_t* __restrict__ colwise, uint32_t* __restrict__ amax,
-                        float* __restrict__ partials, uint32_t band, uint32_t l2_ahead) {
+                        float* __restrict__ partials, uint32_t band) {
   using T = typename Tag::Storage;
   using Shape = TileShape<T, kRows, kStages>;
   extern __shared__ __align__(128) uint8_t smem[];
@@ -467,13 +451,6 @@ __global__ void __launch_bounds__(TileShape<typename Tag::Storage, kRows, kStage
     if (have) {
       const uint64_t ahead = uint64_t(tile) + uint64_t(kStages - 1) * gridDim.x;
       if (ahead < tiles) load(uint32_t(ahead), (stage + kStages - 1) % kStages);
-      // L2 prefetch of the tile l2_ahead steps after that one (once per tile: the prologue
-      // covers none, so the first l2_ahead loads go to DRAM directly).
-      const uint64_t far = ahead + uint64_t(l2_ahead) * gridDim.x;
-      if (l2_ahead != 0 && far < tiles) {
-        const TileOrigin o = tile_at(uint32_t(far));
-        PrefetchTileL2<T, kRows>(x + o.r0 * cols + o.c0, cols, o.rows_left, o.cols_left);
-      }
     }
     CopyAsyncCommit();
 
@@ -621,10 +598,9 @@ __global__ void DbiasFinalizeKernel(const float* __restrict__ partials, int64_t 
 
 // The tiled kernel's tuning knobs (quantize.h, LOWBIT_QUANTIZE_TILE_VARIANT).
 struct TileVariant {
-  int rows = 128;   // tile height: 64, 128 (the default) or 256 (4 threads per tile row)
+  int rows = 256;   // tile height: 64, 128 or 256 (the default; 4 threads per tile row)
   int stages = 2;   // input stages: 2 or 3
   int band = 0;     // 0: row-major tile order; else bands of `band` tile rows
-  int l2_ahead = 0; // > 0: L2 prefetch of the tile this many steps beyond the staged one
 };
 
 Status ParseTileVariant(TileVariant* v) {
@@ -638,22 +614,14 @@ Status ParseTileVariant(TileVariant* v) {
     ok = std::sscanf(env + used, "b%d%n", &band, &more) == 1 && band >= 1 && band <= 4096;
     used += more;
   }
-  int l2_ahead = 0;
-  if (ok && env[used] == 'p') {
-    int more = 0;
-    ok = std::sscanf(env + used, "p%d%n", &l2_ahead, &more) == 1 && l2_ahead >= 0 && l2_ahead <= 8;
-    used += more;
-  }
   ok = ok && env[used] == '\0';
   if (!ok) {
     return Status::InvalidArgument(std::string(kQuantizeOp) + ": " + kTileVariantEnv + "=\"" + env +
-                                   "\": expected r64s2, r64s3, r128s2 or r256s2, optionally followed by "
-                                   "b<1..4096>, then optionally p<0..8>");
+                                   "\": expected r64s2, r64s3, r128s2 or r256s2, optionally followed by b<1..4096>");
   }
   v->rows = rows;
   v->stages = stages;
   v->band = band;
-  v->l2_ahead = l2_ahead;
   return Status::Ok();
 }
 
@@ -677,13 +645,14 @@ Status LaunchTiled(const QuantizeFp8Args& a, float* partials, const TileVariant&
   const int blocks = GridStrideBlocks(tiles * Shape::kThreads, Shape::kThreads, per_sm > 0 ? per_sm : 1);
   kernel<<<blocks, Shape::kThreads, Shape::kSmemBytes, stream>>>(
       static_cast<const T*>(a.x), a.rows, a.cols, a.scale, a.rowwise, a.colwise,
-      reinterpret_cast<uint32_t*>(a.amax), partials, uint32_t(v.band), uint32_t(v.l2_ahead));
+      reinterpret_cast<uint32_t*>(a.amax), partials, uint32_t(v.band));
   return LaunchStatus(kQuantizeOp);
 }
 
 // Picks the instantiation for the variant. f32 x always takes 64-row tiles and two stages
-// (its 32 KB stages would leave one block per SM otherwise); a variant whose shared memory
-// exceeds what this device grants a block falls back to r64s2.
+// (its 32 KB stages would leave one block per SM otherwise); where this device grants a
+// block less shared memory than the variant needs (r256s2: 208 KB), 256 rows fall back to
+// 128 and anything else to r64s2.
 template <typename Tag, typename Fmt, bool kVectorIO>
 Status LaunchTiledVariant(const QuantizeFp8Args& a, float* partials, const TileVariant& v, GpuStream stream,
                           int* tile_rows) {
@@ -698,7 +667,7 @@ Status LaunchTiledVariant(const QuantizeFp8Args& a, float* partials, const TileV
     if (v.rows == 256 && TileShape<T, 256, 2>::kSmemBytes <= optin) {
       return LaunchTiled<Tag, Fmt, kVectorIO, 256, 2>(a, partials, v, stream, tile_rows);
     }
-    if (v.rows == 128 && TileShape<T, 128, 2>::kSmemBytes <= optin) {
+    if (v.rows >= 128 && TileShape<T, 128, 2>::kSmemBytes <= optin) {
       return LaunchTiled<Tag, Fmt, kVectorIO, 128, 2>(a, partials, v, stream, tile_rows);
     }
     if (v.rows == 64 && v.stages == 3 && TileShape<T, 64, 3>::kSmemBytes <= optin) {
