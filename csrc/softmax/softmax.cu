@@ -120,15 +120,19 @@ __global__ void __launch_bounds__(kSoftmaxThreads) SoftmaxForwardKernel(SoftmaxK
     }
     float v[kChunks][kVec];
     float m = -INFINITY;
+    T raw[kChunks][kVec];  // every load issued before the first use (none waits on another)
 #pragma unroll
     for (int c = 0; c < kChunks; ++c) {
       const int e = (c * tpr + lane) * kVec;
-      T raw[kVec];
+      if (e < p.k) LoadVec<T, kVec>(src + e, raw[c]);
+    }
+#pragma unroll
+    for (int c = 0; c < kChunks; ++c) {
+      const int e = (c * tpr + lane) * kVec;
       const bool ok = e < p.k;
-      if (ok) LoadVec<T, kVec>(src + e, raw);
 #pragma unroll
       for (int j = 0; j < kVec; ++j) {
-        float z = ok ? __fmul_rn(LoadElement(Tag{}, raw[j]), p.scale) : -INFINITY;
+        float z = ok ? __fmul_rn(LoadElement(Tag{}, raw[c][j]), p.scale) : -INFINITY;
         if constexpr (kType == SoftmaxType::kScaledMasked) {
           if (ok && mask[e + j] == 1) z = -10000.0f;
         }
