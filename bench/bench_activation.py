@@ -9,8 +9,8 @@ bandwidth, and the speedup over XLA; writes bench/results/activation_<device>.js
     python bench/bench_activation.py --variants 0,3 --ops gelu_fwd,softmax_fwd  # a subset
 
 --variants [LIST] times the lowbit ops once per value (default 0,1,2) of the tuning knobs
-LOWBIT_ACT_VARIANT (activation.cu: 0 = 8 blocks per SM + cross-tile prefetch, 1 = 4 + prefetch,
-2 = 16 + prefetch, 3 = 8 without prefetch) and LOWBIT_SOFTMAX_VARIANT (softmax.cu: 0 = the
+LOWBIT_ACT_VARIANT (activation.cu: grid blocks per SM 0 = resident (occupancy), 1 = 4,
+2 = 16, 4 = 8, all with the cross-tile prefetch; 3 = 8 without it) and LOWBIT_SOFTMAX_VARIANT (softmax.cu: 0 = the
 one-warp-per-row pipelined forward, 1 / 2 / 3 = the row-group kernel with forward 16 / 64 /
 32 and backward 16 / 32 / fewest elements per thread; the backward's 0 = 3), each in a
 subprocess (the launchers read the variables at every call; results are identical).

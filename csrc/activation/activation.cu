@@ -19,10 +19,11 @@
 // then canonicalized and takes the codecs, so every output has the reference's bits.
 // amax: block max of |v| bit patterns, one unsigned atomicMax (order independent).
 // Unaligned data or H % (16 / sizeof(T)) != 0 take the bounds-checked scalar path.
-// LOWBIT_ACT_VARIANT (benchmark tuning knob, see ReadActVariant): grid size and cross-tile
+// LOWBIT_ACT_VARIANT (benchmark tuning knob, see ActVariant): grid size and cross-tile
 // prefetch; identical results.
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -411,23 +412,43 @@ __global__ void DbiasFinalizeKernel(const float* __restrict__ partials, int64_t 
 bool Aligned(const void* p, uintptr_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
 
 // LOWBIT_ACT_VARIANT (a benchmark tuning knob, read at every launch): the grid's cap in
-// blocks per SM and whether a tile's last pass prefetches the next tile. 0 (unset) = 8 blocks
-// per SM (two rounds of resident blocks at 4 per SM), prefetch; 1 = 4 (one persistent
-// round), prefetch; 2 = 16, prefetch; 3 = 8 without the cross-tile prefetch. Results are
-// identical for every variant. False if the value is invalid.
+// blocks per SM and whether a tile's last pass prefetches the next tile. 0 (unset) = as many
+// blocks as are resident at once (the kernel's occupancy: one persistent round, each block
+// within one tile of the others' count), prefetch; 1 = 4 per SM, prefetch; 2 = 16,
+// prefetch; 3 = 8 without the prefetch (the previous default's schedule); 4 = 8, prefetch.
+// With 8 per SM and 5 (plain fwd) or 3 (gated bwd) resident, a second round of 3 or 2
+// blocks per SM runs on part of the SM. Results are identical for every variant.
 struct ActVariant {
-  int blocks_per_sm = 8;
+  int blocks_per_sm = 0;  // 0: the occupancy
   bool prefetch_tiles = true;
 };
 
+// False if the value is invalid.
 bool ReadActVariant(ActVariant* v) {
   const char* env = std::getenv("LOWBIT_ACT_VARIANT");
   if (env == nullptr || env[0] == '\0') return true;
-  if (env[1] != '\0' || env[0] < '0' || env[0] > '3') return false;
-  static constexpr int kBlocksPerSm[4] = {8, 4, 16, 8};
+  if (env[1] != '\0' || env[0] < '0' || env[0] > '4') return false;
+  static constexpr int kBlocksPerSm[5] = {0, 4, 16, 8, 8};
   v->blocks_per_sm = kBlocksPerSm[env[0] - '0'];
   v->prefetch_tiles = env[0] != '3';
   return true;
+}
+
+// Resident blocks per SM of ActTiledKernel<Tag, kBackward, kGated, kType> (kThreads
+// threads, static shared memory), asked once per instantiation; 1 if the runtime cannot tell.
+template <typename Tag, bool kBackward, bool kGated, ActType kType>
+int ResidentBlocksPerSm() {
+  static std::atomic<int> cached{0};
+  int n = cached.load(std::memory_order_relaxed);
+  if (n == 0) {
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, ActTiledKernel<Tag, kBackward, kGated, kType>, kThreads, 0) !=
+            cudaSuccess ||
+        n < 1) {
+      n = 1;
+    }
+    cached.store(n, std::memory_order_relaxed);
+  }
+  return n;
 }
 
 template <typename Tag, bool kBackward, bool kGated, ActType kType>
@@ -464,11 +485,13 @@ Status Launch(const ActArgs& a, void* workspace, GpuStream stream, const char* o
   const int64_t tiles = tile_rows * tile_cols;
   ActVariant variant;
   if (!ReadActVariant(&variant)) {
-    return Status::InvalidArgument(std::string(op) + ": LOWBIT_ACT_VARIANT: expected 0, 1, 2 or 3, got '" +
+    return Status::InvalidArgument(std::string(op) + ": LOWBIT_ACT_VARIANT: expected 0 to 4, got '" +
                                    std::getenv("LOWBIT_ACT_VARIANT") + "'");
   }
   p.prefetch_tiles = variant.prefetch_tiles;
-  const int blocks = GridStrideBlocks(tiles * kThreads, kThreads, variant.blocks_per_sm);
+  const int per_sm = variant.blocks_per_sm > 0 ? variant.blocks_per_sm
+                                               : ResidentBlocksPerSm<Tag, kBackward, kGated, kType>();
+  const int blocks = GridStrideBlocks(tiles * kThreads, kThreads, per_sm);
   ActTiledKernel<Tag, kBackward, kGated, kType><<<blocks, kThreads, 0, stream>>>(p);
   LOWBIT_RETURN_IF_ERROR(LaunchStatus(op));
   if (p.partials == nullptr) return Status::Ok();
