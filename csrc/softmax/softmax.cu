@@ -334,35 +334,39 @@ int SoftmaxVariant() {
 template <typename Tag>
 constexpr int kSoftmaxWarpMaxElems = sizeof(typename Tag::Storage) == 2 ? 64 : 32;
 
-// Launches SoftmaxForwardWarpKernel with the fewest chunks per lane that cover k
-// (k <= 32 * kSoftmaxWarpMaxElems), persistent: as many blocks as fit on the GPU at once.
+// Launches SoftmaxForwardWarpKernel<Tag, kChunks, kType>, persistent: as many blocks as
+// are resident at once (its occupancy, asked once per instantiation).
+template <typename Tag, int kChunks, SoftmaxType kType>
+void LaunchForwardWarpType(const SoftmaxKernelArgs<typename Tag::Storage>& p, GpuStream stream) {
+  static std::atomic<int> occupancy{0};
+  int blocks_per_sm = occupancy.load(std::memory_order_relaxed);
+  if (blocks_per_sm == 0) {
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks_per_sm, SoftmaxForwardWarpKernel<Tag, kChunks, kType>,
+                                                      kWarpRowThreads, 0) != cudaSuccess ||
+        blocks_per_sm < 1) {
+      blocks_per_sm = 1;
+    }
+    occupancy.store(blocks_per_sm, std::memory_order_relaxed);
+  }
+  const int64_t rows_per_block = kWarpRowThreads / 32;
+  const int grid = GridStrideBlocks((p.rows + rows_per_block - 1) / rows_per_block * kWarpRowThreads,
+                                    kWarpRowThreads, blocks_per_sm);
+  SoftmaxForwardWarpKernel<Tag, kChunks, kType><<<grid, kWarpRowThreads, 0, stream>>>(p);
+}
+
+// The fewest chunks per lane that cover k (k <= 32 * kSoftmaxWarpMaxElems).
 template <typename Tag, int kChunks = 1>
 void LaunchForwardWarp(SoftmaxType type, const SoftmaxKernelArgs<typename Tag::Storage>& p, GpuStream stream) {
   constexpr int kVec = 16 / int(sizeof(typename Tag::Storage));
   if constexpr (kChunks * kVec < kSoftmaxWarpMaxElems<Tag>) {
     if (int64_t(32) * kChunks * kVec < p.k) return LaunchForwardWarp<Tag, kChunks * 2>(type, p, stream);
   }
-  auto launch = [&](auto kernel) {
-    static std::atomic<int> occupancy{0};  // per instantiation: resident blocks per SM
-    int blocks_per_sm = occupancy.load(std::memory_order_relaxed);
-    if (blocks_per_sm == 0) {
-      if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks_per_sm, kernel, kWarpRowThreads, 0) != cudaSuccess ||
-          blocks_per_sm < 1) {
-        blocks_per_sm = 1;
-      }
-      occupancy.store(blocks_per_sm, std::memory_order_relaxed);
-    }
-    const int64_t rows_per_block = kWarpRowThreads / 32;
-    const int grid = GridStrideBlocks((p.rows + rows_per_block - 1) / rows_per_block * kWarpRowThreads,
-                                      kWarpRowThreads, blocks_per_sm);
-    kernel<<<grid, kWarpRowThreads, 0, stream>>>(p);
-  };
   if (type == SoftmaxType::kScaledMasked) {
-    launch(SoftmaxForwardWarpKernel<Tag, kChunks, SoftmaxType::kScaledMasked>);
+    LaunchForwardWarpType<Tag, kChunks, SoftmaxType::kScaledMasked>(p, stream);
   } else if (type == SoftmaxType::kScaledUpperTriang) {
-    launch(SoftmaxForwardWarpKernel<Tag, kChunks, SoftmaxType::kScaledUpperTriang>);
+    LaunchForwardWarpType<Tag, kChunks, SoftmaxType::kScaledUpperTriang>(p, stream);
   } else {
-    launch(SoftmaxForwardWarpKernel<Tag, kChunks, SoftmaxType::kScaled>);
+    LaunchForwardWarpType<Tag, kChunks, SoftmaxType::kScaled>(p, stream);
   }
 }
 
