@@ -6,11 +6,16 @@ bandwidth, and the speedup over XLA; writes bench/results/activation_<device>.js
     python bench/bench_activation.py            # GPU: 16384 x 16384 bf16, softmax (4, 32, 2048, 2048)
     python bench/bench_activation.py --small    # CPU smoke run
     python bench/bench_activation.py --variants # GPU: lowbit times per kernel geometry variant
+    python bench/bench_activation.py --variants 0,3 --ops gelu_fwd,softmax_fwd  # a subset
 
---variants times the lowbit ops once per value 0, 1, 2 of the tuning knobs
-LOWBIT_ACT_VARIANT (activation grid: 8 / 4 / 16 blocks per SM) and LOWBIT_SOFTMAX_VARIANT
-(softmax elements per thread, forward 32 / 16 / 64, backward fewest / 16 / 32), each in a
+--variants [LIST] times the lowbit ops once per value (default 0,1,2) of the tuning knobs
+LOWBIT_ACT_VARIANT (activation.cu: grid blocks per SM 0 = resident (occupancy), 1 = 4,
+2 = 16, 4 = 8, all with the cross-tile prefetch; 3 = 8 without it) and LOWBIT_SOFTMAX_VARIANT (softmax.cu: 0 = the
+one-warp-per-row pipelined forward, 1 / 2 / 3 = the row-group kernel with forward 16 / 64 /
+32 and backward 16 / 32 / fewest elements per thread; the backward's 0 = 3), each in a
 subprocess (the launchers read the variables at every call; results are identical).
+--ops (any mode) runs only the named ops: gelu_fwd, gelu_bwd, swiglu_fwd, swiglu_bwd,
+softmax_fwd, softmax_bwd (each subprocess draws only the inputs its ops need).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import lowbit  # noqa: E402
 from lowbit.ops.softmax import softmax_backward_reference, softmax_reference  # noqa: E402
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
+OPS = ("gelu_fwd", "gelu_bwd", "swiglu_fwd", "swiglu_bwd", "softmax_fwd", "softmax_bwd")
 
 
 def _act(a, act):
@@ -71,9 +77,14 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--small", action="store_true", help="small shapes (CPU smoke run)")
     parser.add_argument("--iters", type=int, default=20)
-    parser.add_argument("--variants", action="store_true", help="time every kernel variant (subprocesses)")
+    parser.add_argument("--variants", nargs="?", const="0,1,2", default=None,
+                        help="time the lowbit ops per kernel variant, e.g. 0,3 (subprocesses)")
+    parser.add_argument("--ops", default=",".join(OPS), help="comma-separated subset of " + ", ".join(OPS))
     parser.add_argument("--lowbit-only", action="store_true", help=argparse.SUPPRESS)  # --variants child
     args = parser.parse_args()
+    ops = set(args.ops.split(","))
+    if not ops <= set(OPS):
+        raise SystemExit(f"--ops: unknown {sorted(ops - set(OPS))}; expected names from {OPS}")
     if args.variants:
         return run_variants(args)
     rows, hidden = (256, 512) if args.small else (16384, 16384)
@@ -92,28 +103,39 @@ def main():
         rows_out.append(dict(op=name, lowbit_us=t_lowbit * 1e6, xla_us=t_xla * 1e6, GBps=gbs,
                              pct_copy=100 * bytes_moved / t_lowbit / copy_bw, speedup=t_xla / t_lowbit))
 
+    def normal(shape):
+        return jnp.asarray(rng.standard_normal(shape, dtype=np.float32), jnp.bfloat16)
+
     for act, gated in (("gelu", False), ("swiglu", True)):
+        if not ops & {f"{act}_fwd", f"{act}_bwd"}:
+            continue
         in_shape = (rows, 2, hidden) if gated else (rows, hidden)
-        sets = [(jnp.asarray(rng.standard_normal(in_shape), jnp.bfloat16), scale) for _ in range(2)]
+        sets = [(normal(in_shape), scale) for _ in range(2)]
         a = "silu" if act == "swiglu" else act
         n_in, n_out = int(np.prod(in_shape)), rows * hidden
-        t_l = common.time_fn(lambda x, s: lowbit_forward(x, s, act, gated), sets, iters=iters)
-        t_x = time_xla(lambda x, s: xla_forward(x, s, a, gated), sets)
-        record(f"{act} fwd+q", 2 * n_in + 2 * n_out + 2 * n_out, t_l, t_x)
-        dsets = [(jnp.asarray(rng.standard_normal((rows, hidden)), jnp.bfloat16), x, s) for x, s in sets]
-        t_l = common.time_fn(lambda d, x, s: lowbit_backward(d, x, s, act, gated), dsets, iters=iters)
-        t_x = time_xla(lambda d, x, s: xla_backward(d, x, s, a, gated), dsets)
-        record(f"d{act}+dbias+q", 2 * n_out + 2 * n_in + 2 * n_in + 2 * n_in, t_l, t_x)
+        if f"{act}_fwd" in ops:
+            t_l = common.time_fn(lambda x, s: lowbit_forward(x, s, act, gated), sets, iters=iters)
+            t_x = time_xla(lambda x, s: xla_forward(x, s, a, gated), sets)
+            record(f"{act} fwd+q", 2 * n_in + 2 * n_out + 2 * n_out, t_l, t_x)
+        if f"{act}_bwd" in ops:
+            dsets = [(normal((rows, hidden)), x, s) for x, s in sets]
+            t_l = common.time_fn(lambda d, x, s: lowbit_backward(d, x, s, act, gated), dsets, iters=iters)
+            t_x = time_xla(lambda d, x, s: xla_backward(d, x, s, a, gated), dsets)
+            record(f"d{act}+dbias+q", 2 * n_out + 2 * n_in + 2 * n_in + 2 * n_in, t_l, t_x)
+        del sets
 
-    x = [(jnp.asarray(rng.standard_normal(sm_shape), jnp.bfloat16),) for _ in range(2)]
-    n = int(np.prod(sm_shape))
-    t_l = common.time_fn(lambda v: lowbit.ops.softmax_forward(v, None, 0.125), x, iters=iters)
-    t_x = time_xla(lambda v: softmax_reference(v, None, 0.125), x)
-    record("softmax fwd", 4 * n, t_l, t_x)
-    y = [(v, lowbit.ops.softmax_forward(v, None, 0.125)) for (v,) in x]
-    t_l = common.time_fn(lambda d, yy: lowbit.ops.softmax_backward(d, yy, 0.125), y, iters=iters)
-    t_x = time_xla(lambda d, yy: softmax_backward_reference(d, yy, 0.125), y)
-    record("softmax bwd", 6 * n, t_l, t_x)
+    if ops & {"softmax_fwd", "softmax_bwd"}:
+        x = [(normal(sm_shape),) for _ in range(2)]
+        n = int(np.prod(sm_shape))
+        if "softmax_fwd" in ops:
+            t_l = common.time_fn(lambda v: lowbit.ops.softmax_forward(v, None, 0.125), x, iters=iters)
+            t_x = time_xla(lambda v: softmax_reference(v, None, 0.125), x)
+            record("softmax fwd", 4 * n, t_l, t_x)
+        if "softmax_bwd" in ops:
+            y = [(v, lowbit.ops.softmax_forward(v, None, 0.125)) for (v,) in x]
+            t_l = common.time_fn(lambda d, yy: lowbit.ops.softmax_backward(d, yy, 0.125), y, iters=iters)
+            t_x = time_xla(lambda d, yy: softmax_backward_reference(d, yy, 0.125), y)
+            record("softmax bwd", 6 * n, t_l, t_x)
 
     if args.lowbit_only:
         print("VARIANT_RESULT " + json.dumps(dict(copy_GBps=copy_bw / 1e9, results=rows_out)))
@@ -129,9 +151,10 @@ def main():
 def run_variants(args):
     """Times the lowbit ops under each variant in a subprocess; one table, one results file."""
     table, raw = {}, {}
-    for v in ("0", "1", "2"):
+    variants = args.variants.split(",")
+    for v in variants:
         env = dict(os.environ, LOWBIT_ACT_VARIANT=v, LOWBIT_SOFTMAX_VARIANT=v)
-        cmd = [sys.executable, os.path.abspath(__file__), "--lowbit-only", "--iters", str(args.iters)]
+        cmd = [sys.executable, os.path.abspath(__file__), "--lowbit-only", "--iters", str(args.iters), "--ops", args.ops]
         out = subprocess.run(cmd + (["--small"] if args.small else []), env=env, capture_output=True, text=True)
         line = [ln for ln in out.stdout.splitlines() if ln.startswith("VARIANT_RESULT ")]
         if out.returncode != 0 or not line:
@@ -140,8 +163,9 @@ def run_variants(args):
         for r in raw[v]["results"]:
             row = table.setdefault(r["op"], {"op": r["op"]})
             row[f"v{v}_us"], row[f"v{v}_pct"] = r["lowbit_us"], r["pct_copy"]
-    print(f"copy bandwidth {raw['0']['copy_GBps']:.1f} GB/s; LOWBIT_ACT_VARIANT / LOWBIT_SOFTMAX_VARIANT = 0, 1, 2")
-    cols = ["op"] + [f"v{v}_{k}" for v in "012" for k in ("us", "pct")]
+    print(f"copy bandwidth {raw[variants[0]]['copy_GBps']:.1f} GB/s; "
+          f"LOWBIT_ACT_VARIANT / LOWBIT_SOFTMAX_VARIANT = {', '.join(variants)}")
+    cols = ["op"] + [f"v{v}_{k}" for v in variants for k in ("us", "pct")]
     common.print_table(list(table.values()), cols)
     path = common.write_results("activation_variants", dict(variants=raw))
     print(f"wrote {path}")

@@ -321,11 +321,14 @@ def test_subnormals_kept_and_nan_canonical():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["1", "2"])  # LOWBIT_ACT_VARIANT: the grid size (activation.cu)
 @pytest.mark.parametrize("act,gated", [("gelu", False), ("silu", True)], ids=str)
-def test_cuda_variants_equal_default(act, gated, variant, rng, gpu, monkeypatch):
-    x = make_x(rng, (4099, 1000), gated, ml_dtypes.bfloat16, 4.0)
-    dz = rng.standard_normal((4099, 1000)).astype(ml_dtypes.bfloat16)
+def test_cuda_variants_equal_cpu(act, gated, rng, cpu, gpu, monkeypatch):
+    # LOWBIT_ACT_VARIANT 0-4 (activation.cu: grid size, cross-tile prefetch). 70001 x 136 is
+    # about 2200 tiles, more than any variant's grid has blocks, so blocks loop over several
+    # tiles (the prefetch of the next tile), with partial tiles in both dimensions.
+    x = make_x(rng, (70001, 136), gated, ml_dtypes.bfloat16, 4.0)
+    x.reshape(-1)[[5, 77777, 123456]] = [np.nan, np.inf, -np.inf]
+    dz = rng.standard_normal((70001, 136)).astype(ml_dtypes.bfloat16)
 
     def f(d, v):
         fw = lowbit.ops.act_forward(v, act, gated=gated, quant_scale=np.float32(8), colwise=True)
@@ -333,11 +336,23 @@ def test_cuda_variants_equal_default(act, gated, variant, rng, gpu, monkeypatch)
                                      compute_dbias=True)
         return fw, bw
 
-    base = run_on(gpu, f, dz, x)
-    monkeypatch.setenv("LOWBIT_ACT_VARIANT", variant)  # read by the launcher at every call
-    other = run_on(gpu, f, dz, x)
-    for a, b in zip(jax.tree.leaves(other), jax.tree.leaves(base)):
-        np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
+    want = run_on(cpu, f, dz, x)
+    dbias0 = None
+    for variant in ("0", "1", "2", "3", "4"):
+        monkeypatch.setenv("LOWBIT_ACT_VARIANT", variant)  # read by the launcher at every call
+        got = run_on(gpu, f, dz, x)
+        for name in ("y", "q_rowwise", "q_colwise", "amax"):
+            np.testing.assert_array_equal(getattr(got[0], name).view(np.uint8), getattr(want[0], name).view(np.uint8),
+                                          err_msg=f"variant {variant} forward {name}")
+        for name in ("dx", "q_rowwise", "q_colwise", "amax"):
+            np.testing.assert_array_equal(getattr(got[1], name).view(np.uint8), getattr(want[1], name).view(np.uint8),
+                                          err_msg=f"variant {variant} backward {name}")
+        a, b = got[1].dbias.astype(np.float32), want[1].dbias.astype(np.float32)  # summation order
+        np.testing.assert_array_equal(np.isnan(a), np.isnan(b))
+        fin = np.isfinite(a) & np.isfinite(b)
+        assert np.all(np.abs(a[fin] - b[fin]) <= 1e-4 * np.sqrt(70001) * (1 + np.abs(b[fin])))
+        dbias0 = got[1].dbias if dbias0 is None else dbias0  # every variant: the same bits
+        np.testing.assert_array_equal(got[1].dbias.view(np.uint16), dbias0.view(np.uint16))
     monkeypatch.setenv("LOWBIT_ACT_VARIANT", "9")
-    with pytest.raises(Exception, match="LOWBIT_ACT_VARIANT: expected 0, 1 or 2"):
+    with pytest.raises(Exception, match="LOWBIT_ACT_VARIANT: expected 0 to 4"):
         run_on(gpu, f, dz, x)

@@ -6,7 +6,8 @@
 // template constants, so the per-element math has no branches and the compiler interleaves
 // a chunk's 8 elements. Blocks loop over 64-row x 128-column tiles of the H input columns.
 // Each thread walks its 16-byte chunks of the tile (x, the gate half, dz) pass by pass, the
-// next pass's loads issued before this pass's math, and computes 1 or 2 output "planes"
+// next pass's loads issued before this pass's math (the last pass's: the next tile's first
+// pass), and computes 1 or 2 output "planes"
 // per element (2 for the gated backward: d x_a goes to columns [0, H), d x_g to [H, 2H)).
 // Per plane it stores the high-precision output and the rowwise codes (hardware
 // conversions: half_cvt.cuh, quantize/fp8_cvt.cuh), keeps the codes in shared memory for
@@ -18,9 +19,11 @@
 // then canonicalized and takes the codecs, so every output has the reference's bits.
 // amax: block max of |v| bit patterns, one unsigned atomicMax (order independent).
 // Unaligned data or H % (16 / sizeof(T)) != 0 take the bounds-checked scalar path.
-// LOWBIT_ACT_VARIANT (benchmark tuning knob, see ActBlocksPerSm) sets the grid size only.
+// LOWBIT_ACT_VARIANT (benchmark tuning knob, see ActVariant): grid size and cross-tile
+// prefetch; identical results.
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -41,14 +44,16 @@ constexpr int kThreads = 256;
 constexpr int kTileRows = int(kActTileRows);
 constexpr int kTileCols = int(kActTileCols);
 constexpr int kCodeStride = kTileCols + 4;  // bytes per shared row of codes (4-aligned)
-// Launch bounds: sm_100a's ptxas otherwise settles on 64 registers and spills in the
-// forward kernels (at least 3 blocks per SM: up to 80 registers, no spills); sm_90a's picks
-// 48 (fwd) to 80 (gated bwd) registers without spills when given no block minimum (a
-// minimum of 1 makes it take 80 to 114, lowering occupancy).
+// Launch bounds (minimum blocks per SM, so the register cap): sm_100a 3 (85 registers; its
+// ptxas otherwise settles on 64 and spills in the forward kernels), 2 for its gated
+// backward (85 spill in the bf16 clamped swiglu one). sm_90a 3 for the gated backward
+// (with no minimum it takes 124 registers: 2 blocks), 4 (64) for the gated forward and the
+// plain backward, 5 (48) for the plain forward; no spills.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1000
-#define LOWBIT_ACT_LAUNCH_BOUNDS __launch_bounds__(kThreads, 3)
+#define LOWBIT_ACT_LAUNCH_BOUNDS(backward, gated) __launch_bounds__(kThreads, (backward) && (gated) ? 2 : 3)
 #else
-#define LOWBIT_ACT_LAUNCH_BOUNDS __launch_bounds__(kThreads)
+#define LOWBIT_ACT_LAUNCH_BOUNDS(backward, gated) \
+  __launch_bounds__(kThreads, (backward) && (gated) ? 3 : (backward) || (gated) ? 4 : 5)
 #endif
 
 template <typename T>
@@ -64,6 +69,7 @@ struct ActKernelArgs {
   bool colwise_vec;  // q_colwise 8-byte aligned and rows % 8 == 0
   bool vector_io;    // 16-byte loads/stores (aligned, H % kVec == 0), else scalar
   bool e5m2;         // code format: E5M2, else E4M3
+  bool prefetch_tiles;  // the last pass of a tile loads the next tile's first pass
   uint32_t* amax;
   float* partials;   // tile_rows x out_cols, or null
 };
@@ -141,35 +147,41 @@ __device__ __forceinline__ void DivMod32(uint32_t a, uint32_t b, uint32_t* q, ui
   *q = a / b, *r = a % b;
 }
 
-// Loads pass s's chunks of this thread (out of range -> 0, masked by the caller).
+// Loads one pass's chunks of this thread: x_off is the element offset of the chunk's first
+// element in x (the gate half at x_off + hidden), dz_off in dz. Out of range -> 0 (the
+// caller masks): row_ok, and cols_left = columns from the chunk's first to the end.
 template <typename Tag, bool kBackward, bool kGated, int kVec>
-__device__ __forceinline__ void LoadPass(const ActKernelArgs<typename Tag::Storage>& p, int64_t r,
-                                         int64_t c, typename Tag::Storage (&xa)[kVec],
+__device__ __forceinline__ void LoadPass(const ActKernelArgs<typename Tag::Storage>& p, int64_t x_off,
+                                         int64_t dz_off, bool row_ok, int cols_left,
+                                         typename Tag::Storage (&xa)[kVec],
                                          typename Tag::Storage (&xg)[kVec],
                                          typename Tag::Storage (&g)[kVec]) {
   using T = typename Tag::Storage;
   if (p.vector_io) {
-    const bool ok = r < p.rows && c < p.hidden;
-    LoadChunk<T, kVec>(p.x + r * p.in_cols + c, ok, xa);
-    if constexpr (kGated) LoadChunk<T, kVec>(p.x + r * p.in_cols + p.hidden + c, ok, xg);
-    if constexpr (kBackward) LoadChunk<T, kVec>(p.dz + r * p.hidden + c, ok, g);
+    const bool ok = row_ok && cols_left > 0;
+    LoadChunk<T, kVec>(p.x + x_off, ok, xa);
+    if constexpr (kGated) LoadChunk<T, kVec>(p.x + x_off + p.hidden, ok, xg);
+    if constexpr (kBackward) LoadChunk<T, kVec>(p.dz + dz_off, ok, g);
   } else {
 #pragma unroll
     for (int j = 0; j < kVec; ++j) {
-      const bool ok = r < p.rows && c + j < p.hidden;
-      xa[j] = ok ? p.x[r * p.in_cols + c + j] : T(0);
-      if constexpr (kGated) xg[j] = ok ? p.x[r * p.in_cols + p.hidden + c + j] : T(0);
-      if constexpr (kBackward) g[j] = ok ? p.dz[r * p.hidden + c + j] : T(0);
+      const bool ok = row_ok && j < cols_left;
+      xa[j] = ok ? p.x[x_off + j] : T(0);
+      if constexpr (kGated) xg[j] = ok ? p.x[x_off + p.hidden + j] : T(0);
+      if constexpr (kBackward) g[j] = ok ? p.dz[dz_off + j] : T(0);
     }
   }
 }
 
-// One kernel per (dtype, forward/backward, gated): the act type, the code format and the
+// One kernel per (dtype, forward/backward, gated, act type): the code format and the
 // vector/scalar IO are uniform runtime branches, and the passes of a tile are a rolled
-// loop (next pass's loads issued before this pass's math), so each kernel inlines the
-// activation math kVec times, not kVec * passes * formats * IO variants (compile time).
+// loop (next pass's loads issued before this pass's math; with p.prefetch_tiles the last
+// pass loads the next tile's first pass, so the loads stay in flight through the dbias and
+// transpose phase), so each kernel inlines the activation math kVec times, not
+// kVec * passes * formats * IO variants (compile time). Each pass advances 64-bit element
+// offsets by one step (no per-pass index products).
 template <typename Tag, bool kBackward, bool kGated, ActType kType>
-__global__ void LOWBIT_ACT_LAUNCH_BOUNDS ActTiledKernel(ActKernelArgs<typename Tag::Storage> p) {
+__global__ void LOWBIT_ACT_LAUNCH_BOUNDS(kBackward, kGated) ActTiledKernel(ActKernelArgs<typename Tag::Storage> p) {
   using T = typename Tag::Storage;
   ActParams act = p.act;  // type and gating as compile-time constants: the math folds
   act.type = kType;
@@ -179,16 +191,21 @@ __global__ void LOWBIT_ACT_LAUNCH_BOUNDS ActTiledKernel(ActKernelArgs<typename T
   constexpr int kThreadsPerRow = kTileCols / kVec;
   constexpr int kRowsPerPass = kThreads / kThreadsPerRow;
   constexpr int kPasses = kTileRows / kRowsPerPass;
+  constexpr int kPartialRows = kBackward ? kRowsPerPass : 1;
   __shared__ __align__(16) uint8_t codes[kPlanes][kTileRows][kCodeStride];
-  __shared__ float col_partial[kPlanes][kRowsPerPass][kTileCols];
+  __shared__ float col_partial[kPlanes][kPartialRows][kTileCols];
 
   const bool quantize = p.q_rowwise != nullptr || p.q_colwise != nullptr;
   const float scale = quantize ? __ldg(p.scale) : 1.0f;
   const bool scale_ok = ScaleKeepsFinite(scale);
+  const bool dbias = kBackward && p.partials != nullptr;
   const uint32_t tiles_c = uint32_t((p.hidden + kTileCols - 1) / kTileCols);  // < 2^30: Launch
   const uint32_t tile_rows = uint32_t((p.rows + kTileRows - 1) / kTileRows);
   const int chunk_col = (threadIdx.x % kThreadsPerRow) * kVec;
   const int chunk_row = threadIdx.x / kThreadsPerRow;
+  const int64_t x_step = int64_t(kRowsPerPass) * p.in_cols;
+  const int64_t dz_step = int64_t(kRowsPerPass) * p.hidden;
+  const int64_t out_step = int64_t(kRowsPerPass) * p.out_cols;
   uint32_t best = 0;
 
   // Tile t = tile_row * tiles_c + tile_col, t = blockIdx.x, blockIdx.x + gridDim.x, ...,
@@ -196,12 +213,31 @@ __global__ void LOWBIT_ACT_LAUNCH_BOUNDS ActTiledKernel(ActKernelArgs<typename T
   uint32_t tile_row, tile_col, step_rows, step_cols;
   DivMod32(blockIdx.x, tiles_c, &tile_row, &tile_col);
   DivMod32(gridDim.x, tiles_c, &step_rows, &step_cols);
-  for (; tile_row < tile_rows; tile_row += step_rows, tile_col += step_cols) {
-    if (tile_col >= tiles_c) tile_col -= tiles_c, ++tile_row;
-    if (tile_row >= tile_rows) break;
+  // Where this thread's chunk of a tile's first pass lies, and how much of it is in range.
+  auto tile_start = [&](uint32_t tr, uint32_t tc, int64_t* x_off, int64_t* dz_off, int* rows_in_tile,
+                        int* cols_left) {
+    const int64_t r0 = int64_t(tr) * kTileRows, c = int64_t(tc) * kTileCols + chunk_col;
+    const int64_t r = r0 + chunk_row;
+    *x_off = r * p.in_cols + c;
+    *dz_off = r * p.hidden + c;
+    *rows_in_tile = int(min(p.rows - r0, int64_t(kTileRows)));
+    *cols_left = int(max(min(p.hidden - c, int64_t(kVec)), int64_t(0)));
+  };
+  T xa[kVec], xg[kVec], g[kVec];  // the current pass's chunks
+  bool loaded = false;            // xa/xg/g already hold this tile's first pass (prefetched)
+  for (; tile_row < tile_rows;) {
+    int64_t x_off, dz_off;
+    int rows_in_tile, cols_left;
+    tile_start(tile_row, tile_col, &x_off, &dz_off, &rows_in_tile, &cols_left);
+    if (!loaded) {
+      LoadPass<Tag, kBackward, kGated, kVec>(p, x_off, dz_off, chunk_row < rows_in_tile, cols_left, xa, xg, g);
+    }
     const int64_t r0 = int64_t(tile_row) * kTileRows;
     const int64_t c0 = int64_t(tile_col) * kTileCols;
-    const int64_t c = c0 + chunk_col;
+    int64_t out_off = (r0 + chunk_row) * p.out_cols + c0 + chunk_col;  // plane 0, pass 0
+    uint32_t next_row = tile_row + step_rows, next_col = tile_col + step_cols;
+    if (next_col >= tiles_c) next_col -= tiles_c, ++next_row;
+    loaded = false;
 
     float col_sum[kPlanes][kVec];
 #pragma unroll
@@ -209,16 +245,23 @@ __global__ void LOWBIT_ACT_LAUNCH_BOUNDS ActTiledKernel(ActKernelArgs<typename T
 #pragma unroll
       for (int j = 0; j < kVec; ++j) col_sum[k][j] = 0.0f;
     }
-    // 1-2. Per pass: the next pass's loads first, then compute and store each plane of
-    // this one; keep codes and column sums.
-    T xa[kVec], xg[kVec], g[kVec];
-    LoadPass<Tag, kBackward, kGated, kVec>(p, r0 + chunk_row, c, xa, xg, g);
+    // 1-2. Per pass: the next loads first, then compute and store each plane of this one;
+    // keep codes and column sums.
 #pragma unroll 1
     for (int s = 0; s < kPasses; ++s) {
       const int local_row = s * kRowsPerPass + chunk_row;
-      const int64_t r = r0 + local_row;
+      const bool row_ok = local_row < rows_in_tile;
       T nxa[kVec], nxg[kVec], ng[kVec];
-      if (s + 1 < kPasses) LoadPass<Tag, kBackward, kGated, kVec>(p, r + kRowsPerPass, c, nxa, nxg, ng);
+      if (s + 1 < kPasses) {
+        LoadPass<Tag, kBackward, kGated, kVec>(p, x_off + x_step, dz_off + dz_step,
+                                               local_row + kRowsPerPass < rows_in_tile, cols_left, nxa, nxg, ng);
+      } else if (p.prefetch_tiles && next_row < tile_rows) {
+        int64_t nx_off, ndz_off;
+        int n_rows, n_cols;
+        tile_start(next_row, next_col, &nx_off, &ndz_off, &n_rows, &n_cols);
+        LoadPass<Tag, kBackward, kGated, kVec>(p, nx_off, ndz_off, chunk_row < n_rows, n_cols, nxa, nxg, ng);
+        loaded = true;
+      }
       float v[kPlanes][kVec];
 #pragma unroll
       for (int j = 0; j < kVec; ++j) {
@@ -238,7 +281,7 @@ __global__ void LOWBIT_ACT_LAUNCH_BOUNDS ActTiledKernel(ActKernelArgs<typename T
       // (columns past the end are never written).
 #pragma unroll
       for (int k = 0; k < kPlanes; ++k) {
-        const int64_t oc = k * p.hidden + c;  // output column of element j = 0
+        const int64_t o = out_off + k * p.hidden;  // element j = 0 of plane k
         float chunk_max = 0.0f;
 #pragma unroll
         for (int j = 0; j < kVec; ++j) chunk_max = AbsMaxNan(v[k][j], chunk_max);
@@ -248,24 +291,22 @@ __global__ void LOWBIT_ACT_LAUNCH_BOUNDS ActTiledKernel(ActKernelArgs<typename T
 #pragma unroll
           for (int j = 0; j < kVec; ++j) v[k][j] = CanonicalNan(v[k][j]);
         }
-        if (p.partials != nullptr && r < p.rows) {
+        if (dbias && row_ok) {
 #pragma unroll
           for (int j = 0; j < kVec; ++j) col_sum[k][j] += v[k][j];
         }
         uint32_t q[kVec / 4] = {};
         if (quantize) EncodeChunk<kVec>(p.e5m2, v[k], scale, no_nan && scale_ok, q);
-        if (r < p.rows) {
-          if (p.vector_io && c < p.hidden) {
-            if (p.out != nullptr) {
-              *reinterpret_cast<uint4*>(p.out + r * p.out_cols + oc) = PackChunk<Tag, kVec>(v[k], no_nan);
-            }
-            if (p.q_rowwise != nullptr) StoreCodes<kVec>(p.q_rowwise + r * p.out_cols + oc, q);
+        if (row_ok) {
+          if (p.vector_io && cols_left > 0) {
+            if (p.out != nullptr) *reinterpret_cast<uint4*>(p.out + o) = PackChunk<Tag, kVec>(v[k], no_nan);
+            if (p.q_rowwise != nullptr) StoreCodes<kVec>(p.q_rowwise + o, q);
           } else {
 #pragma unroll
             for (int j = 0; j < kVec; ++j) {
-              if (c + j >= p.hidden) break;
-              if (p.out != nullptr) p.out[r * p.out_cols + oc + j] = StoreFromFloat(Tag{}, v[k][j]);
-              if (p.q_rowwise != nullptr) p.q_rowwise[r * p.out_cols + oc + j] = uint8_t(q[j / 4] >> (8 * (j % 4)));
+              if (j >= cols_left) break;
+              if (p.out != nullptr) p.out[o + j] = StoreFromFloat(Tag{}, v[k][j]);
+              if (p.q_rowwise != nullptr) p.q_rowwise[o + j] = uint8_t(q[j / 4] >> (8 * (j % 4)));
             }
           }
         }
@@ -282,21 +323,24 @@ __global__ void LOWBIT_ACT_LAUNCH_BOUNDS ActTiledKernel(ActKernelArgs<typename T
         if constexpr (kGated) xg[j] = nxg[j];
         if constexpr (kBackward) g[j] = ng[j];
       }
+      x_off += x_step;
+      dz_off += dz_step;
+      out_off += out_step;
     }
 
     // 3. dbias: this tile's column sums, its rows combined in a fixed order.
-    if (p.partials != nullptr) {
+    if (dbias) {
 #pragma unroll
       for (int k = 0; k < kPlanes; ++k) {
 #pragma unroll
-        for (int j = 0; j < kVec; ++j) col_partial[k][chunk_row][chunk_col + j] = col_sum[k][j];
+        for (int j = 0; j < kVec; ++j) col_partial[k][chunk_row % kPartialRows][chunk_col + j] = col_sum[k][j];
       }
       __syncthreads();
       for (int i = threadIdx.x; i < kPlanes * kTileCols; i += kThreads) {
         const int k = i / kTileCols, col = i % kTileCols;
         float sum = 0.0f;
 #pragma unroll
-        for (int y = 0; y < kRowsPerPass; ++y) sum += col_partial[k][y][col];
+        for (int y = 0; y < kPartialRows; ++y) sum += col_partial[k][y][col];
         if (c0 + col < p.hidden) p.partials[int64_t(tile_row) * p.out_cols + k * p.hidden + c0 + col] = sum;
       }
     }
@@ -336,7 +380,8 @@ __global__ void LOWBIT_ACT_LAUNCH_BOUNDS ActTiledKernel(ActKernelArgs<typename T
         }
       }
     }
-    if (p.q_colwise != nullptr || p.partials != nullptr) __syncthreads();
+    if (p.q_colwise != nullptr || dbias) __syncthreads();
+    tile_row = next_row, tile_col = next_col;
   }
   best = BlockMaxU32(best);
   if (best > 0x7F800000u) best = 0x7FC00000u;  // the reference's canonical NaN
@@ -367,13 +412,43 @@ __global__ void DbiasFinalizeKernel(const float* __restrict__ partials, int64_t 
 bool Aligned(const void* p, uintptr_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
 
 // LOWBIT_ACT_VARIANT (a benchmark tuning knob, read at every launch): the grid's cap in
-// blocks per SM, 0 (unset) = 8 (two rounds of resident blocks at 4 per SM), 1 = 4 (one
-// persistent round), 2 = 16. Results are identical for every variant. -1 if invalid.
-int ActBlocksPerSm() {
+// blocks per SM and whether a tile's last pass prefetches the next tile. 0 (unset) = as many
+// blocks as are resident at once (the kernel's occupancy: one persistent round, each block
+// within one tile of the others' count), prefetch; 1 = 4 per SM, prefetch; 2 = 16,
+// prefetch; 3 = 8 without the prefetch (the previous default's schedule); 4 = 8, prefetch.
+// With 8 per SM and 5 (plain fwd) or 3 (gated bwd) resident, a second round of 3 or 2
+// blocks per SM runs on part of the SM. Results are identical for every variant.
+struct ActVariant {
+  int blocks_per_sm = 0;  // 0: the occupancy
+  bool prefetch_tiles = true;
+};
+
+// False if the value is invalid.
+bool ReadActVariant(ActVariant* v) {
   const char* env = std::getenv("LOWBIT_ACT_VARIANT");
-  if (env == nullptr || env[0] == '\0') return 8;
-  if (env[1] != '\0') return -1;
-  return env[0] == '0' ? 8 : env[0] == '1' ? 4 : env[0] == '2' ? 16 : -1;
+  if (env == nullptr || env[0] == '\0') return true;
+  if (env[1] != '\0' || env[0] < '0' || env[0] > '4') return false;
+  static constexpr int kBlocksPerSm[5] = {0, 4, 16, 8, 8};
+  v->blocks_per_sm = kBlocksPerSm[env[0] - '0'];
+  v->prefetch_tiles = env[0] != '3';
+  return true;
+}
+
+// Resident blocks per SM of ActTiledKernel<Tag, kBackward, kGated, kType> (kThreads
+// threads, static shared memory), asked once per instantiation; 1 if the runtime cannot tell.
+template <typename Tag, bool kBackward, bool kGated, ActType kType>
+int ResidentBlocksPerSm() {
+  static std::atomic<int> cached{0};
+  int n = cached.load(std::memory_order_relaxed);
+  if (n == 0) {
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, ActTiledKernel<Tag, kBackward, kGated, kType>, kThreads, 0) !=
+            cudaSuccess ||
+        n < 1) {
+      n = 1;
+    }
+    cached.store(n, std::memory_order_relaxed);
+  }
+  return n;
 }
 
 template <typename Tag, bool kBackward, bool kGated, ActType kType>
@@ -408,12 +483,15 @@ Status Launch(const ActArgs& a, void* workspace, GpuStream stream, const char* o
     return Status::InvalidArgument(std::string(op) + ": x: too many rows or columns for the CUDA kernel");
   }
   const int64_t tiles = tile_rows * tile_cols;
-  const int blocks_per_sm = ActBlocksPerSm();
-  if (blocks_per_sm < 0) {
-    return Status::InvalidArgument(std::string(op) + ": LOWBIT_ACT_VARIANT: expected 0, 1 or 2, got '" +
+  ActVariant variant;
+  if (!ReadActVariant(&variant)) {
+    return Status::InvalidArgument(std::string(op) + ": LOWBIT_ACT_VARIANT: expected 0 to 4, got '" +
                                    std::getenv("LOWBIT_ACT_VARIANT") + "'");
   }
-  const int blocks = GridStrideBlocks(tiles * kThreads, kThreads, blocks_per_sm);
+  p.prefetch_tiles = variant.prefetch_tiles;
+  const int per_sm = variant.blocks_per_sm > 0 ? variant.blocks_per_sm
+                                               : ResidentBlocksPerSm<Tag, kBackward, kGated, kType>();
+  const int blocks = GridStrideBlocks(tiles * kThreads, kThreads, per_sm);
   ActTiledKernel<Tag, kBackward, kGated, kType><<<blocks, kThreads, 0, stream>>>(p);
   LOWBIT_RETURN_IF_ERROR(LaunchStatus(op));
   if (p.partials == nullptr) return Status::Ok();

@@ -4,8 +4,8 @@
 // contraction left to the compiler), so the CPU reference and the CUDA kernels produce
 // bit-identical activations and gradients.
 //   sigmoid(x) = 1 / (1 + e) for x >= 0, e / (1 + e) for x < 0, e = exp(-|x|)
-//                (LbExpNonPositive: e never overflows, 1 + e is in [1, 2], the division is
-//                Fp32DivOneTwo; NaN gives NaN)
+//                (LbExpNegAbs, LbExpNonPositive(-|x|)'s bits: e never overflows, 1 + e is
+//                in [1, 2], the division is Fp32DivOneTwo; NaN gives NaN)
 //   gelu       = 0.5 x (1 + tanh(u)), u = sqrt(2/pi) * (x * (1 + 0.044715 x x)), computed as
 //                x sigmoid(2u) (equal, and free of the cancellation in 1 + tanh(u) for x < 0)
 //   silu       = x sigmoid(x);  quick_gelu = x sigmoid(1.702 x);  relu;  squared_relu = relu^2
@@ -42,8 +42,44 @@ struct ActParams {
   float alpha = 1.702f;  // clamped swiglu
 };
 
+// min(|x|, 109), NaN in gives NaN out: one min.NaN with an |x| operand on the GPU.
+LOWBIT_HD float AbsClampedTo109(float x) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  float r;
+  asm("min.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(fabsf(x)), "f"(109.0f));
+  return r;
+#else
+  const float a = std::fabs(x);
+  return a < 109.0f ? a : (x == x ? 109.0f : x);
+#endif
+}
+
+// exp(-|x|) with LbExpNonPositive(-|x|)'s bits (common/fp32_math.h; NaN gives NaN): the
+// same operations in the same order on y = -m, m = min(|x|, 109). For y = -|x| <= 0 that
+// function's clamp of y > 0 never fires and its clamp at -109 gives exactly -m; every
+// negation is exact and folds into the FMA operands, so the GPU saves the sign OR and one
+// min per element (activation_test.cc compares the two over every bf16/f16 value and a
+// sweep of fp32).
+LOWBIT_HD float LbExpNegAbs(float x) {
+  const float m = AbsClampedTo109(x);
+  constexpr float kShifter = 12582912.0f;
+  const float t = Fp32Fma(-m, 1.44269502162933349609f, kShifter);
+  const float n = Fp32Add(t, -kShifter);
+  float r = Fp32Fma(n, -0.693145751953125f, -m);
+  r = Fp32Fma(n, -1.42860676533018923e-06f, r);
+  float p = 1.381461275741458e-03f;
+  p = Fp32Fma(p, r, 8.368710055947304e-03f);
+  p = Fp32Fma(p, r, 4.166838899254799e-02f);
+  p = Fp32Fma(p, r, 1.666652113199234e-01f);
+  p = Fp32Fma(p, r, 4.999999403953552e-01f);
+  p = Fp32Fma(p, r, 1.0f);
+  p = Fp32Fma(p, r, 1.0f);
+  const float pow2 = BitsToFloat((FloatBits(t) << 23) + (uint32_t(127 + 32) << 23));
+  return Fp32Mul(Fp32Mul(p, pow2), 2.3283064365386963e-10f);
+}
+
 LOWBIT_HD float LbSigmoid(float x) {
-  const float e = LbExpNonPositive(BitsToFloat(FloatBits(x) | 0x80000000u));  // -|x|
+  const float e = LbExpNegAbs(x);
   return Fp32DivOneTwo(x >= 0.0f ? 1.0f : e, Fp32Add(1.0f, e));
 }
 

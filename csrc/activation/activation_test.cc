@@ -1,5 +1,6 @@
 // GoogleTest checks of the activation CPU reference and of its fp32 math: LbExp and
-// LbExpNonPositive accuracy against double over their ranges, Fp32DivOneTwo and LbSigmoid,
+// LbExpNonPositive accuracy against double over their ranges, LbExpNegAbs bit for bit
+// against LbExpNonPositive(-|x|), Fp32DivOneTwo and LbSigmoid,
 // activation values at known points, the gated layout, clamped swiglu, the backward against
 // finite differences, dbias and the fused quantization.
 #include "activation/activation.h"
@@ -12,6 +13,7 @@
 #include <limits>
 #include <vector>
 
+#include "common/element.h"
 #include "common/formats.h"
 
 namespace lowbit {
@@ -66,6 +68,28 @@ TEST(LbExpNonPositive, WithinOneUlpOfExp) {
   EXPECT_TRUE(std::isnan(LbExpNonPositive(std::nanf(""))));
   EXPECT_EQ(LbExpNonPositive(-1e-8f), 1.0f);
   EXPECT_EQ(LbExpNonPositive(-103.0f), float(std::exp(-103.0)));  // subnormal, rounded once
+}
+
+// LbExpNegAbs(x) must give LbExpNonPositive(-|x|)'s bits (both NaN for NaN x): every bf16
+// value (the high 16 bits of a float), every f16 value, every 101st fp32 bit pattern (a
+// one-off sweep of all 2^32 patterns found no difference either).
+bool SameExp(float x) {
+  const float a = LbExpNegAbs(x), b = LbExpNonPositive(-std::fabs(x));
+  return (a != a && b != b) || FloatBits(a) == FloatBits(b);
+}
+
+TEST(LbExpNegAbs, BitIdenticalToLbExpNonPositiveOfMinusAbs) {
+  int64_t mismatches = 0;
+  for (uint32_t h = 0; h < 0x10000u; ++h) {
+    mismatches += !SameExp(FloatAt(h << 16));
+    mismatches += !SameExp(LoadAsFloat(F16{}, uint16_t(h)));
+  }
+  for (uint32_t b = 0; b < 0xFFFFFFFFu - 101; b += 101) mismatches += !SameExp(FloatAt(b));
+  EXPECT_EQ(mismatches, 0);
+  EXPECT_EQ(LbExpNegAbs(0.0f), 1.0f);
+  EXPECT_EQ(LbExpNegAbs(-110.0f), 0.0f);
+  EXPECT_EQ(LbExpNegAbs(std::numeric_limits<float>::infinity()), 0.0f);
+  EXPECT_TRUE(std::isnan(LbExpNegAbs(std::nanf(""))));
 }
 
 TEST(Fp32DivOneTwo, CorrectlyRoundedNearlyAlways) {
