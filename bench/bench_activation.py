@@ -10,9 +10,9 @@ bandwidth, and the speedup over XLA; writes bench/results/activation_<device>.js
 
 --variants [LIST] times the lowbit ops once per value (default 0,1,2) of the tuning knobs
 LOWBIT_ACT_VARIANT (activation.cu: grid blocks per SM 0 = resident (occupancy), 1 = 4,
-2 = 16, 4 = 8, all with the cross-tile prefetch; 3 = 8 without it) and LOWBIT_SOFTMAX_VARIANT (softmax.cu: 0 = the
-one-warp-per-row pipelined forward, 1 / 2 / 3 = the row-group kernel with forward 16 / 64 /
-32 and backward 16 / 32 / fewest elements per thread; the backward's 0 = 3), each in a
+2 = 16, 4 = 8, all with the cross-tile prefetch; 3 = 8 without it) and LOWBIT_SOFTMAX_VARIANT (softmax.cu: 0 = 3 = the
+default row-group kernel with forward 32 and backward the fewest elements per thread, 1 / 2 =
+forward 16 / 64 and backward 16 / 32, 4 = the one-warp-per-row pipelined forward), each in a
 subprocess (the launchers read the variables at every call; results are identical).
 --ops (any mode) runs only the named ops: gelu_fwd, gelu_bwd, swiglu_fwd, swiglu_bwd,
 softmax_fwd, softmax_bwd (each subprocess draws only the inputs its ops need).
@@ -91,6 +91,10 @@ def main():
     sm_shape = (1, 2, 64, 64) if args.small else (4, 32, 2048, 2048)
     iters = 2 if args.small else args.iters
     copy_bw = common.copy_bandwidth(1 << 22 if args.small else 1 << 30)
+    # Kernel-time copy bandwidth (None without a GPU): lowbit's ops are then also timed from
+    # a profiler trace, without the host's dispatch gaps (bench/common.py device_time_fn).
+    copy_dev = None if args.lowbit_only else common.copy_bandwidth(1 << 22 if args.small else 1 << 30,
+                                                                   device_time=True)
     rng = np.random.default_rng(0)
     scale = jnp.ones((1,), jnp.float32)
     rows_out = []
@@ -98,10 +102,14 @@ def main():
     def time_xla(fn, sets):
         return float("nan") if args.lowbit_only else common.time_fn(fn, sets, iters=iters)
 
-    def record(name, bytes_moved, t_lowbit, t_xla):
+    def record(name, bytes_moved, t_lowbit, t_xla, fn=None, sets=None):
         gbs = bytes_moved / t_lowbit / 1e9
-        rows_out.append(dict(op=name, lowbit_us=t_lowbit * 1e6, xla_us=t_xla * 1e6, GBps=gbs,
-                             pct_copy=100 * bytes_moved / t_lowbit / copy_bw, speedup=t_xla / t_lowbit))
+        row = dict(op=name, lowbit_us=t_lowbit * 1e6, xla_us=t_xla * 1e6, GBps=gbs,
+                   pct_copy=100 * bytes_moved / t_lowbit / copy_bw, speedup=t_xla / t_lowbit)
+        d = common.device_time_fn(fn, sets) if copy_dev and fn is not None else None
+        if d:
+            row.update(lowbit_dev_us=d * 1e6, pct_copy_dev=100 * bytes_moved / d / copy_dev)
+        rows_out.append(row)
 
     def normal(shape):
         return jnp.asarray(rng.standard_normal(shape, dtype=np.float32), jnp.bfloat16)
@@ -114,36 +122,45 @@ def main():
         a = "silu" if act == "swiglu" else act
         n_in, n_out = int(np.prod(in_shape)), rows * hidden
         if f"{act}_fwd" in ops:
-            t_l = common.time_fn(lambda x, s: lowbit_forward(x, s, act, gated), sets, iters=iters)
+            fn = lambda x, s: lowbit_forward(x, s, act, gated)  # noqa: E731
+            t_l = common.time_fn(fn, sets, iters=iters)
             t_x = time_xla(lambda x, s: xla_forward(x, s, a, gated), sets)
-            record(f"{act} fwd+q", 2 * n_in + 2 * n_out + 2 * n_out, t_l, t_x)
+            record(f"{act} fwd+q", 2 * n_in + 2 * n_out + 2 * n_out, t_l, t_x, fn, sets)
         if f"{act}_bwd" in ops:
             dsets = [(normal((rows, hidden)), x, s) for x, s in sets]
-            t_l = common.time_fn(lambda d, x, s: lowbit_backward(d, x, s, act, gated), dsets, iters=iters)
+            fn = lambda d, x, s: lowbit_backward(d, x, s, act, gated)  # noqa: E731
+            t_l = common.time_fn(fn, dsets, iters=iters)
             t_x = time_xla(lambda d, x, s: xla_backward(d, x, s, a, gated), dsets)
-            record(f"d{act}+dbias+q", 2 * n_out + 2 * n_in + 2 * n_in + 2 * n_in, t_l, t_x)
+            record(f"d{act}+dbias+q", 2 * n_out + 2 * n_in + 2 * n_in + 2 * n_in, t_l, t_x, fn, dsets)
         del sets
 
     if ops & {"softmax_fwd", "softmax_bwd"}:
         x = [(normal(sm_shape),) for _ in range(2)]
         n = int(np.prod(sm_shape))
         if "softmax_fwd" in ops:
-            t_l = common.time_fn(lambda v: lowbit.ops.softmax_forward(v, None, 0.125), x, iters=iters)
+            fn = lambda v: lowbit.ops.softmax_forward(v, None, 0.125)  # noqa: E731
+            t_l = common.time_fn(fn, x, iters=iters)
             t_x = time_xla(lambda v: softmax_reference(v, None, 0.125), x)
-            record("softmax fwd", 4 * n, t_l, t_x)
+            record("softmax fwd", 4 * n, t_l, t_x, fn, x)
         if "softmax_bwd" in ops:
             y = [(v, lowbit.ops.softmax_forward(v, None, 0.125)) for (v,) in x]
-            t_l = common.time_fn(lambda d, yy: lowbit.ops.softmax_backward(d, yy, 0.125), y, iters=iters)
+            fn = lambda d, yy: lowbit.ops.softmax_backward(d, yy, 0.125)  # noqa: E731
+            t_l = common.time_fn(fn, y, iters=iters)
             t_x = time_xla(lambda d, yy: softmax_backward_reference(d, yy, 0.125), y)
-            record("softmax bwd", 6 * n, t_l, t_x)
+            record("softmax bwd", 6 * n, t_l, t_x, fn, y)
 
     if args.lowbit_only:
         print("VARIANT_RESULT " + json.dumps(dict(copy_GBps=copy_bw / 1e9, results=rows_out)))
         return
     print(f"copy bandwidth {copy_bw / 1e9:.1f} GB/s; activations {rows} x {hidden} bf16, "
           f"softmax {sm_shape} bf16")
-    common.print_table(rows_out, ["op", "lowbit_us", "xla_us", "GBps", "pct_copy", "speedup"])
-    path = common.write_results("activation", dict(copy_GBps=copy_bw / 1e9, rows=rows, hidden=hidden,
+    if copy_dev:
+        print(f"copy bandwidth from kernel time {copy_dev / 1e9:.1f} GB/s")
+    common.print_table(rows_out, ["op", "lowbit_us", "xla_us", "GBps", "pct_copy", "speedup"]
+                       + (["lowbit_dev_us", "pct_copy_dev"] if copy_dev else []))
+    path = common.write_results("activation", dict(copy_GBps=copy_bw / 1e9,
+                                                   copy_kernel_time_GBps=copy_dev / 1e9 if copy_dev else None,
+                                                   rows=rows, hidden=hidden,
                                                    softmax_shape=list(sm_shape), results=rows_out))
     print(f"wrote {path}")
 

@@ -1,7 +1,10 @@
 """FP8 per-tensor quantize (lowbit.ops.quantize_fp8) per layout, beside XLA's fused jnp
 quantization of the same tensor (amax + rowwise cast + transposed colwise cast, + column
 sums for dbias) in the same run. Prints time, GB/s (bytes read + written), % of the
-measured device copy bandwidth, and the speedup over XLA; writes bench/results JSON.
+measured device copy bandwidth, and the speedup over XLA; writes bench/results JSON. On a
+GPU it also prints the kernel (device) time of lowbit, XLA and the copy from a profiler
+trace (bench/common.py device_time_fn) and % of copy from those: the wall clock adds the
+host's dispatch gaps between programs to every call.
 
     python bench/bench_quantize.py            # GPU: 16384x8192 and 8192x32768 bf16
     python bench/bench_quantize.py --small    # CPU smoke run at tiny sizes
@@ -140,7 +143,9 @@ def main() -> None:
     iters = args.iters or (3 if args.small else 20)
     repeats = 2 if args.small else 5
     bandwidth = common.copy_bandwidth(1 << 20 if args.small else 1 << 30)
-    print(f"device {common.device_name()}, copy bandwidth {bandwidth / 1e9:.1f} GB/s (read + write)")
+    bandwidth_dev = common.copy_bandwidth(1 << 20 if args.small else 1 << 30, device_time=True)
+    print(f"device {common.device_name()}, copy bandwidth {bandwidth / 1e9:.1f} GB/s (read + write)"
+          + (f", {bandwidth_dev / 1e9:.1f} GB/s from kernel time" if bandwidth_dev else ""))
     if os.environ.get(VARIANT_ENV):
         print(f"{VARIANT_ENV}={os.environ[VARIANT_ENV]}")
 
@@ -159,16 +164,27 @@ def main() -> None:
                 "lowbit_GB/s": nbytes / t_lowbit / 1e9,
                 "%copy": 100.0 * nbytes / t_lowbit / bandwidth,
             }
+            # Kernel time (no host dispatch gaps), against the copy's kernel time.
+            d_lowbit = common.device_time_fn(lowbit_fn(rowwise, colwise, dbias), sets) if bandwidth_dev else None
+            if d_lowbit:
+                row.update({"lowbit_dev_us": d_lowbit * 1e6, "%copy_dev": 100.0 * nbytes / d_lowbit / bandwidth_dev})
             if not args.no_xla:
                 t_xla = common.time_fn(xla_fn(rowwise, colwise, dbias), sets, iters, repeats)
                 row.update({"xla_us": t_xla * 1e6, "xla_GB/s": nbytes / t_xla / 1e9, "speedup": t_xla / t_lowbit})
+                d_xla = common.device_time_fn(xla_fn(rowwise, colwise, dbias), sets) if d_lowbit else None
+                if d_xla:
+                    row.update({"xla_dev_us": d_xla * 1e6, "xla_%copy_dev": 100.0 * nbytes / d_xla / bandwidth_dev,
+                                "speedup_dev": d_xla / d_lowbit})
             rows_out.append(row)
         del sets
     columns = ["shape", "layout", "lowbit_us", "lowbit_GB/s", "%copy"]
     if not args.no_xla:
         columns += ["xla_us", "xla_GB/s", "speedup"]
+    if bandwidth_dev:
+        columns += ["lowbit_dev_us", "%copy_dev"] + ([] if args.no_xla else ["xla_dev_us", "speedup_dev"])
     common.print_table(rows_out, columns)
     payload = {"dtype": "bfloat16", "fp8": "float8_e4m3fn", "copy_bandwidth_Bps": bandwidth,
+               "copy_bandwidth_kernel_time_Bps": bandwidth_dev,
                "target_percent_of_copy": 85.0, "rows": rows_out}
     if args.emit_rows:
         print(ROWS_MARK + json.dumps(payload))

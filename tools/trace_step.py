@@ -12,9 +12,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import glob
-import gzip
-import json
 import os
 import sys
 import tempfile
@@ -25,6 +22,7 @@ import jax
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "bench"))
 sys.path.insert(0, os.path.join(HERE, "..", "examples"))
+import common  # noqa: E402  (bench/common.py)
 
 
 def build(which: str, variant: str, small: bool = False):
@@ -61,16 +59,6 @@ def build(which: str, variant: str, small: bool = False):
     return make_step(layer.apply, kwargs, rngs={"dropout": dropout_key}), (variables, x, dy)
 
 
-def device_events(trace_dir: str):
-    path = glob.glob(os.path.join(trace_dir, "plugins", "profile", "*", "perfetto_trace.json.gz"))[0]
-    events = json.load(gzip.open(path))["traceEvents"]
-    gpu_pids = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
-                and "GPU" in str(e.get("args", {}).get("name", ""))}
-    if not gpu_pids:  # no device lane (CPU run): report the host's XLA threads' events instead
-        gpu_pids = {e["pid"] for e in events if e.get("ph") == "M"}
-    return [e for e in events if e.get("ph") == "X" and e["pid"] in gpu_pids]
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("which", choices=["dense", "layer", "quantize"])
@@ -89,7 +77,7 @@ def main():
             r = step(*step_args)
         jax.block_until_ready(r)
     wall_ms = (time.perf_counter() - start) * 1e3 / args.steps
-    events = device_events(out)
+    events, _ = common.device_events(out)
     by_name = collections.defaultdict(lambda: [0.0, 0])
     for e in events:
         by_name[e["name"]][0] += e.get("dur", 0.0) / args.steps
