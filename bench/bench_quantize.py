@@ -129,8 +129,12 @@ def main() -> None:
     parser.add_argument("--variants", nargs="*", default=None,
                         help=f"time each tile variant in a subprocess (default list: {' '.join(DEFAULT_VARIANTS)})")
     parser.add_argument("--no-xla", action="store_true", help="skip the XLA baseline")
+    parser.add_argument("--rowwise-kernel", choices=["chunks1", "chunks2", "tiled"], default=None,
+                        help="sets LOWBIT_QUANTIZE_ROWWISE_KERNEL (the rowwise-only kernel, quantize.h)")
     parser.add_argument("--emit-rows", action="store_true", help=argparse.SUPPRESS)  # --variants' children
     args = parser.parse_args()
+    if args.rowwise_kernel:
+        os.environ["LOWBIT_QUANTIZE_ROWWISE_KERNEL"] = args.rowwise_kernel
     if args.variants is not None:
         run_variants(args, args.variants or DEFAULT_VARIANTS)
         return

@@ -427,6 +427,33 @@ def test_cuda_tile_variants_equal_cpu(variant, dtype, rng, cpu, gpu, monkeypatch
                 assert_dbias_close(g.dbias, c.dbias, x, axis)
 
 
+# The rowwise-only kernels (LOWBIT_QUANTIZE_ROWWISE_KERNEL, quantize.h) against the CPU:
+# steps of one or two 16-byte chunks (n not a multiple of 16: the scalar tail), and the
+# tiled kernel without its colwise copy.
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_ids)
+@pytest.mark.parametrize("kernel", ["chunks1", "chunks2", "tiled"])
+def test_cuda_rowwise_kernels_equal_cpu(kernel, dtype, rng, cpu, gpu, monkeypatch):
+    monkeypatch.setenv("LOWBIT_QUANTIZE_ROWWISE_KERNEL", kernel)
+    for shape in ((4097, 3001), (12288, 1024), (1, 65541), (3, 5, 129)):
+        x = random_with_specials(rng, shape, dtype)
+        for fp8 in FP8:
+            def f(v, s):
+                return quantize_fp8(v, s, out_dtype=fp8, rowwise=True, colwise=False)
+
+            s = np.float32(0.37)
+            g, c = run_on(gpu, f, x, s), run_on(cpu, f, x, s)
+            np.testing.assert_array_equal(g.rowwise.view(np.uint8), c.rowwise.view(np.uint8), err_msg=f"{shape}")
+            np.testing.assert_array_equal(g.amax.view(np.uint32), c.amax.view(np.uint32))
+
+
+@pytest.mark.gpu
+def test_cuda_bad_rowwise_kernel(gpu, monkeypatch):
+    monkeypatch.setenv("LOWBIT_QUANTIZE_ROWWISE_KERNEL", "chunks4")
+    with pytest.raises(Exception, match=r"lowbit_quantize_fp8: LOWBIT_QUANTIZE_ROWWISE_KERNEL=\"chunks4"):
+        run_on(gpu, lambda v: quantize_fp8(v, jnp.float32(1.0), colwise=False), jnp.ones((64, 128), jnp.bfloat16))
+
+
 @pytest.mark.gpu
 def test_cuda_bad_tile_variant(gpu, monkeypatch):
     x = jnp.ones((64, 128), jnp.bfloat16)

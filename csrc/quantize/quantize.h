@@ -64,6 +64,13 @@ constexpr int64_t kQuantizeTileCols = 128;
 // differs only by fp32 summation order (the tile height changes it).
 constexpr const char* kQuantizeTileVariantEnv = "LOWBIT_QUANTIZE_TILE_VARIANT";
 
+// Tuning knob for benchmarks, read by the CUDA launcher on every rowwise-only call without
+// dbias: "chunks1" (unset or empty: the default; the flat kernel, one 16-byte chunk of x per
+// thread step), "chunks2" (two consecutive chunks, one 16-byte store of codes for 16-bit x)
+// or "tiled" (the tiled kernel, without its colwise copy). Same bits in every case; any
+// other value is an InvalidArgument error.
+constexpr const char* kQuantizeRowwiseKernelEnv = "LOWBIT_QUANTIZE_ROWWISE_KERNEL";
+
 // Device workspace QuantizeFp8Cuda needs: per-tile-row column partial sums for dbias.
 inline int64_t QuantizeFp8WorkspaceBytes(int64_t rows, int64_t cols, bool dbias) {
   if (!dbias || rows == 0 || cols == 0) return 0;

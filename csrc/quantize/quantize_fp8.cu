@@ -1,6 +1,8 @@
 // CUDA FP8 per-tensor quantize (fused cast + transpose + amax + dbias) and dequantize.
 // Numerics and layouts: quantize.h. Kernels:
-//   QuantizeRowwiseKernel  rowwise only, no dbias: a flat grid-stride pass, 16-byte loads.
+//   QuantizeRowwiseKernel  rowwise only, no dbias: a flat grid-stride pass, 16-byte loads
+//                          (one or two chunks per thread step: LOWBIT_QUANTIZE_ROWWISE_KERNEL,
+//                          which can also send rowwise-only work to the tiled kernel).
 //   QuantizeTiledKernel    anything with colwise or dbias: one resident wave of blocks loops
 //                          over tiles of 64, 128 or 256 rows x 128 columns (4 threads per tile
 //                          row), with one __syncthreads per tile: tile i + 1 (or i + 2) is
@@ -105,23 +107,28 @@ __device__ __forceinline__ uint8_t CodeAt(const uint32_t* words, int j) {
   return uint8_t(words[j / 4] >> (8 * (j % 4)));
 }
 
-// Stores kVec codes (4 or 8 bytes) with one aligned store.
-template <int kVec>
-__device__ __forceinline__ void StoreCodesVec(uint8_t* dst, const uint32_t (&words)[kVec / 4]) {
-  if constexpr (kVec == 4) {
+// Stores kN codes (4, 8 or 16 bytes) with one aligned store.
+template <int kN>
+__device__ __forceinline__ void StoreCodesVec(uint8_t* dst, const uint32_t (&words)[kN / 4]) {
+  if constexpr (kN == 4) {
     *reinterpret_cast<uint32_t*>(dst) = words[0];
-  } else {
-    static_assert(kVec == 8, "4 or 8 codes per chunk");
+  } else if constexpr (kN == 8) {
     *reinterpret_cast<uint2*>(dst) = make_uint2(words[0], words[1]);
+  } else {
+    static_assert(kN == 16, "4, 8 or 16 codes per step");
+    *reinterpret_cast<uint4*>(dst) = make_uint4(words[0], words[1], words[2], words[3]);
   }
 }
 
-template <typename Tag, typename Fmt, int kVec>
+// kChunks consecutive 16-byte chunks (kVec elements each) per thread and step; kVec = 1:
+// element loads only.
+template <typename Tag, typename Fmt, int kVec, int kChunks>
 __global__ void __launch_bounds__(kThreads)
     QuantizeRowwiseKernel(const typename Tag::Storage* __restrict__ x, int64_t n,
                           const float* __restrict__ scale_ptr, uint8_t* __restrict__ rowwise,
                           uint32_t* __restrict__ amax) {
   using T = typename Tag::Storage;
+  constexpr int kN = kVec * kChunks;  // elements per step
   const float scale = __ldg(scale_ptr);
   const bool scale_ok = ScaleKeepsFinite(scale);
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
@@ -129,25 +136,27 @@ __global__ void __launch_bounds__(kThreads)
   uint32_t best = 0;
   int64_t done = 0;
   if constexpr (kVec > 1) {
-    const int64_t nvec = n / kVec;
+    const int64_t steps = n / kN;
     const uint4* vec = reinterpret_cast<const uint4*>(x);
-    for (int64_t i = first; i < nvec; i += stride) {
-      const uint4 packed = __ldg(vec + i);
-      T vals[kVec];
-      memcpy(vals, &packed, sizeof(packed));
-      float v[kVec];
+    for (int64_t i = first; i < steps; i += stride) {
+      uint4 packed[kChunks];
+#pragma unroll
+      for (int c = 0; c < kChunks; ++c) packed[c] = __ldg(vec + i * kChunks + c);
+      T vals[kN];
+      memcpy(vals, packed, sizeof(packed));
+      float v[kN];
       uint32_t chunk_max = 0;
 #pragma unroll
-      for (int j = 0; j < kVec; ++j) {
+      for (int j = 0; j < kN; ++j) {
         v[j] = LoadAsFloat(Tag{}, vals[j]);
         chunk_max = max(chunk_max, AbsBitsOf(v[j]));
       }
       best = max(best, chunk_max);
-      uint32_t words[kVec / 4];
+      uint32_t words[kN / 4];
       EncodeChunk(Fmt{}, v, scale, scale_ok && chunk_max <= 0x7F800000u, words);
-      StoreCodesVec<kVec>(rowwise + i * kVec, words);
+      StoreCodesVec<kN>(rowwise + i * kN, words);
     }
-    done = nvec * kVec;
+    done = steps * kN;
   }
   for (int64_t i = done + first; i < n; i += stride) {
     const float v = LoadAsFloat(Tag{}, x[i]);
@@ -625,6 +634,23 @@ Status ParseTileVariant(TileVariant* v) {
   return Status::Ok();
 }
 
+// LOWBIT_QUANTIZE_ROWWISE_KERNEL (quantize.h): 16-byte chunks per thread step of the flat
+// rowwise kernel, or 0 for the tiled kernel.
+Status ParseRowwiseKernel(int* chunks) {
+  const char* env = std::getenv(kQuantizeRowwiseKernelEnv);
+  if (env == nullptr || *env == '\0' || std::strcmp(env, "chunks1") == 0) {
+    *chunks = 1;
+  } else if (std::strcmp(env, "chunks2") == 0) {
+    *chunks = 2;
+  } else if (std::strcmp(env, "tiled") == 0) {
+    *chunks = 0;
+  } else {
+    return Status::InvalidArgument(std::string(kQuantizeOp) + ": " + kQuantizeRowwiseKernelEnv + "=\"" + env +
+                                   "\": expected chunks1, chunks2 or tiled");
+  }
+  return Status::Ok();
+}
+
 template <typename Tag, typename Fmt, bool kVectorIO, int kRows, int kStages>
 Status LaunchTiled(const QuantizeFp8Args& a, float* partials, const TileVariant& v, GpuStream stream,
                    int* tile_rows) {
@@ -688,14 +714,19 @@ Status LaunchQuantize(const QuantizeFp8Args& a, void* workspace, GpuStream strea
   };
   const int64_t n = a.rows * a.cols;
 
-  if (a.colwise == nullptr && a.dbias == nullptr) {
+  int rowwise_chunks = 0;  // 0: the tiled kernel
+  LOWBIT_RETURN_IF_ERROR(ParseRowwiseKernel(&rowwise_chunks));
+  if (a.colwise == nullptr && a.dbias == nullptr && rowwise_chunks > 0) {
     const bool vec = aligned(x, 16) && aligned(a.rowwise, 16);
-    const int blocks = GridStrideBlocks(vec ? (n + kVec - 1) / kVec : n, kThreads, 8);
-    if (vec) {
-      QuantizeRowwiseKernel<Tag, Fmt, kVec>
+    const int blocks = GridStrideBlocks(vec ? (n + kVec * rowwise_chunks - 1) / (kVec * rowwise_chunks) : n,
+                                        kThreads, 8);
+    if (!vec) {
+      QuantizeRowwiseKernel<Tag, Fmt, 1, 1><<<blocks, kThreads, 0, stream>>>(x, n, a.scale, a.rowwise, amax_bits);
+    } else if (rowwise_chunks == 2) {
+      QuantizeRowwiseKernel<Tag, Fmt, kVec, 2>
           <<<blocks, kThreads, 0, stream>>>(x, n, a.scale, a.rowwise, amax_bits);
     } else {
-      QuantizeRowwiseKernel<Tag, Fmt, 1>
+      QuantizeRowwiseKernel<Tag, Fmt, kVec, 1>
           <<<blocks, kThreads, 0, stream>>>(x, n, a.scale, a.rowwise, amax_bits);
     }
     return LaunchStatus(kQuantizeOp);
