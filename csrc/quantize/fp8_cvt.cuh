@@ -1,13 +1,14 @@
-// Device-side FP8 encoding of 16-byte chunks for the block-scaled quantize kernels
-// (quantize_block.cu, quantize_mxfp8.cu): the hardware conversion where it is bit-identical
-// to the formats.h codecs, the codec elsewhere, plus vector load/store helpers.
+// Device-side FP8 encoding of 16-byte chunks for the quantize kernels (quantize_fp8.cu,
+// quantize_block.cu, quantize_mxfp8.cu) and activation.cu: the hardware conversion where it
+// is bit-identical to the formats.h codecs, the codec elsewhere, plus vector load/store
+// helpers.
 //
 // cvt.rn.satfinite.{e4m3x2,e5m2x2}.f32 (sm_89+, PTX ISA 7.8,
 // https://docs.nvidia.com/cuda/parallel-thread-execution/#data-movement-and-conversion-instructions-cvt)
 // rounds to nearest even and saturates out-of-range values and inf to +-max: exactly
 // FloatToE4m3 / FloatToE5m2 except for NaN, whose sign it drops. So a chunk whose products
 // may be NaN (a NaN input, or a NaN factor) takes the codec with MulNanDefined instead.
-// (quantize_fp8.cu has the same rule for one per-tensor scale.)
+// (quantize_fp8.cu applies the same rule with one per-tensor scale.)
 #pragma once
 
 #include <cuda_fp16.h>

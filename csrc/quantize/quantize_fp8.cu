@@ -33,6 +33,7 @@
 #include "common/element.h"
 #include "common/reduce.cuh"
 #include "quantize/fp8_codec.h"
+#include "quantize/fp8_cvt.cuh"
 #include "quantize/quantize.h"
 
 namespace lowbit {
@@ -43,36 +44,9 @@ constexpr const char* kDequantizeOp = "lowbit_dequantize_fp8";
 constexpr const char* kTileVariantEnv = kQuantizeTileVariantEnv;
 constexpr int kThreads = 256;  // flat kernels
 constexpr int kTileCols = int(kQuantizeTileCols);
-__device__ __forceinline__ uint32_t Pack4(const uint8_t* q) {
-  return uint32_t(q[0]) | (uint32_t(q[1]) << 8) | (uint32_t(q[2]) << 16) | (uint32_t(q[3]) << 24);
-}
 
-// Hardware FP8 conversion, sm_89 and later (PTX ISA 7.8: cvt.rn.satfinite.{e4m3x2,e5m2x2}.f32,
-// https://docs.nvidia.com/cuda/parallel-thread-execution/#data-movement-and-conversion-instructions-cvt):
-// round to nearest even, out-of-range values and inf saturate to +-max. That is exactly
-// FloatToE4m3 / FloatToE5m2 except for NaN (the hardware drops its sign), so chunks whose
-// products may be NaN take the formats.h codec instead (see EncodeChunk).
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
-#define LOWBIT_HAS_CVT_FP8X2 1
-#else
-#define LOWBIT_HAS_CVT_FP8X2 0
-#endif
-
-constexpr bool kHasCvtFp8x2 = LOWBIT_HAS_CVT_FP8X2;
-
-#if LOWBIT_HAS_CVT_FP8X2
-// Two codes in the low 16 bits: `lo` in bits 0-7, `hi` in bits 8-15.
-__device__ __forceinline__ uint32_t CvtX2(E4m3Fmt, float lo, float hi) {
-  uint16_t pair;
-  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(pair) : "f"(hi), "f"(lo));
-  return pair;
-}
-__device__ __forceinline__ uint32_t CvtX2(E5m2Fmt, float lo, float hi) {
-  uint16_t pair;
-  asm("cvt.rn.satfinite.e5m2x2.f32 %0, %1, %2;" : "=h"(pair) : "f"(hi), "f"(lo));
-  return pair;
-}
-#endif
+// Hardware FP8 conversion (CvtPair, sm_89+) and the vector helpers: quantize/fp8_cvt.cuh.
+constexpr bool kHasCvtFp8x2 = LOWBIT_BLOCK_HAS_CVT_FP8X2;
 
 // True when scale is finite and non-zero: then x * scale is NaN only where x is NaN.
 __device__ __forceinline__ bool ScaleKeepsFinite(float scale) {
@@ -86,12 +60,12 @@ __device__ __forceinline__ bool ScaleKeepsFinite(float scale) {
 template <typename Fmt, int kN>
 __device__ __forceinline__ void EncodeChunk(Fmt fmt, const float (&v)[kN], float scale, bool no_nan,
                                             uint32_t (&words)[kN / 4]) {
-#if LOWBIT_HAS_CVT_FP8X2
+#if LOWBIT_BLOCK_HAS_CVT_FP8X2
   if (no_nan) {
 #pragma unroll
     for (int j = 0; j < kN; j += 4) {
-      words[j / 4] = CvtX2(fmt, v[j] * scale, v[j + 1] * scale) |
-                     (CvtX2(fmt, v[j + 2] * scale, v[j + 3] * scale) << 16);
+      words[j / 4] = CvtPair(fmt, v[j] * scale, v[j + 1] * scale) |
+                     (CvtPair(fmt, v[j + 2] * scale, v[j + 3] * scale) << 16);
     }
     return;
   }
@@ -100,25 +74,10 @@ __device__ __forceinline__ void EncodeChunk(Fmt fmt, const float (&v)[kN], float
 #pragma unroll
   for (int j = 0; j < kN; ++j) q[j] = EncodeScaled(fmt, v[j], scale);
 #pragma unroll
-  for (int j = 0; j < kN; j += 4) words[j / 4] = Pack4(q + j);
+  for (int j = 0; j < kN; j += 4) words[j / 4] = PackCodes4(q[j], q[j + 1], q[j + 2], q[j + 3]);
 }
 
-__device__ __forceinline__ uint8_t CodeAt(const uint32_t* words, int j) {
-  return uint8_t(words[j / 4] >> (8 * (j % 4)));
-}
 
-// Stores kN codes (4, 8 or 16 bytes) with one aligned store.
-template <int kN>
-__device__ __forceinline__ void StoreCodesVec(uint8_t* dst, const uint32_t (&words)[kN / 4]) {
-  if constexpr (kN == 4) {
-    *reinterpret_cast<uint32_t*>(dst) = words[0];
-  } else if constexpr (kN == 8) {
-    *reinterpret_cast<uint2*>(dst) = make_uint2(words[0], words[1]);
-  } else {
-    static_assert(kN == 16, "4, 8 or 16 codes per step");
-    *reinterpret_cast<uint4*>(dst) = make_uint4(words[0], words[1], words[2], words[3]);
-  }
-}
 
 // kChunks consecutive 16-byte chunks (kVec elements each) per thread and step; kVec = 1:
 // element loads only.
@@ -154,7 +113,7 @@ __global__ void __launch_bounds__(kThreads)
       best = max(best, chunk_max);
       uint32_t words[kN / 4];
       EncodeChunk(Fmt{}, v, scale, scale_ok && chunk_max <= 0x7F800000u, words);
-      StoreCodesVec<kN>(rowwise + i * kN, words);
+      StoreCodes<kN>(rowwise + i * kN, words);
     }
     done = steps * kN;
   }
@@ -279,7 +238,7 @@ __device__ __forceinline__ void StoreCodes16(uint8_t* dst, const uint32_t (&word
   }
 #pragma unroll
   for (int j = 0; j < 16; ++j) {
-    if (j < valid) dst[j] = CodeAt(words, j);
+    if (j < valid) dst[j] = CodeOf(words, j);
   }
 }
 
@@ -300,7 +259,7 @@ __device__ __forceinline__ void StoreCodes8(uint8_t* dst, uint32_t lo, uint32_t 
   const uint32_t words[2] = {lo, hi};
 #pragma unroll
   for (int j = 0; j < 8; ++j) {
-    if (j < valid) dst[j] = CodeAt(words, j);
+    if (j < valid) dst[j] = CodeOf(words, j);
   }
 }
 
@@ -364,7 +323,7 @@ __device__ __forceinline__ void EncodeStepFromShared(Fmt fmt, const uint8_t* row
     words[0] = words[1];
     words[1] = words[2];
     words[2] = words[3];
-    words[3] = Pack4(q);
+    words[3] = PackCodes4(q[0], q[1], q[2], q[3]);
   }
 }
 
