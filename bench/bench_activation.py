@@ -12,7 +12,7 @@ bandwidth, and the speedup over XLA; writes bench/results/activation_<device>.js
 LOWBIT_ACT_VARIANT (activation.cu: grid blocks per SM 0 = resident (occupancy), 1 = 4,
 2 = 16, 4 = 8, all with the cross-tile prefetch; 3 = 8 without it) and LOWBIT_SOFTMAX_VARIANT (softmax.cu: 0 = 3 = the
 default row-group kernel with forward 32 and backward the fewest elements per thread, 1 / 2 =
-forward 16 / 64 and backward 16 / 32, 4 = the one-warp-per-row pipelined forward), each in a
+forward 16 / 64 and backward 16 / 32), each in a
 subprocess (the launchers read the variables at every call; results are identical).
 --ops (any mode) runs only the named ops: gelu_fwd, gelu_bwd, swiglu_fwd, swiglu_bwd,
 softmax_fwd, softmax_bwd (each subprocess draws only the inputs its ops need).

@@ -19,14 +19,12 @@
 // elements per thread, the backward (two inputs in registers) the fewest that fit 256
 // threads. LOWBIT_SOFTMAX_VARIANT (a benchmark tuning knob, read at every launch) picks
 // another geometry: 1 = 16 (fwd) / 16 (bwd) elements per thread, 2 = 64 / 32, 3 = the
-// default's; 4 = for the forward with k <= 2048 on the vector path SoftmaxForwardWarpKernel:
-// one warp per row, up to 64 elements per lane, the next row's loads in flight during this
-// row's math (H100, 4x32x2048x2048 bf16: 826 us against the default's 788 us, so not the
-// default). The backward's 0, 3 and 4 are the same. Every variant computes the same values
-// up to the summation order (tests/test_softmax_ops.py runs all).
+// default's; the backward's 0 and 3 are the same. Every variant computes the same values up
+// to the summation order (tests/test_softmax_ops.py runs all). A forward with one warp per
+// row and the next row's loads in flight during this row's math was tried and measured
+// slower (H100, 4x32x2048x2048 bf16: 826 us against the default's 788 us).
 #include <cuda_runtime.h>
 
-#include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -44,10 +42,6 @@ namespace {
 
 constexpr int kSoftmaxThreads = 256;  // threads per block; kSoftmaxCudaMaxK needs 256 x 64
 constexpr int kMaxWarps = kSoftmaxThreads / 32;
-// SoftmaxForwardWarpKernel: 5 warps (rows) per block, at least 3 blocks per SM, so ptxas
-// may take 136 registers (64 elements and the next row's 32 raw words per lane) without
-// spills; 15 warps per SM.
-constexpr int kWarpRowThreads = 160;
 
 template <typename T>
 struct SoftmaxKernelArgs {
@@ -167,85 +161,6 @@ __global__ void __launch_bounds__(kSoftmaxThreads) SoftmaxForwardKernel(SoftmaxK
   }
 }
 
-// Forward with one warp per row (k <= 32 * kChunks * kVec, 16-byte vectors): no barriers,
-// shuffles only, and the next row's loads are issued as soon as this row's raw chunks are
-// converted, so they stay in flight during this row's exp, sums and stores (a two-stage
-// pipeline per warp; the raw next row costs kChunks * 4 registers). Same operations per
-// element as SoftmaxForwardKernel, the row sums in the same order as its one-warp groups.
-template <typename Tag, int kChunks, SoftmaxType kType>
-__global__ void __maxnreg__(136) SoftmaxForwardWarpKernel(SoftmaxKernelArgs<typename Tag::Storage> p) {
-  using T = typename Tag::Storage;
-  constexpr int kVec = 16 / int(sizeof(T));
-  const int lane = threadIdx.x & 31;
-  const int64_t warps = (int64_t(gridDim.x) * blockDim.x) >> 5;
-  int64_t row = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
-  uint4 raw[kChunks];
-  const int lane_k = p.k - lane * kVec;  // chunk c is in range when c * 32 * kVec < lane_k
-  auto load_row = [&](int64_t r) {
-    const T* src = p.x + r * p.k + lane * kVec;
-#pragma unroll
-    for (int c = 0; c < kChunks; ++c) {
-      raw[c] = c * 32 * kVec < lane_k ? __ldg(reinterpret_cast<const uint4*>(src + c * 32 * kVec))
-                                      : make_uint4(0, 0, 0, 0);
-    }
-  };
-  if (row < p.rows) load_row(row);
-  for (; row < p.rows; row += warps) {
-    int64_t i = 0;  // the query index (masked, causal)
-    const uint8_t* mask = nullptr;
-    if constexpr (kType != SoftmaxType::kScaled) i = row % p.q;
-    if constexpr (kType == SoftmaxType::kScaledMasked) {
-      mask = p.mask + ((p.mask_batch == 1 ? 0 : row / p.heads_q) * p.q + i) * p.k;
-    }
-    float v[kChunks][kVec];
-    float m = -INFINITY;
-#pragma unroll
-    for (int c = 0; c < kChunks; ++c) {
-      const int e = (c * 32 + lane) * kVec;
-      const bool ok = c * 32 * kVec < lane_k;
-      T x[kVec];
-      memcpy(x, &raw[c], sizeof(x));
-#pragma unroll
-      for (int j = 0; j < kVec; ++j) {
-        float z = ok ? __fmul_rn(LoadElement(Tag{}, x[j]), p.scale) : -INFINITY;
-        if constexpr (kType == SoftmaxType::kScaledMasked) {
-          if (ok && mask[e + j] == 1) z = -10000.0f;
-        }
-        if constexpr (kType == SoftmaxType::kScaledUpperTriang) {
-          if (e + j > i) z = -INFINITY;
-        }
-        v[c][j] = z;
-        m = fmaxf(m, z);
-      }
-    }
-    if (row + warps < p.rows) load_row(row + warps);  // in flight during the rest of this row
-#pragma unroll
-    for (int offset = 16; offset > 0; offset >>= 1) m = fmaxf(m, __shfl_xor_sync(0xFFFFFFFFu, m, offset));
-    float sum = 0.0f;
-#pragma unroll
-    for (int c = 0; c < kChunks; ++c) {
-#pragma unroll
-      for (int j = 0; j < kVec; ++j) {
-        v[c][j] = LbExpNegAbs(__fadd_rn(v[c][j], -m));  // = LbExpNonPositive: the argument is <= 0
-        sum = __fadd_rn(sum, v[c][j]);
-      }
-    }
-#pragma unroll
-    for (int offset = 16; offset > 0; offset >>= 1) sum = __fadd_rn(sum, __shfl_xor_sync(0xFFFFFFFFu, sum, offset));
-    const float inv_sum = __fdiv_rn(1.0f, sum);  // once per row; the reference does the same
-    const bool zero_row = kType == SoftmaxType::kScaledMasked && m == -10000.0f;  // fully masked
-    T* dst = p.out + row * p.k + lane * kVec;
-#pragma unroll
-    for (int c = 0; c < kChunks; ++c) {
-      if (c * 32 * kVec >= lane_k) continue;
-      float out[kVec];
-#pragma unroll
-      for (int j = 0; j < kVec; ++j) out[j] = zero_row ? 0.0f : __fmul_rn(v[c][j], inv_sum);
-      StoreVec<Tag, kVec>(dst + c * 32 * kVec, out);
-    }
-  }
-}
-
 template <typename Tag, int kChunks, int kVec>
 __global__ void __launch_bounds__(kSoftmaxThreads) SoftmaxBackwardKernel(SoftmaxKernelArgs<typename Tag::Storage> p) {
   using T = typename Tag::Storage;
@@ -320,53 +235,12 @@ Status LaunchChunks(int chunks, SoftmaxType type, const SoftmaxKernelArgs<typena
   }
 }
 
-// LOWBIT_SOFTMAX_VARIANT: 0 (unset) default, 1, 2, 3, 4 (file preamble). -1 if invalid.
+// LOWBIT_SOFTMAX_VARIANT: 0 (unset) default, 1, 2, 3 (file preamble). -1 if invalid.
 int SoftmaxVariant() {
   const char* env = std::getenv("LOWBIT_SOFTMAX_VARIANT");
   if (env == nullptr || env[0] == '\0') return 0;
-  if (env[0] >= '0' && env[0] <= '4' && env[1] == '\0') return env[0] - '0';
+  if (env[0] >= '0' && env[0] <= '3' && env[1] == '\0') return env[0] - '0';
   return -1;
-}
-
-// Elements per lane of SoftmaxForwardWarpKernel at most: 64 for 16-bit types, 32 for f32
-// (with 64 its ptxas spills at 128 registers).
-template <typename Tag>
-constexpr int kSoftmaxWarpMaxElems = sizeof(typename Tag::Storage) == 2 ? 64 : 32;
-
-// Launches SoftmaxForwardWarpKernel<Tag, kChunks, kType>, persistent: as many blocks as
-// are resident at once (its occupancy, asked once per instantiation).
-template <typename Tag, int kChunks, SoftmaxType kType>
-void LaunchForwardWarpType(const SoftmaxKernelArgs<typename Tag::Storage>& p, GpuStream stream) {
-  static std::atomic<int> occupancy{0};
-  int blocks_per_sm = occupancy.load(std::memory_order_relaxed);
-  if (blocks_per_sm == 0) {
-    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks_per_sm, SoftmaxForwardWarpKernel<Tag, kChunks, kType>,
-                                                      kWarpRowThreads, 0) != cudaSuccess ||
-        blocks_per_sm < 1) {
-      blocks_per_sm = 1;
-    }
-    occupancy.store(blocks_per_sm, std::memory_order_relaxed);
-  }
-  const int64_t rows_per_block = kWarpRowThreads / 32;
-  const int grid = GridStrideBlocks((p.rows + rows_per_block - 1) / rows_per_block * kWarpRowThreads,
-                                    kWarpRowThreads, blocks_per_sm);
-  SoftmaxForwardWarpKernel<Tag, kChunks, kType><<<grid, kWarpRowThreads, 0, stream>>>(p);
-}
-
-// The fewest chunks per lane that cover k (k <= 32 * kSoftmaxWarpMaxElems).
-template <typename Tag, int kChunks = 1>
-void LaunchForwardWarp(SoftmaxType type, const SoftmaxKernelArgs<typename Tag::Storage>& p, GpuStream stream) {
-  constexpr int kVec = 16 / int(sizeof(typename Tag::Storage));
-  if constexpr (kChunks * kVec < kSoftmaxWarpMaxElems<Tag>) {
-    if (int64_t(32) * kChunks * kVec < p.k) return LaunchForwardWarp<Tag, kChunks * 2>(type, p, stream);
-  }
-  if (type == SoftmaxType::kScaledMasked) {
-    LaunchForwardWarpType<Tag, kChunks, SoftmaxType::kScaledMasked>(p, stream);
-  } else if (type == SoftmaxType::kScaledUpperTriang) {
-    LaunchForwardWarpType<Tag, kChunks, SoftmaxType::kScaledUpperTriang>(p, stream);
-  } else {
-    LaunchForwardWarpType<Tag, kChunks, SoftmaxType::kScaled>(p, stream);
-  }
 }
 
 template <typename Tag, bool kBackward>
@@ -374,7 +248,7 @@ Status Launch(const SoftmaxArgs& a, GpuStream stream, const char* op) {
   using T = typename Tag::Storage;
   const int variant = SoftmaxVariant();
   if (variant < 0) {
-    return Status::InvalidArgument(std::string(op) + ": LOWBIT_SOFTMAX_VARIANT: expected 0, 1, 2, 3 or 4, got '" +
+    return Status::InvalidArgument(std::string(op) + ": LOWBIT_SOFTMAX_VARIANT: expected 0, 1, 2 or 3, got '" +
                                    std::getenv("LOWBIT_SOFTMAX_VARIANT") + "'");
   }
   SoftmaxKernelArgs<T> p;
@@ -390,10 +264,6 @@ Status Launch(const SoftmaxArgs& a, GpuStream stream, const char* op) {
   p.out = static_cast<T*>(a.out);
   constexpr int kVec = 16 / int(sizeof(T));
   const bool vec = a.k % kVec == 0 && Aligned16(p.x) && Aligned16(p.y) && Aligned16(p.out);
-  if (!kBackward && variant == 4 && vec && a.k <= 32 * kSoftmaxWarpMaxElems<Tag>) {
-    LaunchForwardWarp<Tag>(a.type, p, stream);
-    return LaunchStatus(op);
-  }
   const int vec_width = vec ? kVec : 1;
   const int64_t row_chunks = (a.k + vec_width - 1) / vec_width;
   const int max_chunks = 64 / vec_width;
@@ -401,8 +271,8 @@ Status Launch(const SoftmaxArgs& a, GpuStream stream, const char* op) {
   // (or let one warp hold the row), more only where a row would need over kSoftmaxThreads
   // threads. Rows are owned by 32 .. kSoftmaxThreads threads; a block is one row group of
   // several warps, or 8 one-warp groups.
-  static constexpr int kFwdTarget[5] = {32, 16, 64, 32, 32};
-  static constexpr int kBwdTarget[5] = {1, 16, 32, 1, 1};
+  static constexpr int kFwdTarget[4] = {32, 16, 64, 32};
+  static constexpr int kBwdTarget[4] = {1, 16, 32, 1};
   const int target_elems = kBackward ? kBwdTarget[variant] : kFwdTarget[variant];
   int chunks = 0, tpr = 0;
   for (int c = 1; c <= max_chunks; c *= 2) {
