@@ -129,6 +129,8 @@ def main() -> None:
     parser.add_argument("--variants", nargs="*", default=None,
                         help=f"time each tile variant in a subprocess (default list: {' '.join(DEFAULT_VARIANTS)})")
     parser.add_argument("--no-xla", action="store_true", help="skip the XLA baseline")
+    parser.add_argument("--sets", type=int, default=2,
+                        help="input sets = calls per timed program (more amortize its dispatch gap)")
     parser.add_argument("--rowwise-kernel", choices=["chunks1", "chunks2", "tiled"], default=None,
                         help="sets LOWBIT_QUANTIZE_ROWWISE_KERNEL (the rowwise-only kernel, quantize.h)")
     parser.add_argument("--emit-rows", action="store_true", help=argparse.SUPPRESS)  # --variants' children
@@ -156,7 +158,7 @@ def main() -> None:
     scale = jnp.float32(0.5)
     rows_out = []
     for rows, cols in shapes:
-        keys = jax.random.split(jax.random.key(0), 2)
+        keys = jax.random.split(jax.random.key(0), args.sets)
         sets = [(jax.random.normal(k, (rows, cols), jnp.bfloat16), scale) for k in keys]
         for name, (rowwise, colwise, dbias) in layouts.items():
             nbytes = moved_bytes(rows, cols, 2, rowwise, colwise, dbias)
@@ -193,7 +195,9 @@ def main() -> None:
     if args.emit_rows:
         print(ROWS_MARK + json.dumps(payload))
         return
-    path = common.write_results("quantize" + ("_small" if args.small else ""), payload)
+    payload["calls_per_program"] = args.sets
+    path = common.write_results("quantize" + ("_small" if args.small else "")
+                                + ("" if args.sets == 2 else f"_sets{args.sets}"), payload)
     print(f"wrote {path}")
 
 
