@@ -218,6 +218,33 @@ __device__ __forceinline__ uint32_t CvtFp8PairHw(bool e5m2, float lo, float hi) 
 #endif
 }
 
+// Four FP8 codes (a, b, c, d: bytes 0..3) of one format (kE5m2) as one 32-bit word, by two
+// cvt.rn.satfinite pairs packed in the same asm (the bits of CvtFp8PairHw's pairs joined
+// with __byte_perm(lo, hi, 0x5410), without masking the 16-bit results; `hw_ok` callers
+// only, sm_89+).
+template <bool kE5m2>
+__device__ __forceinline__ uint32_t CvtFp8QuadHw(float a, float b, float c, float d) {
+  uint32_t w;
+#if LOWBIT_NORM_HW_FP8
+  if constexpr (kE5m2) {
+    asm("{.reg .b16 lo, hi;\n"
+        "cvt.rn.satfinite.e5m2x2.f32 lo, %2, %1;\n"
+        "cvt.rn.satfinite.e5m2x2.f32 hi, %4, %3;\n"
+        "mov.b32 %0, {lo, hi};}"
+        : "=r"(w) : "f"(a), "f"(b), "f"(c), "f"(d));
+  } else {
+    asm("{.reg .b16 lo, hi;\n"
+        "cvt.rn.satfinite.e4m3x2.f32 lo, %2, %1;\n"
+        "cvt.rn.satfinite.e4m3x2.f32 hi, %4, %3;\n"
+        "mov.b32 %0, {lo, hi};}"
+        : "=r"(w) : "f"(a), "f"(b), "f"(c), "f"(d));
+  }
+#else
+  w = CvtFp8PairHw(kE5m2, a, b) | (CvtFp8PairHw(kE5m2, c, d) << 16);
+#endif
+  return w;
+}
+
 template <int kVec>
 __device__ __forceinline__ void EncodeFp8(const float (&y)[kVec], float scale, bool e5m2,
                                           bool hw_ok, uint8_t (&q)[kVec]) {
