@@ -32,8 +32,8 @@
 // next row's loads and sums overlap it. Cluster tiles go to clusters in contiguous ranges
 // or interleaved (colorder), so neighbouring segments of a 128-byte line are written at
 // about the same time.
-// gamma/beta: loaded per row through L1, or (parsmem, colwise vectorized rows) staged once
-// per block as fp32 in shared memory after the codes tile.
+// gamma/beta: in registers (<= 8 items per thread, no colwise), else loaded per row through
+// L1 or (parsmem, vectorized rows) staged once per block as fp32 in shared memory.
 // Tuning (items per thread, stages, block sizes): NormFwdTuning in norm_plan.h, overridable
 // through LOWBIT_NORM_FWD_VARIANT for benchmarks.
 #include <cooperative_groups.h>
@@ -331,10 +331,11 @@ __global__ void __launch_bounds__(1024) NormForwardKernel(FwdParams p) {
   };
   auto first_elem = [&](int j) { return (j * tpr + lane) * kVec; };
 
-  // parsmem (colwise, vectorized rows): gamma (NormWeight applied) and beta as fp32 quads
+  // parsmem (vectorized rows whose parameters are not kept in registers): gamma (NormWeight
+  // applied) and beta as fp32 quads
   // in shared memory, quad m of chunk c (elements c * kVec + 4m ..) at [m * chunks + c], beta
   // after gamma, so a warp's 16-byte reads of one chunk are contiguous (no bank conflicts).
-  constexpr bool kParamSmem = kColwise && kDispatch && kVec % 4 == 0;
+  constexpr bool kParamSmem = kDispatch && kVec % 4 == 0;
   const bool params_smem = kParamSmem && p.param_offset != 0;
   float4* const param_quads = reinterpret_cast<float4*>(smem + p.param_offset);
   const int chunks_per_row = h / kVec;  // vectorized rows: h % kVec == 0
@@ -621,8 +622,10 @@ Status Launch(const NormForwardArgs& a, const NormFwdTuning& tune, GpuStream str
   int stages = g.vectorized ? tune.stages : 1;
   p.tile_stride = colwise ? int((a.hidden + 15) / 16 * 16 + 4) : 0;  // stride / 4 odd
   const int64_t row_bytes = g.vectorized ? int64_t(g.items) * int64_t(sizeof(T)) : 0;
-  // parsmem: fp32 gamma (+ beta) after the codes tile (rounded up to 16 bytes).
-  bool parsmem = colwise && g.vectorized && tune.parsmem == 1;
+  // parsmem: fp32 gamma (+ beta) after the row stages and the codes tile (rounded up to 16
+  // bytes), for the kernels that do not keep them in registers (kKeepParams: <= 8 items per
+  // thread without colwise).
+  bool parsmem = g.vectorized && (colwise || g.items > 8) && tune.parsmem == 1;
   const int64_t param_smem = a.hidden * 4 * (p.layernorm ? 2 : 1);
   auto stage_bytes = [&](int tile_rows) {
     const int64_t gr = groups < tile_rows ? groups : tile_rows;
@@ -660,6 +663,8 @@ Status Launch(const NormForwardArgs& a, const NormFwdTuning& tune, GpuStream str
       a.hidden * (p.gamma_f32 ? 4 : int64_t(sizeof(T))) * (p.layernorm ? 2 : 1);
   const bool l1keep = colwise && tune.l1keep == 1;
   const int span = tune.colspan;
+  // parsmem only where it fits beside the stages and a 4-row tile (else per-row loads).
+  if (parsmem && smem_for(colwise ? 4 : groups) > max_dynamic) parsmem = false;
   // Two blocks per SM only where their threads fit (64 registers per thread: 1024 threads).
   const bool pair_ok = 2 * groups * tpr <= 1024;
   int tile_rows = groups;
@@ -689,7 +694,7 @@ Status Launch(const NormForwardArgs& a, const NormFwdTuning& tune, GpuStream str
   if (groups > tile_rows) groups = tile_rows;
   auto smem_of = [&]() { return smem_for(tile_rows); };
   // Shrink until it fits: colwise tiles down to 16 rows, stages down to 2, tiles down to 4
-  // rows, one stage, gamma/beta back to per-row loads (parsmem), fewer groups.
+  // rows, gamma/beta back to per-row loads (parsmem), one stage, fewer groups.
   while (smem_of() > max_dynamic) {
     if (colwise && tile_rows > 16) {
       tile_rows /= 2;
@@ -697,10 +702,10 @@ Status Launch(const NormForwardArgs& a, const NormFwdTuning& tune, GpuStream str
       --stages;
     } else if (colwise && tile_rows > 4) {
       tile_rows /= 2;
-    } else if (stages > 1) {
-      --stages;
     } else if (parsmem) {
       parsmem = false;
+    } else if (stages > 1) {
+      --stages;
     } else if (groups > 1) {
       groups /= 2;
     } else {

@@ -96,11 +96,12 @@ inline RowGeometry ChooseRowGeometry(int64_t hidden, int elem_bytes, bool pointe
 //   l1keep:   colwise: the automatic block tile leaves L1 room for gamma (and beta), read
 //             per row, and the shared memory carveout is the smallest that holds the
 //             resident blocks (1), or the tile ignores L1 and the carveout is the driver's (0).
-//   parsmem:  colwise, vectorized rows: gamma (NormWeight applied) and beta staged once per
-//             block as fp32 in shared memory after the codes tile (1), counted in the tile
-//             choice, instead of reloaded per row through L1 (0; at the tiles above L1 keeps
-//             28 KB, less than the 32 / 64 KB of f32 gamma + beta at 4096 / 8192, so each
-//             row re-read them from L2). Blocks of > 512 threads (colblock=1024) cannot share
+//   parsmem:  vectorized rows of > 8 items per thread or colwise: gamma (NormWeight
+//             applied) and beta staged once per block as fp32 in shared memory after the
+//             row stages and the codes tile (1), counted in the tile choice, instead of
+//             reloaded per row through L1 (0; colwise, at the tiles above L1 keeps 28 KB,
+//             less than the 32 / 64 KB of f32 gamma + beta at 4096 / 8192, and every cluster
+//             wait invalidates it, so rows re-read them from L2). Blocks of > 512 threads (colblock=1024) cannot share
 //             an SM (64 registers per thread): their automatic tile is the largest that fits.
 //   colbar:   colwise clusters: the cluster barriers order the full memory (0: release on
 //             arrive, which on sm_90 also waits for every global store in flight) or shared
