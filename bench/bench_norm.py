@@ -14,7 +14,7 @@ per-row or per-column, negligible at these shapes, and are not counted).
 --variants times the two forward cases once per LOWBIT_NORM_FWD_VARIANT setting (the
 forward launcher's tuning knob, csrc/norm/norm_plan.h: items per thread, cp.async row
 stages, block sizes, colwise block tile, column segment length / cluster, tile order,
-barrier split), each in its own subprocess, and prints
+barrier split and fences, gamma/beta in shared memory), each in its own subprocess, and prints
 one table (XLA alongside);
 --variants "items=8;items=16,stages=4" times the given ';'-separated settings instead.
 """
@@ -75,13 +75,15 @@ def make_lowbit_bwd(x, gamma, beta):
     return lambda dz, x, g, b: norm_backward(dz, x, o.mu, o.rsigma, g)
 
 
-# Launch-tuning settings timed by --variants ("" = the built-in defaults).
-# The colwise path before colspan/colorder/colsplit/l1keep: LEGACY_COLWISE.
-LEGACY_COLWISE = "colspan=32,colorder=0,colsplit=0,l1keep=0"
-VARIANTS = ["", LEGACY_COLWISE, "l1keep=0", "colspan=32", "colspan=64", "colorder=0",
-            "colsplit=0", "colspan=128,colorder=0,colsplit=0", "colspan=32,l1keep=0",
-            "colspan=64,l1keep=0", "colspan=64,coltile=8", "coltile=8", "stages=3", "items=8",
-            "colblock=1024", "colblock=256"]
+# Launch-tuning settings timed by --variants ("" = the built-in defaults), at most 12. The
+# sweep of 35efbbb (bench/results/norm_variants_*) ruled out colspan 64/128, colorder=0,
+# l1keep=1, stages=3, items=8 and coltile=8 at the then-defaults; these time the shared-memory
+# gamma/beta (parsmem), the shared-memory-only cluster barriers (colbar) and one block of
+# 1024 threads per SM (colblock=1024: 4096 -> one 32-row block tile without a cluster).
+VARIANTS = ["", "colbar=1", "parsmem=1", "parsmem=1,colbar=1", "parsmem=1,colblock=1024",
+            "parsmem=1,colblock=1024,colbar=1", "parsmem=1,colblock=1024,coltile=16,colbar=1",
+            "colblock=1024", "colblock=1024,colbar=1", "colblock=1024,coltile=16,colbar=1",
+            "colsplit=0,colbar=1", "colspan=64,colbar=1"]
 
 
 def run(rows: int, hidden: int, dtype, copy_bw: float, iters: int,

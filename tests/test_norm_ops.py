@@ -524,6 +524,50 @@ def test_cuda_forward_tuning_variants(variant, norm_type, dtype, shape, rng, cpu
                                ("q_rowwise",) * ("quant_scale" in kw) + ("q_colwise",) * bool(kw.get("colwise")))
 
 
+# Settings that keep the items per thread (so the order of the row sums) and the
+# elementwise math: gamma/beta staged in shared memory (parsmem: colwise, and the rowwise /
+# plain kernels of > 8 items per thread; where the parameters do not fit beside two row
+# stages and a 4-row tile, e.g. 16384 layernorm colwise, they are loaded per row), cluster barriers ordering
+# shared memory only (colbar, split or whole), one block of 1024 threads per SM
+# (colblock=1024: 4096 takes one 32-row tile without a cluster). Each kernel's outputs
+# (colwise, rowwise only, plain) must equal the default launch's bit for bit, and the CPU
+# reference within its tolerances.
+EXACT_FWD_VARIANTS = ["parsmem=1", "colbar=1", "parsmem=1,colbar=1,colsplit=0",
+                      "parsmem=1,colblock=1024", "colblock=1024,coltile=16,colbar=1",
+                      "parsmem=1,coltile=4,colspan=64,colbar=1,block=1024"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", EXACT_FWD_VARIANTS)
+@pytest.mark.parametrize("norm_type", NORMS)
+@pytest.mark.parametrize("dtype", [ml_dtypes.bfloat16, np.float32], ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("gamma_like_x,zero_centered", [(False, False), (True, True)])
+@pytest.mark.parametrize("shape", [(1040, 4096), (333, 8192), (80, 8192), (65, 16384), (515, 2048)],
+                         ids=str)
+def test_cuda_forward_variants_bit_identical(variant, norm_type, dtype, gamma_like_x,
+                                             zero_centered, shape, rng, cpu, gpu, monkeypatch):
+    x, gamma, beta = make(rng, shape, dtype, dtype if gamma_like_x else np.float32)
+    beta = args_for(norm_type, beta)
+    for kw in (dict(quant_scale=np.float32(40.0), colwise=True),
+               dict(quant_scale=np.float32(40.0)), {}):
+        fwd = lambda x, g, b: norm_forward(  # noqa: E731
+            x, g, b, norm_type=norm_type, zero_centered_gamma=zero_centered, **kw)
+        monkeypatch.delenv("LOWBIT_NORM_FWD_VARIANT", raising=False)
+        default = run_on(gpu, fwd, x, gamma, beta)
+        monkeypatch.setenv("LOWBIT_NORM_FWD_VARIANT", variant)
+        got = run_on(gpu, fwd, x, gamma, beta)
+        for name in ("y", "mu", "rsigma", "q_rowwise", "q_colwise", "amax"):
+            a, b = getattr(got, name), getattr(default, name)
+            assert (a is None) == (b is None), (name, kw)
+            if a is not None:
+                assert a.dtype == b.dtype and a.shape == b.shape, (name, kw)
+                np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8),
+                                              err_msg=f"{name} {kw}")
+        assert_forward_matches(got, run_on(cpu, fwd, x, gamma, beta), norm_type, dtype, shape[-1],
+                               ("q_rowwise",) * ("quant_scale" in kw)
+                               + ("q_colwise",) * bool(kw.get("colwise")))
+
+
 @pytest.mark.gpu
 def test_cuda_forward_bad_tuning_variant(rng, gpu, monkeypatch):
     monkeypatch.setenv("LOWBIT_NORM_FWD_VARIANT", "stages=9")

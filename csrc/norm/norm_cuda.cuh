@@ -218,6 +218,33 @@ __device__ __forceinline__ uint32_t CvtFp8PairHw(bool e5m2, float lo, float hi) 
 #endif
 }
 
+// Four FP8 codes (a, b, c, d: bytes 0..3) of one format (kE5m2) as one 32-bit word, by two
+// cvt.rn.satfinite pairs packed in the same asm (the bits of CvtFp8PairHw's pairs joined
+// with __byte_perm(lo, hi, 0x5410), without masking the 16-bit results; `hw_ok` callers
+// only, sm_89+).
+template <bool kE5m2>
+__device__ __forceinline__ uint32_t CvtFp8QuadHw(float a, float b, float c, float d) {
+  uint32_t w;
+#if LOWBIT_NORM_HW_FP8
+  if constexpr (kE5m2) {
+    asm("{.reg .b16 lo, hi;\n"
+        "cvt.rn.satfinite.e5m2x2.f32 lo, %2, %1;\n"
+        "cvt.rn.satfinite.e5m2x2.f32 hi, %4, %3;\n"
+        "mov.b32 %0, {lo, hi};}"
+        : "=r"(w) : "f"(a), "f"(b), "f"(c), "f"(d));
+  } else {
+    asm("{.reg .b16 lo, hi;\n"
+        "cvt.rn.satfinite.e4m3x2.f32 lo, %2, %1;\n"
+        "cvt.rn.satfinite.e4m3x2.f32 hi, %4, %3;\n"
+        "mov.b32 %0, {lo, hi};}"
+        : "=r"(w) : "f"(a), "f"(b), "f"(c), "f"(d));
+  }
+#else
+  w = CvtFp8PairHw(kE5m2, a, b) | (CvtFp8PairHw(kE5m2, c, d) << 16);
+#endif
+  return w;
+}
+
 template <int kVec>
 __device__ __forceinline__ void EncodeFp8(const float (&y)[kVec], float scale, bool e5m2,
                                           bool hw_ok, uint8_t (&q)[kVec]) {
@@ -257,6 +284,10 @@ __device__ __forceinline__ void RowGroupBarrier(int group, int groups, int threa
 // them in warp order; every thread of the group gets the sum. Fixed order, so
 // deterministic. One barrier per call: callers alternate two `partial` buffers so a buffer
 // is rewritten only after the barrier of the other one, when every reader is done.
+// The second tree: with a power of two of warps below 32, log2(warps) butterfly levels over
+// the warp sums (each lane reads slot lane % warps) after adding +0 once: the same values as
+// a 32-lane WarpSum over the warp sums and zeros (whose zero levels only add +0), with 2 (8
+// warps, hidden 4096) or 1 (16 warps) fewer shuffles on the row's critical path.
 __device__ __forceinline__ float RowGroupSum(float v, float* partial, int group, int groups,
                                              int threads_per_row) {
   v = WarpSum(v);
@@ -266,6 +297,13 @@ __device__ __forceinline__ float RowGroupSum(float v, float* partial, int group,
   if (lane == 0) partial[warp] = v;
   RowGroupBarrier(group, groups, threads_per_row);
   const int first = group * warps_per_row;
+  if (warps_per_row < 32 && (warps_per_row & (warps_per_row - 1)) == 0) {
+    float w = partial[first + (lane & (warps_per_row - 1))] + 0.0f;
+    for (int offset = warps_per_row >> 1; offset > 0; offset >>= 1) {
+      w += __shfl_xor_sync(0xFFFFFFFFu, w, offset);
+    }
+    return w;
+  }
   return WarpSum(lane < warps_per_row ? partial[first + lane] : 0.0f);
 }
 

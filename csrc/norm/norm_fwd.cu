@@ -32,6 +32,8 @@
 // next row's loads and sums overlap it. Cluster tiles go to clusters in contiguous ranges
 // or interleaved (colorder), so neighbouring segments of a 128-byte line are written at
 // about the same time.
+// gamma/beta: in registers (<= 8 items per thread, no colwise), else loaded per row through
+// L1 or (parsmem, vectorized rows) staged once per block as fp32 in shared memory.
 // Tuning (items per thread, stages, block sizes): NormFwdTuning in norm_plan.h, overridable
 // through LOWBIT_NORM_FWD_VARIANT for benchmarks.
 #include <cooperative_groups.h>
@@ -83,9 +85,12 @@ struct FwdParams {
   int cluster_log2;     // `cluster` consecutive block tiles, one per block of the cluster
   bool interleave;      // cluster tiles interleaved over the clusters, else contiguous
   bool split_sync;      // colwise: the barrier after the transposed stores split in two
+  bool shared_fences;   // colwise clusters: barriers order shared memory only (colbar)
   int per_tile_log2;    // log2(rows of one group per tile)
   int tile_stride;      // bytes per staged row of codes (colwise)
   int stages;           // row stages in shared memory (vectorized path), >= 1
+  int param_offset;     // parsmem: byte offset of the staged fp32 gamma/beta in the dynamic
+                        // shared memory (after the codes tile; 0: loaded per row)
   float epsilon;
   bool layernorm, zero_centered, gamma_f32, e5m2;
   bool col_words;       // q_col 16-byte aligned, hidden % 4 == 0 (word transposes)
@@ -116,11 +121,35 @@ __device__ __forceinline__ const uint8_t* CodeRow(const FwdParams& p, const uint
   return tile + rr * p.tile_stride;
 }
 
-// Barrier of the blocks that share a cluster tile (release/acquire of their shared memory).
-__device__ __forceinline__ void TileSync(const FwdParams& p) {
+// Arrive at the cluster barrier. Default (colbar=0): release semantics at cluster scope,
+// which on sm_90 waits for every earlier global store of the thread (MEMBAR.ALL.GPU: the y,
+// rowwise and transposed stores in flight). colbar=1: only shared memory is ordered, by a
+// fence restricted to it (PTX 8.6) and a relaxed arrive: `after_reads` (the barrier that
+// keeps a block from restaging codes its peers still read) orders this thread's reads of
+// the cluster's shared memory (acquire fence), else (codes staged) its shared memory writes
+// (release fence), before the arrive.
+__device__ __forceinline__ void ClusterArrive(const FwdParams& p, bool after_reads) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if (!p.shared_fences) {
+    asm volatile("barrier.cluster.arrive.release;" ::: "memory");
+  } else {
+    if (after_reads) {
+      asm volatile("fence.acquire.sync_restrict::shared::cluster.cluster;" ::: "memory");
+    } else {
+      asm volatile("fence.release.sync_restrict::shared::cta.cluster;" ::: "memory");
+    }
+    asm volatile("barrier.cluster.arrive.relaxed;" ::: "memory");
+  }
+#endif
+}
+
+// Barrier of the blocks that share a cluster tile (release/acquire of their shared memory);
+// `after_reads` as in ClusterArrive.
+__device__ __forceinline__ void TileSync(const FwdParams& p, bool after_reads) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   if (p.cluster > 1) {
-    cooperative_groups::this_cluster().sync();
+    ClusterArrive(p, after_reads);
+    asm volatile("barrier.cluster.wait.acquire;" ::: "memory");
     return;
   }
 #endif
@@ -132,7 +161,7 @@ __device__ __forceinline__ void TileSync(const FwdParams& p) {
 // peers' reads of this block's codes are performed before the wait returns.
 __device__ __forceinline__ void TileArrive(const FwdParams& p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  if (p.cluster > 1) asm volatile("barrier.cluster.arrive.release;" ::: "memory");
+  if (p.cluster > 1) ClusterArrive(p, true);
 #endif
 }
 __device__ __forceinline__ void TileWait(const FwdParams& p) {
@@ -211,12 +240,29 @@ __device__ __forceinline__ void WriteTransposed(const FwdParams& p, const uint8_
 template <int kVec>
 __device__ __forceinline__ void EncodeFp8Words(const float (&y)[kVec], float scale, bool e5m2,
                                                bool hw_ok, uint32_t (&w)[kVec / 4]) {
-  if (LOWBIT_NORM_HW_FP8 && hw_ok) {
+  if (LOWBIT_NORM_HW_FP8 && hw_ok && kVec < 8) {
 #pragma unroll
     for (int m = 0; m < kVec / 4; ++m) {
       const uint32_t lo = CvtFp8PairHw(e5m2, Fp32Mul(y[4 * m], scale), Fp32Mul(y[4 * m + 1], scale));
       const uint32_t hi = CvtFp8PairHw(e5m2, Fp32Mul(y[4 * m + 2], scale), Fp32Mul(y[4 * m + 3], scale));
       w[m] = __byte_perm(lo, hi, 0x5410);
+    }
+  } else if (LOWBIT_NORM_HW_FP8 && hw_ok) {
+    // 2-byte x (8 codes per chunk): one branch per chunk on the format (uniform) and the
+    // pairs packed by the cvt, not a select per pair and masked halves (f32 x keeps the
+    // select: the branch costs its kernels spills).
+    auto encode = [&](auto e5m2_tag) {
+#pragma unroll
+      for (int m = 0; m < kVec / 4; ++m) {
+        w[m] = CvtFp8QuadHw<decltype(e5m2_tag)::value>(
+            Fp32Mul(y[4 * m], scale), Fp32Mul(y[4 * m + 1], scale),
+            Fp32Mul(y[4 * m + 2], scale), Fp32Mul(y[4 * m + 3], scale));
+      }
+    };
+    if (e5m2) {
+      encode(std::true_type{});
+    } else {
+      encode(std::false_type{});
     }
   } else {
 #pragma unroll
@@ -284,6 +330,31 @@ __global__ void __launch_bounds__(1024) NormForwardKernel(FwdParams p) {
     return (((tile_of(k) << p.cluster_log2) + rank) << p.tile_rows_log2) + row_in_tile(k);
   };
   auto first_elem = [&](int j) { return (j * tpr + lane) * kVec; };
+
+  // parsmem (vectorized rows whose parameters are not kept in registers): gamma (NormWeight
+  // applied) and beta as fp32 quads
+  // in shared memory, quad m of chunk c (elements c * kVec + 4m ..) at [m * chunks + c], beta
+  // after gamma, so a warp's 16-byte reads of one chunk are contiguous (no bank conflicts).
+  constexpr bool kParamSmem = kDispatch && kVec % 4 == 0;
+  const bool params_smem = kParamSmem && p.param_offset != 0;
+  float4* const param_quads = reinterpret_cast<float4*>(smem + p.param_offset);
+  const int chunks_per_row = h / kVec;  // vectorized rows: h % kVec == 0
+  if constexpr (kParamSmem) {
+    if (params_smem) {
+      for (int i = threadIdx.x; i < h / 4; i += blockDim.x) {
+        const int e = 4 * i, q = (e % kVec) / 4 * chunks_per_row + e / kVec;
+        float v[4];
+        LoadParamChunk<Tag, 4>(p.gamma, p.gamma_f32, e, v);
+        param_quads[q] = make_float4(NormWeight(v[0], p.zero_centered), NormWeight(v[1], p.zero_centered),
+                                     NormWeight(v[2], p.zero_centered), NormWeight(v[3], p.zero_centered));
+        if (p.layernorm) {
+          LoadParamChunk<Tag, 4>(p.beta, p.gamma_f32, e, v);
+          param_quads[(kVec / 4) * chunks_per_row + q] = make_float4(v[0], v[1], v[2], v[3]);
+        }
+      }
+      __syncthreads();  // uniform: every thread of the block is here
+    }
+  }
 
   float w_keep[kKeepParams ? kChunks : 1][kVec] = {}, b_keep[kKeepParams ? kChunks : 1][kVec] = {};
   if constexpr (kKeepParams) {
@@ -408,6 +479,16 @@ __global__ void __launch_bounds__(1024) NormForwardKernel(FwdParams p) {
             w[k2] = w_keep[j][k2];
             b[k2] = b_keep[j][k2];
           }
+        } else if (kParamSmem && params_smem) {
+          const int c = e / kVec;
+#pragma unroll
+          for (int m = 0; m < kVec / 4; ++m) {
+            const float4 gq = param_quads[m * chunks_per_row + c];
+            const float4 bq = beta ? param_quads[(kVec / 4 + m) * chunks_per_row + c]
+                                   : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            w[4 * m] = gq.x, w[4 * m + 1] = gq.y, w[4 * m + 2] = gq.z, w[4 * m + 3] = gq.w;
+            b[4 * m] = bq.x, b[4 * m + 1] = bq.y, b[4 * m + 2] = bq.z, b[4 * m + 3] = bq.w;
+          }
         } else {
           LoadParamChunk<Tag, kVec>(p.gamma, gf32, e, w);
 #pragma unroll
@@ -463,7 +544,7 @@ __global__ void __launch_bounds__(1024) NormForwardKernel(FwdParams p) {
     }
     if constexpr (kColwise) {
       if ((int(k) & per_tile_mask) == per_tile_mask) {  // the tile's last rows: every group is here
-        TileSync(p);  // every block's codes of the tile are staged and visible
+        TileSync(p, false);  // every block's codes of the tile are staged and visible
         const int span_log2 = p.tile_rows_log2 + p.cluster_log2;
         const int r0 = tile_of(k) << span_log2;
         const int left = int(p.rows) - r0;
@@ -472,7 +553,7 @@ __global__ void __launch_bounds__(1024) NormForwardKernel(FwdParams p) {
         if (p.split_sync) {
           TileArrive(p);
         } else {
-          TileSync(p);
+          TileSync(p, true);
         }
       }
     }
@@ -541,10 +622,18 @@ Status Launch(const NormForwardArgs& a, const NormFwdTuning& tune, GpuStream str
   int stages = g.vectorized ? tune.stages : 1;
   p.tile_stride = colwise ? int((a.hidden + 15) / 16 * 16 + 4) : 0;  // stride / 4 odd
   const int64_t row_bytes = g.vectorized ? int64_t(g.items) * int64_t(sizeof(T)) : 0;
-  auto smem_for = [&](int tile_rows) {
+  // parsmem: fp32 gamma (+ beta) after the row stages and the codes tile (rounded up to 16
+  // bytes), for the kernels that do not keep them in registers (kKeepParams: <= 8 items per
+  // thread without colwise).
+  bool parsmem = g.vectorized && (colwise || g.items > 8) && tune.parsmem == 1;
+  const int64_t param_smem = a.hidden * 4 * (p.layernorm ? 2 : 1);
+  auto stage_bytes = [&](int tile_rows) {
     const int64_t gr = groups < tile_rows ? groups : tile_rows;
-    return int64_t(stages) * gr * tpr * row_bytes +
-           (colwise ? int64_t(tile_rows) * p.tile_stride : 0);
+    return int64_t(stages) * gr * tpr * row_bytes;
+  };
+  auto smem_for = [&](int tile_rows) {
+    const int64_t tile = colwise ? int64_t(tile_rows) * p.tile_stride : 0;
+    return stage_bytes(tile_rows) + (parsmem ? (tile + 15) / 16 * 16 + param_smem : tile);
   };
   int device = 0, max_smem = 48 * 1024, sm_smem = 0, major = 0, cluster_launch = 0;
   LOWBIT_RETURN_IF_ERROR(CudaStatus(cudaGetDevice(&device), kOp, "cudaGetDevice"));
@@ -567,12 +656,17 @@ Status Launch(const NormForwardArgs& a, const NormFwdTuning& tune, GpuStream str
   // sm_100); two blocks of the largest tile left too little (28 KB at 8192, whose f32
   // gamma + beta are 64 KB: every row read them from L2). So the two blocks' tiles are
   // chosen to leave the parameters + 8 KB of L1, and the carveout is set to the smallest
-  // that holds the resident blocks.
+  // that holds the resident blocks. Blocks of more than 512 threads never pair on an SM (64
+  // registers per thread): they take the largest tile that fits.
   const bool clusters = colwise && major >= 9 && cluster_launch != 0;
   const int64_t param_bytes =
       a.hidden * (p.gamma_f32 ? 4 : int64_t(sizeof(T))) * (p.layernorm ? 2 : 1);
   const bool l1keep = colwise && tune.l1keep == 1;
   const int span = tune.colspan;
+  // parsmem only where it fits beside the stages and a 4-row tile (else per-row loads).
+  if (parsmem && smem_for(colwise ? 4 : groups) > max_dynamic) parsmem = false;
+  // Two blocks per SM only where their threads fit (64 registers per thread: 1024 threads).
+  const bool pair_ok = 2 * groups * tpr <= 1024;
   int tile_rows = groups;
   if (colwise) {
     tile_rows = clusters ? span : (span < kMaxTileRows ? span : kMaxTileRows);
@@ -588,8 +682,10 @@ Status Launch(const NormForwardArgs& a, const NormFwdTuning& tune, GpuStream str
         const int64_t l1 = int64_t(sm_smem) + kL1Floor - carve;
         return smem_for(rows) <= half && (!l1keep || (carve >= 0 && l1 >= param_bytes + 8 * 1024));
       };
-      while (tile_rows > 4 && !fits_two(tile_rows)) tile_rows /= 2;
-      if (!fits_two(tile_rows) && smem_for(tile_rows) > half) {
+      if (pair_ok) {
+        while (tile_rows > 4 && !fits_two(tile_rows)) tile_rows /= 2;
+      }
+      if (!pair_ok || (!fits_two(tile_rows) && smem_for(tile_rows) > half)) {
         tile_rows = span;
         while (tile_rows > 4 && smem_for(tile_rows) > max_dynamic) tile_rows /= 2;
       }
@@ -598,7 +694,7 @@ Status Launch(const NormForwardArgs& a, const NormFwdTuning& tune, GpuStream str
   if (groups > tile_rows) groups = tile_rows;
   auto smem_of = [&]() { return smem_for(tile_rows); };
   // Shrink until it fits: colwise tiles down to 16 rows, stages down to 2, tiles down to 4
-  // rows, one stage, fewer groups.
+  // rows, gamma/beta back to per-row loads (parsmem), one stage, fewer groups.
   while (smem_of() > max_dynamic) {
     if (colwise && tile_rows > 16) {
       tile_rows /= 2;
@@ -606,6 +702,8 @@ Status Launch(const NormForwardArgs& a, const NormFwdTuning& tune, GpuStream str
       --stages;
     } else if (colwise && tile_rows > 4) {
       tile_rows /= 2;
+    } else if (parsmem) {
+      parsmem = false;
     } else if (stages > 1) {
       --stages;
     } else if (groups > 1) {
@@ -621,8 +719,11 @@ Status Launch(const NormForwardArgs& a, const NormFwdTuning& tune, GpuStream str
   p.tile_rows_log2 = Log2(tile_rows);
   p.per_tile_log2 = Log2(tile_rows / groups);
   p.stages = stages;
+  p.param_offset =
+      parsmem ? int(stage_bytes(tile_rows) + (int64_t(tile_rows) * p.tile_stride + 15) / 16 * 16) : 0;
   p.interleave = colwise && tune.colorder == 1;
   p.split_sync = colwise && tune.colsplit == 1;
+  p.shared_fences = colwise && tune.colbar == 1;
   auto set_cluster = [&](int c) {
     p.cluster = c;
     p.cluster_log2 = Log2(c);

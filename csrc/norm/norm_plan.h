@@ -73,7 +73,7 @@ inline RowGeometry ChooseRowGeometry(int64_t hidden, int elem_bytes, bool pointe
 // colspan=32 with interleaved cluster tiles and the split barrier, 174.5 / 349.7 us, beat
 // colspan=64 (192.5 / 380.2) and 128 (216.7 / 422.9), and l1keep=0 beat 1 at 8192, 349.7 vs
 // 371.3 us); the environment variable LOWBIT_NORM_FWD_VARIANT ("items=16,stages=2,block=512,
-// colblock=512,coltile=16,colspan=32,colorder=1,colsplit=1,l1keep=0", any subset) overrides
+// colblock=512,coltile=16,colspan=32,colorder=1,colsplit=1,l1keep=0,parsmem=0,colbar=0", any subset) overrides
 // them, as a benchmark knob
 // (bench/bench_norm.py --variants): every setting computes the same results up to the order
 // of the row sums. "colspan=32,colorder=0,colsplit=0,l1keep=0" is the colwise path before colspan.
@@ -96,6 +96,16 @@ inline RowGeometry ChooseRowGeometry(int64_t hidden, int elem_bytes, bool pointe
 //   l1keep:   colwise: the automatic block tile leaves L1 room for gamma (and beta), read
 //             per row, and the shared memory carveout is the smallest that holds the
 //             resident blocks (1), or the tile ignores L1 and the carveout is the driver's (0).
+//   parsmem:  vectorized rows of > 8 items per thread or colwise: gamma (NormWeight
+//             applied) and beta staged once per block as fp32 in shared memory after the
+//             row stages and the codes tile (1), counted in the tile choice, instead of
+//             reloaded per row through L1 (0; colwise, at the tiles above L1 keeps 28 KB,
+//             less than the 32 / 64 KB of f32 gamma + beta at 4096 / 8192, and every cluster
+//             wait invalidates it, so rows re-read them from L2). Blocks of > 512 threads (colblock=1024) cannot share
+//             an SM (64 registers per thread): their automatic tile is the largest that fits.
+//   colbar:   colwise clusters: the cluster barriers order the full memory (0: release on
+//             arrive, which on sm_90 also waits for every global store in flight) or shared
+//             memory only (1: fences restricted to shared memory, relaxed arrive).
 struct NormFwdTuning {
   int items = 16;
   int stages = 2;
@@ -106,6 +116,8 @@ struct NormFwdTuning {
   int colorder = 1;
   int colsplit = 1;
   int l1keep = 0;
+  int parsmem = 0;
+  int colbar = 0;
 };
 
 // Parses a LOWBIT_NORM_FWD_VARIANT value into *t (unset keys keep their value); false and
@@ -136,15 +148,20 @@ inline bool ParseNormFwdTuning(const char* text, NormFwdTuning* t, std::string* 
       t->coltile = value;
     } else if (ok && key == "colspan" && (value == 32 || value == 64 || value == 128)) {
       t->colspan = value;
-    } else if (ok && (key == "colorder" || key == "colsplit" || key == "l1keep") && value <= 1) {
-      (key == "colorder" ? t->colorder : key == "colsplit" ? t->colsplit : t->l1keep) = value;
+    } else if (ok && (key == "colorder" || key == "colsplit" || key == "l1keep" ||
+                      key == "parsmem" || key == "colbar") && value <= 1) {
+      (key == "colorder"   ? t->colorder
+       : key == "colsplit" ? t->colsplit
+       : key == "l1keep"   ? t->l1keep
+       : key == "parsmem"  ? t->parsmem
+                           : t->colbar) = value;
     } else if (ok && (key == "block" || key == "colblock") && value >= 32 && value <= 1024 &&
                value % 32 == 0) {
       (key == "block" ? t->block : t->colblock) = value;
     } else {
       *error = "bad entry '" + item + "' (expected items=8|16, stages=1..4, block=32..1024, "
                "colblock=32..1024, blocks multiples of 32, coltile=0|4|8|16|32, "
-               "colspan=32|64|128, colorder=0|1, colsplit=0|1, l1keep=0|1)";
+               "colspan=32|64|128, colorder=0|1, colsplit=0|1, l1keep=0|1, parsmem=0|1, colbar=0|1)";
       return false;
     }
   }
