@@ -72,8 +72,10 @@ inline RowGeometry ChooseRowGeometry(int64_t hidden, int elem_bytes, bool pointe
 // 16384 x 4096/8192 bf16, bench/results/norm_variants_*: stages=2 beat 3 and 4; colwise
 // colspan=32 with interleaved cluster tiles and the split barrier, 174.5 / 349.7 us, beat
 // colspan=64 (192.5 / 380.2) and 128 (216.7 / 422.9), and l1keep=0 beat 1 at 8192, 349.7 vs
-// 371.3 us); the environment variable LOWBIT_NORM_FWD_VARIANT ("items=16,stages=2,block=512,
-// colblock=512,coltile=16,colspan=32,colorder=1,colsplit=1,l1keep=0,parsmem=0,colbar=0", any subset) overrides
+// 371.3 us; then colblock=1024 with colbar=1, 168.6 / 336.3 us, beat colblock=512 with
+// colbar=0, 176.1 / 355.6, while parsmem=1 was slower in every combination tried); the
+// environment variable LOWBIT_NORM_FWD_VARIANT ("items=16,stages=2,block=512,colblock=1024,
+// coltile=16,colspan=32,colorder=1,colsplit=1,l1keep=0,parsmem=0,colbar=1", any subset) overrides
 // them, as a benchmark knob
 // (bench/bench_norm.py --variants): every setting computes the same results up to the order
 // of the row sums. "colspan=32,colorder=0,colsplit=0,l1keep=0" is the colwise path before colspan.
@@ -110,14 +112,14 @@ struct NormFwdTuning {
   int items = 16;
   int stages = 2;
   int block = 512;
-  int colblock = 512;
+  int colblock = 1024;
   int coltile = 0;
   int colspan = 32;
   int colorder = 1;
   int colsplit = 1;
   int l1keep = 0;
   int parsmem = 0;
-  int colbar = 0;
+  int colbar = 1;
 };
 
 // Parses a LOWBIT_NORM_FWD_VARIANT value into *t (unset keys keep their value); false and

@@ -597,10 +597,10 @@ Status ParseTileVariant(TileVariant* v) {
 // rowwise kernel, or 0 for the tiled kernel.
 Status ParseRowwiseKernel(int* chunks) {
   const char* env = std::getenv(kQuantizeRowwiseKernelEnv);
-  if (env == nullptr || *env == '\0' || std::strcmp(env, "chunks1") == 0) {
-    *chunks = 1;
-  } else if (std::strcmp(env, "chunks2") == 0) {
+  if (env == nullptr || *env == '\0' || std::strcmp(env, "chunks2") == 0) {
     *chunks = 2;
+  } else if (std::strcmp(env, "chunks1") == 0) {
+    *chunks = 1;
   } else if (std::strcmp(env, "tiled") == 0) {
     *chunks = 0;
   } else {
