@@ -375,8 +375,11 @@ __global__ void LOWBIT_ACT_LAUNCH_BOUNDS(kBackward, kGated) ActTiledKernel(ActKe
         }
       }
       __syncthreads();
-      for (int i = threadIdx.x; i < kPlanes * kTileCols; i += kThreads) {
-        const int k = i / kTileCols, col = i % kTileCols;
+      // One column sum per thread (a loop over threadIdx.x + kThreads kept a hoisted
+      // second-iteration index that the tall gated backward spilled).
+      static_assert(kPlanes * kTileCols <= kThreads, "one column sum per thread");
+      if (threadIdx.x < kPlanes * kTileCols) {
+        const int k = int(threadIdx.x) / kTileCols, col = int(threadIdx.x) % kTileCols;
         float sum = 0.0f;
 #pragma unroll
         for (int y = 0; y < kPartialRows; ++y) sum += col_partial[k][y][col];
