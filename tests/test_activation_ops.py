@@ -261,7 +261,7 @@ def test_bad_input():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["0", "5"], ids=lambda v: f"v{v}")  # 64- / 128-row tiles
+@pytest.mark.parametrize("variant", ["0", "5", "6"], ids=lambda v: f"v{v}")  # 64- / 128- / 256-row tiles
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
 @pytest.mark.parametrize("act,gated", TYPES, ids=lambda v: str(v))
 @pytest.mark.parametrize("shape", [(4099, 1000), (64, 8192), (1, 7), (300, 129), (200, 136)], ids=str)
@@ -304,12 +304,13 @@ def test_cuda_unaligned_and_3d(rng, cpu, gpu):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["0", "5"], ids=lambda v: f"v{v}")  # 64- / 128-row tiles
-def test_cuda_dbias_deterministic(variant, rng, gpu, monkeypatch):
+@pytest.mark.parametrize("variant", ["0", "5", "6"], ids=lambda v: f"v{v}")  # 64- / 128- / 256-row tiles
+@pytest.mark.parametrize("act,gated", [("silu", True), ("gelu", False)], ids=str)
+def test_cuda_dbias_deterministic(variant, act, gated, rng, gpu, monkeypatch):
     monkeypatch.setenv("LOWBIT_ACT_VARIANT", variant)
-    x = rng.standard_normal((8192, 2, 512)).astype(ml_dtypes.bfloat16)
+    x = make_x(rng, (8192, 512), gated, ml_dtypes.bfloat16, 1.0)
     dz = rng.standard_normal((8192, 512)).astype(ml_dtypes.bfloat16)
-    f = lambda d, v: lowbit.ops.act_backward(d, v, "silu", gated=True, compute_dbias=True).dbias  # noqa: E731
+    f = lambda d, v: lowbit.ops.act_backward(d, v, act, gated=gated, compute_dbias=True).dbias  # noqa: E731
     a, b = run_on(gpu, f, dz, x), run_on(gpu, f, dz, x)
     np.testing.assert_array_equal(a.view(np.uint16), b.view(np.uint16))
 
@@ -327,8 +328,8 @@ def test_subnormals_kept_and_nan_canonical():
 @pytest.mark.gpu
 @pytest.mark.parametrize("act,gated", [("gelu", False), ("silu", True)], ids=str)
 def test_cuda_variants_equal_cpu(act, gated, rng, cpu, gpu, monkeypatch):
-    # LOWBIT_ACT_VARIANT 0-5 (activation.cu: grid size, cross-tile prefetch, tile height).
-    # 70001 x 136 is about 2200 64-row tiles (1100 128-row ones), more than any variant's
+    # LOWBIT_ACT_VARIANT 0-6 (activation.cu: grid size, cross-tile prefetch, tile height).
+    # 70001 x 136 is about 2200 64-row tiles (550 256-row ones), more than any variant's
     # grid has blocks, so blocks loop over several tiles (the prefetch of the next tile),
     # with partial tiles in both dimensions.
     x = make_x(rng, (70001, 136), gated, ml_dtypes.bfloat16, 4.0)
@@ -343,7 +344,7 @@ def test_cuda_variants_equal_cpu(act, gated, rng, cpu, gpu, monkeypatch):
 
     want = run_on(cpu, f, dz, x)
     dbias0 = {}  # per tile height: the dbias summation order
-    for variant in ("0", "1", "2", "3", "4", "5"):
+    for variant in ("0", "1", "2", "3", "4", "5", "6"):
         monkeypatch.setenv("LOWBIT_ACT_VARIANT", variant)  # read by the launcher at every call
         got = run_on(gpu, f, dz, x)
         for name in ("y", "q_rowwise", "q_colwise", "amax"):
@@ -356,9 +357,9 @@ def test_cuda_variants_equal_cpu(act, gated, rng, cpu, gpu, monkeypatch):
         np.testing.assert_array_equal(np.isnan(a), np.isnan(b))
         fin = np.isfinite(a) & np.isfinite(b)
         assert np.all(np.abs(a[fin] - b[fin]) <= 1e-4 * np.sqrt(70001) * (1 + np.abs(b[fin])))
-        tall = variant == "5"
-        dbias0.setdefault(tall, got[1].dbias)  # every variant of a tile height: the same bits
-        np.testing.assert_array_equal(got[1].dbias.view(np.uint16), dbias0[tall].view(np.uint16))
+        height = variant if variant in ("5", "6") else "64"
+        dbias0.setdefault(height, got[1].dbias)  # every variant of a tile height: the same bits
+        np.testing.assert_array_equal(got[1].dbias.view(np.uint16), dbias0[height].view(np.uint16))
     monkeypatch.setenv("LOWBIT_ACT_VARIANT", "9")
-    with pytest.raises(Exception, match="LOWBIT_ACT_VARIANT: expected 0 to 5"):
+    with pytest.raises(Exception, match="LOWBIT_ACT_VARIANT: expected 0 to 6"):
         run_on(gpu, f, dz, x)

@@ -4,8 +4,8 @@
 //
 // ActTiledKernel, one per (dtype, direction, gated, act type): the act type and gating are
 // template constants, so the per-element math has no branches and the compiler interleaves
-// a chunk's 8 elements. Blocks loop over 64-row (or, LOWBIT_ACT_VARIANT 5, 128-row) x
-// 128-column tiles of the H input columns.
+// a chunk's 8 elements. Blocks loop over 64-row (or, LOWBIT_ACT_VARIANT 5 / 6, 128- / 256-
+// row) x 128-column tiles of the H input columns.
 // Each thread walks its 16-byte chunks of the tile (x, the gate half, dz) pass by pass, the
 // next pass's loads issued before this pass's math (the last pass's: the next tile's first
 // pass), and computes 1 or 2 output "planes"
@@ -44,10 +44,13 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int kTileCols = int(kActTileCols);
-// Tile heights: 64 rows (kActTileRows: the dbias workspace's row granularity) or 128 (tall
-// tiles, ActVariant: 128-byte colwise column segments, half the barriers per element).
+// Tile heights: 64 rows (kActTileRows: the dbias workspace's row granularity), 128 or 256
+// (tall tiles, ActVariant: 128- / 256-byte colwise column segments, fewer barriers per
+// element). 256 rows leave the gated backward's two code planes over the 48 KiB static
+// shared memory, so it takes 128 there.
 constexpr int kShortTileRows = int(kActTileRows);
 constexpr int kTallTileRows = 2 * kShortTileRows;
+constexpr int kTallerTileRows = 4 * kShortTileRows;
 constexpr int kCodeStride = kTileCols + 4;  // bytes per shared row of codes (4-aligned)
 // Launch bounds (minimum blocks per SM, so the register cap): sm_100a 3 (85 registers; its
 // ptxas otherwise settles on 64 and spills in the forward kernels), 2 for its gated
@@ -460,27 +463,28 @@ bool Aligned(const void* p, uintptr_t bytes) { return reinterpret_cast<uintptr_t
 // tiles; 1 = 4 per SM, prefetch; 2 = 16, prefetch; 3 = 8 without the prefetch (the
 // previous default's schedule); 4 = 8, prefetch; 5 = as 0 with 128-row tiles (128-byte
 // colwise column segments, as the standalone quantize kernel's gain from taller tiles;
-// half the barriers and transposes' loop overhead per element). With 8 per SM and 5
+// half the barriers and transposes' loop overhead per element); 6 = as 0 with 256-row
+// tiles (the gated backward: 128). With 8 per SM and 5
 // (plain fwd) or 3 (gated bwd) resident, a second round of 3 or 2 blocks per SM runs on
 // part of the SM. Every output is identical for every variant but dbias, whose fixed
 // summation order depends on the tile height (activation.h).
 struct ActVariant {
   int blocks_per_sm = 0;  // 0: the occupancy
   bool prefetch_tiles = true;
-  bool tall_tiles = false;  // 128-row tiles, else 64
+  int tile_rows = kShortTileRows;  // 64, 128 or 256
 };
 
-constexpr char kMaxActVariant = '5';
+constexpr char kMaxActVariant = '6';
 
 // False if the value is invalid.
 bool ReadActVariant(ActVariant* v) {
   const char* env = std::getenv("LOWBIT_ACT_VARIANT");
   if (env == nullptr || env[0] == '\0') return true;
   if (env[1] != '\0' || env[0] < '0' || env[0] > kMaxActVariant) return false;
-  static constexpr int kBlocksPerSm[6] = {0, 4, 16, 8, 8, 0};
+  static constexpr int kBlocksPerSm[7] = {0, 4, 16, 8, 8, 0, 0};
   v->blocks_per_sm = kBlocksPerSm[env[0] - '0'];
   v->prefetch_tiles = env[0] != '3';
-  v->tall_tiles = env[0] == '5';
+  v->tile_rows = env[0] == '5' ? kTallTileRows : env[0] == '6' ? kTallerTileRows : kShortTileRows;
   return true;
 }
 
@@ -561,8 +565,15 @@ Status Launch(const ActArgs& a, void* workspace, GpuStream stream, const char* o
                                    "'");
   }
   p.prefetch_tiles = variant.prefetch_tiles;
-  return variant.tall_tiles ? LaunchTiles<Tag, kBackward, kGated, kType, kTallTileRows>(p, variant, stream, op)
-                            : LaunchTiles<Tag, kBackward, kGated, kType, kShortTileRows>(p, variant, stream, op);
+  if (variant.tile_rows == kTallerTileRows) {
+    if constexpr (!(kBackward && kGated)) {
+      return LaunchTiles<Tag, kBackward, kGated, kType, kTallerTileRows>(p, variant, stream, op);
+    }
+  }
+  if (variant.tile_rows != kShortTileRows) {
+    return LaunchTiles<Tag, kBackward, kGated, kType, kTallTileRows>(p, variant, stream, op);
+  }
+  return LaunchTiles<Tag, kBackward, kGated, kType, kShortTileRows>(p, variant, stream, op);
 }
 
 // Calls f(std::integral_constant<ActType, type>{}): one kernel per activation type.

@@ -15,8 +15,8 @@
 // and rounded once).
 // Quantization takes the fp32 value (not the rounded y/dx). CPU and CUDA compute every
 // element bit-identically (activation_math.h); dbias sums differ only in summation order:
-// the reference adds rows in order, the kernel per 64-row tile (128-row tiles under
-// LOWBIT_ACT_VARIANT 5: activation.cu) then the tiles in order (deterministic run to run).
+// the reference adds rows in order, the kernel per 64-row tile (128- or 256-row tiles
+// under LOWBIT_ACT_VARIANT 5 / 6: activation.cu) then the tiles in order (deterministic run to run).
 #pragma once
 
 #include <cstdint>
@@ -53,7 +53,7 @@ Status ActForwardRef(const ActArgs& a);
 Status ActBackwardRef(const ActArgs& a);
 
 // CUDA tile: a block handles kActTileRows x kActTileCols (input columns) at a time (or
-// 2 kActTileRows rows: activation.cu, tall tiles).
+// 2 or 4 kActTileRows rows: activation.cu, tall tiles).
 constexpr int64_t kActTileRows = 64;
 constexpr int64_t kActTileCols = 128;
 
