@@ -329,12 +329,12 @@ def test_subnormals_kept_and_nan_canonical():
 @pytest.mark.parametrize("act,gated", [("gelu", False), ("silu", True)], ids=str)
 def test_cuda_variants_equal_cpu(act, gated, rng, cpu, gpu, monkeypatch):
     # LOWBIT_ACT_VARIANT 0-6 (activation.cu: grid size, cross-tile prefetch, tile height).
-    # 70001 x 136 is about 2200 64-row tiles (550 256-row ones), more than any variant's
-    # grid has blocks, so blocks loop over several tiles (the prefetch of the next tile),
-    # with partial tiles in both dimensions.
-    x = make_x(rng, (70001, 136), gated, ml_dtypes.bfloat16, 4.0)
+    # 70001 x 264 is 3 tile columns by 1094 / 547 / 274 tile rows of 64 / 128 / 256 rows
+    # (822 tiles of 256 rows), more than any variant's grid has blocks, so blocks loop over
+    # several tiles (the prefetch of the next tile), with partial tiles in both dimensions.
+    x = make_x(rng, (70001, 264), gated, ml_dtypes.bfloat16, 4.0)
     x.reshape(-1)[[5, 77777, 123456]] = [np.nan, np.inf, -np.inf]
-    dz = rng.standard_normal((70001, 136)).astype(ml_dtypes.bfloat16)
+    dz = rng.standard_normal((70001, 264)).astype(ml_dtypes.bfloat16)
 
     def f(d, v):
         fw = lowbit.ops.act_forward(v, act, gated=gated, quant_scale=np.float32(8), colwise=True)
