@@ -261,10 +261,12 @@ def test_bad_input():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["0", "5", "6"], ids=lambda v: f"v{v}")  # 64- / 128- / 256-row tiles
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
 @pytest.mark.parametrize("act,gated", TYPES, ids=lambda v: str(v))
-@pytest.mark.parametrize("shape", [(4099, 1000), (64, 8192), (1, 7), (300, 129)], ids=str)
-def test_cuda_equals_cpu(shape, act, gated, dtype, rng, cpu, gpu):
+@pytest.mark.parametrize("shape", [(4099, 1000), (64, 8192), (1, 7), (300, 129), (200, 136)], ids=str)
+def test_cuda_equals_cpu(shape, act, gated, dtype, variant, rng, cpu, gpu, monkeypatch):
+    monkeypatch.setenv("LOWBIT_ACT_VARIANT", variant)  # activation.cu: tile height
     x = make_x(rng, shape, gated, dtype, 4.0)
     flat = x.reshape(-1)
     flat[rng.choice(flat.size, min(6, flat.size), replace=False)] = [np.inf, -np.inf, np.nan, 0, 500, -500][:min(6, flat.size)]
@@ -302,10 +304,13 @@ def test_cuda_unaligned_and_3d(rng, cpu, gpu):
 
 
 @pytest.mark.gpu
-def test_cuda_dbias_deterministic(rng, gpu):
-    x = rng.standard_normal((8192, 2, 512)).astype(ml_dtypes.bfloat16)
+@pytest.mark.parametrize("variant", ["0", "5", "6"], ids=lambda v: f"v{v}")  # 64- / 128- / 256-row tiles
+@pytest.mark.parametrize("act,gated", [("silu", True), ("gelu", False)], ids=str)
+def test_cuda_dbias_deterministic(variant, act, gated, rng, gpu, monkeypatch):
+    monkeypatch.setenv("LOWBIT_ACT_VARIANT", variant)
+    x = make_x(rng, (8192, 512), gated, ml_dtypes.bfloat16, 1.0)
     dz = rng.standard_normal((8192, 512)).astype(ml_dtypes.bfloat16)
-    f = lambda d, v: lowbit.ops.act_backward(d, v, "silu", gated=True, compute_dbias=True).dbias  # noqa: E731
+    f = lambda d, v: lowbit.ops.act_backward(d, v, act, gated=gated, compute_dbias=True).dbias  # noqa: E731
     a, b = run_on(gpu, f, dz, x), run_on(gpu, f, dz, x)
     np.testing.assert_array_equal(a.view(np.uint16), b.view(np.uint16))
 
@@ -323,12 +328,13 @@ def test_subnormals_kept_and_nan_canonical():
 @pytest.mark.gpu
 @pytest.mark.parametrize("act,gated", [("gelu", False), ("silu", True)], ids=str)
 def test_cuda_variants_equal_cpu(act, gated, rng, cpu, gpu, monkeypatch):
-    # LOWBIT_ACT_VARIANT 0-4 (activation.cu: grid size, cross-tile prefetch). 70001 x 136 is
-    # about 2200 tiles, more than any variant's grid has blocks, so blocks loop over several
-    # tiles (the prefetch of the next tile), with partial tiles in both dimensions.
-    x = make_x(rng, (70001, 136), gated, ml_dtypes.bfloat16, 4.0)
+    # LOWBIT_ACT_VARIANT 0-6 (activation.cu: grid size, cross-tile prefetch, tile height).
+    # 70001 x 264 is 3 tile columns by 1094 / 547 / 274 tile rows of 64 / 128 / 256 rows
+    # (822 tiles of 256 rows), more than any variant's grid has blocks, so blocks loop over
+    # several tiles (the prefetch of the next tile), with partial tiles in both dimensions.
+    x = make_x(rng, (70001, 264), gated, ml_dtypes.bfloat16, 4.0)
     x.reshape(-1)[[5, 77777, 123456]] = [np.nan, np.inf, -np.inf]
-    dz = rng.standard_normal((70001, 136)).astype(ml_dtypes.bfloat16)
+    dz = rng.standard_normal((70001, 264)).astype(ml_dtypes.bfloat16)
 
     def f(d, v):
         fw = lowbit.ops.act_forward(v, act, gated=gated, quant_scale=np.float32(8), colwise=True)
@@ -337,8 +343,8 @@ def test_cuda_variants_equal_cpu(act, gated, rng, cpu, gpu, monkeypatch):
         return fw, bw
 
     want = run_on(cpu, f, dz, x)
-    dbias0 = None
-    for variant in ("0", "1", "2", "3", "4"):
+    dbias0 = {}  # per tile height: the dbias summation order
+    for variant in ("0", "1", "2", "3", "4", "5", "6"):
         monkeypatch.setenv("LOWBIT_ACT_VARIANT", variant)  # read by the launcher at every call
         got = run_on(gpu, f, dz, x)
         for name in ("y", "q_rowwise", "q_colwise", "amax"):
@@ -351,8 +357,9 @@ def test_cuda_variants_equal_cpu(act, gated, rng, cpu, gpu, monkeypatch):
         np.testing.assert_array_equal(np.isnan(a), np.isnan(b))
         fin = np.isfinite(a) & np.isfinite(b)
         assert np.all(np.abs(a[fin] - b[fin]) <= 1e-4 * np.sqrt(70001) * (1 + np.abs(b[fin])))
-        dbias0 = got[1].dbias if dbias0 is None else dbias0  # every variant: the same bits
-        np.testing.assert_array_equal(got[1].dbias.view(np.uint16), dbias0.view(np.uint16))
+        height = variant if variant in ("5", "6") else "64"
+        dbias0.setdefault(height, got[1].dbias)  # every variant of a tile height: the same bits
+        np.testing.assert_array_equal(got[1].dbias.view(np.uint16), dbias0[height].view(np.uint16))
     monkeypatch.setenv("LOWBIT_ACT_VARIANT", "9")
-    with pytest.raises(Exception, match="LOWBIT_ACT_VARIANT: expected 0 to 4"):
+    with pytest.raises(Exception, match="LOWBIT_ACT_VARIANT: expected 0 to 6"):
         run_on(gpu, f, dz, x)

@@ -4,7 +4,8 @@
 //
 // ActTiledKernel, one per (dtype, direction, gated, act type): the act type and gating are
 // template constants, so the per-element math has no branches and the compiler interleaves
-// a chunk's 8 elements. Blocks loop over 64-row x 128-column tiles of the H input columns.
+// a chunk's 8 elements. Blocks loop over 64-row (or, LOWBIT_ACT_VARIANT 5 / 6, 128- / 256-
+// row) x 128-column tiles of the H input columns.
 // Each thread walks its 16-byte chunks of the tile (x, the gate half, dz) pass by pass, the
 // next pass's loads issued before this pass's math (the last pass's: the next tile's first
 // pass), and computes 1 or 2 output "planes"
@@ -19,8 +20,9 @@
 // then canonicalized and takes the codecs, so every output has the reference's bits.
 // amax: block max of |v| bit patterns, one unsigned atomicMax (order independent).
 // Unaligned data or H % (16 / sizeof(T)) != 0 take the bounds-checked scalar path.
-// LOWBIT_ACT_VARIANT (benchmark tuning knob, see ActVariant): grid size and cross-tile
-// prefetch; identical results.
+// LOWBIT_ACT_VARIANT (benchmark tuning knob, see ActVariant): grid size, cross-tile
+// prefetch and tile height; identical results but for dbias's summation order (per tile
+// height).
 #include <cuda_runtime.h>
 
 #include <atomic>
@@ -41,8 +43,14 @@ namespace lowbit {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int kTileRows = int(kActTileRows);
 constexpr int kTileCols = int(kActTileCols);
+// Tile heights: 64 rows (kActTileRows: the dbias workspace's row granularity), 128 or 256
+// (tall tiles, ActVariant: 128- / 256-byte colwise column segments, fewer barriers per
+// element). 256 rows leave the gated backward's two code planes over the 48 KiB static
+// shared memory, so it takes 128 there.
+constexpr int kShortTileRows = int(kActTileRows);
+constexpr int kTallTileRows = 2 * kShortTileRows;
+constexpr int kTallerTileRows = 4 * kShortTileRows;
 constexpr int kCodeStride = kTileCols + 4;  // bytes per shared row of codes (4-aligned)
 // Launch bounds (minimum blocks per SM, so the register cap): sm_100a 3 (85 registers; its
 // ptxas otherwise settles on 64 and spills in the forward kernels), 2 for its gated
@@ -72,6 +80,7 @@ struct ActKernelArgs {
   bool prefetch_tiles;  // the last pass of a tile loads the next tile's first pass
   uint32_t* amax;
   float* partials;   // tile_rows x out_cols, or null
+  void* dbias_out;   // dbias (T), written by the finalize kernel; null without dbias
 };
 
 // kVec FP8 codes of v * scale as little-endian words (EncodeScaled's bits). hw_ok: no
@@ -180,7 +189,7 @@ __device__ __forceinline__ void LoadPass(const ActKernelArgs<typename Tag::Stora
 // transpose phase), so each kernel inlines the activation math kVec times, not
 // kVec * passes * formats * IO variants (compile time). Each pass advances 64-bit element
 // offsets by one step (no per-pass index products).
-template <typename Tag, bool kBackward, bool kGated, ActType kType>
+template <typename Tag, bool kBackward, bool kGated, ActType kType, int kTileRows>
 __global__ void LOWBIT_ACT_LAUNCH_BOUNDS(kBackward, kGated) ActTiledKernel(ActKernelArgs<typename Tag::Storage> p) {
   using T = typename Tag::Storage;
   ActParams act = p.act;  // type and gating as compile-time constants: the math folds
@@ -191,7 +200,14 @@ __global__ void LOWBIT_ACT_LAUNCH_BOUNDS(kBackward, kGated) ActTiledKernel(ActKe
   constexpr int kThreadsPerRow = kTileCols / kVec;
   constexpr int kRowsPerPass = kThreads / kThreadsPerRow;
   constexpr int kPasses = kTileRows / kRowsPerPass;
-  constexpr int kPartialRows = kBackward ? kRowsPerPass : 1;
+  // dbias: 64-row tiles keep one shared row of column sums per chunk row (the summation
+  // order of the first kernels); tall tiles first add a warp's chunk rows by shuffles
+  // (bf16/f16: lanes l and l ^ 16), one shared row per warp, so the gated backward's shared
+  // memory stays under the 48 KiB static limit. Each order is fixed: same bits every run.
+  constexpr bool kFoldWarpRows = kTileRows != kShortTileRows;
+  constexpr int kRowsPerWarp = 32 / kThreadsPerRow;
+  static_assert(kRowsPerWarp == 1 || kRowsPerWarp == 2, "the dbias warp fold");
+  constexpr int kPartialRows = !kBackward ? 1 : kFoldWarpRows ? kThreads / 32 : kRowsPerPass;
   __shared__ __align__(16) uint8_t codes[kPlanes][kTileRows][kCodeStride];
   __shared__ float col_partial[kPlanes][kPartialRows][kTileCols];
 
@@ -330,14 +346,43 @@ __global__ void LOWBIT_ACT_LAUNCH_BOUNDS(kBackward, kGated) ActTiledKernel(ActKe
 
     // 3. dbias: this tile's column sums, its rows combined in a fixed order.
     if (dbias) {
+      if constexpr (kFoldWarpRows) {
+        // bf16/f16: the odd chunk row (lanes 16-31) stores its sums, then the even one
+        // (lanes 0-15) adds its own to them: even + odd, in the warp's shared row.
+        const int warp = threadIdx.x / 32;
+        if (chunk_row % kRowsPerWarp == kRowsPerWarp - 1) {
 #pragma unroll
-      for (int k = 0; k < kPlanes; ++k) {
+          for (int k = 0; k < kPlanes; ++k) {
 #pragma unroll
-        for (int j = 0; j < kVec; ++j) col_partial[k][chunk_row % kPartialRows][chunk_col + j] = col_sum[k][j];
+            for (int j = 0; j < kVec; ++j) col_partial[k][warp][chunk_col + j] = col_sum[k][j];
+          }
+        }
+        if constexpr (kRowsPerWarp == 2) {
+          __syncwarp();
+          if (chunk_row % 2 == 0) {
+#pragma unroll
+            for (int k = 0; k < kPlanes; ++k) {
+#pragma unroll
+              for (int j = 0; j < kVec; ++j) {
+                float* slot = &col_partial[k][warp][chunk_col + j];
+                *slot = __fadd_rn(col_sum[k][j], *slot);
+              }
+            }
+          }
+        }
+      } else {
+#pragma unroll
+        for (int k = 0; k < kPlanes; ++k) {
+#pragma unroll
+          for (int j = 0; j < kVec; ++j) col_partial[k][chunk_row % kPartialRows][chunk_col + j] = col_sum[k][j];
+        }
       }
       __syncthreads();
-      for (int i = threadIdx.x; i < kPlanes * kTileCols; i += kThreads) {
-        const int k = i / kTileCols, col = i % kTileCols;
+      // One column sum per thread (a loop over threadIdx.x + kThreads kept a hoisted
+      // second-iteration index that the tall gated backward spilled).
+      static_assert(kPlanes * kTileCols <= kThreads, "one column sum per thread");
+      if (threadIdx.x < kPlanes * kTileCols) {
+        const int k = int(threadIdx.x) / kTileCols, col = int(threadIdx.x) % kTileCols;
         float sum = 0.0f;
 #pragma unroll
         for (int y = 0; y < kPartialRows; ++y) sum += col_partial[k][y][col];
@@ -350,7 +395,7 @@ __global__ void LOWBIT_ACT_LAUNCH_BOUNDS(kBackward, kGated) ActTiledKernel(ActKe
     // column quads x 4 row octets: conflict-free banks (row stride 33 words) and full
     // 32-byte sectors per column.
     if (p.q_colwise != nullptr) {
-      static_assert(kTileCols == 128 && kTileRows == 64, "the item -> (quad, octet) map below");
+      static_assert(kTileCols == 128 && kTileRows % 32 == 0, "the item -> (quad, octet) map below");
       __syncthreads();
       constexpr int kItems = (kTileCols / 4) * (kTileRows / 8);
       for (int w = threadIdx.x; w < kPlanes * kItems; w += kThreads) {
@@ -412,43 +457,78 @@ __global__ void DbiasFinalizeKernel(const float* __restrict__ partials, int64_t 
 bool Aligned(const void* p, uintptr_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
 
 // LOWBIT_ACT_VARIANT (a benchmark tuning knob, read at every launch): the grid's cap in
-// blocks per SM and whether a tile's last pass prefetches the next tile. 0 (unset) = as many
-// blocks as are resident at once (the kernel's occupancy: one persistent round, each block
-// within one tile of the others' count), prefetch; 1 = 4 per SM, prefetch; 2 = 16,
-// prefetch; 3 = 8 without the prefetch (the previous default's schedule); 4 = 8, prefetch.
-// With 8 per SM and 5 (plain fwd) or 3 (gated bwd) resident, a second round of 3 or 2
-// blocks per SM runs on part of the SM. Results are identical for every variant.
+// blocks per SM, whether a tile's last pass prefetches the next tile, and the tile height.
+// 0 (unset) = as many blocks as are resident at once (the kernel's occupancy: one
+// persistent round, each block within one tile of the others' count), prefetch, 64-row
+// tiles; 1 = 4 per SM, prefetch; 2 = 16, prefetch; 3 = 8 without the prefetch (the
+// previous default's schedule); 4 = 8, prefetch; 5 = as 0 with 128-row tiles (128-byte
+// colwise column segments, as the standalone quantize kernel's gain from taller tiles;
+// half the barriers and transposes' loop overhead per element); 6 = as 0 with 256-row
+// tiles (the gated backward: 128). With 8 per SM and 5
+// (plain fwd) or 3 (gated bwd) resident, a second round of 3 or 2 blocks per SM runs on
+// part of the SM. Every output is identical for every variant but dbias, whose fixed
+// summation order depends on the tile height (activation.h).
 struct ActVariant {
   int blocks_per_sm = 0;  // 0: the occupancy
   bool prefetch_tiles = true;
+  int tile_rows = kShortTileRows;  // 64, 128 or 256
 };
+
+constexpr char kMaxActVariant = '6';
 
 // False if the value is invalid.
 bool ReadActVariant(ActVariant* v) {
   const char* env = std::getenv("LOWBIT_ACT_VARIANT");
   if (env == nullptr || env[0] == '\0') return true;
-  if (env[1] != '\0' || env[0] < '0' || env[0] > '4') return false;
-  static constexpr int kBlocksPerSm[5] = {0, 4, 16, 8, 8};
+  if (env[1] != '\0' || env[0] < '0' || env[0] > kMaxActVariant) return false;
+  static constexpr int kBlocksPerSm[7] = {0, 4, 16, 8, 8, 0, 0};
   v->blocks_per_sm = kBlocksPerSm[env[0] - '0'];
   v->prefetch_tiles = env[0] != '3';
+  v->tile_rows = env[0] == '5' ? kTallTileRows : env[0] == '6' ? kTallerTileRows : kShortTileRows;
   return true;
 }
 
-// Resident blocks per SM of ActTiledKernel<Tag, kBackward, kGated, kType> (kThreads
-// threads, static shared memory), asked once per instantiation; 1 if the runtime cannot tell.
-template <typename Tag, bool kBackward, bool kGated, ActType kType>
+// Resident blocks per SM of ActTiledKernel<Tag, kBackward, kGated, kType, kTileRows>
+// (kThreads threads, static shared memory), asked once per instantiation; 1 if the
+// runtime cannot tell.
+template <typename Tag, bool kBackward, bool kGated, ActType kType, int kTileRows>
 int ResidentBlocksPerSm() {
   static std::atomic<int> cached{0};
   int n = cached.load(std::memory_order_relaxed);
   if (n == 0) {
-    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, ActTiledKernel<Tag, kBackward, kGated, kType>, kThreads, 0) !=
-            cudaSuccess ||
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, ActTiledKernel<Tag, kBackward, kGated, kType, kTileRows>,
+                                                      kThreads, 0) != cudaSuccess ||
         n < 1) {
       n = 1;
     }
     cached.store(n, std::memory_order_relaxed);
   }
   return n;
+}
+
+// The tiled kernel with kTileRows-row tiles, then (dbias) the finalize kernel over its
+// tile_rows workspace rows (ActBackwardWorkspaceBytes sizes for 64-row tiles: enough).
+template <typename Tag, bool kBackward, bool kGated, ActType kType, int kTileRows>
+Status LaunchTiles(const ActKernelArgs<typename Tag::Storage>& p, const ActVariant& variant, GpuStream stream,
+                   const char* op) {
+  using T = typename Tag::Storage;
+  const int64_t tile_rows = (p.rows + kTileRows - 1) / kTileRows;
+  const int64_t tile_cols = (p.hidden + kTileCols - 1) / kTileCols;
+  if (tile_rows >= (int64_t(1) << 30) || tile_cols >= (int64_t(1) << 30)) {
+    return Status::InvalidArgument(std::string(op) + ": x: too many rows or columns for the CUDA kernel");
+  }
+  const int64_t tiles = tile_rows * tile_cols;
+  const int per_sm = variant.blocks_per_sm > 0 ? variant.blocks_per_sm
+                                               : ResidentBlocksPerSm<Tag, kBackward, kGated, kType, kTileRows>();
+  const int blocks = GridStrideBlocks(tiles * kThreads, kThreads, per_sm);
+  ActTiledKernel<Tag, kBackward, kGated, kType, kTileRows><<<blocks, kThreads, 0, stream>>>(p);
+  LOWBIT_RETURN_IF_ERROR(LaunchStatus(op));
+  if (p.partials == nullptr) return Status::Ok();
+  const int64_t finalize_blocks = (p.out_cols + 31) / 32;
+  if (finalize_blocks > 0x7FFFFFFF) return Status::InvalidArgument(std::string(op) + ": x: too many columns");
+  DbiasFinalizeKernel<Tag><<<unsigned(finalize_blocks), dim3(32, 8), 0, stream>>>(
+      p.partials, tile_rows, p.out_cols, static_cast<T*>(p.dbias_out));
+  return LaunchStatus(op);
 }
 
 template <typename Tag, bool kBackward, bool kGated, ActType kType>
@@ -470,6 +550,7 @@ Status Launch(const ActArgs& a, void* workspace, GpuStream stream, const char* o
   p.colwise_vec = a.q_colwise != nullptr && Aligned(a.q_colwise, 8) && a.rows % 8 == 0;
   p.amax = reinterpret_cast<uint32_t*>(a.amax);
   p.partials = kBackward && a.dbias != nullptr ? static_cast<float*>(workspace) : nullptr;
+  p.dbias_out = a.dbias;
   if (kBackward && a.dbias != nullptr && workspace == nullptr) {
     return Status::Internal(std::string(op) + ": dbias: no workspace");
   }
@@ -477,29 +558,22 @@ Status Launch(const ActArgs& a, void* workspace, GpuStream stream, const char* o
                 Aligned(a.out, 16) && Aligned(a.q_rowwise, 16);
   const bool quantize = a.q_rowwise != nullptr || a.q_colwise != nullptr;
   p.e5m2 = quantize && a.q_dtype == DType::kE5M2;
-  const int64_t tile_rows = (a.rows + kTileRows - 1) / kTileRows;
-  const int64_t tile_cols = (a.hidden + kTileCols - 1) / kTileCols;
-  if (tile_rows >= (int64_t(1) << 30) || tile_cols >= (int64_t(1) << 30)) {
-    return Status::InvalidArgument(std::string(op) + ": x: too many rows or columns for the CUDA kernel");
-  }
-  const int64_t tiles = tile_rows * tile_cols;
   ActVariant variant;
   if (!ReadActVariant(&variant)) {
-    return Status::InvalidArgument(std::string(op) + ": LOWBIT_ACT_VARIANT: expected 0 to 4, got '" +
-                                   std::getenv("LOWBIT_ACT_VARIANT") + "'");
+    return Status::InvalidArgument(std::string(op) + ": LOWBIT_ACT_VARIANT: expected 0 to " +
+                                   std::string(1, kMaxActVariant) + ", got '" + std::getenv("LOWBIT_ACT_VARIANT") +
+                                   "'");
   }
   p.prefetch_tiles = variant.prefetch_tiles;
-  const int per_sm = variant.blocks_per_sm > 0 ? variant.blocks_per_sm
-                                               : ResidentBlocksPerSm<Tag, kBackward, kGated, kType>();
-  const int blocks = GridStrideBlocks(tiles * kThreads, kThreads, per_sm);
-  ActTiledKernel<Tag, kBackward, kGated, kType><<<blocks, kThreads, 0, stream>>>(p);
-  LOWBIT_RETURN_IF_ERROR(LaunchStatus(op));
-  if (p.partials == nullptr) return Status::Ok();
-  const int64_t finalize_blocks = (p.out_cols + 31) / 32;
-  if (finalize_blocks > 0x7FFFFFFF) return Status::InvalidArgument(std::string(op) + ": x: too many columns");
-  DbiasFinalizeKernel<Tag><<<unsigned(finalize_blocks), dim3(32, 8), 0, stream>>>(
-      p.partials, tile_rows, p.out_cols, static_cast<T*>(a.dbias));
-  return LaunchStatus(op);
+  if (variant.tile_rows == kTallerTileRows) {
+    if constexpr (!(kBackward && kGated)) {
+      return LaunchTiles<Tag, kBackward, kGated, kType, kTallerTileRows>(p, variant, stream, op);
+    }
+  }
+  if (variant.tile_rows != kShortTileRows) {
+    return LaunchTiles<Tag, kBackward, kGated, kType, kTallTileRows>(p, variant, stream, op);
+  }
+  return LaunchTiles<Tag, kBackward, kGated, kType, kShortTileRows>(p, variant, stream, op);
 }
 
 // Calls f(std::integral_constant<ActType, type>{}): one kernel per activation type.

@@ -15,8 +15,8 @@
 // and rounded once).
 // Quantization takes the fp32 value (not the rounded y/dx). CPU and CUDA compute every
 // element bit-identically (activation_math.h); dbias sums differ only in summation order:
-// the reference adds rows in order, the kernel per 64-row tile then the tiles in order
-// (deterministic run to run).
+// the reference adds rows in order, the kernel per 64-row tile (128- or 256-row tiles
+// under LOWBIT_ACT_VARIANT 5 / 6: activation.cu) then the tiles in order (deterministic run to run).
 #pragma once
 
 #include <cstdint>
@@ -52,12 +52,13 @@ inline int64_t ActOutCols(const ActArgs& a, bool backward) {
 Status ActForwardRef(const ActArgs& a);
 Status ActBackwardRef(const ActArgs& a);
 
-// CUDA tile: a block handles kActTileRows x kActTileCols (input columns) at a time.
+// CUDA tile: a block handles kActTileRows x kActTileCols (input columns) at a time (or
+// 2 or 4 kActTileRows rows: activation.cu, tall tiles).
 constexpr int64_t kActTileRows = 64;
 constexpr int64_t kActTileCols = 128;
 
 // Device workspace ActBackwardCuda needs for dbias: one fp32 row of partial column sums
-// per 64-row tile.
+// per 64-row tile (enough for the taller tiles too).
 inline int64_t ActBackwardWorkspaceBytes(int64_t rows, int64_t out_cols, bool dbias) {
   if (!dbias || rows == 0 || out_cols == 0) return 0;
   return (rows + kActTileRows - 1) / kActTileRows * out_cols * int64_t(sizeof(float));

@@ -54,29 +54,12 @@ LOWBIT_HD float AbsClampedTo109(float x) {
 #endif
 }
 
-// exp(-|x|) with LbExpNonPositive(-|x|)'s bits (common/fp32_math.h; NaN gives NaN): the
-// same operations in the same order on y = -m, m = min(|x|, 109). For y = -|x| <= 0 that
-// function's clamp of y > 0 never fires and its clamp at -109 gives exactly -m; every
-// negation is exact and folds into the FMA operands, so the GPU saves the sign OR and one
-// min per element (activation_test.cc compares the two over every bf16/f16 value and a
-// sweep of fp32).
-LOWBIT_HD float LbExpNegAbs(float x) {
-  const float m = AbsClampedTo109(x);
-  constexpr float kShifter = 12582912.0f;
-  const float t = Fp32Fma(-m, 1.44269502162933349609f, kShifter);
-  const float n = Fp32Add(t, -kShifter);
-  float r = Fp32Fma(n, -0.693145751953125f, -m);
-  r = Fp32Fma(n, -1.42860676533018923e-06f, r);
-  float p = 1.381461275741458e-03f;
-  p = Fp32Fma(p, r, 8.368710055947304e-03f);
-  p = Fp32Fma(p, r, 4.166838899254799e-02f);
-  p = Fp32Fma(p, r, 1.666652113199234e-01f);
-  p = Fp32Fma(p, r, 4.999999403953552e-01f);
-  p = Fp32Fma(p, r, 1.0f);
-  p = Fp32Fma(p, r, 1.0f);
-  const float pow2 = BitsToFloat((FloatBits(t) << 23) + (uint32_t(127 + 32) << 23));
-  return Fp32Mul(Fp32Mul(p, pow2), 2.3283064365386963e-10f);
-}
+// exp(-|x|) with LbExpNonPositive(-|x|)'s bits (common/fp32_math.h; NaN gives NaN): their
+// shared core on y = -m, m = min(|x|, 109). For y = -|x| <= 0 LbExpNonPositive's clamp of
+// y > 0 never fires and its clamp at -109 gives exactly -m; the negation is exact and folds
+// into the core's FMA operands, so the GPU saves the sign OR and one min per element
+// (activation_test.cc compares the two over every bf16/f16 value and a sweep of fp32).
+LOWBIT_HD float LbExpNegAbs(float x) { return LbExpNonPositiveInRange(-AbsClampedTo109(x)); }
 
 LOWBIT_HD float LbSigmoid(float x) {
   const float e = LbExpNegAbs(x);

@@ -90,16 +90,14 @@ LOWBIT_HD float Fp32Fma(float a, float b, float c) {
 #endif
 }
 
-// exp(x) for x <= 0 (x > 0 is taken as 0, so the result is 1), from FMAs only: n = rint(x
-// log2 e) by the 1.5 * 2^23 shifter, r = x - n ln2 (Cody-Waite, ln2_hi with 8 trailing zero
-// bits so the first step is exact), e^r by a degree-6 minimax polynomial on |r| <= ln2 / 2
-// (Horner, approximation error 0.05 ulp), then the exact product with 2^(n + 32) and one
-// rounding multiply by 2^-32, which rounds subnormal results correctly. Within 2 ulp of exp
-// for normal results (fp32_math_test.cc: a sweep against double); 0 below -103.98; exp(-inf)
-// = 0; NaN in gives NaN out (payload not kept: callers canonicalize).
-LOWBIT_HD float LbExpNonPositive(float x) {
-  x = x > 0.0f ? 0.0f : x;          // comparisons are false for NaN: NaN passes through
-  x = x < -109.0f ? -109.0f : x;    // exp(-109) rounds to 0; keeps n + 32 >= -126
+// exp(x) for -109 <= x <= 0 (or NaN), from FMAs only: n = rint(x log2 e) by the
+// 1.5 * 2^23 shifter, r = x - n ln2 (Cody-Waite, ln2_hi with 8 trailing zero bits so the
+// first step is exact), e^r by a degree-6 minimax polynomial on |r| <= ln2 / 2 (Horner,
+// approximation error 0.05 ulp), then the exact product with 2^(n + 32) and one rounding
+// multiply by 2^-32, which rounds subnormal results correctly. The core of
+// LbExpNonPositive (which clamps into the range first) and of activation_math.h's
+// LbExpNegAbs (x = -min(|v|, 109): the negation is exact and folds into the FMA operands).
+LOWBIT_HD float LbExpNonPositiveInRange(float x) {
   constexpr float kShifter = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
   const float t = Fp32Fma(x, 1.44269502162933349609f, kShifter);
   const float n = Fp32Add(t, -kShifter);    // rint(x log2 e), exact
@@ -116,6 +114,16 @@ LOWBIT_HD float LbExpNonPositive(float x) {
   // t_bits << 23 = n << 23 (mod 2^32) and adding (127 + 32) << 23 builds 2^(n + 32).
   const float pow2 = BitsToFloat((FloatBits(t) << 23) + (uint32_t(127 + 32) << 23));
   return Fp32Mul(Fp32Mul(p, pow2), 2.3283064365386963e-10f);  // * 2^-32
+}
+
+// exp(x) for x <= 0 (x > 0 is taken as 0, so the result is 1): LbExpNonPositiveInRange
+// after clamping to [-109, 0]. Within 2 ulp of exp for normal results (fp32_math_test.cc: a
+// sweep against double); 0 below -103.98; exp(-inf) = 0; NaN in gives NaN out (payload not
+// kept: callers canonicalize).
+LOWBIT_HD float LbExpNonPositive(float x) {
+  x = x > 0.0f ? 0.0f : x;          // comparisons are false for NaN: NaN passes through
+  x = x < -109.0f ? -109.0f : x;    // exp(-109) rounds to 0; keeps n + 32 >= -126
+  return LbExpNonPositiveInRange(x);
 }
 
 // num / d for 1 <= d <= 2 (NaN in gives NaN out), from FMAs only: a cubic minimax guess of
