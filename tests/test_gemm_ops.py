@@ -69,15 +69,18 @@ def accumulation_gamma(k: int, model: str) -> float:
 FROBENIUS = {"gpu": 2.0**-10, "fp8_split": 2.0**-6, "fp8_fast": 2.0**-3}
 
 
-def gemm_atol(a, b, sa, sb, out_dtype, *, model="cpu"):
+def gemm_atol(a, b, sa, sb, out_dtype, *, model="cpu", bias=None):
     """Per-element bound on |x - y| for two GEMMs of the same operands: the accumulation
     model's gamma * sum|a_k*b_k| * |sa*sb|; scaling and the bias add each round once (4*u*|y|);
     rounding both to the out dtype adds at most one ulp of it (eps_out*|y|, plus its smallest
-    normal near zero)."""
+    normal near zero). |y| is bounded by |a.b| + |bias|: with a bias, the one rounding to the
+    out dtype is of the sum (a 16-valued bias over a near-zero product rounds at 16's ulp)."""
     a64 = np.asarray(a).astype(np.float64).reshape(-1, a.shape[-1])
     b64 = np.asarray(b).astype(np.float64)
     abs_dot = (np.abs(a64) @ np.abs(b64).T) * abs(float(sa) * float(sb))
     y = np.abs(np.asarray(gemm_ref(a, b, sa, sb, None, jnp.float32), np.float64)).reshape(abs_dot.shape)
+    if bias is not None:
+        y = y + np.abs(np.asarray(bias, np.float64)).reshape(1, -1)
     info = ml_dtypes.finfo(out_dtype)
     atol = (accumulation_gamma(a64.shape[-1], model) * abs_dot + (4 * U + float(info.eps)) * y
             + float(info.smallest_normal))
@@ -108,7 +111,7 @@ def assert_matches_handler(got, a, b, sa=1.0, sb=1.0, bias=None, out_dtype=jnp.b
         return
     model = "fp8_split" if jnp.dtype(a.dtype) in gemm_mod.FP8 else "gpu"
     a2, b2 = np.asarray(a).reshape(-1, a.shape[-1]), np.asarray(b)
-    atol = gemm_atol(a2, b2, sa, sb, out_dtype, model=model).reshape(want.shape)
+    atol = gemm_atol(a2, b2, sa, sb, out_dtype, model=model, bias=bias).reshape(want.shape)
     assert_close_gemm(got, want, atol, max_rel_frobenius=FROBENIUS[model])
 
 
@@ -138,7 +141,7 @@ def test_cpu_matches_references(a_dtype, b_dtype, out_dtype, m, k, n, with_bias,
     assert got.dtype == jnp.dtype(out_dtype) and got.shape == (m, n)
     want = sequential_ref(a, b, sa, sb, bias, out_dtype)
     np.testing.assert_array_equal(np.asarray(got).view(np.uint8), want.view(np.uint8))
-    assert_close_gemm(got, gemm_ref(a, b, sa, sb, bias, out_dtype), gemm_atol(a, b, sa, sb, out_dtype))
+    assert_close_gemm(got, gemm_ref(a, b, sa, sb, bias, out_dtype), gemm_atol(a, b, sa, sb, out_dtype, bias=bias))
 
 
 def test_leading_dims_defaults_and_eager(rng):
@@ -289,7 +292,7 @@ def test_sharded_equals_unsharded(a_spec, b_spec, bias_spec, a_shape, expected, 
     got = np.asarray(f(*args))
     want = sequential_ref(a, b, sa, sb, bias, BF16)
     if expected:  # partial sums over K: fp32 psum in a different order, then one rounding
-        assert_close_gemm(got, want, gemm_atol(a, b, sa, sb, BF16))
+        assert_close_gemm(got, want, gemm_atol(a, b, sa, sb, BF16, bias=bias))
     else:
         np.testing.assert_array_equal(got, want)
     hlo = f.lower(*args).compile().as_text()
@@ -352,7 +355,7 @@ def _cuda_vs_cpu(rng, cpu, gpu, m, n, k, a_dtype, b_dtype, out_dtype, with_bias,
     args = (a, b, sa, sb) + ((bias,) if with_bias else ())
     g, c = run_on(gpu, f, *args), run_on(cpu, f, *args)
     model = "gpu" if jnp.dtype(a_dtype) not in gemm_mod.FP8 else ("fp8_split" if split else "fp8_fast")
-    assert_close_gemm(g, c, gemm_atol(a, b, sa, sb, out_dtype, model=model),
+    assert_close_gemm(g, c, gemm_atol(a, b, sa, sb, out_dtype, model=model, bias=bias),
                       max_rel_frobenius=FROBENIUS[model])
 
 
@@ -387,7 +390,7 @@ def test_cuda_plan_cache_takes_new_pointers_and_scales(rng, cpu, gpu):
         args = jax.device_put((a, b, sa, sb, bias), gpu)
         g = np.asarray(f(*args))
         c = run_on(cpu, f, a, b, sa, sb, bias)
-        assert_close_gemm(g, c, gemm_atol(a, b, sa, sb, BF16, model="fp8_split"),
+        assert_close_gemm(g, c, gemm_atol(a, b, sa, sb, BF16, model="fp8_split", bias=bias),
                           max_rel_frobenius=FROBENIUS["fp8_split"])
 
 
