@@ -10,9 +10,9 @@ bandwidth, and the speedup over XLA; writes bench/results/activation_<device>.js
 
 --variants [LIST] times the lowbit ops once per value (default 0,1,2) of the tuning knobs
 LOWBIT_ACT_VARIANT (activation.cu: grid blocks per SM 0 = resident (occupancy), 1 = 4,
-2 = 16, 4 = 8, all with the cross-tile prefetch; 3 = 8 without it; 5 / 6 = as 0 with 128- / 256-row
-tiles instead of 64 (gated backward: 128); softmax knows 0-4 only, so pass 5 and 6 with
-activation --ops only) and LOWBIT_SOFTMAX_VARIANT (softmax.cu: 0 = 3 = the
+2 = 16, 4 = 8, all with the cross-tile prefetch and 64-row tiles; 3 = 8 without it; 5 / 6 =
+as 0 with 128- / 256-row tiles (gated backward: 128); unset = 6; softmax knows 0-3 only, so
+pass 4-6 with activation --ops only) and LOWBIT_SOFTMAX_VARIANT (softmax.cu: 0 = 3 = the
 default row-group kernel with forward 32 and backward the fewest elements per thread, 1 / 2 =
 forward 16 / 64 and backward 16 / 32), each in a
 subprocess (the launchers read the variables at every call; results are identical).

@@ -106,7 +106,10 @@ def test_forward_matches_reference(act, gated, dtype, shape, rng):
     assert out.q_colwise.shape == (shape[-1], rows)
     np.testing.assert_array_equal(np.asarray(out.q_colwise).view(np.uint8),
                                   np.asarray(out.q_rowwise).reshape(rows, -1).T.view(np.uint8))
-    np.testing.assert_allclose(float(out.amax[0]), float(jnp.max(jnp.abs(want))), rtol=0 if exact else 4e-6)
+    # amax = max |y|: within y's own tolerance of the reference's (a lone large negative x:
+    # the tanh reference's gelu underflows to 0 where x sigmoid(2u) gives ~1e-38).
+    np.testing.assert_allclose(float(out.amax[0]), float(jnp.max(jnp.abs(want))),
+                               rtol=0 if exact else 4e-6, atol=0 if exact else 1e-6)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)

@@ -4,8 +4,8 @@
 //
 // ActTiledKernel, one per (dtype, direction, gated, act type): the act type and gating are
 // template constants, so the per-element math has no branches and the compiler interleaves
-// a chunk's 8 elements. Blocks loop over 64-row (or, LOWBIT_ACT_VARIANT 5 / 6, 128- / 256-
-// row) x 128-column tiles of the H input columns.
+// a chunk's 8 elements. Blocks loop over 256-row (the gated backward: 128-row; or, with
+// LOWBIT_ACT_VARIANT 0-4 / 5, 64- / 128-row) x 128-column tiles of the H input columns.
 // Each thread walks its 16-byte chunks of the tile (x, the gate half, dz) pass by pass, the
 // next pass's loads issued before this pass's math (the last pass's: the next tile's first
 // pass), and computes 1 or 2 output "planes"
@@ -458,7 +458,10 @@ bool Aligned(const void* p, uintptr_t bytes) { return reinterpret_cast<uintptr_t
 
 // LOWBIT_ACT_VARIANT (a benchmark tuning knob, read at every launch): the grid's cap in
 // blocks per SM, whether a tile's last pass prefetches the next tile, and the tile height.
-// 0 (unset) = as many blocks as are resident at once (the kernel's occupancy: one
+// Unset = 6, the fastest on an H100 (16384 x 16384 bf16, bench/results/
+// activation_variants_*: gelu fwd+q 628.5 / 644.2 / 685.9 us for 6 / 5 / 0, dgelu+dbias+q
+// 805.5 / 833.8 / 886.4, swiglu fwd+q 803.6 / 800.5 / 844.3, dswiglu+dbias+q 1440 / 1436 /
+// 1533). 0 = as many blocks as are resident at once (the kernel's occupancy: one
 // persistent round, each block within one tile of the others' count), prefetch, 64-row
 // tiles; 1 = 4 per SM, prefetch; 2 = 16, prefetch; 3 = 8 without the prefetch (the
 // previous default's schedule); 4 = 8, prefetch; 5 = as 0 with 128-row tiles (128-byte
@@ -471,7 +474,7 @@ bool Aligned(const void* p, uintptr_t bytes) { return reinterpret_cast<uintptr_t
 struct ActVariant {
   int blocks_per_sm = 0;  // 0: the occupancy
   bool prefetch_tiles = true;
-  int tile_rows = kShortTileRows;  // 64, 128 or 256
+  int tile_rows = kTallerTileRows;  // 64, 128 or 256 (unset: variant 6's)
 };
 
 constexpr char kMaxActVariant = '6';

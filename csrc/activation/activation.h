@@ -15,8 +15,9 @@
 // and rounded once).
 // Quantization takes the fp32 value (not the rounded y/dx). CPU and CUDA compute every
 // element bit-identically (activation_math.h); dbias sums differ only in summation order:
-// the reference adds rows in order, the kernel per 64-row tile (128- or 256-row tiles
-// under LOWBIT_ACT_VARIANT 5 / 6: activation.cu) then the tiles in order (deterministic run to run).
+// the reference adds rows in order, the kernel per 256-row tile (the gated backward: 128;
+// 64- or 128-row tiles under LOWBIT_ACT_VARIANT 0-4 / 5: activation.cu) then the tiles in
+// order (deterministic run to run).
 #pragma once
 
 #include <cstdint>
