@@ -89,7 +89,7 @@ struct ActKernelArgs {
 template <int kVec>
 __device__ __forceinline__ void EncodeChunk(bool e5m2, const float (&v)[kVec], float scale, bool hw_ok,
                                             uint32_t (&words)[kVec / 4]) {
-#if LOWBIT_BLOCK_HAS_CVT_FP8X2
+#if LOWBIT_HAS_CVT_FP8X2
   if (hw_ok) {
 #pragma unroll
     for (int j = 0; j < kVec; j += 4) {

@@ -22,12 +22,12 @@
 namespace lowbit {
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
-#define LOWBIT_BLOCK_HAS_CVT_FP8X2 1
+#define LOWBIT_HAS_CVT_FP8X2 1
 #else
-#define LOWBIT_BLOCK_HAS_CVT_FP8X2 0
+#define LOWBIT_HAS_CVT_FP8X2 0
 #endif
 
-#if LOWBIT_BLOCK_HAS_CVT_FP8X2
+#if LOWBIT_HAS_CVT_FP8X2
 // Two codes in the low 16 bits: `lo` in bits 0-7, `hi` in bits 8-15.
 __device__ __forceinline__ uint32_t CvtPair(E4m3Fmt, float lo, float hi) {
   uint16_t pair;
@@ -63,7 +63,7 @@ __device__ __forceinline__ uint32_t PackCodes4(uint8_t a, uint8_t b, uint8_t c, 
 template <typename Fmt, int kN>
 __device__ __forceinline__ void EncodeChunkScaled(Fmt fmt, const float (&v)[kN], const float (&s)[kN],
                                                   bool no_nan, uint32_t (&words)[kN / 4]) {
-#if LOWBIT_BLOCK_HAS_CVT_FP8X2
+#if LOWBIT_HAS_CVT_FP8X2
   if (no_nan) {
 #pragma unroll
     for (int j = 0; j < kN; j += 4) {

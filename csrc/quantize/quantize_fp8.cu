@@ -46,7 +46,7 @@ constexpr int kThreads = 256;  // flat kernels
 constexpr int kTileCols = int(kQuantizeTileCols);
 
 // Hardware FP8 conversion (CvtPair, sm_89+) and the vector helpers: quantize/fp8_cvt.cuh.
-constexpr bool kHasCvtFp8x2 = LOWBIT_BLOCK_HAS_CVT_FP8X2;
+constexpr bool kHasCvtFp8x2 = LOWBIT_HAS_CVT_FP8X2;
 
 // True when scale is finite and non-zero: then x * scale is NaN only where x is NaN.
 __device__ __forceinline__ bool ScaleKeepsFinite(float scale) {
@@ -60,7 +60,7 @@ __device__ __forceinline__ bool ScaleKeepsFinite(float scale) {
 template <typename Fmt, int kN>
 __device__ __forceinline__ void EncodeChunk(Fmt fmt, const float (&v)[kN], float scale, bool no_nan,
                                             uint32_t (&words)[kN / 4]) {
-#if LOWBIT_BLOCK_HAS_CVT_FP8X2
+#if LOWBIT_HAS_CVT_FP8X2
   if (no_nan) {
 #pragma unroll
     for (int j = 0; j < kN; j += 4) {
@@ -76,8 +76,6 @@ __device__ __forceinline__ void EncodeChunk(Fmt fmt, const float (&v)[kN], float
 #pragma unroll
   for (int j = 0; j < kN; j += 4) words[j / 4] = PackCodes4(q[j], q[j + 1], q[j + 2], q[j + 3]);
 }
-
-
 
 // kChunks consecutive 16-byte chunks (kVec elements each) per thread and step; kVec = 1:
 // element loads only.
