@@ -290,8 +290,9 @@ def test_handler_validation():
 
 GPU_SHAPES = [((4097, 3001), -1), ((1024, 2048), -1), ((2048, 128), -1), ((100, 2048), -1),
               ((1, 65536), -1), ((65536, 1), -1), ((3, 5, 129), 1), ((2, 7, 64, 96), 2), ((16, 3000), -1),
-              # More 64 x 128 tiles than an H100 holds blocks (660), so blocks loop and the
-              # copy of the next tile overlaps this one: 16-byte stores everywhere; rows and
+              # More tiles than an H100 holds blocks (default 256 x 128 tiles: 384 tiles, 132
+              # blocks), so blocks loop and the copy of the next tile overlaps this one:
+              # 16-byte stores everywhere; rows and
               # cols = 8 (mod 16): 8-byte stores; = 4 (mod 8): 4-byte stores (and the
               # element-load path for 16-bit x).
               ((12288, 1024), -1), ((8200, 1032), -1), ((8196, 1028), -1)]
@@ -396,7 +397,7 @@ def test_cuda_vmap_equals_cpu(rng, cpu, gpu):
 # Every tile variant of the CUDA tiled kernel (LOWBIT_QUANTIZE_TILE_VARIANT, quantize.h;
 # the launcher reads it on every call, and run_on compiles afresh) against the CPU. Shapes
 # with more tiles than the GPU holds blocks (4160 x 2056: 1105 tiles of 64 rows, 561 of
-# 128), so blocks loop through the pipeline; rows = 4 (mod 8) (4-byte colwise stores,
+# 128, 289 of 256), so blocks loop through the pipeline; rows = 4 (mod 8) (4-byte colwise stores,
 # partial 128-row tiles); cols = 4 (mod 8) (element loads for 16-bit x); unaligned odd
 # shapes; one row (1-byte colwise stores).
 TILE_VARIANTS = ["r64s2", "r64s3", "r128s2", "r64s2b16", "r64s3b1", "r128s2b3", "r256s2", "r256s2b2"]
