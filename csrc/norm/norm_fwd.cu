@@ -31,7 +31,9 @@
 // right after the stores and a wait before the next tile's first codes are staged, so the
 // next row's loads and sums overlap it. Cluster tiles go to clusters in contiguous ranges
 // or interleaved (colorder), so neighbouring segments of a 128-byte line are written at
-// about the same time.
+// about the same time. The cluster barriers order shared memory only (colbar, the default:
+// restricted fences and a relaxed arrive) instead of a release arrive, which on sm_90 waits
+// for every global store in flight (ClusterArrive).
 // gamma/beta: in registers (<= 8 items per thread, no colwise), else loaded per row through
 // L1 or (parsmem, vectorized rows) staged once per block as fp32 in shared memory.
 // Tuning (items per thread, stages, block sizes): NormFwdTuning in norm_plan.h, overridable
