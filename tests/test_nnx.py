@@ -19,6 +19,7 @@ from flax import nnx
 import lowbit
 from lowbit.flax import OVERWRITE_WITH_GRADIENT, module as linen
 from lowbit.flax import nnx as lnnx
+from lowbit.quantize import QuantizerFactory
 from lowbit.recipe import DelayedScaling, Float8CurrentScaling
 
 B, T, H, F = 2, 8, 32, 64
@@ -161,3 +162,55 @@ def test_softmax_twin():
     np.testing.assert_array_equal(
         lnnx.Softmax(0.5, "scaled_upper_triang")(logits),
         linen.Softmax(0.5, "scaled_upper_triang").apply({}, logits))
+
+
+# ---------------------------------------------------------------- NVFP4: the SR key
+
+def _nvfp4_dense(rngs):
+    import warnings
+
+    from lowbit.recipe import NVFP4BlockScaling
+
+    warnings.filterwarnings("ignore", message="lowbit.ops.gemm: NVFP4")  # the one-time emulation notice
+    return lnnx.DenseGeneral(H, 24, quantization_recipe=NVFP4BlockScaling(), rngs=rngs)
+
+
+def test_nvfp4_key_from_the_call_equals_dense_with_that_key():
+    model = _nvfp4_dense(nnx.Rngs(0, sr_rng=1))
+    x, key = x_in(3), jax.random.PRNGKey(7)
+    qs = QuantizerFactory.create_set(model.active_recipe())
+    kernel, bias = model.kernel[...], model.bias[...]
+    grad = nnx.grad(lambda m, x: jnp.sum(m(x, sr_key=key) ** 2))(model, x)
+    want = jax.grad(lambda k: jnp.sum(lowbit.dense(x, k, bias, ((2,), (0,)), qs, sr_key=key) ** 2))(kernel)
+    np.testing.assert_array_equal(np.asarray(grad["kernel"][...]), np.asarray(want))
+
+
+def test_nvfp4_key_from_the_sr_rng_stream_is_fresh_per_call():
+    model = _nvfp4_dense(nnx.Rngs(0, sr_rng=1))
+    x = x_in(4)
+    loss = lambda m, x: jnp.sum(m(x) ** 2)  # noqa: E731
+    g0, g1 = nnx.grad(loss)(model, x), nnx.grad(loss)(model, x)
+    assert not np.array_equal(np.asarray(g0["kernel"][...]), np.asarray(g1["kernel"][...]))
+    # A model rebuilt from the same seeds repeats the first step's rounding.
+    again = nnx.grad(loss)(_nvfp4_dense(nnx.Rngs(0, sr_rng=1)), x)
+    np.testing.assert_array_equal(np.asarray(g0["kernel"][...]), np.asarray(again["kernel"][...]))
+
+
+def test_nvfp4_without_a_key_runs_forward_and_names_the_stream_in_backward():
+    model = _nvfp4_dense(nnx.Rngs(0))
+    x = x_in(5)
+    assert model(x).shape == (B, T, 24)
+    with pytest.raises(ValueError, match="sr_rng"):
+        nnx.grad(lambda m, x: jnp.sum(m(x) ** 2))(model, x)
+
+
+def test_nvfp4_layernorm_mlp_takes_two_keys_from_one():
+    from lowbit.recipe import NVFP4BlockScaling
+
+    model = lnnx.LayerNormMLP(H, F, quantization_recipe=NVFP4BlockScaling(), rngs=nnx.Rngs(0))
+    x, key = x_in(6), jax.random.PRNGKey(8)
+    loss = lambda m, x, k: jnp.sum(out0(m(x, deterministic=True, sr_key=k)) ** 2)  # noqa: E731 (no dropout)
+    g0, g0_again = nnx.grad(loss)(model, x, key), nnx.grad(loss)(model, x, key)
+    g1 = nnx.grad(loss)(model, x, jax.random.PRNGKey(9))
+    np.testing.assert_array_equal(np.asarray(g0["wi_kernel"][...]), np.asarray(g0_again["wi_kernel"][...]))
+    assert not np.array_equal(np.asarray(g0["wi_kernel"][...]), np.asarray(g1["wi_kernel"][...]))

@@ -21,6 +21,12 @@ kinds and writes the state part back:
     optimizer.update(model, param_grads)                 # nnx.Optimizer(..., wrt=nnx.Param)
 
 Call each module once per step (two calls would add their two updated states).
+
+NVFP4 (NVFP4BlockScaling) draws its stochastic-rounding / RHT key, like nnx.Dropout, from
+the "sr_rng" stream of the `rngs` the module was built with (`rngs=nnx.Rngs(0, sr_rng=1)`:
+a fresh key per call, the stream's count kept in the module's state), or takes one per call
+(`module(x, sr_key=key)`, which wins over the stream). Without either, the forward runs
+(it needs no key) and a gradient raises an error naming "sr_rng".
 """
 
 from __future__ import annotations
@@ -28,10 +34,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, Iterable, Sequence
 
+import jax
 import jax.numpy as jnp
 from flax import linen as nn
 from flax import nnx
 
+from lowbit.dense import with_sr_key
 from lowbit.flax import _common as C
 from lowbit.quantize.helper import QuantizerFactory, get_global_recipe
 from lowbit.quantize.quantizer import DelayedScaleQuantizer, QuantizerSet
@@ -92,8 +100,12 @@ def _value(variable):
 class LowbitModuleBase(nnx.Module):
     """Holds the recipe and the delayed-scaling state; builds each GEMM's QuantizerSet."""
 
-    def _init_quantization(self, quantization_recipe: Recipe | None, postfixes=("",)) -> None:
+    def _init_quantization(self, quantization_recipe: Recipe | None, postfixes=("",),
+                           rngs: nnx.Rngs | None = None) -> None:
         self.quantization_recipe = quantization_recipe
+        # NVFP4's key stream (a fork, as nnx.Dropout keeps its own), if the caller gave one.
+        has_stream = isinstance(rngs, nnx.Rngs) and "sr_rng" in rngs
+        self.sr_rngs = rngs["sr_rng"].fork() if has_stream else nnx.data(None)
         recipe = quantization_recipe if quantization_recipe is not None else get_global_recipe()
         if not isinstance(recipe, DelayedScaling):
             return
@@ -106,7 +118,9 @@ class LowbitModuleBase(nnx.Module):
     def active_recipe(self) -> Recipe | None:
         return self.quantization_recipe if self.quantization_recipe is not None else get_global_recipe()
 
-    def generate_quantizer_set(self, postfix: str = "") -> QuantizerSet:
+    def generate_quantizer_set(self, postfix: str = "", sr_key=None) -> QuantizerSet:
+        """The recipe's set bound to this module's state; NVFP4 quantizers get `sr_key`, else
+        a fresh key from the "sr_rng" stream when the module has one (else none)."""
         recipe = self.active_recipe()
         if recipe is None:
             return QuantizerSet()
@@ -124,7 +138,12 @@ class LowbitModuleBase(nnx.Module):
                         "recipe> or inside the same lowbit.autocast block")
                 q = dataclasses.replace(q, scale=scale[...], amax_history=history[...])
             bound[field] = q
-        return QuantizerSet(**bound)
+        bound = QuantizerSet(**bound)
+        if any(hasattr(q, "with_key") for q in bound):
+            if sr_key is None and self.sr_rngs is not None:
+                sr_key = self.sr_rngs()
+            bound = with_sr_key(bound, sr_key)
+        return bound
 
 
 TransformerEngineBase = LowbitModuleBase
@@ -190,14 +209,15 @@ class DenseGeneral(LowbitModuleBase):
         self.lora_a_kernel, self.lora_b_kernel = _lora_params(
             rngs, kernel_init, in_shape, features, low_rank_adaptation_dim, dtype,
             enable_low_rank_adaptation)
-        self._init_quantization(quantization_recipe)
+        self._init_quantization(quantization_recipe, rngs=rngs)
 
-    def __call__(self, inputs):
+    def __call__(self, inputs, *, sr_key=None):
         lora = None
         if self.lora_a_kernel is not None:
             lora = (self.lora_a_kernel[...], self.lora_b_kernel[...], self.lora_alpha)
         return C.dense_general(inputs, self.kernel[...], _value(self.bias), self.axis,
-                               self.generate_quantizer_set(), lora=lora, input_axes=self.input_axes)
+                               self.generate_quantizer_set(sr_key=sr_key), lora=lora,
+                               input_axes=self.input_axes)
 
 
 class LayerNormDenseGeneral(LowbitModuleBase):
@@ -227,15 +247,15 @@ class LayerNormDenseGeneral(LowbitModuleBase):
             rngs, kernel_init, (in_features,), features, low_rank_adaptation_dim, dtype,
             enable_low_rank_adaptation)
         self.bias = _param(rngs, bias_init, bias_axes, features, dtype) if use_bias else None
-        self._init_quantization(quantization_recipe)
+        self._init_quantization(quantization_recipe, rngs=rngs)
 
-    def __call__(self, inputs):
+    def __call__(self, inputs, *, sr_key=None):
         lora = None
         if self.lora_a_kernel is not None:
             lora = (self.lora_a_kernel[...], self.lora_b_kernel[...], self.lora_alpha)
         return C.layernorm_dense_general(
             inputs, _value(self.scale), _value(self.ln_bias), self.kernel[...], _value(self.bias),
-            self.generate_quantizer_set(), norm_type=self.layernorm_type,
+            self.generate_quantizer_set(sr_key=sr_key), norm_type=self.layernorm_type,
             zero_centered_gamma=self.zero_centered_gamma, epsilon=self.epsilon,
             want_ln=self.return_layernorm_output, lora=lora, depth_scaling=self.depth_scaling,
             layernorm_input_axes=self.layernorm_input_axes, dot_input_axes=self.dot_input_axes)
@@ -286,9 +306,9 @@ class LayerNormMLP(LowbitModuleBase):
             intermediate_dropout_rate, broadcast_dims=tuple(intermediate_hidden_dropout_dims),
             rng_collection=intermediate_dropout_rng_name, rngs=rngs,
         ) if intermediate_dropout_rate > 0 else None
-        self._init_quantization(quantization_recipe, postfixes=("_0", "_1"))
+        self._init_quantization(quantization_recipe, postfixes=("_0", "_1"), rngs=rngs)
 
-    def __call__(self, inputs, deterministic: bool = False):
+    def __call__(self, inputs, deterministic: bool = False, *, sr_key=None):
         lora = None
         if self.wi_lora_a_kernel is not None:
             lora = (self.wi_lora_a_kernel[...], self.wi_lora_b_kernel[...],
@@ -299,7 +319,8 @@ class LayerNormMLP(LowbitModuleBase):
         return C.layernorm_mlp_general(
             C.constrain(inputs, self.layernorm_input_axes), _value(self.scale), _value(self.ln_bias),
             self.wi_kernel[...], self.wo_kernel[...], _value(self.wi_bias), _value(self.wo_bias),
-            (self.generate_quantizer_set("_0"), self.generate_quantizer_set("_1")),
+            tuple(self.generate_quantizer_set(postfix, None if sr_key is None else jax.random.fold_in(sr_key, i))
+                  for i, postfix in enumerate(("_0", "_1"))),
             norm_type=self.layernorm_type, zero_centered_gamma=self.zero_centered_gamma,
             epsilon=self.epsilon, activations=self.activations, want_ln=self.return_layernorm_output,
             dropout=dropout, lora=lora, ffn1_ckpt_name=self.ffn1_ckpt_name,
