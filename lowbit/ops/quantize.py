@@ -45,13 +45,19 @@ def check_quantize_args(op: str, x, out_dtype, rowwise: bool, colwise: bool, fla
     out_dtype = jnp.dtype(out_dtype)
     if out_dtype not in FP8_DTYPES:
         raise TypeError(f"{op}: out_dtype: expected float8_e4m3fn or float8_e5m2, got {out_dtype}")
+    return x, out_dtype, check_copies_and_axis(op, x, rowwise, colwise, flatten_axis)
+
+
+def check_copies_and_axis(op: str, x: jax.Array, rowwise: bool, colwise: bool, flatten_axis: int) -> int:
+    """The layout checks of every quantizer (FP8, block, NVFP4): a copy asked for, x of rank
+    >= 1, flatten_axis an axis of x; returns flatten_axis made non-negative."""
     if not (rowwise or colwise):
         raise ValueError(f"{op}: rowwise, colwise: expected at least one of them to be True")
     if x.ndim == 0:
         raise ValueError(f"{op}: x: expected rank >= 1, got a scalar")
     if not -x.ndim <= flatten_axis < x.ndim:
         raise ValueError(f"{op}: flatten_axis: expected an axis of x {x.shape}, got {flatten_axis}")
-    return x, out_dtype, flatten_axis % x.ndim
+    return flatten_axis % x.ndim
 
 
 class Fp8Quantized(NamedTuple):

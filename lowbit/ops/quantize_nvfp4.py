@@ -41,6 +41,7 @@ from jax.interpreters import mlir
 
 from lowbit.ops._primitive import ffi_primitive
 from lowbit.ops.amax import check_high_precision
+from lowbit.ops.quantize import check_copies_and_axis
 from lowbit.ops.quantize_block import _looped_batcher
 
 OP = "lowbit.ops.quantize_nvfp4"
@@ -321,13 +322,7 @@ def quantize_nvfp4(x, *, random=None, rht_sign_bits=None, tile_2d: bool = False,
     applies the RHT to the colwise copy; None for none. use_jnp: run the jnp twin directly."""
     x = jnp.asarray(x)
     check_high_precision(OP, "x", x)
-    if not (rowwise or colwise):
-        raise ValueError(f"{OP}: rowwise, colwise: expected at least one of them to be True")
-    if x.ndim == 0:
-        raise ValueError(f"{OP}: x: expected rank >= 1, got a scalar")
-    if not -x.ndim <= flatten_axis < x.ndim:
-        raise ValueError(f"{OP}: flatten_axis: expected an axis of x {x.shape}, got {flatten_axis}")
-    axis = flatten_axis % x.ndim
+    axis = check_copies_and_axis(OP, x, rowwise, colwise, flatten_axis)
     if random is None:
         random = jnp.zeros((0,), jnp.uint32)
     else:
