@@ -671,9 +671,11 @@ Status LaunchQuantize(const QuantizeFp8Args& a, void* workspace, GpuStream strea
   };
   const int64_t n = a.rows * a.cols;
 
-  int rowwise_chunks = 0;  // 0: the tiled kernel
-  LOWBIT_RETURN_IF_ERROR(ParseRowwiseKernel(&rowwise_chunks));
-  if (a.colwise == nullptr && a.dbias == nullptr && rowwise_chunks > 0) {
+  int rowwise_chunks = 0;  // rowwise only, no dbias: the flat kernel's chunks per step (0: tiled)
+  if (a.colwise == nullptr && a.dbias == nullptr) {
+    LOWBIT_RETURN_IF_ERROR(ParseRowwiseKernel(&rowwise_chunks));
+  }
+  if (rowwise_chunks > 0) {
     const bool vec = aligned(x, 16) && aligned(a.rowwise, 16);
     const int blocks = GridStrideBlocks(vec ? (n + kVec * rowwise_chunks - 1) / (kVec * rowwise_chunks) : n,
                                         kThreads, 8);
