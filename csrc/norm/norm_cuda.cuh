@@ -17,6 +17,7 @@
 #include <string>
 #include <type_traits>
 
+#include "activation/half_cvt.cuh"
 #include "common/cuda_check.h"
 #include "common/element.h"
 #include "common/reduce.cuh"
@@ -162,36 +163,17 @@ __device__ __forceinline__ void CpAsyncWait(int n) {
 #endif
 }
 
-// Hardware conversions (cvt.rn[.satfinite]): round to nearest even exactly as the
-// formats.h codecs for every input but NaN (the hardware returns a canonical NaN without
-// the input's sign or payload), so callers use them only on chunks without a NaN and fall
-// back to the codecs otherwise. bf16/f16 overflow to inf like FloatToBf16/FloatToFp16.
-__device__ __forceinline__ uint32_t CvtPairHw(BF16, float lo, float hi) {
-  uint32_t pair;
-  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(pair) : "f"(hi), "f"(lo));
-  return pair;
-}
-__device__ __forceinline__ uint32_t CvtPairHw(F16, float lo, float hi) {
-  uint32_t pair;
-  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(pair) : "f"(hi), "f"(lo));
-  return pair;
-}
-
-// Stores kVec values of y; `no_nan`: none is NaN, so the hardware conversion is exact.
+// Stores kVec values of y; `no_nan`: none is NaN, so the hardware conversion of
+// half_cvt.cuh's PackChunk gives the codecs' bits (it falls back to them otherwise).
 template <typename Tag, int kVec>
 __device__ __forceinline__ void StoreChunkFast(typename Tag::Storage* p, const float (&in)[kVec],
                                                bool no_nan) {
   using T = typename Tag::Storage;
-  if constexpr (!std::is_same_v<T, float> && kVec % 2 == 0) {
-    if (no_nan) {
-      Pack<uint32_t, kVec / 2> pack;
-#pragma unroll
-      for (int k = 0; k < kVec; k += 2) pack.v[k / 2] = CvtPairHw(Tag{}, in[k], in[k + 1]);
-      *reinterpret_cast<Pack<uint32_t, kVec / 2>*>(p) = pack;
-      return;
-    }
+  if constexpr (sizeof(T) == 2 && kVec * sizeof(T) == 16) {
+    *reinterpret_cast<uint4*>(p) = PackChunk<Tag, kVec>(in, no_nan);
+  } else {
+    StoreChunk<Tag, kVec>(p, in);
   }
-  StoreChunk<Tag, kVec>(p, in);
 }
 
 // FP8 codes of v * scale (Fp32Mul: the product of NormQuantize), packed little-endian into
