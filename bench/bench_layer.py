@@ -1,7 +1,9 @@
 """Seed transformer layer (batch 4, seq 2048, hidden 4096, ffn 16384, 32 heads; the code of
 examples/te_integration_layer.py) forward+backward, side by side in one run: bf16 Flax,
-Flax's FP8 (`Fp8DirectDotGeneralOp` in every Dense), and lowbit per recipe. Prints time,
-ratio to bf16 and to Flax's FP8, and the compiled step's peak memory.
+Flax's FP8 (`Fp8DirectDotGeneralOp` in every Dense), lowbit per recipe through the seed's
+`dot_general` drop-in (`lowbit_*`), and the same layer built from lowbit's fused modules
+(`fused_*`: examples/fused_layer.py, the same params mapped over). Prints time, ratio to bf16
+and to Flax's FP8, and the compiled step's peak memory.
 
     python bench/bench_layer.py            # GPU, seed shape
     python bench/bench_layer.py --small    # CPU smoke run
@@ -21,6 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 import common  # noqa: E402
 from quickstart_jax_utils import make_step  # noqa: E402
+from fused_layer import FusedTransformerLayer, from_flax_params  # noqa: E402
 from te_integration_layer import FlaxTransformerLayer  # noqa: E402
 
 import lowbit  # noqa: E402
@@ -32,12 +35,16 @@ VARIANTS = {
     "lowbit_delayed": lowbit.flax.make_dot_general_cls(DelayedScaling()),
     "lowbit_current": lowbit.flax.make_dot_general_cls(Float8CurrentScaling()),
 }
+FUSED_VARIANTS = {"fused_delayed": DelayedScaling, "fused_current": Float8CurrentScaling}
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--small", action="store_true")
     parser.add_argument("--iters", type=int, default=None)
+    parser.add_argument("--variants", default=None,
+                        help="comma-separated subset of " + ",".join([*VARIANTS, *FUSED_VARIANTS])
+                        + " (bf16 always runs: the ratios need it)")
     args = parser.parse_args(argv)
     b, s, h, f, heads = (2, 64, 128, 512, 4) if args.small else (4, 2048, 4096, 16384, 32)
     iters = args.iters or (2 if args.small else 20)
@@ -46,14 +53,30 @@ def main(argv=None):
     dy = jax.random.normal(key, (b, s, h)).astype(jnp.bfloat16)
     kwargs = {"attention_mask": None, "deterministic": False}
 
+    chosen = set(args.variants.split(",")) | {"bf16"} if args.variants else None
+    unknown = (chosen or set()) - {*VARIANTS, *FUSED_VARIANTS}
+    if unknown:
+        parser.error(f"--variants: unknown {sorted(unknown)}")
     results, params = {}, None
     for name, cls in VARIANTS.items():
+        if chosen is not None and name not in chosen:
+            continue
         layer = FlaxTransformerLayer(hidden_size=h, ffn_hidden_size=f, num_attention_heads=heads,
                                      dot_general_cls=cls)
         variables = layer.init(key, x, attention_mask=None, deterministic=False)
         if params is None:
             params = variables["params"]
         variables = {**variables, "params": params}
+        step = make_step(layer.apply, kwargs, rngs={"dropout": dropout_key})
+        results[name] = common.time_step(step, variables, x, dy, iters)
+        print(f"{name}: {results[name]['ms']:.3f} ms", flush=True)
+    for name, recipe in FUSED_VARIANTS.items():
+        if chosen is not None and name not in chosen:
+            continue
+        layer = FusedTransformerLayer(hidden_size=h, ffn_hidden_size=f, num_attention_heads=heads,
+                                      quantization_recipe=recipe())
+        variables = layer.init(key, x, attention_mask=None, deterministic=False)
+        variables = {**variables, "params": from_flax_params(params)}
         step = make_step(layer.apply, kwargs, rngs={"dropout": dropout_key})
         results[name] = common.time_step(step, variables, x, dy, iters)
         print(f"{name}: {results[name]['ms']:.3f} ms", flush=True)
