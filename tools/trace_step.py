@@ -52,8 +52,13 @@ def build(which: str, variant: str, small: bool = False):
     b, s, h, f, heads = (2, 64, 128, 512, 4) if small else (4, 2048, 4096, 16384, 32)
     x = jax.random.normal(key, (b, s, h)).astype(jnp.bfloat16)
     dy = jax.random.normal(key, (b, s, h)).astype(jnp.bfloat16)
-    layer = FlaxTransformerLayer(hidden_size=h, ffn_hidden_size=f, num_attention_heads=heads,
-                                 dot_general_cls=bench.VARIANTS[variant])
+    if variant in bench.FUSED_VARIANTS:
+        from fused_layer import FusedTransformerLayer
+        layer = FusedTransformerLayer(hidden_size=h, ffn_hidden_size=f, num_attention_heads=heads,
+                                      quantization_recipe=bench.FUSED_VARIANTS[variant]())
+    else:
+        layer = FlaxTransformerLayer(hidden_size=h, ffn_hidden_size=f, num_attention_heads=heads,
+                                     dot_general_cls=bench.VARIANTS[variant])
     variables = layer.init(key, x, attention_mask=None, deterministic=False)
     kwargs = {"attention_mask": None, "deterministic": False}
     return make_step(layer.apply, kwargs, rngs={"dropout": dropout_key}), (variables, x, dy)
