@@ -81,11 +81,14 @@ def make_lowbit_bwd(x, gamma, beta):
 # shared-memory gamma/beta; these time 2 or 3 codes buffers per block with one cluster
 # barrier per tile (colbuf: 8192 -> clusters of 4 / 8 blocks of 8 / 4 rows, 4096 -> 2 / 4),
 # with the smallest carveout that holds the block (l1keep=1: L1 keeps gamma/beta between
-# the tile barriers), three row stages, and 8 x 8 code blocks read 8 bytes per row
-# (colread=8).
-VARIANTS = ["", "colbuf=2", "colbuf=3", "colbuf=2,l1keep=1", "colbuf=3,l1keep=1", "colread=8",
-            "colbuf=3,colread=8", "colbuf=2,l1keep=1,colread=8", "colbuf=3,l1keep=1,colread=8",
-            "colbuf=3,stages=3", "colbuf=2,stages=3,colread=8", "l1keep=1"]
+# the tile barriers), three row stages, 8 x 8 code blocks read 8 bytes per row
+# (colread=8), gamma/beta through ld.global.nc (parnc=1: do its L1 lines outlive the
+# cluster waits' L1 invalidation?), one buffer of 8-row tiles in clusters of 4 (132 KB: L1
+# keeps gamma/beta) and colbuf=0 (3 buffers only where one needs a cluster: 8192, not 4096).
+VARIANTS = ["", "colbuf=2", "colbuf=3", "colbuf=3,l1keep=1", "colread=8", "parnc=1",
+            "colbuf=3,l1keep=1,colread=8", "colbuf=3,l1keep=1,parnc=1",
+            "colbuf=3,l1keep=1,colread=8,parnc=1", "colbuf=3,stages=3",
+            "coltile=8,l1keep=1", "colbuf=0,l1keep=1,colread=8,parnc=1"]
 
 
 def run(rows: int, hidden: int, dtype, copy_bw: float, iters: int,

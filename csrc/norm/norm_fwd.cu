@@ -38,7 +38,7 @@
 // arrive after the tile's last codes, wait before the next tile's first codes (2 buffers)
 // or at its end (3), then the tile is written transposed while the next one is staged.
 // gamma/beta: in registers (<= 8 items per thread, no colwise), else loaded per row through
-// L1.
+// L1 (parnc: by ld.global.nc).
 // Tuning (items per thread, stages, block sizes): NormFwdTuning in norm_plan.h, overridable
 // through LOWBIT_NORM_FWD_VARIANT for benchmarks.
 #include <cooperative_groups.h>
@@ -99,6 +99,7 @@ struct FwdParams {
   int stages;           // row stages in shared memory (vectorized path), >= 1
   float epsilon;
   bool layernorm, zero_centered, gamma_f32, e5m2;
+  bool params_nc;       // parnc: per-row gamma/beta loads through ld.global.nc (vectorized)
   bool col_words;       // q_col 16-byte aligned, hidden % 4 == 0 (word transposes)
   bool col_read8;       // colread=8: col_words, hidden % 8 == 0 and tile_stride % 16 == 8:
                         // 8 x 8 code blocks, 8-byte reads and stores (WriteColumnBlock8)
@@ -557,13 +558,21 @@ __global__ void __launch_bounds__(1024) NormForwardKernel(FwdParams p) {
             b[k2] = b_keep[j][k2];
           }
         } else {
-          LoadParamChunk<Tag, kVec>(p.gamma, gf32, e, w);
+          if (kVectorized && p.params_nc) {
+            LoadParamChunkNc<Tag, kVec>(p.gamma, gf32, e, w);
+          } else {
+            LoadParamChunk<Tag, kVec>(p.gamma, gf32, e, w);
+          }
 #pragma unroll
           for (int k2 = 0; k2 < kVec; ++k2) {
             w[k2] = NormWeight(w[k2], p.zero_centered);
             b[k2] = 0.0f;
           }
-          if (beta) LoadParamChunk<Tag, kVec>(p.beta, gf32, e, b);
+          if (kVectorized && beta && p.params_nc) {
+            LoadParamChunkNc<Tag, kVec>(p.beta, gf32, e, b);
+          } else if (beta) {
+            LoadParamChunk<Tag, kVec>(p.beta, gf32, e, b);
+          }
         }
         float y[kVec];
         uint32_t chunk_max = 0;
@@ -699,6 +708,7 @@ Status Launch(const NormForwardArgs& a, const NormFwdTuning& tune, GpuStream str
   p.zero_centered = a.zero_centered_gamma;
   p.gamma_f32 = a.gamma_dtype == DType::kF32;
   p.e5m2 = a.q_dtype == DType::kE5M2;
+  p.params_nc = tune.parnc == 1;
   p.col_words = colwise && Aligned16(a.q_colwise) && a.hidden % 4 == 0;
   p.col_read8 = p.col_words && a.hidden % 8 == 0 && tune.colread == 8 && sizeof(T) == 2 &&
                 g.vectorized;  // the vectorized 2-byte kernels only (WriteTransposed)
@@ -750,8 +760,9 @@ Status Launch(const NormForwardArgs& a, const NormFwdTuning& tune, GpuStream str
   const bool clusters = colwise && major >= 9 && cluster_launch != 0;
   // colbuf: 2 or 3 codes tiles per block (one split cluster barrier per tile instead of a
   // whole one and a split one), counted in the tile choice below; launched as clusters
-  // (sm_90+), of one block where the tile spans the segment.
-  if (clusters) bufs = tune.colbuf;
+  // (sm_90+), of one block where the tile spans the segment. 0: 3 where one buffer's
+  // tile would be shorter than the segment (a cluster), else 1.
+  if (clusters) bufs = tune.colbuf == 0 ? 1 : tune.colbuf;
   const int64_t param_bytes =
       a.hidden * (p.gamma_f32 ? 4 : int64_t(sizeof(T))) * (p.layernorm ? 2 : 1);
   const bool l1keep = colwise && tune.l1keep == 1;
@@ -759,7 +770,7 @@ Status Launch(const NormForwardArgs& a, const NormFwdTuning& tune, GpuStream str
   // Two blocks per SM only where their threads fit (64 registers per thread: 1024 threads).
   const bool pair_ok = 2 * groups * tpr <= 1024;
   int tile_rows = groups;
-  if (colwise) {
+  auto choose_tile = [&]() {
     tile_rows = clusters ? span : (span < kMaxTileRows ? span : kMaxTileRows);
     if (tune.coltile != 0 && clusters) {
       tile_rows = tune.coltile;
@@ -780,6 +791,13 @@ Status Launch(const NormForwardArgs& a, const NormFwdTuning& tune, GpuStream str
         tile_rows = span;
         while (tile_rows > 4 && smem_for(tile_rows) > max_dynamic) tile_rows /= 2;
       }
+    }
+  };
+  if (colwise) {
+    choose_tile();
+    if (clusters && tune.colbuf == 0 && tile_rows < span) {
+      bufs = 3;
+      choose_tile();
     }
   }
   if (groups > tile_rows) groups = tile_rows;

@@ -76,7 +76,7 @@ inline RowGeometry ChooseRowGeometry(int64_t hidden, int elem_bytes, bool pointe
 // colbar=0, 176.1 / 355.6, while fp32 gamma/beta staged in shared memory per block, a knob
 // since removed, was slower in every combination tried); the
 // environment variable LOWBIT_NORM_FWD_VARIANT ("items=16,stages=2,block=512,colblock=1024,
-// coltile=16,colspan=32,colorder=1,colsplit=1,l1keep=0,colbar=1,colbuf=1,colread=4", any subset) overrides
+// coltile=16,colspan=32,colorder=1,colsplit=1,l1keep=0,colbar=1,colbuf=1,colread=4,parnc=0", any subset) overrides
 // them, as a benchmark knob
 // (bench/bench_norm.py --variants): every setting computes the same results up to the order
 // of the row sums. "colspan=32,colorder=0,colsplit=0,l1keep=0" is the colwise path before colspan.
@@ -104,7 +104,8 @@ inline RowGeometry ChooseRowGeometry(int64_t hidden, int elem_bytes, bool pointe
 //   colbar:   colwise clusters: the cluster barriers order the full memory (0: release on
 //             arrive, which on sm_90 also waits for every global store in flight) or shared
 //             memory only (1: fences restricted to shared memory, relaxed arrive).
-//   colbuf:   colwise, sm_90+: codes tiles per block (1, 2 or 3), counted in the tile choice
+//   colbuf:   colwise, sm_90+: codes tiles per block (1, 2 or 3; 0: 3 where the automatic
+//             tile of one buffer would need a cluster, else 1), counted in the tile choice
 //             (so larger clusters of smaller tiles). 1: two cluster barriers per tile, a
 //             whole one before the transposed stores and colsplit's after. 2 or 3: one
 //             barrier per tile, split: arrive after the tile's last codes; the tile is
@@ -112,10 +113,16 @@ inline RowGeometry ChooseRowGeometry(int64_t hidden, int elem_bytes, bool pointe
 //             buffers one row into the next tile (its codes go to the other buffer), with 3
 //             at the next tile's end (a whole tile of work between arrive and wait). Where
 //             the shared memory does not fit, buffers are dropped before the second stage.
+//             colsplit applies to colbuf=1 only.
 //   colread:  colwise, word transposes (8: bf16/f16 x, vectorized rows): bytes of codes a
 //             transposing thread reads per staged row (4: blocks of 4 columns x 16 rows,
 //             16-byte column stores; 8: 8 x 8, half the (distributed) shared memory reads
 //             per byte, 8-byte column stores, codes staged 8 bytes at a time).
+//   parnc:    kernels that load gamma/beta per row (> 8 items per thread or colwise): plain
+//             loads (0) or ld.global.nc (1), whose L1 lines may outlive the L1
+//             invalidation of every cluster barrier wait (sm_90: the acquire of
+//             barrier.cluster.wait; at 8192 the colwise kernel re-read 64 KB of f32
+//             gamma/beta from L2 per row).
 struct NormFwdTuning {
   int items = 16;
   int stages = 2;
@@ -129,6 +136,7 @@ struct NormFwdTuning {
   int colbar = 1;
   int colbuf = 1;
   int colread = 4;
+  int parnc = 0;
 };
 
 // Parses a LOWBIT_NORM_FWD_VARIANT value into *t (unset keys keep their value); false and
@@ -165,8 +173,10 @@ inline bool ParseNormFwdTuning(const char* text, NormFwdTuning* t, std::string* 
        : key == "colsplit" ? t->colsplit
        : key == "l1keep"   ? t->l1keep
                            : t->colbar) = value;
-    } else if (ok && key == "colbuf" && value >= 1 && value <= 3) {
+    } else if (ok && key == "colbuf" && value <= 3) {
       t->colbuf = value;
+    } else if (ok && key == "parnc" && value <= 1) {
+      t->parnc = value;
     } else if (ok && key == "colread" && (value == 4 || value == 8)) {
       t->colread = value;
     } else if (ok && (key == "block" || key == "colblock") && value >= 32 && value <= 1024 &&
@@ -175,7 +185,7 @@ inline bool ParseNormFwdTuning(const char* text, NormFwdTuning* t, std::string* 
     } else {
       *error = "bad entry '" + item + "' (expected items=8|16, stages=1..4, block=32..1024, "
                "colblock=32..1024, blocks multiples of 32, coltile=0|4|8|16|32, "
-               "colspan=32|64|128, colorder=0|1, colsplit=0|1, l1keep=0|1, colbar=0|1, colbuf=1..3, colread=4|8)";
+               "colspan=32|64|128, colorder=0|1, colsplit=0|1, l1keep=0|1, colbar=0|1, colbuf=0..3, colread=4|8, parnc=0|1)";
       return false;
     }
   }
