@@ -276,7 +276,14 @@ __device__ __forceinline__ void WriteTransposed(const FwdParams& p, const uint8_
   const int h = p.hidden;
   const int span_log2 = p.tile_rows_log2 + p.cluster_log2;
   const bool full = n == 1 << span_log2;
-  const int first = (blockIdx.x & (p.cluster - 1)) * blockDim.x + threadIdx.x;
+  // The cluster's items: contiguous ranges of blockDim per block, or (several codes buffers:
+  // small tiles in large clusters, e.g. 4096 items at 8192 x 32 rows for 8 x 1024 threads,
+  // which ranges would leave to half the blocks) warps interleaved over the blocks. Either
+  // way i % 32 is the lane.
+  const int rank = blockIdx.x & (p.cluster - 1);
+  const int first = p.bufs > 1
+                        ? ((((threadIdx.x >> 5) << p.cluster_log2) + rank) << 5) + (threadIdx.x & 31)
+                        : rank * blockDim.x + threadIdx.x;
   const int step = p.cluster * blockDim.x;
   if (kRead8 && p.col_read8 && p.rows % 8 == 0 && n % 8 == 0) {  // 8 x 8 code blocks
     const int per_col = n >> 3, col_blocks = h >> 3;
