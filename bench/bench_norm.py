@@ -80,15 +80,16 @@ def make_lowbit_bwd(x, gamma, beta):
 # colorder=0, l1keep=1 and stages=3 (single codes buffer), items=8, colblock=512 and
 # shared-memory gamma/beta; these time 2 or 3 codes buffers per block with one cluster
 # barrier per tile (colbuf: 8192 -> clusters of 4 / 8 blocks of 8 / 4 rows, 4096 -> 2 / 4),
-# with the smallest carveout that holds the block (l1keep=1: L1 keeps gamma/beta between
-# the tile barriers), three row stages, 8 x 8 code blocks read 8 bytes per row
-# (colread=8), gamma/beta through ld.global.nc (parnc=1: do its L1 lines outlive the
-# cluster waits' L1 invalidation?), one buffer of 8-row tiles in clusters of 4 (132 KB: L1
-# keeps gamma/beta) and colbuf=0 (3 buffers only where one needs a cluster: 8192, not 4096).
-VARIANTS = ["", "colbuf=2", "colbuf=3", "colbuf=3,l1keep=1", "colread=8", "parnc=1",
-            "colbuf=3,l1keep=1,colread=8", "colbuf=3,l1keep=1,parnc=1",
-            "colbuf=3,l1keep=1,colread=8,parnc=1", "colbuf=3,stages=3",
-            "coltile=8,l1keep=1", "colbuf=0,l1keep=1,colread=8,parnc=1"]
+# with the smallest carveout that holds the block (l1keep=1: 92 KB of L1 at colbuf=3, room
+# for the 64 KB of f32 gamma/beta at 8192), that barrier as mbarriers whose waits do not
+# invalidate L1 (colmbar=1), 8 x 8 code blocks read 8 bytes per row (colread=8),
+# gamma/beta through ld.global.nc (parnc=1: do its L1 lines outlive the cluster waits' L1
+# invalidation?), one buffer of 8-row tiles in clusters of 4 (132 KB of shared memory) and
+# colbuf=0 (3 buffers only where one needs a cluster: 8192, not 4096).
+VARIANTS = ["", "colbuf=3", "colbuf=3,l1keep=1", "colbuf=3,colmbar=1", "colbuf=3,l1keep=1,colmbar=1",
+            "colbuf=3,l1keep=1,colmbar=1,colread=8", "colbuf=2,l1keep=1,colmbar=1", "colread=8",
+            "parnc=1", "colbuf=3,l1keep=1,parnc=1", "coltile=8,l1keep=1",
+            "colbuf=0,l1keep=1,colmbar=1,colread=8"]
 
 
 def run(rows: int, hidden: int, dtype, copy_bw: float, iters: int,

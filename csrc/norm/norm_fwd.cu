@@ -36,7 +36,9 @@
 // for every global store in flight (ClusterArrive). With 2 or 3 codes buffers per block
 // (colbuf, sm_90+; smaller tiles, larger clusters) there is one split barrier per tile:
 // arrive after the tile's last codes, wait before the next tile's first codes (2 buffers)
-// or at its end (3), then the tile is written transposed while the next one is staged.
+// or at its end (3), then the tile is written transposed while the next one is staged;
+// that barrier is the hardware one or (colmbar) two mbarriers per block, whose relaxed
+// waits do not invalidate L1 as the cluster barrier's acquire does on sm_90.
 // gamma/beta: in registers (<= 8 items per thread, no colwise), else loaded per row through
 // L1 (parnc: by ld.global.nc).
 // Tuning (items per thread, stages, block sizes): NormFwdTuning in norm_plan.h, overridable
@@ -96,6 +98,7 @@ struct FwdParams {
   int tile_bytes;       // bytes per codes tile buffer: tile_rows * tile_stride
   int bufs;             // codes tile buffers (colbuf: 1, 2 or 3; > 1 only on sm_90+, where
                         // the kernel is launched as clusters, of one block or more)
+  bool mbar;            // colmbar (bufs > 1): the tile barriers are mbarriers (TileBarriers)
   int stages;           // row stages in shared memory (vectorized path), >= 1
   float epsilon;
   bool layernorm, zero_centered, gamma_f32, e5m2;
@@ -188,6 +191,74 @@ __device__ __forceinline__ void TileWait(const FwdParams& p) {
 // release of its shared memory writes and the completion of its reads of the cluster's
 // shared memory (colbar as in ClusterArrive). BufWait: the acquire. The launcher uses
 // buffers > 1 only where it launches clusters (sm_90+), so these are never reached below.
+//
+// colmbar: instead of the hardware cluster barrier (whose wait is an acquire of all memory
+// at cluster scope: on sm_90 it invalidates L1, and with it the gamma/beta rows read
+// through L1), two mbarriers per block, used by alternate tiles (tile s: bars[s % 2], its
+// (s / 2)-th phase), each expecting one arrival per warp of every block of the cluster:
+// after a __syncwarp, lane r < cluster arrives on the barrier of block r (relaxed, after the
+// restricted fences; colbar=0: a release arrive); every thread waits on its own block's
+// barrier (relaxed, then the restricted acquire fence; colbar=0: an acquire wait). A block
+// arrives for tile s + 2 only after its wait for tile s + 1, which needs every block's
+// arrival for s + 1, made after that block's wait for s: so no arrival reaches a barrier
+// before its previous phase completed.
+struct TileBarriers {
+  uint32_t bars;  // shared address of uint64_t[2]
+};
+
+__device__ __forceinline__ void MbarArrive(const FwdParams& p, const TileBarriers& tb, int s) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  // Every lane's reads of the cluster's codes are performed; the warp barrier makes its
+  // lanes' staged codes visible to the arriving lanes, whose release fence (cumulative)
+  // then orders them before their arrivals.
+  if (p.shared_fences) {
+    asm volatile("fence.acquire.sync_restrict::shared::cluster.cluster;" ::: "memory");
+  }
+  __syncwarp();
+  const int lane = threadIdx.x & 31;
+  if (lane < p.cluster) {
+    if (p.shared_fences) {
+      asm volatile("fence.release.sync_restrict::shared::cta.cluster;" ::: "memory");
+    }
+    uint32_t remote;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;"
+                 : "=r"(remote) : "r"(tb.bars + 8u * uint32_t(s & 1)), "r"(lane));
+    if (p.shared_fences) {
+      asm volatile("mbarrier.arrive.relaxed.cluster.shared::cluster.b64 _, [%0];" ::"r"(remote)
+                   : "memory");
+    } else {
+      asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" ::"r"(remote)
+                   : "memory");
+    }
+  }
+#endif
+}
+
+__device__ __forceinline__ void MbarWait(const FwdParams& p, const TileBarriers& tb, int s) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  const uint32_t bar = tb.bars + 8u * uint32_t(s & 1), parity = uint32_t(s >> 1) & 1u;
+  uint32_t done = 0;
+  if (p.shared_fences) {
+    do {
+      asm volatile(
+          "{.reg .pred ok;\n"
+          "mbarrier.try_wait.parity.relaxed.cluster.shared::cta.b64 ok, [%1], %2;\n"
+          "selp.u32 %0, 1, 0, ok;}"
+          : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+    } while (!done);
+    asm volatile("fence.acquire.sync_restrict::shared::cluster.cluster;" ::: "memory");
+  } else {
+    do {
+      asm volatile(
+          "{.reg .pred ok;\n"
+          "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 ok, [%1], %2;\n"
+          "selp.u32 %0, 1, 0, ok;}"
+          : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+    } while (!done);
+  }
+#endif
+}
+
 __device__ __forceinline__ void BufArrive(const FwdParams& p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   if (!p.shared_fences) {
@@ -387,6 +458,7 @@ __global__ void __launch_bounds__(1024) NormForwardKernel(FwdParams p) {
   constexpr bool kCodeWords = kVec % 4 == 0;
   extern __shared__ __align__(16) uint8_t smem[];
   __shared__ float partial[2][32];
+  __shared__ __align__(8) uint64_t tile_bars[kColwise ? 2 : 1];  // colmbar
 
   const int tpr = p.threads_per_row;
   const int group = threadIdx.x / tpr, lane = threadIdx.x - group * tpr;
@@ -431,6 +503,34 @@ __global__ void __launch_bounds__(1024) NormForwardKernel(FwdParams p) {
     return (((tile_of(k) << p.cluster_log2) + rank) << p.tile_rows_log2) + row_in_tile(k);
   };
   auto first_elem = [&](int j) { return (j * tpr + lane) * kVec; };
+  // The barrier of cluster tile s (several codes buffers): hardware or mbarriers (colmbar).
+  const TileBarriers tb{SharedAddress(tile_bars)};
+  auto tile_arrive = [&](int s) {
+    if (p.mbar) {
+      MbarArrive(p, tb, s);
+    } else {
+      BufArrive(p);
+    }
+  };
+  auto tile_wait = [&](int s) {
+    if (p.mbar) {
+      MbarWait(p, tb, s);
+    } else {
+      BufWait();
+    }
+  };
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if (kColwise && p.mbar) {  // every block's barriers initialized before any arrival
+    if (threadIdx.x == 0) {
+      const uint32_t count = uint32_t(p.cluster) * (blockDim.x >> 5);
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(tb.bars), "r"(count) : "memory");
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(tb.bars + 8u), "r"(count) : "memory");
+      asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    asm volatile("barrier.cluster.arrive.release;" ::: "memory");
+    asm volatile("barrier.cluster.wait.acquire;" ::: "memory");
+  }
+#endif
 
   float w_keep[kKeepParams ? kChunks : 1][kVec] = {}, b_keep[kKeepParams ? kChunks : 1][kVec] = {};
   if constexpr (kKeepParams) {
@@ -537,7 +637,7 @@ __global__ void __launch_bounds__(1024) NormForwardKernel(FwdParams p) {
       // staged everywhere, and the tile before it, in the buffer this tile takes, was read).
       if (k > 0 && (k & per_tile_mask) == 0) {
         if (p.bufs == 2) {
-          BufWait();
+          tile_wait((int(k) >> p.per_tile_log2) - 1);
         } else if (p.bufs == 1 && p.split_sync) {
           TileWait(p);
         }
@@ -639,10 +739,10 @@ __global__ void __launch_bounds__(1024) NormForwardKernel(FwdParams p) {
         // then this tile's arrive after its last codes.
         const int s = int(k) >> p.per_tile_log2, in_tile = int(k) & per_tile_mask;
         if (s > 0 && in_tile == (p.bufs == 2 ? 0 : per_tile_mask)) {
-          if (p.bufs == 3) BufWait();
+          if (p.bufs == 3) tile_wait(s - 1);
           write_tile(s - 1);
         }
-        if (in_tile == per_tile_mask) BufArrive(p);
+        if (in_tile == per_tile_mask) tile_arrive(s);
       } else if ((int(k) & per_tile_mask) == per_tile_mask) {  // the tile's last rows: every group is here
         TileSync(p, false);  // every block's codes of the tile are staged and visible
         write_tile(int(k) >> p.per_tile_log2);
@@ -658,10 +758,11 @@ __global__ void __launch_bounds__(1024) NormForwardKernel(FwdParams p) {
   if constexpr (kColwise) {
     if (p.bufs > 1 && iters > 0) {
       // The last tile; the final barrier keeps every block's codes until the peers read them.
-      BufWait();
-      write_tile((iters - 1) >> p.per_tile_log2);
-      BufArrive(p);
-      BufWait();
+      const int last = (iters - 1) >> p.per_tile_log2;
+      tile_wait(last);
+      write_tile(last);
+      tile_arrive(last + 1);
+      tile_wait(last + 1);
     } else if (p.bufs == 1 && p.split_sync && iters > 0) {
       TileWait(p);  // the last tile's arrive
     }
@@ -836,6 +937,7 @@ Status Launch(const NormForwardArgs& a, const NormFwdTuning& tune, GpuStream str
   p.per_tile_log2 = Log2(tile_rows / groups);
   p.stages = stages;
   p.bufs = bufs;
+  p.mbar = bufs > 1 && tune.colmbar == 1;
   p.tile_bytes = int(int64_t(tile_rows) * p.tile_stride);
   p.interleave = colwise && tune.colorder == 1;
   p.split_sync = colwise && tune.colsplit == 1;

@@ -76,7 +76,7 @@ inline RowGeometry ChooseRowGeometry(int64_t hidden, int elem_bytes, bool pointe
 // colbar=0, 176.1 / 355.6, while fp32 gamma/beta staged in shared memory per block, a knob
 // since removed, was slower in every combination tried); the
 // environment variable LOWBIT_NORM_FWD_VARIANT ("items=16,stages=2,block=512,colblock=1024,
-// coltile=16,colspan=32,colorder=1,colsplit=1,l1keep=0,colbar=1,colbuf=1,colread=4,parnc=0", any subset) overrides
+// coltile=16,colspan=32,colorder=1,colsplit=1,l1keep=0,colbar=1,colbuf=1,colread=4,parnc=0,colmbar=0", any subset) overrides
 // them, as a benchmark knob
 // (bench/bench_norm.py --variants): every setting computes the same results up to the order
 // of the row sums. "colspan=32,colorder=0,colsplit=0,l1keep=0" is the colwise path before colspan.
@@ -114,6 +114,10 @@ inline RowGeometry ChooseRowGeometry(int64_t hidden, int elem_bytes, bool pointe
 //             at the next tile's end (a whole tile of work between arrive and wait). Where
 //             the shared memory does not fit, buffers are dropped before the second stage.
 //             colsplit applies to colbuf=1 only.
+//   colmbar:  colbuf 2 or 3: that barrier is the hardware cluster barrier (0), whose wait
+//             invalidates L1 on sm_90 (the gamma/beta lines with it), or two mbarriers per
+//             block with one arrival per warp of the cluster and relaxed waits followed by
+//             fences restricted to shared memory (1; colbar=0: acquire waits).
 //   colread:  colwise, word transposes (8: bf16/f16 x, vectorized rows): bytes of codes a
 //             transposing thread reads per staged row (4: blocks of 4 columns x 16 rows,
 //             16-byte column stores; 8: 8 x 8, half the (distributed) shared memory reads
@@ -137,6 +141,7 @@ struct NormFwdTuning {
   int colbuf = 1;
   int colread = 4;
   int parnc = 0;
+  int colmbar = 0;
 };
 
 // Parses a LOWBIT_NORM_FWD_VARIANT value into *t (unset keys keep their value); false and
@@ -177,6 +182,8 @@ inline bool ParseNormFwdTuning(const char* text, NormFwdTuning* t, std::string* 
       t->colbuf = value;
     } else if (ok && key == "parnc" && value <= 1) {
       t->parnc = value;
+    } else if (ok && key == "colmbar" && value <= 1) {
+      t->colmbar = value;
     } else if (ok && key == "colread" && (value == 4 || value == 8)) {
       t->colread = value;
     } else if (ok && (key == "block" || key == "colblock") && value >= 32 && value <= 1024 &&
@@ -185,7 +192,7 @@ inline bool ParseNormFwdTuning(const char* text, NormFwdTuning* t, std::string* 
     } else {
       *error = "bad entry '" + item + "' (expected items=8|16, stages=1..4, block=32..1024, "
                "colblock=32..1024, blocks multiples of 32, coltile=0|4|8|16|32, "
-               "colspan=32|64|128, colorder=0|1, colsplit=0|1, l1keep=0|1, colbar=0|1, colbuf=0..3, colread=4|8, parnc=0|1)";
+               "colspan=32|64|128, colorder=0|1, colsplit=0|1, l1keep=0|1, colbar=0|1, colbuf=0..3, colread=4|8, parnc=0|1, colmbar=0|1)";
       return false;
     }
   }
