@@ -82,12 +82,12 @@ def make_lowbit_bwd(x, gamma, beta):
 # barrier per tile (colbuf: 8192 -> clusters of 4 / 8 blocks of 8 / 4 rows, 4096 -> 2 / 4),
 # with the smallest carveout that holds the block (l1keep=1: 92 KB of L1 at colbuf=3, room
 # for the 64 KB of f32 gamma/beta at 8192), that barrier as mbarriers whose waits do not
-# invalidate L1 (colmbar=1), 8 x 8 code blocks read 8 bytes per row (colread=8),
+# invalidate L1 (colmbar=1; 2 buffers of the same 4-row tiles for comparison), 8 x 8 code blocks read 8 bytes per row (colread=8),
 # gamma/beta through ld.global.nc (parnc=1: do its L1 lines outlive the cluster waits' L1
 # invalidation?), one buffer of 8-row tiles in clusters of 4 (132 KB of shared memory) and
 # colbuf=0 (3 buffers only where one needs a cluster: 8192, not 4096).
 VARIANTS = ["", "colbuf=3", "colbuf=3,l1keep=1", "colbuf=3,colmbar=1", "colbuf=3,l1keep=1,colmbar=1",
-            "colbuf=3,l1keep=1,colmbar=1,colread=8", "colbuf=2,l1keep=1,colmbar=1", "colread=8",
+            "colbuf=3,l1keep=1,colmbar=1,colread=8", "colbuf=2,coltile=4,l1keep=1,colmbar=1", "colread=8",
             "parnc=1", "colbuf=3,l1keep=1,parnc=1", "coltile=8,l1keep=1",
             "colbuf=0,l1keep=1,colmbar=1,colread=8"]
 

@@ -551,7 +551,8 @@ EXACT_FWD_VARIANTS = ["colbar=0", "colbar=1,colsplit=0", "colblock=512",
                       "colbuf=3,coltile=32,colblock=512", "colread=8", "colread=8,colbuf=2",
                       "colread=8,colbuf=3,l1keep=1", "colbuf=0,l1keep=1", "parnc=1",
                       "parnc=1,colbuf=3,l1keep=1,colread=8", "colbuf=3,colmbar=1,l1keep=1",
-                      "colbuf=2,colmbar=1", "colbuf=0,colmbar=1,l1keep=1,colread=8,parnc=1"]
+                      "colbuf=2,colmbar=1", "colbuf=0,colmbar=1,l1keep=1,colread=8,parnc=1",
+                      "colbuf=2,coltile=4,l1keep=1,colmbar=1"]
 
 
 @pytest.mark.gpu

@@ -226,7 +226,7 @@ TEST(NormPlan, ForwardTuningKnob) {
   ASSERT_TRUE(ParseNormFwdTuning("colmbar=1", &t, &error));
   EXPECT_EQ(t.colmbar, 1);
   // The settings bench/bench_norm.py --variants times by default.
-  for (const char* v : {"colbuf=3,l1keep=1,colmbar=1,colread=8", "colbuf=2,l1keep=1,colmbar=1",
+  for (const char* v : {"colbuf=3,l1keep=1,colmbar=1,colread=8", "colbuf=2,coltile=4,l1keep=1,colmbar=1",
                         "colbuf=0,l1keep=1,colmbar=1,colread=8", "coltile=8,l1keep=1",
                         "colbuf=3,l1keep=1,parnc=1"}) {
     NormFwdTuning u;
