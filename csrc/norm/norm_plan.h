@@ -76,8 +76,8 @@ inline RowGeometry ChooseRowGeometry(int64_t hidden, int elem_bytes, bool pointe
 // colbar=0, 176.1 / 355.6, while fp32 gamma/beta staged in shared memory per block, a knob
 // since removed, was slower in every combination tried); the
 // environment variable LOWBIT_NORM_FWD_VARIANT ("items=16,stages=2,block=512,colblock=1024,
-// coltile=16,colspan=32,colorder=1,colsplit=1,l1keep=0,colbar=1,colbuf=1,colread=4,parnc=0,colmbar=0", any subset) overrides
-// them, as a benchmark knob
+// coltile=16,colspan=32,colorder=1,colsplit=1,l1keep=0,colbar=1,colbuf=1,colmbar=0,colread=4,
+// parnc=0", any subset) overrides them, as a benchmark knob
 // (bench/bench_norm.py --variants): every setting computes the same results up to the order
 // of the row sums. "colspan=32,colorder=0,colsplit=0,l1keep=0" is the colwise path before colspan.
 //   items:    fewest elements per thread on the vectorized path (8 or 16; see above)
