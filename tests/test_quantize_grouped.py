@@ -15,6 +15,7 @@ import pytest
 from conftest import random_with_specials, run_on
 from test_quantize_ops import assert_fp8_equal, quantize_ref
 
+import lowbit
 from lowbit.ops import compute_scale, quantize_fp8, quantize_grouped_fp8
 
 FP8 = [jnp.float8_e4m3fn, jnp.float8_e5m2]
@@ -194,6 +195,34 @@ def test_bad_inputs():
         quantize_grouped_fp8(x, g, out_dtype=jnp.bfloat16)
 
 
+def test_handler_validation():
+    """The FFI handler's own checks (what the Python wrapper cannot catch)."""
+    lowbit._ffi.load()
+    x = jnp.ones((4, 8), jnp.bfloat16)
+    e4, f32, sd = jnp.float8_e4m3fn, jnp.float32, jax.ShapeDtypeStruct
+    good = [sd((4, 8), e4), sd((8, 4), e4), sd((2,), f32), sd((2,), f32), sd((2,), f32)]
+
+    def call(sizes, scale, results, fa=1, current=False):
+        return jax.ffi.ffi_call("lowbit_quantize_grouped_fp8", results)(
+            x, sizes, scale, flatten_axis=np.int32(fa), current_scaling=np.bool_(current),
+            use_power_2_scales=np.bool_(False))
+
+    sizes, scale = jnp.int32([1, 3]), jnp.ones((2,), f32)
+    jax.block_until_ready(call(sizes, scale, good))  # sanity: the well-formed call runs
+    op = "lowbit_quantize_grouped_fp8"
+    cases = [
+        ((sizes.astype(f32), scale, good), rf"{op}: group_sizes: expected s32 of shape \(G,\)"),
+        ((sizes, jnp.ones((3,), f32), good), rf"{op}: scale: expected f32 of shape \(2,\)"),
+        ((sizes, scale, good, 1, True), rf"{op}: scale: expected f32 of shape \(0,\)"),
+        ((sizes, scale, good, 0), rf"{op}: flatten_axis: expected >= 1"),
+        ((sizes, scale, good[:2] + [sd((3,), f32)] + good[3:]), rf"{op}: amax: expected f32 of shape \(2,\)"),
+        ((sizes, scale, [sd((0,), e4), sd((0,), e4)] + good[2:]), rf"{op}: rowwise: neither"),
+    ]
+    for args, msg in cases:
+        with pytest.raises(Exception, match=msg):
+            jax.block_until_ready(call(*args))
+
+
 # ---------------------------------------------------------------- CUDA == CPU
 
 def _cuda_cases(rng):
@@ -255,13 +284,19 @@ def test_cuda_one_copy_and_pow2_equal_cpu(layout, rng, cpu, gpu):
 
 
 @pytest.mark.gpu
-def test_cuda_misaligned_and_empty(rng, cpu, gpu):
-    x = random_with_specials(rng, (129, 65), np.float16)
-    f = lambda v, g: tuple(quantize_grouped_fp8(v[1:], g))  # noqa: E731 - x at an odd address
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_ids)
+def test_cuda_misaligned_and_empty(dtype, rng, cpu, gpu):
+    x = random_with_specials(rng, (131, 67), dtype)
     g = np.int32([60, 0, 3, 40])
+
+    def f(v, gs):  # a slice starting one element in, odd cols: the unvectorized paths
+        w = v.reshape(-1)[1:1 + 127 * 67].reshape(127, 67)
+        return tuple(quantize_grouped_fp8(w, gs))
+
     _assert_same(run_on(gpu, f, x, g), run_on(cpu, f, x, g))
-    e = lambda v, g: tuple(quantize_grouped_fp8(v[:0], g))  # noqa: E731
-    _assert_same(run_on(gpu, e, x, g), run_on(cpu, e, x, g))
+    for scale in (None, np.float32([2.0, 3.0, 0.5, 8.0])):
+        e = lambda v, gs, s=scale: tuple(quantize_grouped_fp8(v[:0], gs, s))  # noqa: E731
+        _assert_same(run_on(gpu, e, x, g), run_on(cpu, e, x, g))
 
 
 @pytest.mark.gpu
