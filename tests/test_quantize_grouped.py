@@ -223,6 +223,21 @@ def test_handler_validation():
             jax.block_until_ready(call(*args))
 
 
+def test_cuda_lowering(monkeypatch):
+    """Lowered for CUDA without a GPU: one custom call with the buffers and attributes the
+    CUDA handler binds (the lowbit CUDA library's check is patched out)."""
+    import importlib
+    monkeypatch.setattr(importlib.import_module("lowbit._ffi"), "require_platform", lambda op, platform: None)
+    x, g = jnp.ones((12, 3, 40), jnp.bfloat16), jnp.int32([2, 0, 2])
+    f = lambda v, gs: quantize_grouped_fp8(v, gs, flatten_axis=2, use_power_2_scales=True)  # noqa: E731
+    text = jax.jit(f).trace(x, g).lower(lowering_platforms=("cuda",)).as_text()
+    calls = [ln for ln in text.splitlines() if "custom_call @lowbit_quantize_grouped_fp8" in ln]
+    assert len(calls) == 1, text
+    assert "current_scaling = true" in calls[0] and "use_power_2_scales = true" in calls[0]
+    assert "flatten_axis = 2" in calls[0]
+    assert "tensor<12x3x40xf8E4M3FN>" in calls[0] and "tensor<40x12x3xf8E4M3FN>" in calls[0]
+
+
 # ---------------------------------------------------------------- CUDA == CPU
 
 def _cuda_cases(rng):

@@ -65,32 +65,6 @@ __global__ void __launch_bounds__(kEndsThreads)
   }
 }
 
-// Rows [lo, hi) are in `group` (-1: padding); hi <= lo: nothing cached yet.
-struct RowRange {
-  int lo = 0, hi = 0, group = -1;
-};
-
-// The group of `row` from the end rows held in shared memory: the cached range, else the
-// first group whose end is past the row (empty groups are skipped), else padding.
-__device__ __forceinline__ int FindGroup(const int32_t* ends, int groups, RowRange& c, int row) {
-  if (row >= c.lo && row < c.hi) return c.group;
-  int lo = 0, hi = groups;
-  while (lo < hi) {
-    const int mid = (lo + hi) >> 1;
-    if (ends[mid] > row) {
-      hi = mid;
-    } else {
-      lo = mid + 1;
-    }
-  }
-  if (lo == groups) {
-    c = RowRange{ends[groups - 1], INT_MAX, -1};
-  } else {
-    c = RowRange{lo > 0 ? ends[lo - 1] : 0, ends[lo], lo};
-  }
-  return c.group;
-}
-
 // The grouped `Groups` of the tiled kernel (quantize_tiled.cuh). Shared-memory table after
 // the tiles: int32 ends[G] | f32 scales[G] | u32 amax bits[G].
 struct GroupTable {

@@ -30,6 +30,7 @@
 #include <string>
 
 #include "common/dtype.h"
+#include "common/formats.h"
 #include "common/gpu_stream.h"
 #include "common/status.h"
 
@@ -78,6 +79,34 @@ inline Status CheckQuantizeGroupedFp8Args(const QuantizeGroupedFp8Args& a) {
     return Status::InvalidArgument(op + "rowwise: neither rowwise nor colwise output requested");
   }
   return Status::Ok();
+}
+
+// The CUDA kernels' row -> group lookup (host + device, so GoogleTest checks it).
+// Rows [lo, hi) are in `group` (-1: padding); hi <= lo: nothing cached yet.
+struct RowRange {
+  int lo = 0, hi = 0, group = -1;
+};
+
+// The group of `row` (0 <= row < 2^31) from the G >= 1 end rows (GroupEndsKernel's, in shared
+// memory in the kernels): the cached range, else the first group whose end is past the row
+// (a binary search; empty groups are skipped), else -1 (padding). Updates the cache.
+LOWBIT_HD int FindGroup(const int32_t* ends, int groups, RowRange& c, int row) {
+  if (row >= c.lo && row < c.hi) return c.group;
+  int lo = 0, hi = groups;
+  while (lo < hi) {
+    const int mid = (lo + hi) >> 1;
+    if (ends[mid] > row) {
+      hi = mid;
+    } else {
+      lo = mid + 1;
+    }
+  }
+  if (lo == groups) {
+    c = RowRange{ends[groups - 1], 0x7FFFFFFF, -1};
+  } else {
+    c = RowRange{lo > 0 ? ends[lo - 1] : 0, ends[lo], lo};
+  }
+  return c.group;
 }
 
 // CPU reference (quantize_grouped_ref.cc): host pointers.

@@ -2,7 +2,7 @@
 // per-tensor reference (QuantizeFp8Ref) run on its rows with the group's scale (given, or
 // ComputeScaleRef of its amax), the colwise copy is the transpose with groups as column
 // ranges, padding rows are zero codes, negative / oversized group sizes are clipped, and
-// bad arguments are errors.
+// bad arguments are errors; the CUDA kernels' row -> group lookup against the definition.
 #include "quantize/quantize_grouped.h"
 
 #include <gtest/gtest.h>
@@ -149,6 +149,31 @@ TEST(QuantizeGroupedFp8Ref, CurrentScalingOfSpecialAmaxes) {
   for (int g = 0; g < 3; ++g) EXPECT_EQ(o.scale[g], 1.0f);
   EXPECT_EQ(o.rowwise[2], FloatToE4m3(2.0f));
   EXPECT_EQ(o.rowwise[3], 0x7E);  // inf saturates to 448
+}
+
+// The kernels' lookup (FindGroup with its cached range) against the definition, rows
+// visited in the kernels' kind of order: jumping around, with repeats.
+TEST(QuantizeGroupedFp8, FindGroupMatchesTheDefinition) {
+  std::mt19937 gen(4);
+  for (int trial = 0; trial < 200; ++trial) {
+    const int groups = 1 + int(gen() % 40), rows = int(gen() % 300);
+    std::vector<int32_t> ends(static_cast<size_t>(groups));
+    std::vector<int> owner(size_t(rows) + 50, -1);  // rows past x too: padding
+    int64_t start = 0;
+    for (int g = 0; g < groups; ++g) {
+      const int64_t size = int64_t(gen() % 4 == 0 ? 0 : gen() % 30) - (gen() % 10 == 0 ? 5 : 0);
+      const int64_t end = std::min(start + std::max<int64_t>(size, 0), int64_t(rows));
+      for (int64_t r = start; r < end; ++r) owner[size_t(r)] = g;
+      ends[size_t(g)] = int32_t(end);
+      start = end;
+    }
+    RowRange cursor;
+    for (int k = 0; k < 400; ++k) {
+      const int row = k % 3 == 0 ? int(gen() % owner.size()) : (k * 7) % int(owner.size());
+      ASSERT_EQ(FindGroup(ends.data(), groups, cursor, row), owner[size_t(row)])
+          << "trial " << trial << " row " << row;
+    }
+  }
 }
 
 TEST(QuantizeGroupedFp8Ref, BadArgumentsAreErrors) {
