@@ -3,7 +3,8 @@ the groups with the single-tensor quantizer's semantics (jnp encode, numpy amax 
 current scale) and against lowbit.ops.quantize_fp8 / compute_scale run per group; empty
 groups, one-row groups, padding (sum(group_sizes) < M), negative and oversized sizes,
 odd K, rank 3 with groups of several rows, special values; jit with changing sizes, vmap,
-bad input; and the CUDA kernel against the CPU handler (bit for bit)."""
+bad input, the CUDA lowering; the block formats' rowwise-only grouping (= the ordinary block
+quantizer, colwise an error); and the CUDA kernel against the CPU handler (bit for bit)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from conftest import random_with_specials, run_on
 from test_quantize_ops import assert_fp8_equal, quantize_ref
 
 import lowbit
-from lowbit.ops import compute_scale, quantize_fp8, quantize_grouped_fp8
+from lowbit.ops import (compute_scale, quantize_fp8, quantize_fp8_block, quantize_grouped_block,
+                        quantize_grouped_fp8, quantize_mxfp8)
 
 FP8 = [jnp.float8_e4m3fn, jnp.float8_e5m2]
 DTYPES = [np.float32, np.float16, ml_dtypes.bfloat16]
@@ -193,6 +195,24 @@ def test_bad_inputs():
         quantize_grouped_fp8(x, g, rowwise=False, colwise=False)
     with pytest.raises(TypeError, match=f"{op}: out_dtype"):
         quantize_grouped_fp8(x, g, out_dtype=jnp.bfloat16)
+
+
+@pytest.mark.parametrize("mode", ["mxfp8", "fp8_block"])
+def test_block_formats_rowwise_are_the_ordinary_quantizer(mode, rng):
+    x = random_with_specials(rng, (96, 256), ml_dtypes.bfloat16)
+    out = quantize_grouped_block(x, np.int32([30, 0, 50]), scaling_mode=mode)
+    ref = (quantize_mxfp8 if mode == "mxfp8" else quantize_fp8_block)(x)
+    np.testing.assert_array_equal(np.asarray(out.rowwise).view(np.uint8), np.asarray(ref.rowwise).view(np.uint8))
+    np.testing.assert_array_equal(np.asarray(out.rowwise_scale).view(np.uint8),
+                                  np.asarray(ref.rowwise_scale).view(np.uint8))
+    assert out.colwise is None
+    op = "lowbit.ops.quantize_grouped_block"
+    with pytest.raises(NotImplementedError, match=f"{op}: colwise: not supported"):
+        quantize_grouped_block(x, np.int32([30, 0, 50]), scaling_mode=mode, colwise=True)
+    with pytest.raises(ValueError, match=f"{op}: group_sizes"):
+        quantize_grouped_block(x, np.float32([30, 0, 50]), scaling_mode=mode)
+    with pytest.raises(ValueError, match=f"{op}: scaling_mode"):
+        quantize_grouped_block(x, np.int32([30]), scaling_mode="nvfp4")
 
 
 def test_handler_validation():

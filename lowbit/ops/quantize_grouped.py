@@ -21,10 +21,14 @@ of two). Per element the numerics are those of lowbit.ops.quantize_fp8 with the 
 scale, bit for bit on CPU and CUDA: a group equals quantize_fp8 of its rows.
 
 Works under jit and vmap (each batch element gets its own groups; done as a loop over the
-batch). Under a sharded jit the op is not partitioned: XLA gathers x to each device. Only
-the per-tensor FP8 formats are grouped; the block formats (MXFP8, FP8 1x128) are not (their
-rowwise copies need no grouping: blocks lie within a row, so lowbit.ops.quantize_mxfp8 /
-quantize_fp8_block of the whole x already give each group's rowwise codes and scales).
+batch). Under a sharded jit the op is not partitioned: XLA gathers x to each device.
+
+quantize_grouped_block: the block formats (MXFP8 32-value blocks, FP8 1x128 tiles), rowwise
+only. Their blocks lie within a row, so a group's rowwise codes and scales are those of the
+ordinary block quantizer (lowbit.ops.quantize_mxfp8 / quantize_fp8_block) of the whole x:
+this returns exactly that (padding rows included, which are quantized like any other row).
+A colwise copy would need blocks aligned to the group boundaries (32 or 128 rows): not
+supported, a NotImplementedError.
 """
 
 from __future__ import annotations
@@ -39,8 +43,9 @@ from jax.interpreters import batching
 
 from lowbit.ops._primitive import ffi_primitive
 from lowbit.ops.quantize import check_quantize_args, colwise_shape
+from lowbit.ops.quantize_block import BlockQuantized, quantize_fp8_block, quantize_mxfp8
 
-__all__ = ["GroupedFp8Quantized", "quantize_grouped_fp8", "MAX_GROUPS"]
+__all__ = ["GroupedFp8Quantized", "quantize_grouped_fp8", "quantize_grouped_block", "MAX_GROUPS"]
 
 MAX_GROUPS = 1024  # kMaxQuantizeGroups in csrc/quantize/quantize_grouped.h
 
@@ -100,6 +105,16 @@ def _grouped_fn(flatten_axis: int, out_dtype, rowwise: bool, colwise: bool, curr
     return fn
 
 
+def _check_group_sizes(op: str, group_sizes) -> jax.Array:
+    given_dtype = getattr(group_sizes, "dtype", None)  # checked before jnp.asarray narrows int64
+    group_sizes = jnp.asarray(group_sizes)
+    if ((given_dtype is not None and given_dtype != jnp.int32) or group_sizes.dtype != jnp.int32
+            or group_sizes.ndim != 1 or not 1 <= group_sizes.shape[0] <= MAX_GROUPS):
+        raise ValueError(f"{op}: group_sizes: expected int32 of shape (G,) with 1 <= G <= {MAX_GROUPS}, "
+                         f"got {given_dtype or group_sizes.dtype}{group_sizes.shape}")
+    return group_sizes
+
+
 def quantize_grouped_fp8(
     x,
     group_sizes,
@@ -118,11 +133,7 @@ def quantize_grouped_fp8(
     if x.ndim < 2 or axis < 1:
         raise ValueError(f"{op}: x, flatten_axis: expected rank >= 2 and flatten_axis >= 1 (groups are "
                          f"stacked along the first dim), got shape {x.shape} and flatten_axis {flatten_axis}")
-    given_dtype = getattr(group_sizes, "dtype", None)  # checked before jnp.asarray narrows int64
-    group_sizes = jnp.asarray(group_sizes)
-    if (given_dtype is not None and given_dtype != jnp.int32) or group_sizes.dtype != jnp.int32 or group_sizes.ndim != 1 or not 1 <= group_sizes.shape[0] <= MAX_GROUPS:
-        raise ValueError(f"{op}: group_sizes: expected int32 of shape (G,) with 1 <= G <= {MAX_GROUPS}, "
-                         f"got {given_dtype or group_sizes.dtype}{group_sizes.shape}")
+    group_sizes = _check_group_sizes(op, group_sizes)
     groups = group_sizes.shape[0]
     current = scale is None
     if current:
@@ -143,3 +154,32 @@ def quantize_grouped_fp8(
         scale=s,
         scale_inv=si,
     )
+
+
+def quantize_grouped_block(
+    x,
+    group_sizes,
+    *,
+    scaling_mode: str = "mxfp8",
+    out_dtype=jnp.float8_e4m3fn,
+    rowwise: bool = True,
+    colwise: bool = False,
+    flatten_axis: int = -1,
+) -> BlockQuantized:
+    """Grouped block quantization, rowwise only (see the module docstring): scaling_mode
+    "mxfp8" (lowbit.ops.quantize_mxfp8) or "fp8_block" (1x128 tiles, quantize_fp8_block)."""
+    op = "lowbit.ops.quantize_grouped_block"
+    if scaling_mode not in ("mxfp8", "fp8_block"):
+        raise ValueError(f"{op}: scaling_mode: expected 'mxfp8' or 'fp8_block', got {scaling_mode!r}")
+    if colwise:
+        raise NotImplementedError(
+            f"{op}: colwise: not supported for the block formats: a colwise block spans 32 ({scaling_mode}) "
+            "or 128 rows, which would need group boundaries aligned to blocks; quantize each group "
+            "separately, or use quantize_grouped_fp8 (per-tensor FP8) for the colwise copies")
+    x, out_dtype, axis = check_quantize_args(op, x, out_dtype, rowwise, colwise, flatten_axis)
+    if x.ndim < 2 or axis < 1:
+        raise ValueError(f"{op}: x, flatten_axis: expected rank >= 2 and flatten_axis >= 1 (groups are "
+                         f"stacked along the first dim), got shape {x.shape} and flatten_axis {flatten_axis}")
+    _check_group_sizes(op, group_sizes)  # the codes do not depend on them: blocks lie within a row
+    quantize = quantize_mxfp8 if scaling_mode == "mxfp8" else quantize_fp8_block
+    return quantize(x, out_dtype=out_dtype, rowwise=True, colwise=False, flatten_axis=axis)
