@@ -1,0 +1,185 @@
+"""lowbit.ops.quantize_grouped_fp8: FP8 per-tensor quantization of G tensors stacked along
+x's first dim (the token-sorted activations of an MoE layer), each with its own scale and
+amax, in one pass over x, through lowbit's FFI op (csrc/quantize/quantize_grouped.h).
+
+Layout. x has rank >= 2 and is viewed as rows x cols at flatten_axis (>= 1): rows =
+prod(shape[:f]), cols = prod(shape[f:]). `group_sizes` (int32 (G,), 1 <= G <= 1024, values
+read on the device, so they may change from call to call without recompiling) counts
+entries of x's first dim: group g is the block of x[start_g : start_g + group_sizes[g]],
+after the groups before it. Negative sizes count as 0 and groups running past x's first
+dim are cut at its end. Entries after the last group (sum(group_sizes) < shape[0]) are
+padding: their codes are 0 in both copies and they count in no amax.
+  rowwise: x's shape, each group encoded with its own scale;
+  colwise: shape[f:] + shape[:f], the transpose of the rows x cols view: group g's colwise
+           copy is the column range [rows_before_g, rows_before_g + rows_of_g) of it;
+  amax, scale, scale_inv: float32 (G,), per group (scale = the scale the group used).
+
+Scaling. Delayed: `scale` (float32 (G,)) is used as given. Current (`scale=None`): each
+group's scale comes from its own amax with the rule of lowbit.ops.compute_scale
+(fp8_max / amax; amax 0, inf or NaN -> 1; an infinite quotient -> FLT_MAX; optional power
+of two). Per element the numerics are those of lowbit.ops.quantize_fp8 with the group's
+scale, bit for bit on CPU and CUDA: a group equals quantize_fp8 of its rows.
+
+Works under jit and vmap (each batch element gets its own groups; done as a loop over the
+batch). Under a sharded jit the op is not partitioned: XLA gathers x to each device.
+
+quantize_grouped_block: the block formats (MXFP8 32-value blocks, FP8 1x128 tiles), rowwise
+only. Their blocks lie within a row, so a group's rowwise codes and scales are those of the
+ordinary block quantizer (lowbit.ops.quantize_mxfp8 / quantize_fp8_block) of the whole x:
+this returns exactly that (padding rows included, which are quantized like any other row).
+A colwise copy would need blocks aligned to the group boundaries (32 or 128 rows): not
+supported, a NotImplementedError.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.interpreters import batching
+
+from lowbit.ops._primitive import ffi_primitive
+from lowbit.ops.quantize import check_quantize_args, colwise_shape
+from lowbit.ops.quantize_block import BlockQuantized, quantize_fp8_block, quantize_mxfp8
+
+__all__ = ["GroupedFp8Quantized", "quantize_grouped_fp8", "quantize_grouped_block", "MAX_GROUPS"]
+
+MAX_GROUPS = 1024  # kMaxQuantizeGroups in csrc/quantize/quantize_grouped.h
+
+
+class GroupedFp8Quantized(NamedTuple):
+    rowwise: jax.Array | None  # fp8, x's shape
+    colwise: jax.Array | None  # fp8, shape[f:] + shape[:f]
+    amax: jax.Array  # f32 (G,)
+    scale: jax.Array  # f32 (G,), the scale each group was encoded with
+    scale_inv: jax.Array  # f32 (G,), 1 / scale
+
+
+def _abstract(x, group_sizes, scale, *, flatten_axis, current_scaling, use_power_2_scales, out_dtype,
+              rowwise, colwise):
+    del scale, current_scaling, use_power_2_scales
+    empty = jax.core.ShapedArray((0,), out_dtype)
+    per_group = jax.core.ShapedArray(group_sizes.shape, jnp.float32)
+    return (
+        jax.core.ShapedArray(x.shape, out_dtype) if rowwise else empty,
+        jax.core.ShapedArray(colwise_shape(x.shape, int(flatten_axis)), out_dtype) if colwise else empty,
+        per_group,
+        per_group,
+        per_group,
+    )
+
+
+# (x, group_sizes s32 (G,), scale f32 (G,) | (0,)) -> (rowwise | (0,), colwise | (0,), amax, scale, scale_inv).
+quantize_grouped_fp8_p = ffi_primitive(
+    "lowbit_quantize_grouped_fp8",
+    "lowbit_quantize_grouped_fp8",
+    _abstract,
+    multiple_results=True,
+    attrs=("flatten_axis", "current_scaling", "use_power_2_scales"),
+)
+
+
+def _batch(args, dims, **params):
+    # One primitive call per batch element: every element has its own groups.
+    size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
+    front = [jnp.broadcast_to(a, (size, *a.shape)) if d is None else jnp.moveaxis(a, d, 0) for a, d in zip(args, dims)]
+    outs = jax.lax.map(lambda xs: tuple(quantize_grouped_fp8_p.bind(*xs, **params)), tuple(front))
+    return list(outs), [0] * len(outs)
+
+
+batching.primitive_batchers[quantize_grouped_fp8_p] = _batch
+
+
+@lru_cache(maxsize=None)
+def _grouped_fn(flatten_axis: int, out_dtype, rowwise: bool, colwise: bool, current: bool, pow2: bool):
+    def fn(x, group_sizes, scale):
+        r, c, a, s, si = quantize_grouped_fp8_p.bind(
+            x, group_sizes, scale, flatten_axis=np.int32(flatten_axis), current_scaling=np.bool_(current),
+            use_power_2_scales=np.bool_(pow2), out_dtype=out_dtype, rowwise=rowwise, colwise=colwise,
+        )
+        return r, c, a, s, si
+
+    return fn
+
+
+def _check_group_sizes(op: str, group_sizes) -> jax.Array:
+    given_dtype = getattr(group_sizes, "dtype", None)  # checked before jnp.asarray narrows int64
+    group_sizes = jnp.asarray(group_sizes)
+    if ((given_dtype is not None and given_dtype != jnp.int32) or group_sizes.dtype != jnp.int32
+            or group_sizes.ndim != 1 or not 1 <= group_sizes.shape[0] <= MAX_GROUPS):
+        raise ValueError(f"{op}: group_sizes: expected int32 of shape (G,) with 1 <= G <= {MAX_GROUPS}, "
+                         f"got {given_dtype or group_sizes.dtype}{group_sizes.shape}")
+    return group_sizes
+
+
+def quantize_grouped_fp8(
+    x,
+    group_sizes,
+    scale=None,
+    *,
+    out_dtype=jnp.float8_e4m3fn,
+    rowwise: bool = True,
+    colwise: bool = True,
+    flatten_axis: int = -1,
+    use_power_2_scales: bool = False,
+) -> GroupedFp8Quantized:
+    """Quantizes each group of x's first dim as its own FP8 tensor (see the module
+    docstring): `scale` (float32 (G,)) for delayed scaling, None for current scaling."""
+    op = "lowbit.ops.quantize_grouped_fp8"
+    x, out_dtype, axis = check_quantize_args(op, x, out_dtype, rowwise, colwise, flatten_axis)
+    if x.ndim < 2 or axis < 1:
+        raise ValueError(f"{op}: x, flatten_axis: expected rank >= 2 and flatten_axis >= 1 (groups are "
+                         f"stacked along the first dim), got shape {x.shape} and flatten_axis {flatten_axis}")
+    group_sizes = _check_group_sizes(op, group_sizes)
+    groups = group_sizes.shape[0]
+    current = scale is None
+    if current:
+        scale = jnp.zeros((0,), jnp.float32)
+    else:
+        scale = jnp.asarray(scale)
+        if scale.dtype != jnp.float32 or scale.shape != (groups,):
+            raise ValueError(f"{op}: scale: expected float32 of shape ({groups},) (one per group) or None "
+                             f"(current scaling), got {scale.dtype}{scale.shape}")
+    if use_power_2_scales and not current:
+        raise ValueError(f"{op}: use_power_2_scales: applies to current scaling only (scale=None)")
+    r, c, a, s, si = _grouped_fn(axis, out_dtype, bool(rowwise), bool(colwise), current, bool(use_power_2_scales))(
+        x, group_sizes, jax.lax.stop_gradient(scale))
+    return GroupedFp8Quantized(
+        rowwise=r if rowwise else None,
+        colwise=c if colwise else None,
+        amax=a,
+        scale=s,
+        scale_inv=si,
+    )
+
+
+def quantize_grouped_block(
+    x,
+    group_sizes,
+    *,
+    scaling_mode: str = "mxfp8",
+    out_dtype=jnp.float8_e4m3fn,
+    rowwise: bool = True,
+    colwise: bool = False,
+    flatten_axis: int = -1,
+) -> BlockQuantized:
+    """Grouped block quantization, rowwise only (see the module docstring): scaling_mode
+    "mxfp8" (lowbit.ops.quantize_mxfp8) or "fp8_block" (1x128 tiles, quantize_fp8_block)."""
+    op = "lowbit.ops.quantize_grouped_block"
+    if scaling_mode not in ("mxfp8", "fp8_block"):
+        raise ValueError(f"{op}: scaling_mode: expected 'mxfp8' or 'fp8_block', got {scaling_mode!r}")
+    if colwise:
+        raise NotImplementedError(
+            f"{op}: colwise: not supported for the block formats: a colwise block spans 32 ({scaling_mode}) "
+            "or 128 rows, which would need group boundaries aligned to blocks; quantize each group "
+            "separately, or use quantize_grouped_fp8 (per-tensor FP8) for the colwise copies")
+    x, out_dtype, axis = check_quantize_args(op, x, out_dtype, rowwise, colwise, flatten_axis)
+    if x.ndim < 2 or axis < 1:
+        raise ValueError(f"{op}: x, flatten_axis: expected rank >= 2 and flatten_axis >= 1 (groups are "
+                         f"stacked along the first dim), got shape {x.shape} and flatten_axis {flatten_axis}")
+    _check_group_sizes(op, group_sizes)  # the codes do not depend on them: blocks lie within a row
+    quantize = quantize_mxfp8 if scaling_mode == "mxfp8" else quantize_fp8_block
+    return quantize(x, out_dtype=out_dtype, rowwise=True, colwise=False, flatten_axis=axis)
