@@ -10,11 +10,17 @@
 // calls and TransformerEngine do); buffer assignment plans it like any temp. The CUDA
 // lowering makes it u8[kGemmWorkspaceBytes], the CPU lowering u8[0]; both handlers bind
 // it (one primitive lowers to both), the CPU one ignores it.
+//
+// Also lowbit_gemm_swizzle_scales (gemm/scale_swizzle.h): a (R, C) one-byte scale matrix
+// (u8, e8m0 or e4m3) -> its R * C bytes in cuBLASLt's swizzled 128 x 4 tile order, the step
+// the sm_100 MXFP8 GEMM applies inside GemmCuda; an op of its own so that the CUDA kernel is
+// tested against the CPU reference bit for bit on any GPU.
 #include <cstdint>
 #include <string>
 
 #include "ffi/ffi_util.h"
 #include "gemm/gemm.h"
+#include "gemm/scale_swizzle.h"
 
 #if defined(LOWBIT_CUDA_HANDLERS)
 #include <cuda_runtime_api.h>
@@ -62,7 +68,7 @@ Status GemmArgsFromBuffers(const ffi::AnyBuffer& a, const ffi::AnyBuffer& b,
                            const ffi::AnyBuffer& a_scale_inv, const ffi::AnyBuffer& b_scale_inv,
                            const ffi::AnyBuffer& bias, ffi::AnyBuffer& out,
                            bool use_split_accumulator, int32_t a_scale_mode,
-                           int32_t b_scale_mode, GemmArgs* args) {
+                           int32_t b_scale_mode, int32_t algo, GemmArgs* args) {
   const auto ad = a.dimensions(), bd = b.dimensions(), od = out.dimensions();
   if (ad.size() != 2) return Invalid("a", "expected rank 2 (M, K), got shape " + Shape(ad));
   if (bd.size() != 2) return Invalid("b", "expected rank 2 (N, K), got shape " + Shape(bd));
@@ -102,7 +108,38 @@ Status GemmArgsFromBuffers(const ffi::AnyBuffer& a, const ffi::AnyBuffer& b,
   args->n = bd[0];
   args->k = ad[1];
   args->use_split_accumulator = use_split_accumulator;
+  if (algo < 0 || algo >= kGemmMaxAlgo) {
+    return Invalid("algo", "expected a cuBLASLt heuristic index in 0.." +
+                               std::to_string(kGemmMaxAlgo - 1) + " (LOWBIT_GEMM_ALGO), got " +
+                               std::to_string(algo));
+  }
+  args->algo = algo;
   return Status::Ok();
+}
+
+// Checks the swizzle op's buffers and fills `args`.
+Status SwizzleArgsFromBuffers(const ffi::AnyBuffer& in, ffi::AnyBuffer& out, int64_t valid_rows,
+                              int64_t valid_cols, ScaleSwizzleArgs* args) {
+  const char* op = "lowbit_gemm_swizzle_scales";
+  const auto d = in.dimensions();
+  if (d.size() != 2) return lowbit::Invalid(op, "scale", "expected rank 2 (R, C), got shape " + Shape(d));
+  const DType type = ToDType(in.element_type());
+  if (type != DType::kU8 && type != DType::kE8M0 && type != DType::kE4M3) {
+    return lowbit::Invalid(op, "scale", std::string("expected u8, e8m0 or e4m3 bytes, got ") +
+                                            DTypeName(type));
+  }
+  if (ToDType(out.element_type()) != type || out.element_count() != in.element_count()) {
+    return lowbit::Invalid(op, "out", "expected " + std::to_string(in.element_count()) + " " +
+                                          DTypeName(type) + " elements, got shape " +
+                                          Shape(out.dimensions()));
+  }
+  args->in = static_cast<const uint8_t*>(in.untyped_data());
+  args->out = static_cast<uint8_t*>(out.untyped_data());
+  args->rows = d[0];
+  args->cols = d[1];
+  args->valid_rows = valid_rows;
+  args->valid_cols = valid_cols;
+  return CheckScaleSwizzleArgs(*args, op);
 }
 
 #if !defined(LOWBIT_CUDA_HANDLERS)
@@ -110,12 +147,21 @@ Status GemmArgsFromBuffers(const ffi::AnyBuffer& a, const ffi::AnyBuffer& b,
 ffi::Error GemmCpu(ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer a_scale_inv,
                    ffi::AnyBuffer b_scale_inv, ffi::AnyBuffer bias,
                    ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> workspace,
-                   bool use_split_accumulator, int32_t a_scale_mode, int32_t b_scale_mode) {
+                   bool use_split_accumulator, int32_t a_scale_mode, int32_t b_scale_mode,
+                   int32_t algo) {
   (void)workspace;  // the reference needs none; the CPU lowering passes u8[0]
   GemmArgs args;
   Status s = GemmArgsFromBuffers(a, b, a_scale_inv, b_scale_inv, bias, *out,
-                                 use_split_accumulator, a_scale_mode, b_scale_mode, &args);
+                                 use_split_accumulator, a_scale_mode, b_scale_mode, algo, &args);
   if (s.ok()) s = GemmRef(args);
+  return ToFfiError(s);
+}
+
+ffi::Error SwizzleScalesCpu(ffi::AnyBuffer in, ffi::Result<ffi::AnyBuffer> out, int64_t valid_rows,
+                            int64_t valid_cols) {
+  ScaleSwizzleArgs args;
+  Status s = SwizzleArgsFromBuffers(in, *out, valid_rows, valid_cols, &args);
+  if (s.ok()) s = ScaleSwizzleRef(args);
   return ToFfiError(s);
 }
 
@@ -125,17 +171,17 @@ ffi::Error GemmGpu(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuffer a
                    ffi::AnyBuffer b, ffi::AnyBuffer a_scale_inv, ffi::AnyBuffer b_scale_inv,
                    ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> out,
                    ffi::Result<ffi::AnyBuffer> workspace, bool use_split_accumulator,
-                   int32_t a_scale_mode, int32_t b_scale_mode) {
+                   int32_t a_scale_mode, int32_t b_scale_mode, int32_t algo) {
   GemmArgs args;
   Status s = GemmArgsFromBuffers(a, b, a_scale_inv, b_scale_inv, bias, *out,
-                                 use_split_accumulator, a_scale_mode, b_scale_mode, &args);
+                                 use_split_accumulator, a_scale_mode, b_scale_mode, algo, &args);
   if (!s.ok()) return ToFfiError(s);
   if (args.m == 0 || args.n == 0) return ffi::Error::Success();
   // XLA places the buffer; it is live only for this call, so work enqueued later may reuse
   // it (stream order keeps that safe).
-  if (workspace->size_bytes() < kGemmWorkspaceBytes) {
+  if (workspace->size_bytes() < GemmWorkspaceBytes(args)) {
     return ToFfiError(Invalid("workspace", "expected at least " +
-                                               std::to_string(kGemmWorkspaceBytes) +
+                                               std::to_string(GemmWorkspaceBytes(args)) +
                                                " bytes (u8), got " +
                                                std::to_string(workspace->size_bytes())));
   }
@@ -147,6 +193,14 @@ ffi::Error GemmGpu(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuffer a
         std::to_string(reinterpret_cast<uintptr_t>(ws))));
   }
   return ToFfiError(GemmCuda(args, device_ordinal, ws, stream));
+}
+
+ffi::Error SwizzleScalesGpu(cudaStream_t stream, ffi::AnyBuffer in, ffi::Result<ffi::AnyBuffer> out,
+                            int64_t valid_rows, int64_t valid_cols) {
+  ScaleSwizzleArgs args;
+  Status s = SwizzleArgsFromBuffers(in, *out, valid_rows, valid_cols, &args);
+  if (s.ok()) s = ScaleSwizzleCuda(args, stream);
+  return ToFfiError(s);
 }
 
 #endif
@@ -168,7 +222,15 @@ LOWBIT_FFI_HANDLER(LowbitGemmCpu, lowbit::GemmCpu,
                        .Ret<xffi::AnyBuffer>()             // workspace: u8 (0,) here, unused
                        .Attr<bool>("use_split_accumulator")  // FP8 on GPU: false = fast accumulation
                        .Attr<int32_t>("a_scale_mode")      // GemmScaleMode of a_scale_inv
-                       .Attr<int32_t>("b_scale_mode"));    // GemmScaleMode of b_scale_inv
+                       .Attr<int32_t>("b_scale_mode")      // GemmScaleMode of b_scale_inv
+                       .Attr<int32_t>("algo"));            // cuBLASLt heuristic index: checked, unused here
+
+LOWBIT_FFI_HANDLER(LowbitGemmSwizzleScalesCpu, lowbit::SwizzleScalesCpu,
+                   xffi::Ffi::Bind()
+                       .Arg<xffi::AnyBuffer>()             // scale: (R, C) u8 / e8m0 / e4m3, row-major
+                       .Ret<xffi::AnyBuffer>()             // out: (R * C,) same type, swizzled
+                       .Attr<int64_t>("valid_rows")        // rows >= this are written as 0
+                       .Attr<int64_t>("valid_cols"));      // cols >= this are written as 0
 #else
 LOWBIT_FFI_HANDLER(LowbitGemmCuda, lowbit::GemmGpu,
                    xffi::Ffi::Bind()
@@ -180,8 +242,17 @@ LOWBIT_FFI_HANDLER(LowbitGemmCuda, lowbit::GemmGpu,
                        .Arg<xffi::AnyBuffer>()             // b_scale_inv: f32 (1,), or 2-D per b_scale_mode
                        .Arg<xffi::AnyBuffer>()             // bias: (N,) in out's type, or (0,)
                        .Ret<xffi::AnyBuffer>()             // out: (M, N) bf16 / f16 / f32
-                       .Ret<xffi::AnyBuffer>()             // workspace: u8 (kGemmWorkspaceBytes,), 256-B aligned
+                       .Ret<xffi::AnyBuffer>()             // workspace: u8 (GemmWorkspaceBytes(...),), 256-B aligned
                        .Attr<bool>("use_split_accumulator")  // FP8 tensor mode: false = fast accumulation
                        .Attr<int32_t>("a_scale_mode")      // GemmScaleMode of a_scale_inv
-                       .Attr<int32_t>("b_scale_mode"));    // GemmScaleMode of b_scale_inv
+                       .Attr<int32_t>("b_scale_mode")      // GemmScaleMode of b_scale_inv
+                       .Attr<int32_t>("algo"));            // cuBLASLt heuristic index (LOWBIT_GEMM_ALGO)
+
+LOWBIT_FFI_HANDLER(LowbitGemmSwizzleScalesCuda, lowbit::SwizzleScalesGpu,
+                   xffi::Ffi::Bind()
+                       .Ctx<xffi::PlatformStream<cudaStream_t>>()  // stream
+                       .Arg<xffi::AnyBuffer>()             // scale: (R, C) u8 / e8m0 / e4m3, row-major
+                       .Ret<xffi::AnyBuffer>()             // out: (R * C,) same type, swizzled
+                       .Attr<int64_t>("valid_rows")        // rows >= this are written as 0
+                       .Attr<int64_t>("valid_cols"));      // cols >= this are written as 0
 #endif

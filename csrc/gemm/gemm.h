@@ -25,7 +25,8 @@
 //   kBlock128x128  f32 (ceil(R/128), roundup(ceil(K/128), 4)): entry [i][j] scales the tile
 //                  (i, j) (cuBLASLt's BLK128x128_32F, K-major, the K-block count padded to 4)
 //   kMxfp8         e8m0 (roundup(R, 128), roundup(ceil(K/32), 4)): entry [r][j] scales
-//                  x[r, 32j:32j+32] (quantize_mxfp8.h, before cuBLASLt's 128x4 swizzle)
+//                  x[r, 32j:32j+32] (quantize_mxfp8.h, before cuBLASLt's 128x4 swizzle,
+//                  which the sm_100 CUDA path applies itself: scale_swizzle.h)
 // Both operands use block modes or neither; MXFP8 pairs only with MXFP8. Numerics (the CPU
 // emulation, exactly): each operand is dequantized to fp32, a'[m,k] = fl(decode(a) * s_a)
 // (E8M0 s = 2^(e-127), NaN for 0xFF), then acc = the fp32 sum of fl(a'[m,k] * b'[n,k]) in
@@ -97,7 +98,15 @@ struct GemmArgs {
   DType out_type = DType::kInvalid;
   int64_t m = 0, n = 0, k = 0;
   bool use_split_accumulator = true;  // FP8 tensor mode on the GPU only: false = fast accumulation
+  // CUDA only: which of cuBLASLt's heuristic results to run, 0 = its first choice (see
+  // kGemmMaxAlgo; lowbit/ops/gemm.py takes it from LOWBIT_GEMM_ALGO). Ignored on the CPU.
+  int32_t algo = 0;
 };
+
+// algo is an index into the list cublasLtMatmulAlgoGetHeuristic returns, 0..kGemmMaxAlgo-1.
+// The CUDA launcher asks for algo + 1 results and fails (naming the count it got) when
+// cuBLASLt returns fewer; the index is part of the plan key.
+constexpr int32_t kGemmMaxAlgo = 32;
 
 // The scale-mode rules above, shared by both handlers.
 inline Status CheckGemmScaleModes(GemmScaleMode a_mode, GemmScaleMode b_mode, DType a_type) {
@@ -173,8 +182,23 @@ constexpr size_t kGemmScalarBytes = 256;
 constexpr size_t kGemmWorkspaceBytes = kGemmCublasWorkspaceBytes + kGemmScalarBytes;
 constexpr size_t kGemmWorkspaceAlignment = 256;
 
+// What GemmCuda needs for `args`: kGemmWorkspaceBytes, plus for kMxfp8 room for the two
+// swizzled scale arrays behind it (each rounded up to 256 bytes), where the sm_100 path
+// writes them (scale_swizzle.h). GEMM_WORKSPACE_BYTES / gemm_workspace_bytes in
+// lowbit/ops/gemm.py compute the same.
+inline size_t GemmScaleBytesPadded(GemmScaleMode mode, int64_t rows, int64_t k) {
+  const GemmScaleShape d = GemmScaleDims(mode, rows, k);
+  const size_t bytes = size_t(d.dim0 * d.dim1);
+  return (bytes + kGemmWorkspaceAlignment - 1) / kGemmWorkspaceAlignment * kGemmWorkspaceAlignment;
+}
+inline size_t GemmWorkspaceBytes(const GemmArgs& args) {
+  if (args.a_scale_mode != GemmScaleMode::kMxfp8) return kGemmWorkspaceBytes;
+  return kGemmWorkspaceBytes + GemmScaleBytesPadded(args.a_scale_mode, args.m, args.k) +
+         GemmScaleBytesPadded(args.b_scale_mode, args.n, args.k);
+}
+
 // CUDA launcher (cublaslt_gemm_cuda.cc): enqueues the GEMM on `stream` of device
-// `device_ordinal`, no host sync. `workspace` is kGemmWorkspaceBytes of device memory,
+// `device_ordinal`, no host sync. `workspace` is GemmWorkspaceBytes(args) of device memory,
 // 256-byte aligned, used only by work enqueued by this call.
 Status GemmCuda(const GemmArgs& args, int device_ordinal, void* workspace, GpuStream stream);
 
