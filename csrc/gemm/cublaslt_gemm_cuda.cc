@@ -40,6 +40,14 @@
 // must be multiples of 16 and K of 128 (lowbit/ops/gemm.py pads them; the scale arrays keep
 // their shapes), no bias epilogue (lowbit.ops.gemm adds the bias in fp32). Not run on real
 // Blackwell hardware yet: tests/test_gemm_block.py compares it with the CPU emulation there.
+//
+// NVFP4 (gemm.h's kNvfp4, lowbit_gemm_nvfp4 only): A/B types CUDA_R_4F_E2M1 (packed, leading
+// dimension K in elements), VEC16_UE4M3 scale mode on both, the e4m3 scale arrays swizzled
+// into the workspace as for MXFP8, and the two fp32 global scale_invs folded into alpha:
+// alpha = fl(a_gsi * b_gsi) computed on the device (GemmAlphaBetaCuda) and passed with
+// POINTER_MODE_DEVICE, as for the 16-bit GEMMs. Compute capability 10.x only; M and N
+// multiples of 16, K of 64 (whole 128 x 4 scale tiles; lowbit/ops/gemm.py pads), no bias.
+// Same caveat: compile-checked only.
 #include <cublasLt.h>
 #include <cublas_api.h>
 #include <cuda_runtime_api.h>
@@ -70,6 +78,9 @@ constexpr int kBlockScaleComputeCapability = 90;
 // 4-column groups of the scale tiles), which lowbit/ops/gemm.py pads to.
 constexpr int64_t kMxfp8ScaleBlock = 32;
 constexpr int64_t kMxfp8KMultiple = 128;
+// NVFP4: one scale per 16 values; K in whole 64-blocks (whole 4-column scale tile groups).
+constexpr int64_t kNvfp4ScaleBlock = 16;
+constexpr int64_t kNvfp4KMultiple = 64;
 #if CUBLAS_VERSION >= 120900
 #define LOWBIT_HAS_CUBLASLT_BLOCK_SCALING 1
 #else
@@ -105,6 +116,9 @@ cudaDataType_t CudaType(DType t) {
     case DType::kE5M2: return CUDA_R_8F_E5M2;
     case DType::kBF16: return CUDA_R_16BF;
     case DType::kF16: return CUDA_R_16F;
+#if LOWBIT_HAS_CUBLASLT_MX_SCALING
+    case DType::kE2M1: return CUDA_R_4F_E2M1;
+#endif
     default: return CUDA_R_32F;
   }
 }
@@ -202,7 +216,7 @@ struct Plan {
 
 // The data pointers a plan's descriptor holds; written before every cublasLtMatmul.
 Status SetPointers(cublasLtMatmulDesc_t desc, const PlanKey& key, const GemmArgs& args) {
-  if (IsFp8(key.a_type)) {
+  if (IsFp8(key.a_type) || key.a_type == DType::kE2M1) {
     const void* scale_a = args.b_scale_inv;  // cuBLASLt's A is our b
     const void* scale_b = args.a_scale_inv;
     LOWBIT_RETURN_IF_ERROR(CublasStatus(
@@ -238,9 +252,11 @@ cublasLtMatmulMatrixScale_t CublasScaleMode(GemmScaleMode mode) {
 
 // cuBLASLt's A/B_SCALE_MODE of the block modes (cuBLASLt's A is our b: its mode is b's).
 Status SetBlockScaleModes(cublasLtMatmulDesc_t desc, const PlanKey& key, const GemmArgs& args) {
-  if (key.a_scale_mode == GemmScaleMode::kMxfp8) {
+  if (key.a_scale_mode == GemmScaleMode::kMxfp8 || key.a_scale_mode == GemmScaleMode::kNvfp4) {
 #if LOWBIT_HAS_CUBLASLT_MX_SCALING
-    const int32_t mode = int32_t(CUBLASLT_MATMUL_MATRIX_SCALE_VEC32_UE8M0);
+    const int32_t mode = int32_t(key.a_scale_mode == GemmScaleMode::kMxfp8
+                                     ? CUBLASLT_MATMUL_MATRIX_SCALE_VEC32_UE8M0
+                                     : CUBLASLT_MATMUL_MATRIX_SCALE_VEC16_UE4M3);
     LOWBIT_RETURN_IF_ERROR(SetDesc(desc, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, mode,
                                    "cublasLtMatmulDescSetAttribute(A_SCALE_MODE)", args));
     return SetDesc(desc, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, mode,
@@ -248,7 +264,7 @@ Status SetBlockScaleModes(cublasLtMatmulDesc_t desc, const PlanKey& key, const G
 #else
     return Status::Unimplemented("lowbit_gemm: built against cuBLAS " +
                                  std::to_string(CUBLAS_VERSION) +
-                                 ", which has no MXFP8 scale mode (12.8+ has)");
+                                 ", which has no MXFP8 / NVFP4 scale modes (12.8+ has)");
 #endif
   }
 #if LOWBIT_HAS_CUBLASLT_BLOCK_SCALING
@@ -285,10 +301,11 @@ Status BuildPlan(cublasLtHandle_t handle, const PlanKey& key, const GemmArgs& ar
   if (IsFp8(key.a_type)) {
     LOWBIT_RETURN_IF_ERROR(SetDesc(desc, CUBLASLT_MATMUL_DESC_FAST_ACCUM, int8_t(key.fast_accum),
                                    "cublasLtMatmulDescSetAttribute(FAST_ACCUM)", args));
-    if (IsBlockScaleMode(key.a_scale_mode)) {
-      LOWBIT_RETURN_IF_ERROR(SetBlockScaleModes(desc, key, args));
-    }
-  } else {
+  }
+  if (IsBlockScaleMode(key.a_scale_mode)) {
+    LOWBIT_RETURN_IF_ERROR(SetBlockScaleModes(desc, key, args));
+  }
+  if (!IsFp8(key.a_type)) {  // 16-bit and NVFP4: alpha (and beta) from the device
     LOWBIT_RETURN_IF_ERROR(SetDesc(desc, CUBLASLT_MATMUL_DESC_POINTER_MODE,
                                    int32_t(CUBLASLT_POINTER_MODE_DEVICE),
                                    "cublasLtMatmulDescSetAttribute(POINTER_MODE)", args));
@@ -432,27 +449,33 @@ std::string CapabilityString(int capability) {
   return std::to_string(capability / 10) + "." + std::to_string(capability % 10);
 }
 
-// The MXFP8 rules of the preamble.
-Status CheckMxfp8Problem(const GemmArgs& args, int device, int capability) {
+// The MXFP8 and NVFP4 rules of the preamble.
+Status CheckMxProblem(const GemmArgs& args, int device, int capability) {
+  const bool mx = args.a_scale_mode == GemmScaleMode::kMxfp8;
+  const std::string op = mx ? "lowbit_gemm: MXFP8" : "lowbit_gemm_nvfp4: NVFP4";
   if (capability / 10 != kMxScaleComputeCapabilityMajor) {
     return Status::Unimplemented(
-        "lowbit_gemm: cuBLASLt's MXFP8 GEMM (VEC32_UE8M0 scales) runs on compute capability "
-        "10.x only in lowbit; device " + std::to_string(device) + " is " +
-        CapabilityString(capability) + "; lowbit.ops.gemm emulates MXFP8 there");
+        op + " runs on cuBLASLt (" + (mx ? "VEC32_UE8M0" : "VEC16_UE4M3") + " scales) on compute "
+        "capability 10.x only in lowbit; device " + std::to_string(device) + " is " +
+        CapabilityString(capability) + "; lowbit.ops.gemm emulates it there");
   }
   if (cublasLtGetVersion() < size_t(kMxScaleCublasVersion)) {
-    return Status::Unimplemented("lowbit_gemm: the loaded cuBLASLt " +
-                                 std::to_string(cublasLtGetVersion()) +
-                                 " has no MXFP8 scale mode (12.8+ has)");
+    return Status::Unimplemented(op + ": the loaded cuBLASLt " + std::to_string(cublasLtGetVersion()) +
+                                 " has no such scale mode (12.8+ has)");
   }
-  if (args.m % kFp8DimMultiple != 0 || args.k % kMxfp8KMultiple != 0) {
-    return Status::InvalidArgument("lowbit_gemm: MXFP8 on cuBLASLt needs M and N to be multiples "
-                                   "of 16 and K of 128, got " + Problem(args) +
+  const int64_t k_multiple = mx ? kMxfp8KMultiple : kNvfp4KMultiple;
+  if (args.m % kFp8DimMultiple != 0 || args.n % kFp8DimMultiple != 0 || args.k % k_multiple != 0) {
+    return Status::InvalidArgument(op + " on cuBLASLt needs M and N to be multiples of 16 and K of " +
+                                   std::to_string(k_multiple) + ", got " + Problem(args) +
                                    "; lowbit.ops.gemm pads them");
   }
   if (args.bias != nullptr) {
-    return Status::InvalidArgument("lowbit_gemm: bias: MXFP8 GEMMs take no bias on cuBLASLt; "
+    return Status::InvalidArgument(op + ": bias: block-scaled GEMMs take no bias on cuBLASLt; "
                                    "lowbit.ops.gemm adds it in fp32");
+  }
+  if (Alignment(args.a) < 16 || Alignment(args.b) < 16 || Alignment(args.out) < 16) {
+    return Status::InvalidArgument(op + " on cuBLASLt needs 16-byte aligned a, b and out, for " +
+                                   Problem(args));
   }
   return Status::Ok();
 }
@@ -461,7 +484,9 @@ Status CheckMxfp8Problem(const GemmArgs& args, int device, int capability) {
 Status CheckBlockScaleProblem(const GemmArgs& args, int device, int capability) {
   const std::string modes = std::string(" (a ") + GemmScaleModeName(args.a_scale_mode) + ", b " +
                             GemmScaleModeName(args.b_scale_mode) + ")";
-  if (args.a_scale_mode == GemmScaleMode::kMxfp8) return CheckMxfp8Problem(args, device, capability);
+  if (args.a_scale_mode == GemmScaleMode::kMxfp8 || args.a_scale_mode == GemmScaleMode::kNvfp4) {
+    return CheckMxProblem(args, device, capability);
+  }
   if (args.a_scale_mode == GemmScaleMode::kBlock128x128 &&
       args.b_scale_mode == GemmScaleMode::kBlock128x128) {
     return Status::Unimplemented("lowbit_gemm: cuBLASLt has no 128x128 x 128x128 block-scaled "
@@ -497,14 +522,21 @@ Status CheckBlockScaleProblem(const GemmArgs& args, int device, int capability) 
 }  // namespace
 
 Status GemmCuda(const GemmArgs& args, int device_ordinal, void* workspace, GpuStream stream) {
-  LOWBIT_RETURN_IF_ERROR(CheckGemmTypes(args.a_type, args.b_type, args.out_type));
+  const bool nvfp4 = args.a_scale_mode == GemmScaleMode::kNvfp4;
+  if (nvfp4) {
+    LOWBIT_RETURN_IF_ERROR(CheckNvfp4Gemm(args));
+  } else {
+    LOWBIT_RETURN_IF_ERROR(CheckGemmTypes(args.a_type, args.b_type, args.out_type));
+  }
   if (args.m == 0 || args.n == 0) return Status::Ok();
   if (args.k <= 0) {
     return Status::InvalidArgument("lowbit_gemm: K must be positive on CUDA, got " + Problem(args));
   }
   DeviceState* device = nullptr;
   LOWBIT_RETURN_IF_ERROR(CublasLtCache::Get().Device(device_ordinal, args, &device));
-  LOWBIT_RETURN_IF_ERROR(CheckGemmScaleModes(args.a_scale_mode, args.b_scale_mode, args.a_type));
+  if (!nvfp4) {
+    LOWBIT_RETURN_IF_ERROR(CheckGemmScaleModes(args.a_scale_mode, args.b_scale_mode, args.a_type));
+  }
   const bool fp8 = IsFp8(args.a_type);
   const bool block = IsBlockScaleMode(args.a_scale_mode);
   if (fp8) LOWBIT_RETURN_IF_ERROR(CheckFp8Problem(args, device_ordinal, device->capability));
@@ -528,7 +560,8 @@ Status GemmCuda(const GemmArgs& args, int device_ordinal, void* workspace, GpuSt
   float* alpha_beta = static_cast<float*>(workspace);
   void* cublas_workspace = static_cast<char*>(workspace) + kGemmScalarBytes;
   GemmArgs call = args;  // args with the scale pointers cuBLASLt reads
-  if (args.a_scale_mode == GemmScaleMode::kMxfp8) {
+  if (args.a_scale_mode == GemmScaleMode::kMxfp8 || nvfp4) {
+    const int64_t scale_block = nvfp4 ? kNvfp4ScaleBlock : kMxfp8ScaleBlock;
     uint8_t* swizzled = static_cast<uint8_t*>(workspace) + kGemmWorkspaceBytes;
     struct Operand {
       const void* in;
@@ -546,7 +579,7 @@ Status GemmCuda(const GemmArgs& args, int device_ordinal, void* workspace, GpuSt
       sw.rows = d.dim0;
       sw.cols = d.dim1;
       sw.valid_rows = op.rows;
-      sw.valid_cols = (args.k + kMxfp8ScaleBlock - 1) / kMxfp8ScaleBlock;
+      sw.valid_cols = (args.k + scale_block - 1) / scale_block;
       LOWBIT_RETURN_IF_ERROR(ScaleSwizzleCuda(sw, stream));
       *op.dst = swizzled;
       swizzled += GemmScaleBytesPadded(op.mode, op.rows, args.k);
@@ -555,10 +588,11 @@ Status GemmCuda(const GemmArgs& args, int device_ordinal, void* workspace, GpuSt
   const float host_one = 1.0f, host_zero = 0.0f;
   const void* alpha = &host_one;
   const void* beta = &host_zero;
-  if (!fp8) {
-    LOWBIT_RETURN_IF_ERROR(GemmAlphaBetaCuda(static_cast<const float*>(args.a_scale_inv),
-                                             static_cast<const float*>(args.b_scale_inv),
-                                             alpha_beta, stream));
+  if (!fp8) {  // 16-bit: the scale_invs; NVFP4: the global scale_invs
+    LOWBIT_RETURN_IF_ERROR(GemmAlphaBetaCuda(
+        nvfp4 ? args.a_global_scale_inv : static_cast<const float*>(args.a_scale_inv),
+        nvfp4 ? args.b_global_scale_inv : static_cast<const float*>(args.b_scale_inv), alpha_beta,
+        stream));
     alpha = alpha_beta;
     beta = alpha_beta + 1;
   }

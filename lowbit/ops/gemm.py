@@ -38,8 +38,8 @@ Algorithm (CUDA FP8 only): `algo` picks entry `algo` of the list of algorithms c
 heuristic returns (0 = its first choice; a plan-cache key in C++). `gemm(algo=None)` takes
 it from LOWBIT_GEMM_ALGO, read once per process: "k" for every FP8 kind, or
 "kind=k,kind=k" with kinds fp8_fast (per-tensor, fast accumulation: the forward GEMM),
-fp8_split (per-tensor, split accumulation: dgrad / wgrad), block (FP8 1x128 / 128x128) and
-mxfp8; unset kinds take DEFAULT_ALGO (all 0: cuBLASLt's choice). A bad value raises a
+fp8_split (per-tensor, split accumulation: dgrad / wgrad), block (FP8 1x128 / 128x128),
+mxfp8 and nvfp4 (nvfp4_gemm); unset kinds take DEFAULT_ALGO (all 0: cuBLASLt's choice). A bad value raises a
 ValueError naming the variable; an index past what cuBLASLt returns for a problem fails that
 GEMM with the count it did return. bench/bench_gemm.py --algo-sweep times every index.
 
@@ -103,7 +103,7 @@ MAX_ALGO = 32  # kGemmMaxAlgo in csrc/gemm/gemm.h: algo is 0..MAX_ALGO-1
 ALGO_ENV = "LOWBIT_GEMM_ALGO"
 # The cuBLASLt heuristic index each kind of FP8 GEMM runs with unless LOWBIT_GEMM_ALGO says
 # otherwise (0 = cuBLASLt's first choice); bench/bench_gemm.py --algo-sweep measures the others.
-DEFAULT_ALGO = {"fp8_fast": 0, "fp8_split": 0, "block": 0, "mxfp8": 0}
+DEFAULT_ALGO = {"fp8_fast": 0, "fp8_split": 0, "block": 0, "mxfp8": 0, "nvfp4": 0}
 
 
 class GemmScaleMode(enum.IntEnum):
@@ -293,8 +293,9 @@ def emulated_gemm(a, b, a_scale_inv, b_scale_inv, bias, *, out_dtype, a_scale_mo
 def emulated_nvfp4_gemm(a, b, bias=None, *, out_dtype, contracting_ndim: int = 1):
     """The NVFP4 GEMM emulation: a (M..., K...) . b (N..., K...)^T over the last
     contracting_ndim dims of the two dequantized operands (fp32, NVFP4Tensor1x.dequantize),
-    a HIGHEST-precision fp32 dot, + bias in fp32, rounded to out_dtype. No device has an
-    NVFP4 GEMM path in lowbit yet (cuBLASLt's sm_100 one is to come): said once."""
+    a HIGHEST-precision fp32 dot, + bias in fp32, rounded to out_dtype, on every device (said
+    once). lowbit.dense multiplies NVFP4 through this; nvfp4_gemm below is the packed-operand
+    op with the cuBLASLt path on compute capability 10.x."""
     _notice_once("nvfp4", "lowbit.ops.gemm: NVFP4 GEMMs run as an exact emulation (dequantize to "
                  "fp32, fp32 GEMM) on every device for now")
     kd = int(contracting_ndim)
@@ -881,3 +882,162 @@ def gemm_reference(a, b, a_scale_inv=1.0, b_scale_inv=1.0, bias=None, *, out_dty
     if bias is not None:
         acc = acc + bias.astype(jnp.float32)
     return acc.astype(out_dtype)
+
+
+# ---------------------------------------------------------------- NVFP4
+
+NVFP4_K_MULTIPLE = 64  # kNvfp4KMultiple in csrc/gemm/cublaslt_gemm_cuda.cc
+_E4M3 = jnp.dtype(jnp.float8_e4m3fn)
+
+
+def nvfp4_scale_shape(rows: int, k: int) -> tuple[int, int]:
+    """The e4m3 block scale array of a rows x k NVFP4 operand (quantize_nvfp4.h)."""
+    return (_round_up(rows, 128), _round_up(_cdiv(k, 16), 4))
+
+
+def nvfp4_workspace_bytes(m: int, n: int, k: int) -> int:
+    """GemmWorkspaceBytes in csrc/gemm/gemm.h for lowbit_gemm_nvfp4."""
+    padded = lambda rows: _round_up(math.prod(nvfp4_scale_shape(rows, k)), 256)  # noqa: E731
+    return GEMM_WORKSPACE_BYTES + padded(m) + padded(n)
+
+
+def _nvfp4_abstract(a, b, a_scale, b_scale, a_gsi, b_gsi, bias, *, out_dtype, k, algo=0):
+    del a_scale, b_scale, a_gsi, b_gsi, bias, k, algo
+    return jax.core.ShapedArray((a.shape[0], b.shape[0]), out_dtype)
+
+
+# a, b packed E2M1 (rows, ceil(K/2)) uint8, their e4m3 scales and f32 (1,) global scale_invs,
+# bias (N,) or (0,) -> (M, N); the lowering rules add the workspace result, as for gemm_p.
+gemm_nvfp4_p = ffi_primitive("lowbit_gemm_nvfp4", "lowbit_gemm_nvfp4", _nvfp4_abstract, attrs=("k", "algo"))
+_nvfp4_ffi_lowering = jax.ffi.ffi_lowering("lowbit_gemm_nvfp4")
+
+
+def _nvfp4_lower_with_workspace(ctx, *args, workspace_bytes, k, algo):
+    (out_aval,) = ctx.avals_out
+    workspace = jax.core.ShapedArray((workspace_bytes,), jnp.uint8)
+    out, _ = _nvfp4_ffi_lowering(ctx.replace(avals_out=[out_aval, workspace]), *args,
+                                 k=np.int64(k), algo=np.int32(algo))
+    return [out]
+
+
+def _nvfp4_cpu_lowering(ctx, *args, out_dtype, k, algo=0):
+    del out_dtype
+    _ffi.require_platform("lowbit_gemm_nvfp4", "cpu")
+    return _nvfp4_lower_with_workspace(ctx, *args, workspace_bytes=0, k=k, algo=algo)
+
+
+mlir.register_lowering(gemm_nvfp4_p, _nvfp4_cpu_lowering, platform="cpu")
+
+
+def emulated_nvfp4_gemm_packed(a, b, a_scale, b_scale, a_gsi, b_gsi, bias, *, out_dtype, k):
+    """The NVFP4 emulation on packed operands: each dequantized to fp32 as
+    dequantize_nvfp4 does ((e2m1 * e4m3) * global_scale_inv), a HIGHEST fp32 dot, + bias in
+    fp32, rounded to out_dtype."""
+    from lowbit.ops.quantize_nvfp4 import dequantize_nvfp4
+    a32 = dequantize_nvfp4(a, a_scale, a_gsi, cols=k)
+    b32 = dequantize_nvfp4(b, b_scale, b_gsi, cols=k)
+    acc = jnp.dot(a32, b32.T, precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+    if bias.shape[0]:
+        acc = acc + bias.astype(jnp.float32)
+    return acc.astype(out_dtype)
+
+
+def _nvfp4_gemm_cuda(a, b, a_scale, b_scale, a_gsi, b_gsi, bias, *, out_dtype, k, algo):
+    """NVFP4 on cuBLASLt: M and N zero-padded to 16, K to 64 (zero bytes are E2M1 zeros; the
+    scale arrays keep their shapes, their entries past ceil(K/16) zeroed), bias added in fp32
+    afterwards, the result sliced back."""
+    m, n = a.shape[0], b.shape[0]
+    mp, np_, kp = _round_up(m, FP8_DIM_MULTIPLE), _round_up(n, FP8_DIM_MULTIPLE), _round_up(k, NVFP4_K_MULTIPLE)
+    a = jnp.pad(a, ((0, mp - m), (0, kp // 2 - a.shape[1])))
+    b = jnp.pad(b, ((0, np_ - n), (0, kp // 2 - b.shape[1])))
+
+    def fit(scale):
+        used = jnp.arange(scale.shape[1])[None, :] < _cdiv(k, 16)
+        bits = jax.lax.bitcast_convert_type(scale, jnp.uint8)
+        return jax.lax.bitcast_convert_type(jnp.where(used, bits, jnp.uint8(0)), _E4M3)
+
+    f32 = jnp.dtype(jnp.float32)
+    out = gemm_nvfp4_p.bind(a, b, fit(a_scale), fit(b_scale), a_gsi, b_gsi, jnp.zeros((0,), f32),
+                            out_dtype=f32 if bias.shape[0] else out_dtype, k=np.int64(kp),
+                            algo=np.int32(algo))[:m, :n]
+    if bias.shape[0]:
+        out = (out + bias.astype(jnp.float32)).astype(out_dtype)
+    return out
+
+
+def _nvfp4_cuda_lowering(ctx, a, b, a_scale, b_scale, a_gsi, b_gsi, bias, *, out_dtype, k, algo=0):
+    m, n = ctx.avals_in[0].shape[0], ctx.avals_in[1].shape[0]
+    lower = functools.partial(mlir.lower_fun, multiple_results=False)
+    args = (a, b, a_scale, b_scale, a_gsi, b_gsi, bias)
+    if not mxfp8_on_cublaslt(_cuda_capability()):
+        _notice_once("nvfp4-cuda", f"lowbit.ops.gemm: no cuBLASLt NVFP4 path on compute capability "
+                     f"{_cuda_capability() or 'unknown'} (10.x only); emulating it exactly (dequantize "
+                     "to fp32, fp32 GEMM)")
+        fn = functools.partial(emulated_nvfp4_gemm_packed, out_dtype=out_dtype, k=int(k))
+        return lower(fn)(ctx, *args)
+    ready = not (m % FP8_DIM_MULTIPLE or n % FP8_DIM_MULTIPLE or k % NVFP4_K_MULTIPLE or ctx.avals_in[6].shape[0])
+    if not ready:
+        fn = functools.partial(_nvfp4_gemm_cuda, out_dtype=out_dtype, k=int(k), algo=int(algo))
+        return lower(fn)(ctx, *args)
+    _ffi.require_platform("lowbit_gemm_nvfp4", "cuda")
+    workspace_bytes = nvfp4_workspace_bytes(m, n, int(k)) if m and n else 0
+    return _nvfp4_lower_with_workspace(ctx, *args, workspace_bytes=workspace_bytes, k=k, algo=algo)
+
+
+mlir.register_lowering(gemm_nvfp4_p, _nvfp4_cuda_lowering, platform="cuda")
+
+
+def nvfp4_gemm(a, b, a_scale, b_scale, a_global_scale_inv, b_global_scale_inv, bias=None, *, k: int,
+               out_dtype=jnp.bfloat16, algo: int | None = None) -> jax.Array:
+    """out (M, N) = dequant(a) (M, K) . dequant(b) (N, K)^T + bias for NVFP4 copies as
+    lowbit.ops.quantize_nvfp4 stores them: a / b packed E2M1 uint8 (rows, ceil(K/2)), their
+    e4m3 scales (roundup(rows, 128), roundup(ceil(K/16), 4)) and f32 global_scale_invs (one
+    value each); K given since the packed width cannot tell an odd K.
+
+    CPU: the exact emulation of csrc/gemm/gemm.h (each operand dequantized as
+    dequantize_nvfp4 does, products rounded to fp32 and summed in increasing k). CUDA on
+    compute capability 10.x: cuBLASLt (E2M1 x E2M1, VEC16_UE4M3 scales swizzled in the
+    launcher, alpha = a_gsi * b_gsi), compile-checked only; elsewhere the emulation in jnp
+    with a one-time notice. 2-D operands only, no sharding or vmap rule (a building block:
+    lowbit.dense still multiplies NVFP4 through emulated_nvfp4_gemm). RHT-transformed copies
+    multiply as stored (T applied to both operands' K leaves the product unchanged up to
+    rounding; dequantize_nvfp4 would undo it instead)."""
+    a, b = jnp.asarray(a), jnp.asarray(b)
+    op = f"{OP} (nvfp4)"
+    k = int(k)
+    kb = _cdiv(k, 2)
+    for name, x in (("a", a), ("b", b)):
+        if x.dtype != jnp.uint8 or x.ndim != 2 or x.shape[1] != kb:
+            raise ValueError(f"{op}: {name}: expected packed E2M1 uint8 (rows, {kb}) for K={k}, "
+                             f"got {x.dtype}{x.shape}")
+    scales = []
+    for name, x, rows in (("a_scale", a_scale, a.shape[0]), ("b_scale", b_scale, b.shape[0])):
+        x = jnp.asarray(x)
+        if x.dtype != _E4M3 or tuple(x.shape) != nvfp4_scale_shape(rows, k):
+            raise ValueError(f"{op}: {name}: expected float8_e4m3fn {nvfp4_scale_shape(rows, k)}, "
+                             f"got {x.dtype}{tuple(x.shape)}")
+        scales.append(x)
+    globals_ = []
+    for name, x in (("a_global_scale_inv", a_global_scale_inv), ("b_global_scale_inv", b_global_scale_inv)):
+        x = jnp.asarray(x)
+        if x.dtype != jnp.float32 or x.size != 1:
+            raise ValueError(f"{op}: {name}: expected one float32, got {x.dtype}{x.shape}")
+        globals_.append(x.reshape(1))
+    out_dtype = jnp.dtype(out_dtype)
+    if out_dtype not in OUT:
+        raise TypeError(f"{op}: out_dtype: expected bfloat16, float16 or float32, got {out_dtype}")
+    if bias is None:
+        bias = jnp.zeros((0,), out_dtype)
+    else:
+        bias = jnp.asarray(bias)
+        if bias.shape != (b.shape[0],) or bias.dtype != out_dtype:
+            raise ValueError(f"{op}: bias: expected {out_dtype} ({b.shape[0]},), got {bias.dtype}{bias.shape}")
+    if algo is None:
+        algo = _env_algo().get("nvfp4", DEFAULT_ALGO["nvfp4"])
+    elif isinstance(algo, bool) or not isinstance(algo, (int, np.integer)) or not 0 <= algo < MAX_ALGO:
+        raise ValueError(f"{op}: algo: expected None or an index 0..{MAX_ALGO - 1}, got {algo!r}")
+    if a.shape[0] == 0 or b.shape[0] == 0 or k == 0:
+        base = bias if bias.shape[0] else jnp.zeros((b.shape[0],), out_dtype)
+        return jnp.broadcast_to(base, (a.shape[0], b.shape[0]))
+    return gemm_nvfp4_p.bind(a, b, *scales, *globals_, bias, out_dtype=out_dtype, k=np.int64(k),
+                             algo=np.int32(algo))
