@@ -123,7 +123,7 @@ def algo_sweep(args, table, iters, repeats):
                         print(f"{name} {label}: cuBLASLt offers {algo} algorithms", flush=True)
                         break
                     print(f"{name} {label} algo {algo}: failed: {type(e).__name__}: {msg}", flush=True)
-                    continue
+                    break  # not an index problem: the next indices fail alike
                 times[algo] = t
                 print(f"{name} {label} algo {algo}: {t * 1e3:.3f} ms, {flops / t / 1e12:.0f} TFLOP/s",
                       flush=True)

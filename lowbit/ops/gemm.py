@@ -34,6 +34,11 @@ roundup(ceil(K/32), 4)). Both operands block-scaled or neither; MXFP8 only with 
     emulation in jnp (fp32 HIGHEST dot), with a one-time notice.
 Block modes map over vmapped batches and are partitioned (below) where shards hold whole tiles.
 
+NVFP4 (`nvfp4_gemm`, its own op lowbit_gemm_nvfp4 at the end of this file): packed E2M1
+operands with e4m3 block scales and fp32 global scale_invs as lowbit.ops.quantize_nvfp4
+stores them; the exact emulation on the CPU and off 10.x, cuBLASLt on 10.x (compile-checked
+only). 2-D, no sharding or vmap rule; lowbit.dense still uses emulated_nvfp4_gemm.
+
 Algorithm (CUDA FP8 only): `algo` picks entry `algo` of the list of algorithms cuBLASLt's
 heuristic returns (0 = its first choice; a plan-cache key in C++). `gemm(algo=None)` takes
 it from LOWBIT_GEMM_ALGO, read once per process: "k" for every FP8 kind, or
