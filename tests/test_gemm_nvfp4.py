@@ -118,7 +118,8 @@ def cuda_calls(monkeypatch, fn, *args, capability):
     text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     pattern = re.compile(r"custom_call @lowbit_gemm_nvfp4\((.*?)\) \{(.*)\} : \((.*)\) -> \((.*)\)")
     types = lambda s: re.findall(r"tensor<([^>]*)>", s)  # noqa: E731
-    return [(types(mt.group(3)), types(mt.group(4)), mt.group(2)) for mt in map(pattern.search, text.splitlines()) if mt]
+    matches = [mt for mt in map(pattern.search, text.splitlines()) if mt]
+    return [(types(mt.group(3)), types(mt.group(4)), mt.group(2)) for mt in matches]
 
 
 @pytest.mark.parametrize("capability", ["10.0", "10.3"])

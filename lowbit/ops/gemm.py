@@ -44,9 +44,10 @@ heuristic returns (0 = its first choice; a plan-cache key in C++). `gemm(algo=No
 it from LOWBIT_GEMM_ALGO, read once per process: "k" for every FP8 kind, or
 "kind=k,kind=k" with kinds fp8_fast (per-tensor, fast accumulation: the forward GEMM),
 fp8_split (per-tensor, split accumulation: dgrad / wgrad), block (FP8 1x128 / 128x128),
-mxfp8 and nvfp4 (nvfp4_gemm); unset kinds take DEFAULT_ALGO (all 0: cuBLASLt's choice). A bad value raises a
-ValueError naming the variable; an index past what cuBLASLt returns for a problem fails that
-GEMM with the count it did return. bench/bench_gemm.py --algo-sweep times every index.
+mxfp8 and nvfp4 (nvfp4_gemm); unset kinds take DEFAULT_ALGO (all 0: cuBLASLt's choice). A
+bad value raises a ValueError naming the variable; an index past what cuBLASLt returns for a
+problem fails that GEMM with the count it did return. bench/bench_gemm.py --algo-sweep times
+every index.
 
 Workspace: the lowbit_gemm custom call has a second result, a u8 workspace that XLA's buffer
 assignment plans like any temp (XLA's FFI scratch allocator hands out nothing in jax 0.11):
