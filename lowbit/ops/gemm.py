@@ -39,7 +39,7 @@ operands with e4m3 block scales and fp32 global scale_invs as lowbit.ops.quantiz
 stores them; the exact emulation on the CPU and off 10.x, cuBLASLt on 10.x (compile-checked
 only). 2-D, no sharding or vmap rule; lowbit.dense still uses emulated_nvfp4_gemm.
 
-Algorithm (CUDA FP8 only): `algo` picks entry `algo` of the list of algorithms cuBLASLt's
+Algorithm (CUDA): `algo` picks entry `algo` of the list of algorithms cuBLASLt's
 heuristic returns (0 = its first choice; a plan-cache key in C++). `gemm(algo=None)` takes
 it from LOWBIT_GEMM_ALGO, read once per process: "k" for every FP8 kind, or
 "kind=k,kind=k" with kinds fp8_fast (per-tensor, fast accumulation: the forward GEMM),
@@ -829,8 +829,9 @@ def gemm(a, b, a_scale_inv=None, b_scale_inv=None, bias=None, *, out_dtype=jnp.b
     `a_scale_mode` / `b_scale_mode` (GemmScaleMode, see the module docstring): the block
     scale arrays are those of the (prod(M...), prod(K...)) and (prod(N...), prod(K...)) views.
 
-    `algo`: cuBLASLt's heuristic index for the FP8 GEMMs on CUDA (None: LOWBIT_GEMM_ALGO or
-    DEFAULT_ALGO, see the module docstring); no effect on the CPU or the 16-bit GEMMs.
+    `algo`: cuBLASLt's heuristic index on CUDA (None: LOWBIT_GEMM_ALGO or DEFAULT_ALGO for
+    the FP8 kinds, see the module docstring, and 0 for 16-bit operands); no effect on the
+    CPU or where the GEMM is emulated.
     """
     a, b = jnp.asarray(a), jnp.asarray(b)
     kd = int(contracting_ndim)
