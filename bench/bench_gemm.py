@@ -8,8 +8,16 @@ Shapes (M, N, K), out = a (M, K) @ b (N, K)^T in bf16:
   dense_wgrad dW = X^T @ dY:               M=8192,  N=32768, K=16384 (E4M3 x E5M2)
 Ratios are to bf16 in the same run. `--small` runs tiny shapes on the CPU as a smoke test.
 
+`--algo-sweep` instead times lowbit_gemm at every cuBLASLt heuristic index (the `algo` of
+lowbit.ops.gemm, LOWBIT_GEMM_ALGO) on the three dense shapes, per kind: per-tensor FP8 as
+lowbit.dense runs it (fast accumulation forward, split dgrad / wgrad) and FP8 block scaling
+(x 1x128 with W 128x128 forward and dgrad, 1x128 x 1x128 wgrad). Per (shape, kind) it walks
+indices 0, 1, ... until cuBLASLt has no more (or --max-algo), prints TFLOP/s per index and
+the best index against index 0: what DEFAULT_ALGO in lowbit/ops/gemm.py should hold.
+
   python bench/bench_gemm.py            # GPU
-  JAX_PLATFORMS=cpu python bench/bench_gemm.py --small
+  python bench/bench_gemm.py --algo-sweep [--max-algo 16]
+  JAX_PLATFORMS=cpu python bench/bench_gemm.py --small [--algo-sweep]
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ import jax.numpy as jnp
 from common import print_table, time_fn, write_results
 
 import lowbit
+from lowbit.ops.gemm import GemmScaleMode, scale_shape
 
 E4M3, E5M2, BF16 = jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.bfloat16
 TN = (((1,), (1,)), ((), ()))  # contract a's and b's last dims
@@ -68,16 +77,90 @@ def inputs(m, n, k, a_dtype, b_dtype, seed):
     return (a16.astype(a_dtype), b16.astype(b_dtype), a16, b16, sa, sb)
 
 
+B1, B128 = GemmScaleMode.BLOCK_1x128, GemmScaleMode.BLOCK_128x128
+# name: per-tensor kind (its use_split_accumulator) and the block (a, b) mode pair, as
+# lowbit.dense runs each GEMM.
+SWEEP_KINDS = {
+    "dense_fwd": (("fp8_fast", False), (B1, B128)),
+    "dense_dgrad": (("fp8_split", True), (B1, B128)),
+    "dense_wgrad": (("fp8_split", True), (B1, B1)),
+}
+
+
+def sweep_inputs(m, n, k, a_dtype, b_dtype, modes, seed):
+    """FP8 operands and their scales: (1,) f32 per tensor, or the block arrays of `modes`."""
+    ka, kb, ks = jax.random.split(jax.random.key(seed), 3)
+    a = jax.random.normal(ka, (m, k), BF16).astype(a_dtype)
+    b = jax.random.normal(kb, (n, k), BF16).astype(b_dtype)
+    if modes is None:
+        return a, b, jnp.full((1,), 0.5, jnp.float32), jnp.full((1,), 2.0, jnp.float32)
+    ksa, ksb = jax.random.split(ks)
+    sa = jax.random.uniform(ksa, scale_shape(modes[0], m, k), jnp.float32, 0.5, 2.0)
+    sb = jax.random.uniform(ksb, scale_shape(modes[1], n, k), jnp.float32, 0.5, 2.0)
+    return a, b, sa, sb
+
+
+def algo_sweep(args, table, iters, repeats):
+    """The --algo-sweep mode (see the module docstring); returns result rows."""
+    rows = []
+    for name in args.shapes or [s for s in SWEEP_KINDS if s in table]:
+        m, n, k, a_dtype, b_dtype = table[name]
+        (tensor_kind, split), block_modes = SWEEP_KINDS[name]
+        flops = 2.0 * m * n * k
+        for kind, modes in ((tensor_kind, None), ("block", block_modes)):
+            label = kind if modes is None else f"block_{modes[0].name[6:]}x{modes[1].name[6:]}"
+            sets = [sweep_inputs(m, n, k, a_dtype, b_dtype, modes, seed) for seed in range(2)]
+            mode_kw = {} if modes is None else dict(a_scale_mode=modes[0], b_scale_mode=modes[1])
+            times = {}
+            for algo in range(args.max_algo):
+                fn = (lambda a, b, sa, sb, algo=algo: lowbit.ops.gemm(
+                    a, b, sa, sb, out_dtype=BF16, use_split_accumulator=split, algo=algo, **mode_kw))
+                try:
+                    t = time_fn(fn, sets, iters=iters, repeats=repeats, warmup=1 if args.small else 3)
+                except Exception as e:  # noqa: BLE001 (XlaRuntimeError)
+                    msg = str(e).splitlines()[0]
+                    if "heuristic algorithms for" in str(e):
+                        print(f"{name} {label}: cuBLASLt offers {algo} algorithms", flush=True)
+                        break
+                    print(f"{name} {label} algo {algo}: failed: {type(e).__name__}: {msg}", flush=True)
+                    break  # not an index problem: the next indices fail alike
+                times[algo] = t
+                print(f"{name} {label} algo {algo}: {t * 1e3:.3f} ms, {flops / t / 1e12:.0f} TFLOP/s",
+                      flush=True)
+                rows.append({"shape": name, "M": m, "N": n, "K": k, "kind": kind, "modes": label,
+                             "algo": algo, "time_ms": t * 1e3, "tflops": flops / t / 1e12,
+                             "x_algo0": times[0] / t if 0 in times else None})
+            if times:
+                best = min(times, key=times.get)
+                base = f", {times[0] / times[best]:.3f}x index 0" if 0 in times else ""
+                print(f"{name} {label}: best algo {best} ({flops / times[best] / 1e12:.0f} TFLOP/s{base})",
+                      flush=True)
+            del sets
+    return rows
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--small", action="store_true", help="tiny shapes, for a CPU smoke run")
     parser.add_argument("--shapes", nargs="*", default=None, help=f"subset of {list(SHAPES)}")
     parser.add_argument("--iters", type=int, default=None)
     parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--algo-sweep", action="store_true",
+                        help="time every cuBLASLt heuristic index instead (see the module docstring)")
+    parser.add_argument("--max-algo", type=int, default=16, help="--algo-sweep: indices 0..N-1 at most")
     args = parser.parse_args()
     table = SMALL_SHAPES if args.small else SHAPES
     iters = args.iters or (2 if args.small else 20)
     repeats = args.repeats or (1 if args.small else 5)
+    if args.algo_sweep:
+        if args.small:
+            args.max_algo = min(args.max_algo, 2)
+        rows = algo_sweep(args, table, iters, repeats)
+        print_table(rows, ["shape", "M", "N", "K", "modes", "algo", "time_ms", "tflops", "x_algo0"])
+        path = write_results("gemm_algo_sweep", {"rows": rows, "small": args.small, "iters": iters,
+                                                 "repeats": repeats})
+        print(f"wrote {path}")
+        return
     rows = []
     for name in args.shapes or list(table):
         m, n, k, a_dtype, b_dtype = table[name]

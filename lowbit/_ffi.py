@@ -36,6 +36,8 @@ TARGETS: dict[str, str] = {
     "lowbit_quantize_mxfp8": "LowbitQuantizeMxfp8",
     "lowbit_dequantize_mxfp8": "LowbitDequantizeMxfp8",
     "lowbit_gemm": "LowbitGemm",
+    "lowbit_gemm_swizzle_scales": "LowbitGemmSwizzleScales",
+    "lowbit_gemm_nvfp4": "LowbitGemmNvfp4",
     "lowbit_compute_scale": "LowbitComputeScale",
     "lowbit_scale_inverse": "LowbitScaleInverse",
     "lowbit_update_delayed_scaling": "LowbitUpdateDelayedScaling",

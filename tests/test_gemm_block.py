@@ -1,8 +1,9 @@
 """lowbit.ops.gemm with block scale modes (FP8 1x128 / 128x128, MXFP8): the CPU handler's
 exact emulation against a numpy reference written from gemm.h's formula (bit for bit on small
 shapes, and within fp32 error of a float64 product on larger ones), scale layouts (padding
-entries are never read), bad input, the one-time notice, and on the GPU cuBLASLt's
-block-scaled FP8 GEMM against the CPU emulation within a stated tolerance."""
+entries are never read), bad input, the one-time notice, the CUDA lowering's choice between
+cuBLASLt and the emulation (FP8 block on 9.0, MXFP8 on 10.x only), and on the GPU cuBLASLt's
+block-scaled GEMMs against the CPU emulation within a stated tolerance."""
 
 from __future__ import annotations
 
@@ -276,6 +277,8 @@ def test_cuda_lowering_under_vmap(rng, monkeypatch):
 
 @pytest.mark.parametrize("a_mode,b_mode,capability", [
     (Mode.BLOCK_128x128, Mode.BLOCK_128x128, "9.0"), (Mode.MXFP8, Mode.MXFP8, "9.0"),
+    (Mode.MXFP8, Mode.MXFP8, "8.9"), (Mode.MXFP8, Mode.MXFP8, "12.0"), (Mode.MXFP8, Mode.MXFP8, "11.0"),
+    (Mode.MXFP8, Mode.MXFP8, "1.0"), (Mode.MXFP8, Mode.MXFP8, ""),
     (Mode.BLOCK_1x128, Mode.BLOCK_128x128, "8.9"), (Mode.BLOCK_1x128, Mode.BLOCK_1x128, "10.0")], ids=str)
 def test_cuda_lowering_emulates_pairs_without_cublaslt_path(a_mode, b_mode, capability, rng, monkeypatch):
     a, b, sa, sb = operands(rng, 33, 40, 300, a_mode, b_mode)
@@ -283,6 +286,41 @@ def test_cuda_lowering_emulates_pairs_without_cublaslt_path(a_mode, b_mode, capa
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the one-time emulation notice
         assert cuda_gemm_calls(monkeypatch, f, a, b, sa, sb, capability=capability) == []
+
+
+@pytest.mark.parametrize("capability", ["10.0", "10.3"])
+@pytest.mark.parametrize("m,n,k", CUDA_SHAPES + [(256, 128, 4096)], ids=str)
+@pytest.mark.parametrize("with_bias", [True, False], ids=str)
+def test_cuda_lowering_mxfp8_on_sm100_emits_one_padded_cublaslt_call(capability, m, n, k, with_bias, rng,
+                                                                    monkeypatch):
+    """The sm_100 gate: on compute capability 10.x MXFP8 lowers to exactly one lowbit_gemm,
+    M and N padded to 16 and K to 128, the e8m0 scale arrays in their unchanged shapes, no
+    bias (added afterwards in fp32), and the workspace grown by the two swizzled scale
+    arrays (each rounded up to 256 bytes)."""
+    a, b, sa, sb = operands(rng, m, n, k, Mode.MXFP8, Mode.MXFP8, E4M3, E5M2)
+    bias = rng.normal(size=(n,)).astype(BF16) if with_bias else None
+    f = lambda a, b, sa, sb, bias: call(a, b, sa, sb, Mode.MXFP8, Mode.MXFP8, bias, BF16)  # noqa: E731
+    (c,) = cuda_gemm_calls(monkeypatch, f, a, b, sa, sb, bias, capability=capability)
+    mp, np_, kp = round16(m), round16(n), cdiv(k, 128) * 128
+    dims = lambda *d: "x".join(map(str, d))  # noqa: E731
+    out = "f32" if with_bias else "bf16"
+    assert scale_dims(Mode.MXFP8, mp, kp) == sa.shape and scale_dims(Mode.MXFP8, np_, kp) == sb.shape
+    assert c.operand_types == [f"{dims(mp, kp)}xf8E4M3FN", f"{dims(np_, kp)}xf8E5M2",
+                               dims(*sa.shape) + "xf8E8M0FNU", dims(*sb.shape) + "xf8E8M0FNU", f"0x{out}"]
+    swizzled = sum(cdiv(d0 * d1, 256) * 256 for d0, d1 in (sa.shape, sb.shape))
+    assert c.result_types == [f"{dims(mp, np_)}x{out}", f"{gemm_mod.GEMM_WORKSPACE_BYTES + swizzled}xui8"]
+    assert gemm_mod.gemm_workspace_bytes(Mode.MXFP8, mp, np_, kp) == gemm_mod.GEMM_WORKSPACE_BYTES + swizzled
+    assert (c.a_scale_mode, c.b_scale_mode) == (int(Mode.MXFP8), int(Mode.MXFP8))
+
+
+def test_sm100_gate_is_exact():
+    """MXFP8 goes to cuBLASLt on 10.x only; the Hopper block pairs on 9.0 only."""
+    mx = (Mode.MXFP8, Mode.MXFP8)
+    for cap, want in [("10.0", True), ("10.3", True), ("9.0", False), ("12.0", False), ("1.0", False),
+                      ("100.0", False), ("", False), ("8.9", False), ("11.0", False)]:
+        assert gemm_mod.block_on_cublaslt(mx, cap) == want, cap
+    pair = (Mode.BLOCK_1x128, Mode.BLOCK_128x128)
+    assert [gemm_mod.block_on_cublaslt(pair, c) for c in ("9.0", "10.0", "8.9")] == [True, False, False]
 
 
 def test_cuda_tensor_scaled_fp8_lowering_pads_k_and_n(rng, monkeypatch):
@@ -296,13 +334,14 @@ def test_cuda_tensor_scaled_fp8_lowering_pads_k_and_n(rng, monkeypatch):
     assert (c.a_scale_mode, c.b_scale_mode) == (0, 0)
 
 
-@pytest.mark.parametrize("a_mode,b_mode", PAIRS[:3], ids=PAIR_IDS[:3])
+@pytest.mark.parametrize("a_mode,b_mode", PAIRS[:3] + PAIRS[4:], ids=PAIR_IDS[:3] + PAIR_IDS[4:])
 @pytest.mark.parametrize("m,n,k", CUDA_SHAPES, ids=str)
 @pytest.mark.parametrize("with_bias", [True, False], ids=str)
 def test_cuda_wrapper_padding_on_cpu_handler_is_exact(a_mode, b_mode, m, n, k, with_bias, rng):
-    """The CUDA lowering's wrapper (_block_gemm_cuda: zero padding of M, N, K and of the 1x128
-    scale rows, bias split off and added in fp32) run through the CPU handler equals the
-    documented formula bit for bit: the padding adds only zero terms and is sliced off."""
+    """The CUDA lowering's wrapper (_block_gemm_cuda: zero padding of M, N, K (K to 128 for
+    MXFP8, its NaN scale padding zeroed) and of the 1x128 scale rows, bias split off and added
+    in fp32) run through the CPU handler equals the documented formula bit for bit: the
+    padding adds only zero terms and is sliced off."""
     a, b, sa, sb = operands(rng, m, n, k, a_mode, b_mode, E4M3, E5M2)
     bias = rng.normal(size=(n,)).astype(BF16) if with_bias else np.zeros((0,), BF16)
     f = jax.jit(lambda a, b, sa, sb, bias: gemm_mod._block_gemm_cuda(
@@ -360,13 +399,48 @@ def test_cuda_block_gemm_runs_cublaslt_on_hopper(rng, gpu):
     assert ("lowbit_gemm" in hlo) == (getattr(gpu, "compute_capability", "") == "9.0")
 
 
+def capability_of(device) -> str:
+    return str(getattr(device, "compute_capability", ""))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("a_mode,b_mode", PAIRS[3:], ids=PAIR_IDS[3:])
 def test_cuda_pairs_without_cublaslt_path_are_emulated(a_mode, b_mode, rng, cpu, gpu):
-    """128x128 x 128x128 and MXFP8 (before the sm_100 path exists): the jnp emulation."""
+    """128x128 x 128x128 anywhere and MXFP8 off compute capability 10.x (the sm_100 gate, so
+    on an H100 too): the jnp emulation, and no lowbit_gemm in the program."""
+    if a_mode == Mode.MXFP8 and gemm_mod.mxfp8_on_cublaslt(capability_of(gpu)):
+        pytest.skip("MXFP8 runs on cuBLASLt here: test_cuda_mxfp8_matches_cpu_emulation")
     a, b, sa, sb = operands(rng, 33, 40, 300, a_mode, b_mode)
+    args = jax.device_put((a, b, sa, sb), gpu)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the one-time emulation notice
+        hlo = jax.jit(lambda *x: call(*x, a_mode, b_mode)).lower(*args).compile().as_text()
+    assert "lowbit_gemm" not in hlo
     f = lambda *x: call(*x, a_mode, b_mode)  # noqa: E731
     g = np.asarray(run_on(gpu, f, a, b, sa, sb), np.float64)
     c = np.asarray(run_on(cpu, f, a, b, sa, sb), np.float64)
     a64, b64 = dequantized(a, a_mode, sa).astype(np.float64), dequantized(b, b_mode, sb).astype(np.float64)
     assert np.all(np.abs(g - c) <= 8 * 300 * 2.0**-24 * (np.abs(a64) @ np.abs(b64).T))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n,k", GPU_SHAPES + [(300, 200, 1056)], ids=str)
+@pytest.mark.parametrize("out_dtype", [BF16, F32], ids=str)
+def test_cuda_mxfp8_matches_cpu_emulation(m, n, k, out_dtype, rng, cpu, gpu):
+    """MXFP8 on the GPU against the CPU emulation: on 10.x through cuBLASLt (swizzled scales,
+    NaN codes in the scale padding, which the padding of K must not let through), within the
+    block tolerance; elsewhere the emulation. The program holds lowbit_gemm exactly on 10.x."""
+    a, b, sa, sb = operands(rng, m, n, k, Mode.MXFP8, Mode.MXFP8, E4M3, E5M2)
+    bias = rng.normal(size=(n,)).astype(out_dtype)
+    f = lambda a, b, sa, sb, bias: call(a, b, sa, sb, Mode.MXFP8, Mode.MXFP8, bias, out_dtype)  # noqa: E731
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the one-time emulation notice
+        g = np.asarray(run_on(gpu, f, a, b, sa, sb, bias), np.float64)
+        args = jax.device_put((a, b, sa, sb, bias), gpu)
+        hlo = jax.jit(f).lower(*args).compile().as_text()
+    c = np.asarray(run_on(cpu, f, a, b, sa, sb, bias), np.float64)
+    assert ("lowbit_gemm" in hlo) == gemm_mod.mxfp8_on_cublaslt(capability_of(gpu))
+    tol = block_tolerance(a, b, Mode.MXFP8, sa, Mode.MXFP8, sb, out_dtype)
+    assert np.all(np.abs(g - c) <= tol), np.max(np.abs(g - c) / tol)
+    # A wrongly swizzled scale is off by factors up to 2^30 (the exponents span 110..139).
+    assert np.linalg.norm(g - c) <= 2.0**-6 * np.linalg.norm(c) + 1e-30

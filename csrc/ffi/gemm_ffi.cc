@@ -10,11 +10,24 @@
 // calls and TransformerEngine do); buffer assignment plans it like any temp. The CUDA
 // lowering makes it u8[kGemmWorkspaceBytes], the CPU lowering u8[0]; both handlers bind
 // it (one primitive lowers to both), the CPU one ignores it.
+//
+// lowbit_gemm_nvfp4: out (M, N) = dequant(a) (M, K) @ dequant(b) (N, K)^T + bias for NVFP4
+// operands (gemm.h's kNvfp4): a / b packed E2M1 as u8 (rows, ceil(K/2)), their e4m3 scale
+// arrays, their f32 (1,) global_scale_invs, K as an attribute (the packed width cannot tell
+// an odd K). CPU: the exact emulation; CUDA: cuBLASLt on compute capability 10.x.
+//
+// Also lowbit_gemm_swizzle_scales (gemm/scale_swizzle.h): a (R, C) one-byte scale matrix
+// (u8, e8m0 or e4m3) -> its R * C bytes in cuBLASLt's swizzled 128 x 4 tile order, the step
+// the sm_100 MXFP8 GEMM applies inside GemmCuda; an op of its own so that the CUDA kernel is
+// tested against the CPU reference bit for bit on any GPU.
 #include <cstdint>
 #include <string>
+#include <tuple>
+#include <utility>
 
 #include "ffi/ffi_util.h"
 #include "gemm/gemm.h"
+#include "gemm/scale_swizzle.h"
 
 #if defined(LOWBIT_CUDA_HANDLERS)
 #include <cuda_runtime_api.h>
@@ -62,7 +75,7 @@ Status GemmArgsFromBuffers(const ffi::AnyBuffer& a, const ffi::AnyBuffer& b,
                            const ffi::AnyBuffer& a_scale_inv, const ffi::AnyBuffer& b_scale_inv,
                            const ffi::AnyBuffer& bias, ffi::AnyBuffer& out,
                            bool use_split_accumulator, int32_t a_scale_mode,
-                           int32_t b_scale_mode, GemmArgs* args) {
+                           int32_t b_scale_mode, int32_t algo, GemmArgs* args) {
   const auto ad = a.dimensions(), bd = b.dimensions(), od = out.dimensions();
   if (ad.size() != 2) return Invalid("a", "expected rank 2 (M, K), got shape " + Shape(ad));
   if (bd.size() != 2) return Invalid("b", "expected rank 2 (N, K), got shape " + Shape(bd));
@@ -102,7 +115,102 @@ Status GemmArgsFromBuffers(const ffi::AnyBuffer& a, const ffi::AnyBuffer& b,
   args->n = bd[0];
   args->k = ad[1];
   args->use_split_accumulator = use_split_accumulator;
+  if (algo < 0 || algo >= kGemmMaxAlgo) {
+    return Invalid("algo", "expected a cuBLASLt heuristic index in 0.." +
+                               std::to_string(kGemmMaxAlgo - 1) + " (LOWBIT_GEMM_ALGO), got " +
+                               std::to_string(algo));
+  }
+  args->algo = algo;
   return Status::Ok();
+}
+
+// Checks the NVFP4 GEMM's buffers and fills `args`.
+Status Nvfp4ArgsFromBuffers(const ffi::AnyBuffer& a, const ffi::AnyBuffer& b,
+                            const ffi::AnyBuffer& a_scale, const ffi::AnyBuffer& b_scale,
+                            const ffi::AnyBuffer& a_gsi, const ffi::AnyBuffer& b_gsi,
+                            const ffi::AnyBuffer& bias, ffi::AnyBuffer& out, int64_t k,
+                            int32_t algo, GemmArgs* args) {
+  const char* op = "lowbit_gemm_nvfp4";
+  const auto ad = a.dimensions(), bd = b.dimensions(), od = out.dimensions();
+  if (k < 0) return lowbit::Invalid(op, "k", "expected K >= 0, got " + std::to_string(k));
+  const int64_t kb = (k + 1) / 2;
+  for (auto [name, buf, d] : {std::tuple{"a", &a, ad}, std::tuple{"b", &b, bd}}) {
+    if (ToDType(buf->element_type()) != DType::kU8 || d.size() != 2 || d[1] != kb) {
+      return lowbit::Invalid(op, name, "expected packed E2M1 as u8 (rows, " + std::to_string(kb) +
+                                           ") for K=" + std::to_string(k) + ", got " +
+                                           DTypeName(ToDType(buf->element_type())) + " " + Shape(d));
+    }
+  }
+  if (od.size() != 2 || od[0] != ad[0] || od[1] != bd[0]) {
+    return lowbit::Invalid(op, "out", "expected shape (" + std::to_string(ad[0]) + ", " +
+                                          std::to_string(bd[0]) + "), got " + Shape(od));
+  }
+  for (auto [name, buf, rows] : {std::tuple{"a_scale", &a_scale, ad[0]}, std::tuple{"b_scale", &b_scale, bd[0]}}) {
+    const GemmScaleShape want = GemmScaleDims(GemmScaleMode::kNvfp4, rows, k);
+    const auto d = buf->dimensions();
+    if (ToDType(buf->element_type()) != DType::kE4M3 || d.size() != 2 || d[0] != want.dim0 ||
+        d[1] != want.dim1) {
+      return lowbit::Invalid(op, name, "expected e4m3 (" + std::to_string(want.dim0) + ", " +
+                                           std::to_string(want.dim1) + "), got " +
+                                           DTypeName(ToDType(buf->element_type())) + " " + Shape(d));
+    }
+  }
+  for (auto [name, buf] : {std::pair{"a_global_scale_inv", &a_gsi}, std::pair{"b_global_scale_inv", &b_gsi}}) {
+    if (ToDType(buf->element_type()) != DType::kF32 || buf->element_count() != 1) {
+      return lowbit::Invalid(op, name, "expected one f32, got " + Shape(buf->dimensions()));
+    }
+  }
+  args->a_type = args->b_type = DType::kE2M1;
+  args->out_type = ToDType(out.element_type());
+  args->a_scale_mode = args->b_scale_mode = GemmScaleMode::kNvfp4;
+  const int64_t bias_count = int64_t(bias.element_count());
+  if (bias.dimensions().size() != 1 || (bias_count != 0 && bias_count != bd[0]) ||
+      (bias_count != 0 && ToDType(bias.element_type()) != args->out_type)) {
+    return lowbit::Invalid(op, "bias", "expected (" + std::to_string(bd[0]) + ",) or (0,) in the out type " +
+                                           DTypeName(args->out_type) + ", got " + Shape(bias.dimensions()));
+  }
+  if (algo < 0 || algo >= kGemmMaxAlgo) {
+    return lowbit::Invalid(op, "algo", "expected 0.." + std::to_string(kGemmMaxAlgo - 1) + ", got " +
+                                           std::to_string(algo));
+  }
+  args->a = a.untyped_data();
+  args->b = b.untyped_data();
+  args->a_scale_inv = a_scale.untyped_data();
+  args->b_scale_inv = b_scale.untyped_data();
+  args->a_global_scale_inv = static_cast<const float*>(a_gsi.untyped_data());
+  args->b_global_scale_inv = static_cast<const float*>(b_gsi.untyped_data());
+  args->bias = bias_count != 0 ? bias.untyped_data() : nullptr;
+  args->out = out.untyped_data();
+  args->m = ad[0];
+  args->n = bd[0];
+  args->k = k;
+  args->algo = algo;
+  return CheckNvfp4Gemm(*args);
+}
+
+// Checks the swizzle op's buffers and fills `args`.
+Status SwizzleArgsFromBuffers(const ffi::AnyBuffer& in, ffi::AnyBuffer& out, int64_t valid_rows,
+                              int64_t valid_cols, ScaleSwizzleArgs* args) {
+  const char* op = "lowbit_gemm_swizzle_scales";
+  const auto d = in.dimensions();
+  if (d.size() != 2) return lowbit::Invalid(op, "scale", "expected rank 2 (R, C), got shape " + Shape(d));
+  const DType type = ToDType(in.element_type());
+  if (type != DType::kU8 && type != DType::kE8M0 && type != DType::kE4M3) {
+    return lowbit::Invalid(op, "scale", std::string("expected u8, e8m0 or e4m3 bytes, got ") +
+                                            DTypeName(type));
+  }
+  if (ToDType(out.element_type()) != type || out.element_count() != in.element_count()) {
+    return lowbit::Invalid(op, "out", "expected " + std::to_string(in.element_count()) + " " +
+                                          DTypeName(type) + " elements, got shape " +
+                                          Shape(out.dimensions()));
+  }
+  args->in = static_cast<const uint8_t*>(in.untyped_data());
+  args->out = static_cast<uint8_t*>(out.untyped_data());
+  args->rows = d[0];
+  args->cols = d[1];
+  args->valid_rows = valid_rows;
+  args->valid_cols = valid_cols;
+  return CheckScaleSwizzleArgs(*args, op);
 }
 
 #if !defined(LOWBIT_CUDA_HANDLERS)
@@ -110,12 +218,32 @@ Status GemmArgsFromBuffers(const ffi::AnyBuffer& a, const ffi::AnyBuffer& b,
 ffi::Error GemmCpu(ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer a_scale_inv,
                    ffi::AnyBuffer b_scale_inv, ffi::AnyBuffer bias,
                    ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> workspace,
-                   bool use_split_accumulator, int32_t a_scale_mode, int32_t b_scale_mode) {
+                   bool use_split_accumulator, int32_t a_scale_mode, int32_t b_scale_mode,
+                   int32_t algo) {
   (void)workspace;  // the reference needs none; the CPU lowering passes u8[0]
   GemmArgs args;
   Status s = GemmArgsFromBuffers(a, b, a_scale_inv, b_scale_inv, bias, *out,
-                                 use_split_accumulator, a_scale_mode, b_scale_mode, &args);
+                                 use_split_accumulator, a_scale_mode, b_scale_mode, algo, &args);
   if (s.ok()) s = GemmRef(args);
+  return ToFfiError(s);
+}
+
+ffi::Error GemmNvfp4Cpu(ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer a_scale,
+                        ffi::AnyBuffer b_scale, ffi::AnyBuffer a_gsi, ffi::AnyBuffer b_gsi,
+                        ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> out,
+                        ffi::Result<ffi::AnyBuffer> workspace, int64_t k, int32_t algo) {
+  (void)workspace;
+  GemmArgs args;
+  Status s = Nvfp4ArgsFromBuffers(a, b, a_scale, b_scale, a_gsi, b_gsi, bias, *out, k, algo, &args);
+  if (s.ok()) s = GemmRef(args);
+  return ToFfiError(s);
+}
+
+ffi::Error SwizzleScalesCpu(ffi::AnyBuffer in, ffi::Result<ffi::AnyBuffer> out, int64_t valid_rows,
+                            int64_t valid_cols) {
+  ScaleSwizzleArgs args;
+  Status s = SwizzleArgsFromBuffers(in, *out, valid_rows, valid_cols, &args);
+  if (s.ok()) s = ScaleSwizzleRef(args);
   return ToFfiError(s);
 }
 
@@ -125,17 +253,17 @@ ffi::Error GemmGpu(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuffer a
                    ffi::AnyBuffer b, ffi::AnyBuffer a_scale_inv, ffi::AnyBuffer b_scale_inv,
                    ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> out,
                    ffi::Result<ffi::AnyBuffer> workspace, bool use_split_accumulator,
-                   int32_t a_scale_mode, int32_t b_scale_mode) {
+                   int32_t a_scale_mode, int32_t b_scale_mode, int32_t algo) {
   GemmArgs args;
   Status s = GemmArgsFromBuffers(a, b, a_scale_inv, b_scale_inv, bias, *out,
-                                 use_split_accumulator, a_scale_mode, b_scale_mode, &args);
+                                 use_split_accumulator, a_scale_mode, b_scale_mode, algo, &args);
   if (!s.ok()) return ToFfiError(s);
   if (args.m == 0 || args.n == 0) return ffi::Error::Success();
   // XLA places the buffer; it is live only for this call, so work enqueued later may reuse
   // it (stream order keeps that safe).
-  if (workspace->size_bytes() < kGemmWorkspaceBytes) {
+  if (workspace->size_bytes() < GemmWorkspaceBytes(args)) {
     return ToFfiError(Invalid("workspace", "expected at least " +
-                                               std::to_string(kGemmWorkspaceBytes) +
+                                               std::to_string(GemmWorkspaceBytes(args)) +
                                                " bytes (u8), got " +
                                                std::to_string(workspace->size_bytes())));
   }
@@ -147,6 +275,43 @@ ffi::Error GemmGpu(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuffer a
         std::to_string(reinterpret_cast<uintptr_t>(ws))));
   }
   return ToFfiError(GemmCuda(args, device_ordinal, ws, stream));
+}
+
+// The workspace checks of both CUDA GEMM handlers.
+Status CheckWorkspace(const GemmArgs& args, ffi::AnyBuffer& workspace, const char* op) {
+  if (workspace.size_bytes() < GemmWorkspaceBytes(args)) {
+    return lowbit::Invalid(op, "workspace", "expected at least " +
+                                                std::to_string(GemmWorkspaceBytes(args)) +
+                                                " bytes (u8), got " +
+                                                std::to_string(workspace.size_bytes()));
+  }
+  if (reinterpret_cast<uintptr_t>(workspace.untyped_data()) % kGemmWorkspaceAlignment != 0) {
+    return Status::Internal(std::string(op) + ": workspace: expected a " +
+                            std::to_string(kGemmWorkspaceAlignment) + "-byte aligned buffer from XLA");
+  }
+  return Status::Ok();
+}
+
+ffi::Error GemmNvfp4Gpu(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuffer a,
+                        ffi::AnyBuffer b, ffi::AnyBuffer a_scale, ffi::AnyBuffer b_scale,
+                        ffi::AnyBuffer a_gsi, ffi::AnyBuffer b_gsi, ffi::AnyBuffer bias,
+                        ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> workspace,
+                        int64_t k, int32_t algo) {
+  GemmArgs args;
+  Status s = Nvfp4ArgsFromBuffers(a, b, a_scale, b_scale, a_gsi, b_gsi, bias, *out, k, algo, &args);
+  if (!s.ok()) return ToFfiError(s);
+  if (args.m == 0 || args.n == 0) return ffi::Error::Success();
+  s = CheckWorkspace(args, *workspace, "lowbit_gemm_nvfp4");
+  if (s.ok()) s = GemmCuda(args, device_ordinal, workspace->untyped_data(), stream);
+  return ToFfiError(s);
+}
+
+ffi::Error SwizzleScalesGpu(cudaStream_t stream, ffi::AnyBuffer in, ffi::Result<ffi::AnyBuffer> out,
+                            int64_t valid_rows, int64_t valid_cols) {
+  ScaleSwizzleArgs args;
+  Status s = SwizzleArgsFromBuffers(in, *out, valid_rows, valid_cols, &args);
+  if (s.ok()) s = ScaleSwizzleCuda(args, stream);
+  return ToFfiError(s);
 }
 
 #endif
@@ -168,7 +333,29 @@ LOWBIT_FFI_HANDLER(LowbitGemmCpu, lowbit::GemmCpu,
                        .Ret<xffi::AnyBuffer>()             // workspace: u8 (0,) here, unused
                        .Attr<bool>("use_split_accumulator")  // FP8 on GPU: false = fast accumulation
                        .Attr<int32_t>("a_scale_mode")      // GemmScaleMode of a_scale_inv
-                       .Attr<int32_t>("b_scale_mode"));    // GemmScaleMode of b_scale_inv
+                       .Attr<int32_t>("b_scale_mode")      // GemmScaleMode of b_scale_inv
+                       .Attr<int32_t>("algo"));            // cuBLASLt heuristic index: checked, unused here
+
+LOWBIT_FFI_HANDLER(LowbitGemmNvfp4Cpu, lowbit::GemmNvfp4Cpu,
+                   xffi::Ffi::Bind()
+                       .Arg<xffi::AnyBuffer>()             // a: (M, ceil(K/2)) u8, packed E2M1
+                       .Arg<xffi::AnyBuffer>()             // b: (N, ceil(K/2)) u8, packed E2M1
+                       .Arg<xffi::AnyBuffer>()             // a_scale: e4m3 (roundup(M,128), roundup(ceil(K/16),4))
+                       .Arg<xffi::AnyBuffer>()             // b_scale: e4m3 (roundup(N,128), ...)
+                       .Arg<xffi::AnyBuffer>()             // a_global_scale_inv: f32 (1,)
+                       .Arg<xffi::AnyBuffer>()             // b_global_scale_inv: f32 (1,)
+                       .Arg<xffi::AnyBuffer>()             // bias: (N,) in out's type, or (0,)
+                       .Ret<xffi::AnyBuffer>()             // out: (M, N) bf16 / f16 / f32
+                       .Ret<xffi::AnyBuffer>()             // workspace: u8 (0,) here, unused
+                       .Attr<int64_t>("k")                 // K (elements)
+                       .Attr<int32_t>("algo"));            // cuBLASLt heuristic index: checked, unused here
+
+LOWBIT_FFI_HANDLER(LowbitGemmSwizzleScalesCpu, lowbit::SwizzleScalesCpu,
+                   xffi::Ffi::Bind()
+                       .Arg<xffi::AnyBuffer>()             // scale: (R, C) u8 / e8m0 / e4m3, row-major
+                       .Ret<xffi::AnyBuffer>()             // out: (R * C,) same type, swizzled
+                       .Attr<int64_t>("valid_rows")        // rows >= this are written as 0
+                       .Attr<int64_t>("valid_cols"));      // cols >= this are written as 0
 #else
 LOWBIT_FFI_HANDLER(LowbitGemmCuda, lowbit::GemmGpu,
                    xffi::Ffi::Bind()
@@ -180,8 +367,33 @@ LOWBIT_FFI_HANDLER(LowbitGemmCuda, lowbit::GemmGpu,
                        .Arg<xffi::AnyBuffer>()             // b_scale_inv: f32 (1,), or 2-D per b_scale_mode
                        .Arg<xffi::AnyBuffer>()             // bias: (N,) in out's type, or (0,)
                        .Ret<xffi::AnyBuffer>()             // out: (M, N) bf16 / f16 / f32
-                       .Ret<xffi::AnyBuffer>()             // workspace: u8 (kGemmWorkspaceBytes,), 256-B aligned
+                       .Ret<xffi::AnyBuffer>()             // workspace: u8 (GemmWorkspaceBytes(...),), 256-B aligned
                        .Attr<bool>("use_split_accumulator")  // FP8 tensor mode: false = fast accumulation
                        .Attr<int32_t>("a_scale_mode")      // GemmScaleMode of a_scale_inv
-                       .Attr<int32_t>("b_scale_mode"));    // GemmScaleMode of b_scale_inv
+                       .Attr<int32_t>("b_scale_mode")      // GemmScaleMode of b_scale_inv
+                       .Attr<int32_t>("algo"));            // cuBLASLt heuristic index (LOWBIT_GEMM_ALGO)
+
+LOWBIT_FFI_HANDLER(LowbitGemmNvfp4Cuda, lowbit::GemmNvfp4Gpu,
+                   xffi::Ffi::Bind()
+                       .Ctx<xffi::PlatformStream<cudaStream_t>>()  // stream
+                       .Ctx<xffi::DeviceOrdinal>()         // device
+                       .Arg<xffi::AnyBuffer>()             // a: (M, ceil(K/2)) u8, packed E2M1
+                       .Arg<xffi::AnyBuffer>()             // b: (N, ceil(K/2)) u8, packed E2M1
+                       .Arg<xffi::AnyBuffer>()             // a_scale: e4m3, row-major (swizzled here)
+                       .Arg<xffi::AnyBuffer>()             // b_scale: e4m3, row-major (swizzled here)
+                       .Arg<xffi::AnyBuffer>()             // a_global_scale_inv: f32 (1,)
+                       .Arg<xffi::AnyBuffer>()             // b_global_scale_inv: f32 (1,)
+                       .Arg<xffi::AnyBuffer>()             // bias: (0,) (lowbit.ops.gemm adds it in fp32)
+                       .Ret<xffi::AnyBuffer>()             // out: (M, N) bf16 / f16 / f32
+                       .Ret<xffi::AnyBuffer>()             // workspace: u8 (GemmWorkspaceBytes(...),)
+                       .Attr<int64_t>("k")                 // K (elements)
+                       .Attr<int32_t>("algo"));            // cuBLASLt heuristic index
+
+LOWBIT_FFI_HANDLER(LowbitGemmSwizzleScalesCuda, lowbit::SwizzleScalesGpu,
+                   xffi::Ffi::Bind()
+                       .Ctx<xffi::PlatformStream<cudaStream_t>>()  // stream
+                       .Arg<xffi::AnyBuffer>()             // scale: (R, C) u8 / e8m0 / e4m3, row-major
+                       .Ret<xffi::AnyBuffer>()             // out: (R * C,) same type, swizzled
+                       .Attr<int64_t>("valid_rows")        // rows >= this are written as 0
+                       .Attr<int64_t>("valid_cols"));      // cols >= this are written as 0
 #endif

@@ -3,9 +3,10 @@
 // Handles and plans: a process-wide CublasLtCache (created on first use, never destroyed,
 // so that no cuBLASLt call runs after the CUDA runtime has shut down at exit) holds one
 // DeviceState per device, created lazily: a cuBLASLt handle, and one plan per (M, N, K,
-// types, bias epilogue, fast accumulation, pointer alignments, the two scale modes). A plan
-// is the matmul descriptor, the three matrix layouts and the algorithm
-// cublasLtMatmulAlgoGetHeuristic picked for a 32 MiB workspace; every descriptor lives in a
+// types, bias epilogue, fast accumulation, pointer alignments, the two scale modes, algo).
+// A plan is the matmul descriptor, the three matrix layouts and the algorithm: entry `algo`
+// (GemmArgs::algo, default 0 = cuBLASLt's first choice) of the list
+// cublasLtMatmulAlgoGetHeuristic returns for a 32 MiB workspace; every descriptor lives in a
 // unique_ptr with its destroy function, so a check that fails halfway through building a
 // plan leaks nothing. Plans are never evicted (a training run uses a few dozen shapes).
 //
@@ -27,8 +28,26 @@
 // compute capability 9.0, for the pairs (1x128, 128x128), (128x128, 1x128) and (1x128,
 // 1x128); M, N and K must be multiples of 16 (lowbit/ops/gemm.py pads them, so that a 1x128
 // scale row is exactly the operand's row count), no bias epilogue, no fast accumulation (the
-// kernel promotes to fp32 per 128-long K block). MXFP8 (VEC32_UE8M0 with the swizzled scale
-// layout, sm_100) is not wired here yet: lowbit/ops/gemm.py emulates it.
+// kernel promotes to fp32 per 128-long K block).
+//
+// MXFP8 (gemm.h's kMxfp8): cuBLASLt's VEC32_UE8M0 scale mode on both operands (cuBLAS
+// 12.8+), on compute capability 10.x only (Blackwell datacenter parts; the gate is the
+// major version, exactly). cuBLASLt reads the scales in its swizzled 128 x 4 tile order
+// (cuBLAS docs, "1D block scaling factors layout"); the quantizers write them row-major, so
+// this launcher first swizzles both arrays into the workspace behind cuBLASLt's own
+// (ScaleSwizzleCuda, scale_swizzle.h; GemmWorkspaceBytes sizes it), writing 0x00 for the
+// scale entries past the operand's rows and K blocks, and passes those pointers. M and N
+// must be multiples of 16 and K of 128 (lowbit/ops/gemm.py pads them; the scale arrays keep
+// their shapes), no bias epilogue (lowbit.ops.gemm adds the bias in fp32). Not run on real
+// Blackwell hardware yet: tests/test_gemm_block.py compares it with the CPU emulation there.
+//
+// NVFP4 (gemm.h's kNvfp4, lowbit_gemm_nvfp4 only): A/B types CUDA_R_4F_E2M1 (packed, leading
+// dimension K in elements), VEC16_UE4M3 scale mode on both, the e4m3 scale arrays swizzled
+// into the workspace as for MXFP8, and the two fp32 global scale_invs folded into alpha:
+// alpha = fl(a_gsi * b_gsi) computed on the device (GemmAlphaBetaCuda) and passed with
+// POINTER_MODE_DEVICE, as for the 16-bit GEMMs. Compute capability 10.x only; M and N
+// multiples of 16, K of 64 (whole 128 x 4 scale tiles; lowbit/ops/gemm.py pads), no bias.
+// Same caveat: compile-checked only.
 #include <cublasLt.h>
 #include <cublas_api.h>
 #include <cuda_runtime_api.h>
@@ -43,6 +62,7 @@
 #include "common/cuda_check.h"
 #include "gemm/gemm.h"
 #include "gemm/gemm_epilogue.h"
+#include "gemm/scale_swizzle.h"
 
 namespace lowbit {
 namespace {
@@ -54,10 +74,25 @@ constexpr int kMinFp8ComputeCapability = 89;
 // Hopper only (compute capability 9.0; Blackwell takes MX formats instead).
 constexpr int kBlockScaleCublasVersion = 120900;
 constexpr int kBlockScaleComputeCapability = 90;
+// MXFP8: one scale per 32 values along K; cuBLASLt is given K in whole 128-blocks (whole
+// 4-column groups of the scale tiles), which lowbit/ops/gemm.py pads to.
+constexpr int64_t kMxfp8ScaleBlock = 32;
+constexpr int64_t kMxfp8KMultiple = 128;
+// NVFP4: one scale per 16 values; K in whole 64-blocks (whole 4-column scale tile groups).
+constexpr int64_t kNvfp4ScaleBlock = 16;
+constexpr int64_t kNvfp4KMultiple = 64;
 #if CUBLAS_VERSION >= 120900
 #define LOWBIT_HAS_CUBLASLT_BLOCK_SCALING 1
 #else
 #define LOWBIT_HAS_CUBLASLT_BLOCK_SCALING 0
+#endif
+// cuBLASLt's VEC32_UE8M0 (MXFP8) scale mode: cuBLAS 12.8, on compute capability 10.x.
+constexpr int kMxScaleCublasVersion = 120800;
+constexpr int kMxScaleComputeCapabilityMajor = 10;
+#if CUBLAS_VERSION >= 120800
+#define LOWBIT_HAS_CUBLASLT_MX_SCALING 1
+#else
+#define LOWBIT_HAS_CUBLASLT_MX_SCALING 0
 #endif
 
 std::string Problem(const GemmArgs& args) {
@@ -81,6 +116,9 @@ cudaDataType_t CudaType(DType t) {
     case DType::kE5M2: return CUDA_R_8F_E5M2;
     case DType::kBF16: return CUDA_R_16BF;
     case DType::kF16: return CUDA_R_16F;
+#if LOWBIT_HAS_CUBLASLT_MX_SCALING
+    case DType::kE2M1: return CUDA_R_4F_E2M1;
+#endif
     default: return CUDA_R_32F;
   }
 }
@@ -141,13 +179,14 @@ struct PlanKey {
   bool bias_epilogue, fast_accum;
   uint32_t align_a, align_b, align_out, align_bias;
   GemmScaleMode a_scale_mode, b_scale_mode;
+  int32_t algo;
 
   bool operator==(const PlanKey& o) const {
     return device == o.device && m == o.m && n == o.n && k == o.k && a_type == o.a_type &&
            b_type == o.b_type && out_type == o.out_type && bias_epilogue == o.bias_epilogue &&
            fast_accum == o.fast_accum && align_a == o.align_a && align_b == o.align_b &&
            align_out == o.align_out && align_bias == o.align_bias &&
-           a_scale_mode == o.a_scale_mode && b_scale_mode == o.b_scale_mode;
+           a_scale_mode == o.a_scale_mode && b_scale_mode == o.b_scale_mode && algo == o.algo;
   }
 };
 
@@ -163,7 +202,7 @@ struct PlanKeyHash {
         uint64_t(key.bias_epilogue) << 24 | uint64_t(key.fast_accum) << 25);
     mix(uint64_t(key.align_a) | uint64_t(key.align_b) << 16 | uint64_t(key.align_out) << 32 |
         uint64_t(key.align_bias) << 48);
-    mix(uint64_t(key.a_scale_mode) | uint64_t(key.b_scale_mode) << 8);
+    mix(uint64_t(key.a_scale_mode) | uint64_t(key.b_scale_mode) << 8 | uint64_t(key.algo) << 16);
     return size_t(h);
   }
 };
@@ -177,7 +216,7 @@ struct Plan {
 
 // The data pointers a plan's descriptor holds; written before every cublasLtMatmul.
 Status SetPointers(cublasLtMatmulDesc_t desc, const PlanKey& key, const GemmArgs& args) {
-  if (IsFp8(key.a_type)) {
+  if (IsFp8(key.a_type) || key.a_type == DType::kE2M1) {
     const void* scale_a = args.b_scale_inv;  // cuBLASLt's A is our b
     const void* scale_b = args.a_scale_inv;
     LOWBIT_RETURN_IF_ERROR(CublasStatus(
@@ -211,6 +250,35 @@ cublasLtMatmulMatrixScale_t CublasScaleMode(GemmScaleMode mode) {
 }
 #endif
 
+// cuBLASLt's A/B_SCALE_MODE of the block modes (cuBLASLt's A is our b: its mode is b's).
+Status SetBlockScaleModes(cublasLtMatmulDesc_t desc, const PlanKey& key, const GemmArgs& args) {
+  if (key.a_scale_mode == GemmScaleMode::kMxfp8 || key.a_scale_mode == GemmScaleMode::kNvfp4) {
+#if LOWBIT_HAS_CUBLASLT_MX_SCALING
+    const int32_t mode = int32_t(key.a_scale_mode == GemmScaleMode::kMxfp8
+                                     ? CUBLASLT_MATMUL_MATRIX_SCALE_VEC32_UE8M0
+                                     : CUBLASLT_MATMUL_MATRIX_SCALE_VEC16_UE4M3);
+    LOWBIT_RETURN_IF_ERROR(SetDesc(desc, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, mode,
+                                   "cublasLtMatmulDescSetAttribute(A_SCALE_MODE)", args));
+    return SetDesc(desc, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, mode,
+                   "cublasLtMatmulDescSetAttribute(B_SCALE_MODE)", args);
+#else
+    return Status::Unimplemented("lowbit_gemm: built against cuBLAS " +
+                                 std::to_string(CUBLAS_VERSION) +
+                                 ", which has no MXFP8 / NVFP4 scale modes (12.8+ has)");
+#endif
+  }
+#if LOWBIT_HAS_CUBLASLT_BLOCK_SCALING
+  LOWBIT_RETURN_IF_ERROR(SetDesc(desc, CUBLASLT_MATMUL_DESC_A_SCALE_MODE,
+                                 int32_t(CublasScaleMode(key.b_scale_mode)),
+                                 "cublasLtMatmulDescSetAttribute(A_SCALE_MODE)", args));
+  return SetDesc(desc, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, int32_t(CublasScaleMode(key.a_scale_mode)),
+                 "cublasLtMatmulDescSetAttribute(B_SCALE_MODE)", args);
+#else
+  return Status::Unimplemented("lowbit_gemm: built against cuBLAS " + std::to_string(CUBLAS_VERSION) +
+                               ", which has no block scale modes (12.9+ has)");
+#endif
+}
+
 Status MakeLayout(cudaDataType_t type, int64_t rows, int64_t cols, int64_t ld, const char* what,
                   const GemmArgs& args, UniqueLayout* out) {
   cublasLtMatrixLayout_t layout = nullptr;
@@ -233,22 +301,11 @@ Status BuildPlan(cublasLtHandle_t handle, const PlanKey& key, const GemmArgs& ar
   if (IsFp8(key.a_type)) {
     LOWBIT_RETURN_IF_ERROR(SetDesc(desc, CUBLASLT_MATMUL_DESC_FAST_ACCUM, int8_t(key.fast_accum),
                                    "cublasLtMatmulDescSetAttribute(FAST_ACCUM)", args));
-    if (IsBlockScaleMode(key.a_scale_mode)) {
-#if LOWBIT_HAS_CUBLASLT_BLOCK_SCALING
-      // cuBLASLt's A is our b: its scale mode is b's.
-      LOWBIT_RETURN_IF_ERROR(SetDesc(desc, CUBLASLT_MATMUL_DESC_A_SCALE_MODE,
-                                     int32_t(CublasScaleMode(key.b_scale_mode)),
-                                     "cublasLtMatmulDescSetAttribute(A_SCALE_MODE)", args));
-      LOWBIT_RETURN_IF_ERROR(SetDesc(desc, CUBLASLT_MATMUL_DESC_B_SCALE_MODE,
-                                     int32_t(CublasScaleMode(key.a_scale_mode)),
-                                     "cublasLtMatmulDescSetAttribute(B_SCALE_MODE)", args));
-#else
-      return Status::Unimplemented("lowbit_gemm: built against cuBLAS " +
-                                   std::to_string(CUBLAS_VERSION) +
-                                   ", which has no block scale modes (12.9+ has)");
-#endif
-    }
-  } else {
+  }
+  if (IsBlockScaleMode(key.a_scale_mode)) {
+    LOWBIT_RETURN_IF_ERROR(SetBlockScaleModes(desc, key, args));
+  }
+  if (!IsFp8(key.a_type)) {  // 16-bit and NVFP4: alpha (and beta) from the device
     LOWBIT_RETURN_IF_ERROR(SetDesc(desc, CUBLASLT_MATMUL_DESC_POINTER_MODE,
                                    int32_t(CUBLASLT_POINTER_MODE_DEVICE),
                                    "cublasLtMatmulDescSetAttribute(POINTER_MODE)", args));
@@ -288,19 +345,26 @@ Status BuildPlan(cublasLtHandle_t handle, const PlanKey& key, const GemmArgs& ar
   LOWBIT_RETURN_IF_ERROR(set_pref(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, key.align_out,
                                   "preference MIN_ALIGNMENT_D_BYTES"));
 
-  cublasLtMatmulHeuristicResult_t result{};
+  // The first key.algo + 1 heuristic results, best first; entry key.algo is the plan's.
+  cublasLtMatmulHeuristicResult_t results[kGemmMaxAlgo] = {};
   int found = 0;
   LOWBIT_RETURN_IF_ERROR(CublasStatus(
       cublasLtMatmulAlgoGetHeuristic(handle, desc, plan->layout_a.get(), plan->layout_b.get(),
-                                     plan->layout_d.get(), plan->layout_d.get(), pref.get(), 1,
-                                     &result, &found),
+                                     plan->layout_d.get(), plan->layout_d.get(), pref.get(),
+                                     key.algo + 1, results, &found),
       "cublasLtMatmulAlgoGetHeuristic", args));
-  if (found == 0 || result.state != CUBLAS_STATUS_SUCCESS) {
+  if (found == 0 || results[0].state != CUBLAS_STATUS_SUCCESS) {
     return Status::Unimplemented("lowbit_gemm: cuBLASLt has no algorithm for " + Problem(args) +
                                  (key.fast_accum ? " with fast accumulation" : ""));
   }
-  plan->algo = result.algo;
-  plan->workspace_bytes = result.workspaceSize;
+  if (found <= key.algo || results[key.algo].state != CUBLAS_STATUS_SUCCESS) {
+    return Status::InvalidArgument(
+        "lowbit_gemm: algo: cuBLASLt returned only " + std::to_string(found) +
+        " heuristic algorithms for " + Problem(args) + ", so index " + std::to_string(key.algo) +
+        " (LOWBIT_GEMM_ALGO) does not exist; use 0.." + std::to_string(found - 1));
+  }
+  plan->algo = results[key.algo].algo;
+  plan->workspace_bytes = results[key.algo].workspaceSize;
   return Status::Ok();
 }
 
@@ -381,13 +445,47 @@ Status CheckFp8Problem(const GemmArgs& args, int device, int capability) {
   return Status::Ok();
 }
 
+std::string CapabilityString(int capability) {
+  return std::to_string(capability / 10) + "." + std::to_string(capability % 10);
+}
+
+// The MXFP8 and NVFP4 rules of the preamble.
+Status CheckMxProblem(const GemmArgs& args, int device, int capability) {
+  const bool mx = args.a_scale_mode == GemmScaleMode::kMxfp8;
+  const std::string op = mx ? "lowbit_gemm: MXFP8" : "lowbit_gemm_nvfp4: NVFP4";
+  if (capability / 10 != kMxScaleComputeCapabilityMajor) {
+    return Status::Unimplemented(
+        op + " runs on cuBLASLt (" + (mx ? "VEC32_UE8M0" : "VEC16_UE4M3") + " scales) on compute "
+        "capability 10.x only in lowbit; device " + std::to_string(device) + " is " +
+        CapabilityString(capability) + "; lowbit.ops.gemm emulates it there");
+  }
+  if (cublasLtGetVersion() < size_t(kMxScaleCublasVersion)) {
+    return Status::Unimplemented(op + ": the loaded cuBLASLt " + std::to_string(cublasLtGetVersion()) +
+                                 " has no such scale mode (12.8+ has)");
+  }
+  const int64_t k_multiple = mx ? kMxfp8KMultiple : kNvfp4KMultiple;
+  if (args.m % kFp8DimMultiple != 0 || args.n % kFp8DimMultiple != 0 || args.k % k_multiple != 0) {
+    return Status::InvalidArgument(op + " on cuBLASLt needs M and N to be multiples of 16 and K of " +
+                                   std::to_string(k_multiple) + ", got " + Problem(args) +
+                                   "; lowbit.ops.gemm pads them");
+  }
+  if (args.bias != nullptr) {
+    return Status::InvalidArgument(op + ": bias: block-scaled GEMMs take no bias on cuBLASLt; "
+                                   "lowbit.ops.gemm adds it in fp32");
+  }
+  if (Alignment(args.a) < 16 || Alignment(args.b) < 16 || Alignment(args.out) < 16) {
+    return Status::InvalidArgument(op + " on cuBLASLt needs 16-byte aligned a, b and out, for " +
+                                   Problem(args));
+  }
+  return Status::Ok();
+}
+
 // The FP8 block-scaling rules of the preamble.
 Status CheckBlockScaleProblem(const GemmArgs& args, int device, int capability) {
   const std::string modes = std::string(" (a ") + GemmScaleModeName(args.a_scale_mode) + ", b " +
                             GemmScaleModeName(args.b_scale_mode) + ")";
-  if (args.a_scale_mode == GemmScaleMode::kMxfp8) {
-    return Status::Unimplemented("lowbit_gemm: MXFP8 scales have no cuBLASLt path here yet; "
-                                 "lowbit.ops.gemm emulates them");
+  if (args.a_scale_mode == GemmScaleMode::kMxfp8 || args.a_scale_mode == GemmScaleMode::kNvfp4) {
+    return CheckMxProblem(args, device, capability);
   }
   if (args.a_scale_mode == GemmScaleMode::kBlock128x128 &&
       args.b_scale_mode == GemmScaleMode::kBlock128x128) {
@@ -424,14 +522,21 @@ Status CheckBlockScaleProblem(const GemmArgs& args, int device, int capability) 
 }  // namespace
 
 Status GemmCuda(const GemmArgs& args, int device_ordinal, void* workspace, GpuStream stream) {
-  LOWBIT_RETURN_IF_ERROR(CheckGemmTypes(args.a_type, args.b_type, args.out_type));
+  const bool nvfp4 = args.a_scale_mode == GemmScaleMode::kNvfp4;
+  if (nvfp4) {
+    LOWBIT_RETURN_IF_ERROR(CheckNvfp4Gemm(args));
+  } else {
+    LOWBIT_RETURN_IF_ERROR(CheckGemmTypes(args.a_type, args.b_type, args.out_type));
+  }
   if (args.m == 0 || args.n == 0) return Status::Ok();
   if (args.k <= 0) {
     return Status::InvalidArgument("lowbit_gemm: K must be positive on CUDA, got " + Problem(args));
   }
   DeviceState* device = nullptr;
   LOWBIT_RETURN_IF_ERROR(CublasLtCache::Get().Device(device_ordinal, args, &device));
-  LOWBIT_RETURN_IF_ERROR(CheckGemmScaleModes(args.a_scale_mode, args.b_scale_mode, args.a_type));
+  if (!nvfp4) {
+    LOWBIT_RETURN_IF_ERROR(CheckGemmScaleModes(args.a_scale_mode, args.b_scale_mode, args.a_type));
+  }
   const bool fp8 = IsFp8(args.a_type);
   const bool block = IsBlockScaleMode(args.a_scale_mode);
   if (fp8) LOWBIT_RETURN_IF_ERROR(CheckFp8Problem(args, device_ordinal, device->capability));
@@ -439,30 +544,63 @@ Status GemmCuda(const GemmArgs& args, int device_ordinal, void* workspace, GpuSt
 
   // f32 outputs take their bias from GemmBiasAddF32Cuda (see gemm_epilogue.h).
   const bool bias_epilogue = args.bias != nullptr && args.out_type != DType::kF32;
+  if (args.algo < 0 || args.algo >= kGemmMaxAlgo) {
+    return Status::InvalidArgument("lowbit_gemm: algo: expected 0.." +
+                                   std::to_string(kGemmMaxAlgo - 1) + ", got " +
+                                   std::to_string(args.algo));
+  }
   const PlanKey key{device_ordinal, args.m, args.n, args.k, args.a_type, args.b_type,
                     args.out_type, bias_epilogue, fp8 && !block && !args.use_split_accumulator,
                     Alignment(args.a), Alignment(args.b), Alignment(args.out),
                     bias_epilogue ? Alignment(args.bias) : 0u, args.a_scale_mode,
-                    args.b_scale_mode};
+                    args.b_scale_mode, args.algo};
 
-  // Scalars first, then cuBLASLt's workspace (kGemmScalarBytes keeps it 256-byte aligned).
+  // Scalars first, then cuBLASLt's workspace (kGemmScalarBytes keeps it 256-byte aligned),
+  // then (MXFP8) the two swizzled scale arrays.
   float* alpha_beta = static_cast<float*>(workspace);
   void* cublas_workspace = static_cast<char*>(workspace) + kGemmScalarBytes;
+  GemmArgs call = args;  // args with the scale pointers cuBLASLt reads
+  if (args.a_scale_mode == GemmScaleMode::kMxfp8 || nvfp4) {
+    const int64_t scale_block = nvfp4 ? kNvfp4ScaleBlock : kMxfp8ScaleBlock;
+    uint8_t* swizzled = static_cast<uint8_t*>(workspace) + kGemmWorkspaceBytes;
+    struct Operand {
+      const void* in;
+      int64_t rows;
+      GemmScaleMode mode;
+      const void** dst;
+    };
+    const Operand operands[2] = {{args.a_scale_inv, args.m, args.a_scale_mode, &call.a_scale_inv},
+                                 {args.b_scale_inv, args.n, args.b_scale_mode, &call.b_scale_inv}};
+    for (const Operand& op : operands) {
+      const GemmScaleShape d = GemmScaleDims(op.mode, op.rows, args.k);
+      ScaleSwizzleArgs sw;
+      sw.in = static_cast<const uint8_t*>(op.in);
+      sw.out = swizzled;
+      sw.rows = d.dim0;
+      sw.cols = d.dim1;
+      sw.valid_rows = op.rows;
+      sw.valid_cols = (args.k + scale_block - 1) / scale_block;
+      LOWBIT_RETURN_IF_ERROR(ScaleSwizzleCuda(sw, stream));
+      *op.dst = swizzled;
+      swizzled += GemmScaleBytesPadded(op.mode, op.rows, args.k);
+    }
+  }
   const float host_one = 1.0f, host_zero = 0.0f;
   const void* alpha = &host_one;
   const void* beta = &host_zero;
-  if (!fp8) {
-    LOWBIT_RETURN_IF_ERROR(GemmAlphaBetaCuda(static_cast<const float*>(args.a_scale_inv),
-                                             static_cast<const float*>(args.b_scale_inv),
-                                             alpha_beta, stream));
+  if (!fp8) {  // 16-bit: the scale_invs; NVFP4: the global scale_invs
+    LOWBIT_RETURN_IF_ERROR(GemmAlphaBetaCuda(
+        nvfp4 ? args.a_global_scale_inv : static_cast<const float*>(args.a_scale_inv),
+        nvfp4 ? args.b_global_scale_inv : static_cast<const float*>(args.b_scale_inv), alpha_beta,
+        stream));
     alpha = alpha_beta;
     beta = alpha_beta + 1;
   }
   {
     std::lock_guard<std::mutex> lock(device->mutex);
     Plan* plan = nullptr;
-    LOWBIT_RETURN_IF_ERROR(device->GetPlan(key, args, &plan));
-    LOWBIT_RETURN_IF_ERROR(SetPointers(plan->desc.get(), key, args));
+    LOWBIT_RETURN_IF_ERROR(device->GetPlan(key, call, &plan));
+    LOWBIT_RETURN_IF_ERROR(SetPointers(plan->desc.get(), key, call));
     LOWBIT_RETURN_IF_ERROR(CublasStatus(
         cublasLtMatmul(device->handle.get(), plan->desc.get(), alpha, args.b, plan->layout_a.get(),
                        args.a, plan->layout_b.get(), beta, args.out, plan->layout_d.get(), args.out,

@@ -25,10 +25,17 @@
 //   kBlock128x128  f32 (ceil(R/128), roundup(ceil(K/128), 4)): entry [i][j] scales the tile
 //                  (i, j) (cuBLASLt's BLK128x128_32F, K-major, the K-block count padded to 4)
 //   kMxfp8         e8m0 (roundup(R, 128), roundup(ceil(K/32), 4)): entry [r][j] scales
-//                  x[r, 32j:32j+32] (quantize_mxfp8.h, before cuBLASLt's 128x4 swizzle)
+//                  x[r, 32j:32j+32] (quantize_mxfp8.h, before cuBLASLt's 128x4 swizzle,
+//                  which the sm_100 CUDA path applies itself: scale_swizzle.h)
+//   kNvfp4         e4m3 (roundup(R, 128), roundup(ceil(K/16), 4)): entry [r][j] scales
+//                  x[r, 16j:16j+16] (quantize_nvfp4.h), times the operand's fp32
+//                  global_scale_inv; the data are packed E2M1 (a_type = b_type = kE2M1,
+//                  R x ceil(K/2) bytes, element 2j in the low nibble of byte j). Only through
+//                  lowbit_gemm_nvfp4 (CheckNvfp4Gemm), never lowbit_gemm.
 // Both operands use block modes or neither; MXFP8 pairs only with MXFP8. Numerics (the CPU
 // emulation, exactly): each operand is dequantized to fp32, a'[m,k] = fl(decode(a) * s_a)
-// (E8M0 s = 2^(e-127), NaN for 0xFF), then acc = the fp32 sum of fl(a'[m,k] * b'[n,k]) in
+// (E8M0 s = 2^(e-127), NaN for 0xFF; NVFP4 a' = fl(fl(e2m1 * e4m3(sd)) * global_scale_inv),
+// the first product exact, as lowbit.ops.quantize_nvfp4.dequantize_nvfp4), then acc = the fp32 sum of fl(a'[m,k] * b'[n,k]) in
 // increasing k from +0, y = fl(acc + bias[n]), rounded to out. cuBLASLt applies the scales
 // per 128-long K block to fp32 partial sums instead (a different rounding order).
 #pragma once
@@ -50,6 +57,7 @@ enum class GemmScaleMode : int32_t {
   kBlock1x128 = 1,    // f32 per 1x128 tile along K
   kBlock128x128 = 2,  // f32 per 128x128 tile
   kMxfp8 = 3,         // e8m0 byte per 32 values along K
+  kNvfp4 = 4,         // e4m3 byte per 16 values along K, packed E2M1 data (lowbit_gemm_nvfp4)
 };
 
 inline const char* GemmScaleModeName(GemmScaleMode mode) {
@@ -58,6 +66,7 @@ inline const char* GemmScaleModeName(GemmScaleMode mode) {
     case GemmScaleMode::kBlock1x128: return "block_1x128";
     case GemmScaleMode::kBlock128x128: return "block_128x128";
     case GemmScaleMode::kMxfp8: return "mxfp8";
+    case GemmScaleMode::kNvfp4: return "nvfp4";
   }
   return "invalid";
 }
@@ -77,6 +86,7 @@ inline GemmScaleShape GemmScaleDims(GemmScaleMode mode, int64_t rows, int64_t k)
     case GemmScaleMode::kBlock1x128: return {cdiv(k, 128), roundup(rows, 4)};
     case GemmScaleMode::kBlock128x128: return {cdiv(rows, 128), roundup(cdiv(k, 128), 4)};
     case GemmScaleMode::kMxfp8: return {roundup(rows, 128), roundup(cdiv(k, 32), 4)};
+    case GemmScaleMode::kNvfp4: return {roundup(rows, 128), roundup(cdiv(k, 16), 4)};
     default: return {1, 1};
   }
 }
@@ -97,7 +107,18 @@ struct GemmArgs {
   DType out_type = DType::kInvalid;
   int64_t m = 0, n = 0, k = 0;
   bool use_split_accumulator = true;  // FP8 tensor mode on the GPU only: false = fast accumulation
+  // kNvfp4 only: each operand's fp32 global_scale_inv (one value; host or device as above).
+  const float* a_global_scale_inv = nullptr;
+  const float* b_global_scale_inv = nullptr;
+  // CUDA only: which of cuBLASLt's heuristic results to run, 0 = its first choice (see
+  // kGemmMaxAlgo; lowbit/ops/gemm.py takes it from LOWBIT_GEMM_ALGO). Ignored on the CPU.
+  int32_t algo = 0;
 };
+
+// algo is an index into the list cublasLtMatmulAlgoGetHeuristic returns, 0..kGemmMaxAlgo-1.
+// The CUDA launcher asks for algo + 1 results and fails (naming the count it got) when
+// cuBLASLt returns fewer; the index is part of the plan key.
+constexpr int32_t kGemmMaxAlgo = 32;
 
 // The scale-mode rules above, shared by both handlers.
 inline Status CheckGemmScaleModes(GemmScaleMode a_mode, GemmScaleMode b_mode, DType a_type) {
@@ -122,6 +143,27 @@ inline Status CheckGemmScaleModes(GemmScaleMode a_mode, GemmScaleMode b_mode, DT
   if (IsBlockScaleMode(a_mode) && !IsFp8(a_type)) {
     return Status::InvalidArgument(op + "a: block scale modes need FP8 operands, got " +
                                    DTypeName(a_type));
+  }
+  return Status::Ok();
+}
+
+// The NVFP4 GEMM's rules (lowbit_gemm_nvfp4): both operands kE2M1 in kNvfp4 mode with global
+// scales, out bf16 / f16 / f32.
+inline Status CheckNvfp4Gemm(const GemmArgs& args) {
+  const std::string op = "lowbit_gemm_nvfp4: ";
+  if (args.a_type != DType::kE2M1 || args.b_type != DType::kE2M1 ||
+      args.a_scale_mode != GemmScaleMode::kNvfp4 || args.b_scale_mode != GemmScaleMode::kNvfp4) {
+    return Status::InvalidArgument(op + "a, b: expected packed E2M1 operands with NVFP4 scales");
+  }
+  if (!args.a_global_scale_inv || !args.b_global_scale_inv) {
+    return Status::InvalidArgument(op + "a_global_scale_inv, b_global_scale_inv: missing");
+  }
+  if (!IsHighPrecision(args.out_type)) {
+    return Status::InvalidArgument(op + "out: expected bf16, f16 or f32, got " +
+                                   DTypeName(args.out_type));
+  }
+  if (args.m < 0 || args.n < 0 || args.k < 0) {
+    return Status::InvalidArgument(op + "negative dimension");
   }
   return Status::Ok();
 }
@@ -173,8 +215,25 @@ constexpr size_t kGemmScalarBytes = 256;
 constexpr size_t kGemmWorkspaceBytes = kGemmCublasWorkspaceBytes + kGemmScalarBytes;
 constexpr size_t kGemmWorkspaceAlignment = 256;
 
+// What GemmCuda needs for `args`: kGemmWorkspaceBytes, plus for kMxfp8 / kNvfp4 room for the two
+// swizzled scale arrays behind it (each rounded up to 256 bytes), where the sm_100 path
+// writes them (scale_swizzle.h). GEMM_WORKSPACE_BYTES / gemm_workspace_bytes in
+// lowbit/ops/gemm.py compute the same.
+inline size_t GemmScaleBytesPadded(GemmScaleMode mode, int64_t rows, int64_t k) {
+  const GemmScaleShape d = GemmScaleDims(mode, rows, k);
+  const size_t bytes = size_t(d.dim0 * d.dim1);
+  return (bytes + kGemmWorkspaceAlignment - 1) / kGemmWorkspaceAlignment * kGemmWorkspaceAlignment;
+}
+inline size_t GemmWorkspaceBytes(const GemmArgs& args) {
+  if (args.a_scale_mode != GemmScaleMode::kMxfp8 && args.a_scale_mode != GemmScaleMode::kNvfp4) {
+    return kGemmWorkspaceBytes;
+  }
+  return kGemmWorkspaceBytes + GemmScaleBytesPadded(args.a_scale_mode, args.m, args.k) +
+         GemmScaleBytesPadded(args.b_scale_mode, args.n, args.k);
+}
+
 // CUDA launcher (cublaslt_gemm_cuda.cc): enqueues the GEMM on `stream` of device
-// `device_ordinal`, no host sync. `workspace` is kGemmWorkspaceBytes of device memory,
+// `device_ordinal`, no host sync. `workspace` is GemmWorkspaceBytes(args) of device memory,
 // 256-byte aligned, used only by work enqueued by this call.
 Status GemmCuda(const GemmArgs& args, int device_ordinal, void* workspace, GpuStream stream);
 

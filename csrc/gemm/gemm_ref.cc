@@ -80,8 +80,21 @@ class Operand {
           int64_t k)
       : data_(data), decoder_(type), mode_(mode), scale_(scale), k_(k),
         dims_(GemmScaleDims(mode, rows, k)) {}
+  // kNvfp4: packed E2M1 data, e4m3 block scales and the global scale_inv.
+  Operand(const void* data, const void* scale, float global_scale_inv, int64_t rows, int64_t k)
+      : data_(data), decoder_(DType::kE2M1), mode_(GemmScaleMode::kNvfp4), scale_(scale), k_(k),
+        dims_(GemmScaleDims(GemmScaleMode::kNvfp4, rows, k)), global_(global_scale_inv) {}
 
   void Row(int64_t r, float* out) const {
+    if (mode_ == GemmScaleMode::kNvfp4) {
+      const uint8_t* q = static_cast<const uint8_t*>(data_) + r * ((k_ + 1) / 2);
+      const uint8_t* s = static_cast<const uint8_t*>(scale_) + r * dims_.dim1;
+      for (int64_t kk = 0; kk < k_; ++kk) {
+        const uint8_t nibble = kk % 2 ? uint8_t(q[kk / 2] >> 4) : uint8_t(q[kk / 2] & 0xF);
+        out[kk] = (E2m1ToFloat(nibble) * E4m3ToFloat(s[kk / 16])) * global_;  // first product exact
+      }
+      return;
+    }
     decoder_.Run(data_, r * k_, k_, out);
     switch (mode_) {
       case GemmScaleMode::kBlock1x128: {
@@ -111,7 +124,19 @@ class Operand {
   const void* scale_;
   int64_t k_;
   GemmScaleShape dims_;
+  float global_ = 1.0f;
 };
+
+Operand MakeOperand(const GemmArgs& args, bool is_a) {
+  const int64_t rows = is_a ? args.m : args.n;
+  if (args.a_scale_mode == GemmScaleMode::kNvfp4) {
+    return Operand(is_a ? args.a : args.b, is_a ? args.a_scale_inv : args.b_scale_inv,
+                   (is_a ? args.a_global_scale_inv : args.b_global_scale_inv)[0], rows, args.k);
+  }
+  return Operand(is_a ? args.a : args.b, is_a ? args.a_type : args.b_type,
+                 is_a ? args.a_scale_mode : args.b_scale_mode,
+                 is_a ? args.a_scale_inv : args.b_scale_inv, rows, args.k);
+}
 
 // acc[i][j] = sum over k of a_tile[i][k] * b_t[k][j], k ascending. a_tile is kTileM rows of
 // `k` floats; b_t has row stride `ldb` and kTileN valid columns.
@@ -135,8 +160,8 @@ template <typename OutTag>
 void GemmRows(const GemmArgs& args, float scale, int64_t row_begin, int64_t row_end) {
   using Out = typename OutTag::Storage;
   const int64_t k = args.k, n = args.n;
-  const Operand op_a(args.a, args.a_type, args.a_scale_mode, args.a_scale_inv, args.m, k);
-  const Operand op_b(args.b, args.b_type, args.b_scale_mode, args.b_scale_inv, args.n, k);
+  const Operand op_a = MakeOperand(args, true);
+  const Operand op_b = MakeOperand(args, false);
   const Out* bias = static_cast<const Out*>(args.bias);
   Out* out = static_cast<Out*>(args.out);
 
@@ -228,8 +253,12 @@ Status GemmAllRows(const GemmArgs& args, float scale) {
 
 Status GemmRef(const GemmArgs& args) {
   const ScopedIeeeDenormals ieee;  // as the GPU (see ieee_denormals.h)
-  LOWBIT_RETURN_IF_ERROR(CheckGemmTypes(args.a_type, args.b_type, args.out_type));
-  LOWBIT_RETURN_IF_ERROR(CheckGemmScaleModes(args.a_scale_mode, args.b_scale_mode, args.a_type));
+  if (args.a_scale_mode == GemmScaleMode::kNvfp4) {
+    LOWBIT_RETURN_IF_ERROR(CheckNvfp4Gemm(args));
+  } else {
+    LOWBIT_RETURN_IF_ERROR(CheckGemmTypes(args.a_type, args.b_type, args.out_type));
+    LOWBIT_RETURN_IF_ERROR(CheckGemmScaleModes(args.a_scale_mode, args.b_scale_mode, args.a_type));
+  }
   if (args.m < 0 || args.n < 0 || args.k < 0) {
     return Status::InvalidArgument("lowbit_gemm: negative dimension M=" + std::to_string(args.m) +
                                    " N=" + std::to_string(args.n) + " K=" + std::to_string(args.k));

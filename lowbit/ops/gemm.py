@@ -23,13 +23,36 @@ roundup(ceil(K/32), 4)). Both operands block-scaled or neither; MXFP8 only with 
     are zero-padded to multiples of 16 (the scale arrays with them, so that the 1x128 scale
     rows are exactly M or N long); accumulation is always cuBLASLt's per-128-K-block fp32
     promotion (fast accumulation does not apply); bias is added in fp32 after the GEMM.
-  CUDA otherwise (MXFP8 anywhere, FP8 block off Hopper, 128x128 x 128x128): the same
+  CUDA, MXFP8 on compute capability 10.x (Blackwell): cuBLASLt's VEC32_UE8M0 scale mode; M
+    and N are zero-padded to multiples of 16 and K to 128 (the scale arrays keep their
+    shapes; their entries past ceil(K/32) are zeroed so that padding K blocks add 0), the
+    C++ launcher swizzles both scale arrays into cuBLASLt's 128 x 4 tile order in its
+    workspace (gemm_workspace_bytes), bias is added in fp32 after the GEMM. Compile-checked
+    only: no Blackwell GPU has run it yet (tests/test_gemm_block.py compares it with the CPU
+    emulation where one is present).
+  CUDA otherwise (MXFP8 off 10.x, FP8 block off Hopper, 128x128 x 128x128): the same
     emulation in jnp (fp32 HIGHEST dot), with a one-time notice.
 Block modes map over vmapped batches and are partitioned (below) where shards hold whole tiles.
 
+NVFP4 (`nvfp4_gemm`, its own op lowbit_gemm_nvfp4 at the end of this file): packed E2M1
+operands with e4m3 block scales and fp32 global scale_invs as lowbit.ops.quantize_nvfp4
+stores them; the exact emulation on the CPU and off 10.x, cuBLASLt on 10.x (compile-checked
+only). 2-D, no sharding or vmap rule; lowbit.dense still uses emulated_nvfp4_gemm.
+
+Algorithm (CUDA): `algo` picks entry `algo` of the list of algorithms cuBLASLt's
+heuristic returns (0 = its first choice; a plan-cache key in C++). `gemm(algo=None)` takes
+it from LOWBIT_GEMM_ALGO, read once per process: "k" for every FP8 kind, or
+"kind=k,kind=k" with kinds fp8_fast (per-tensor, fast accumulation: the forward GEMM),
+fp8_split (per-tensor, split accumulation: dgrad / wgrad), block (FP8 1x128 / 128x128),
+mxfp8 and nvfp4 (nvfp4_gemm); unset kinds take DEFAULT_ALGO (all 0: cuBLASLt's choice). A
+bad value raises a ValueError naming the variable; an index past what cuBLASLt returns for a
+problem fails that GEMM with the count it did return. bench/bench_gemm.py --algo-sweep times
+every index.
+
 Workspace: the lowbit_gemm custom call has a second result, a u8 workspace that XLA's buffer
 assignment plans like any temp (XLA's FFI scratch allocator hands out nothing in jax 0.11):
-GEMM_WORKSPACE_BYTES on CUDA, 0 bytes on the CPU. It exists only in the lowering rules
+gemm_workspace_bytes() on CUDA (GEMM_WORKSPACE_BYTES, plus the swizzled MXFP8 scales), 0
+bytes on the CPU. It exists only in the lowering rules
 (`_lower_with_workspace`): gemm_p itself has one result, so abstract evaluation, batching
 and partitioning never see it; it is never sharded (each device's custom call gets its own).
 
@@ -60,6 +83,7 @@ from __future__ import annotations
 import enum
 import functools
 import math
+import os
 import warnings
 
 import jax
@@ -80,6 +104,12 @@ HALF = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 OUT = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 FP8_DIM_MULTIPLE = 16  # kFp8DimMultiple in csrc/gemm/gemm.h
 GEMM_WORKSPACE_BYTES = (32 << 20) + 256  # kGemmWorkspaceBytes in csrc/gemm/gemm.h
+MXFP8_K_MULTIPLE = 128  # kMxfp8KMultiple in csrc/gemm/cublaslt_gemm_cuda.cc
+MAX_ALGO = 32  # kGemmMaxAlgo in csrc/gemm/gemm.h: algo is 0..MAX_ALGO-1
+ALGO_ENV = "LOWBIT_GEMM_ALGO"
+# The cuBLASLt heuristic index each kind of FP8 GEMM runs with unless LOWBIT_GEMM_ALGO says
+# otherwise (0 = cuBLASLt's first choice); bench/bench_gemm.py --algo-sweep measures the others.
+DEFAULT_ALGO = {"fp8_fast": 0, "fp8_split": 0, "block": 0, "mxfp8": 0, "nvfp4": 0}
 
 
 class GemmScaleMode(enum.IntEnum):
@@ -98,6 +128,117 @@ CUBLASLT_BLOCK_PAIRS = ((GemmScaleMode.BLOCK_1x128, GemmScaleMode.BLOCK_128x128)
                         (GemmScaleMode.BLOCK_128x128, GemmScaleMode.BLOCK_1x128),
                         (GemmScaleMode.BLOCK_1x128, GemmScaleMode.BLOCK_1x128))
 _E8M0 = jnp.dtype(jnp.float8_e8m0fnu)
+
+
+def parse_algo(text: str) -> dict[str, int]:
+    """LOWBIT_GEMM_ALGO's value -> {kind: index}: "" -> {}, "k" -> every kind k,
+    "kind=k,kind=k" -> those kinds (see the module docstring)."""
+    text = text.strip()
+    if not text:
+        return {}
+    usage = (f"{ALGO_ENV}: expected an index 0..{MAX_ALGO - 1} for every FP8 GEMM, or "
+             f"'kind=index' pairs separated by commas with kinds {', '.join(DEFAULT_ALGO)}; got {text!r}")
+
+    def index(word: str) -> int:
+        word = word.strip()
+        if not word.isdigit() or int(word) >= MAX_ALGO:
+            raise ValueError(usage)
+        return int(word)
+
+    if "=" not in text:
+        k = index(text)
+        return {kind: k for kind in DEFAULT_ALGO}
+    out = {}
+    for item in text.split(","):
+        kind, sep, value = item.partition("=")
+        kind = kind.strip()
+        if not sep or kind not in DEFAULT_ALGO or kind in out:
+            raise ValueError(usage)
+        out[kind] = index(value)
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _env_algo() -> dict[str, int]:
+    """LOWBIT_GEMM_ALGO, parsed once per process."""
+    return parse_algo(os.environ.get(ALGO_ENV, ""))
+
+
+def algo_kind(a_dtype, a_mode: GemmScaleMode, use_split_accumulator: bool) -> str | None:
+    """The DEFAULT_ALGO kind of a GEMM, None for the 16-bit GEMMs (always algo 0)."""
+    if jnp.dtype(a_dtype) not in FP8:
+        return None
+    if a_mode == GemmScaleMode.MXFP8:
+        return "mxfp8"
+    if a_mode != GemmScaleMode.TENSOR:
+        return "block"
+    return "fp8_split" if use_split_accumulator else "fp8_fast"
+
+
+def resolve_algo(algo, a_dtype, a_mode: GemmScaleMode, use_split_accumulator: bool) -> int:
+    """The heuristic index a gemm call runs with: `algo` when given (checked), else
+    LOWBIT_GEMM_ALGO's or DEFAULT_ALGO's for its kind."""
+    if algo is not None:
+        if isinstance(algo, bool) or not isinstance(algo, (int, np.integer)) or not 0 <= algo < MAX_ALGO:
+            raise ValueError(f"{OP}: algo: expected None or an index 0..{MAX_ALGO - 1}, got {algo!r}")
+        return int(algo)
+    kind = algo_kind(a_dtype, a_mode, use_split_accumulator)
+    if kind is None:
+        return 0
+    return _env_algo().get(kind, DEFAULT_ALGO[kind])
+
+
+def gemm_workspace_bytes(a_mode: GemmScaleMode, m: int, n: int, k: int) -> int:
+    """GemmWorkspaceBytes in csrc/gemm/gemm.h: the CUDA custom call's workspace."""
+    if a_mode != GemmScaleMode.MXFP8:
+        return GEMM_WORKSPACE_BYTES
+    padded = lambda rows: _round_up(math.prod(scale_shape(a_mode, rows, k)), 256)  # noqa: E731
+    return GEMM_WORKSPACE_BYTES + padded(m) + padded(n)
+
+
+def swizzle_scales_jnp(scale, valid_rows=None, valid_cols=None):
+    """The jnp reference of csrc/gemm/scale_swizzle.h: a (R, C) one-byte scale matrix (R % 128
+    == 0, C % 4 == 0) -> its R * C entries in cuBLASLt's 128 x 4 tile order, the entries at
+    rows >= valid_rows or cols >= valid_cols zeroed."""
+    r, c = scale.shape
+    bits = jax.lax.bitcast_convert_type(scale, jnp.uint8) if scale.dtype != jnp.uint8 else scale
+    vr = r if valid_rows is None else valid_rows
+    vc = c if valid_cols is None else valid_cols
+    keep = (jnp.arange(r)[:, None] < vr) & (jnp.arange(c)[None, :] < vc)
+    bits = jnp.where(keep, bits, jnp.uint8(0))
+    # (row tile, row // 32 within it, row % 32, col tile, col % 4) -> tiles, then row % 32,
+    # then row // 32, then col % 4.
+    tiles = bits.reshape(r // 128, 4, 32, c // 4, 4).transpose(0, 3, 2, 1, 4).reshape(-1)
+    return tiles if scale.dtype == jnp.uint8 else jax.lax.bitcast_convert_type(tiles, scale.dtype)
+
+
+def unswizzle_scales_jnp(swizzled, rows: int, cols: int):
+    """The inverse of swizzle_scales_jnp (with nothing zeroed): R * C bytes -> (R, C)."""
+    t = swizzled.reshape(rows // 128, cols // 4, 32, 4, 4).transpose(0, 3, 2, 1, 4)
+    return t.reshape(rows, cols)
+
+
+def _swizzle_abstract(scale, *, valid_rows, valid_cols):
+    del valid_rows, valid_cols
+    return jax.core.ShapedArray((math.prod(scale.shape),), scale.dtype)
+
+
+swizzle_scales_p = ffi_primitive("lowbit_gemm_swizzle_scales", "lowbit_gemm_swizzle_scales",
+                                 _swizzle_abstract, attrs=("valid_rows", "valid_cols"))
+
+
+def swizzle_scales(scale, valid_rows=None, valid_cols=None):
+    """The C++ scale swizzle (CPU reference or CUDA kernel, scale_swizzle.h) as an op: what
+    the sm_100 MXFP8 GEMM applies inside its launcher, exposed so that the kernel can be
+    tested on any GPU. scale: (R, C) uint8 / float8_e8m0fnu / float8_e4m3fn."""
+    scale = jnp.asarray(scale)
+    if scale.ndim != 2 or scale.shape[0] % 128 or scale.shape[1] % 4:
+        raise ValueError(f"{OP}: scale: expected a (multiple of 128, multiple of 4) matrix, got {scale.shape}")
+    if scale.dtype not in (jnp.dtype(jnp.uint8), _E8M0, jnp.dtype(jnp.float8_e4m3fn)):
+        raise TypeError(f"{OP}: scale: expected uint8, float8_e8m0fnu or float8_e4m3fn, got {scale.dtype}")
+    r, c = scale.shape
+    return swizzle_scales_p.bind(scale, valid_rows=np.int64(r if valid_rows is None else valid_rows),
+                                 valid_cols=np.int64(c if valid_cols is None else valid_cols))
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -158,8 +299,9 @@ def emulated_gemm(a, b, a_scale_inv, b_scale_inv, bias, *, out_dtype, a_scale_mo
 def emulated_nvfp4_gemm(a, b, bias=None, *, out_dtype, contracting_ndim: int = 1):
     """The NVFP4 GEMM emulation: a (M..., K...) . b (N..., K...)^T over the last
     contracting_ndim dims of the two dequantized operands (fp32, NVFP4Tensor1x.dequantize),
-    a HIGHEST-precision fp32 dot, + bias in fp32, rounded to out_dtype. No device has an
-    NVFP4 GEMM path in lowbit yet (cuBLASLt's sm_100 one is to come): said once."""
+    a HIGHEST-precision fp32 dot, + bias in fp32, rounded to out_dtype, on every device (said
+    once). lowbit.dense multiplies NVFP4 through this; nvfp4_gemm below is the packed-operand
+    op with the cuBLASLt path on compute capability 10.x."""
     _notice_once("nvfp4", "lowbit.ops.gemm: NVFP4 GEMMs run as an exact emulation (dequantize to "
                  "fp32, fp32 GEMM) on every device for now")
     kd = int(contracting_ndim)
@@ -172,8 +314,8 @@ def emulated_nvfp4_gemm(a, b, bias=None, *, out_dtype, contracting_ndim: int = 1
 
 
 def _abstract(a, b, a_scale_inv, b_scale_inv, bias, *, out_dtype, use_split_accumulator,
-              a_scale_mode, b_scale_mode):
-    del a_scale_inv, b_scale_inv, bias, use_split_accumulator, a_scale_mode, b_scale_mode
+              a_scale_mode, b_scale_mode, algo=0):
+    del a_scale_inv, b_scale_inv, bias, use_split_accumulator, a_scale_mode, b_scale_mode, algo
     return jax.core.ShapedArray((a.shape[0], b.shape[0]), out_dtype)
 
 
@@ -181,22 +323,23 @@ def _abstract(a, b, a_scale_inv, b_scale_inv, bias, *, out_dtype, use_split_accu
 # (0,) -> (M, N). The custom call's second result (the workspace) is added by the lowering
 # rules below.
 gemm_p = ffi_primitive("lowbit_gemm", "lowbit_gemm", _abstract,
-                       attrs=("use_split_accumulator", "a_scale_mode", "b_scale_mode"))
+                       attrs=("use_split_accumulator", "a_scale_mode", "b_scale_mode", "algo"))
 _ffi_lowering = jax.ffi.ffi_lowering("lowbit_gemm")
 
 
 def _lower_with_workspace(ctx, a, b, a_scale_inv, b_scale_inv, bias, *, workspace_bytes,
-                          use_split_accumulator, a_scale_mode, b_scale_mode):
+                          use_split_accumulator, a_scale_mode, b_scale_mode, algo=0):
     """Emits lowbit_gemm with results (out, workspace u8[workspace_bytes]); returns out."""
     (out_aval,) = ctx.avals_out
     workspace = jax.core.ShapedArray((workspace_bytes,), jnp.uint8)
     out, _ = _ffi_lowering(ctx.replace(avals_out=[out_aval, workspace]), a, b, a_scale_inv,
                            b_scale_inv, bias, use_split_accumulator=use_split_accumulator,
-                           a_scale_mode=np.int32(a_scale_mode), b_scale_mode=np.int32(b_scale_mode))
+                           a_scale_mode=np.int32(a_scale_mode), b_scale_mode=np.int32(b_scale_mode),
+                           algo=np.int32(algo))
     return [out]
 
 
-def _cpu_lowering(ctx, *args, out_dtype, use_split_accumulator, a_scale_mode, b_scale_mode):
+def _cpu_lowering(ctx, *args, out_dtype, use_split_accumulator, a_scale_mode, b_scale_mode, algo=0):
     del out_dtype
     _ffi.require_platform("lowbit_gemm", "cpu")
     if a_scale_mode != GemmScaleMode.TENSOR:
@@ -204,7 +347,7 @@ def _cpu_lowering(ctx, *args, out_dtype, use_split_accumulator, a_scale_mode, b_
                      "CPU (each operand dequantized to fp32 with its block scales, then an fp32 GEMM)")
     return _lower_with_workspace(ctx, *args, workspace_bytes=0,
                                  use_split_accumulator=use_split_accumulator,
-                                 a_scale_mode=a_scale_mode, b_scale_mode=b_scale_mode)
+                                 a_scale_mode=a_scale_mode, b_scale_mode=b_scale_mode, algo=algo)
 
 
 mlir.register_lowering(gemm_p, _cpu_lowering, platform="cpu")
@@ -215,19 +358,28 @@ def _round_up(x: int, multiple: int) -> int:
 
 
 def gemm_padded(a, b, a_scale_inv, b_scale_inv, bias, *, out_dtype, use_split_accumulator,
-                a_scale_mode=GemmScaleMode.TENSOR, b_scale_mode=GemmScaleMode.TENSOR):
+                a_scale_mode=GemmScaleMode.TENSOR, b_scale_mode=GemmScaleMode.TENSOR, algo=0):
     """gemm_p with K and N zero-padded to multiples of 16 (and M too under block scaling,
-    with the 1x128 scale rows padded alike) and the result sliced back."""
+    with the 1x128 scale rows padded alike; K to 128 under MXFP8, its scale entries past
+    ceil(K/32) zeroed) and the result sliced back."""
     (m, k), n = a.shape, b.shape[0]
     block = a_scale_mode != GemmScaleMode.TENSOR
+    mxfp8 = a_scale_mode == GemmScaleMode.MXFP8
     mp = _round_up(m, FP8_DIM_MULTIPLE) if block else m
-    kp, np_ = _round_up(k, FP8_DIM_MULTIPLE), _round_up(n, FP8_DIM_MULTIPLE)
+    kp = _round_up(k, MXFP8_K_MULTIPLE if mxfp8 else FP8_DIM_MULTIPLE)
+    np_ = _round_up(n, FP8_DIM_MULTIPLE)
     a = jnp.pad(a, ((0, mp - m), (0, kp - k)))
     b = jnp.pad(b, ((0, np_ - n), (0, kp - k)))
     if bias.shape[0]:
         bias = jnp.pad(bias, (0, np_ - n))
 
     def pad_scale(scale, mode, rows):
+        if mode == GemmScaleMode.MXFP8:
+            # Same shape (K's 32-blocks were already padded to 4); the padding K blocks now
+            # meet zero data, so their scales must be finite: 0x00 (2^-127).
+            used = jnp.arange(scale.shape[1])[None, :] < _cdiv(k, 32)
+            bits = jax.lax.bitcast_convert_type(scale, jnp.uint8)
+            return jax.lax.bitcast_convert_type(jnp.where(used, bits, jnp.uint8(0)), _E8M0)
         if mode != GemmScaleMode.BLOCK_1x128:
             return scale  # 16-padding never adds a 128-block: the 2-D shapes stay
         return jnp.pad(scale, ((0, 0), (0, rows - scale.shape[1])))
@@ -236,28 +388,31 @@ def gemm_padded(a, b, a_scale_inv, b_scale_inv, bias, *, out_dtype, use_split_ac
     b_scale_inv = pad_scale(b_scale_inv, b_scale_mode, np_)
     out = gemm_p.bind(a, b, a_scale_inv, b_scale_inv, bias, out_dtype=out_dtype,
                       use_split_accumulator=use_split_accumulator,
-                      a_scale_mode=np.int32(a_scale_mode), b_scale_mode=np.int32(b_scale_mode))
+                      a_scale_mode=np.int32(a_scale_mode), b_scale_mode=np.int32(b_scale_mode),
+                      algo=np.int32(algo))
     return out[:m, :n]
 
 
-def _cublaslt_block_ready(m: int, n: int, k: int, bias_len: int) -> bool:
+def _cublaslt_block_ready(m: int, n: int, k: int, bias_len: int, mxfp8: bool = False) -> bool:
     """True for the block-scaled problems the CUDA lowering hands to the custom call as they
-    are: M, N and K multiples of 16 and no bias (what _block_gemm_cuda binds)."""
-    return not (m % FP8_DIM_MULTIPLE or n % FP8_DIM_MULTIPLE or k % FP8_DIM_MULTIPLE or bias_len)
+    are: M, N and K multiples of 16 (K of 128 for MXFP8) and no bias (what _block_gemm_cuda
+    binds)."""
+    k_multiple = MXFP8_K_MULTIPLE if mxfp8 else FP8_DIM_MULTIPLE
+    return not (m % FP8_DIM_MULTIPLE or n % FP8_DIM_MULTIPLE or k % k_multiple or bias_len)
 
 
 def _block_gemm_cuda(a, b, a_scale_inv, b_scale_inv, bias, *, out_dtype, use_split_accumulator,
-                     a_scale_mode, b_scale_mode):
+                     a_scale_mode, b_scale_mode, algo=0):
     """FP8 block scaling on cuBLASLt: padded, and with the bias added in fp32 afterwards.
     Every gemm_p it binds is _cublaslt_block_ready, so the CUDA lowering of those emits the
     custom call directly (no second trip through this function)."""
     if not bias.shape[0]:
         return gemm_padded(a, b, a_scale_inv, b_scale_inv, bias, out_dtype=out_dtype,
                            use_split_accumulator=use_split_accumulator,
-                           a_scale_mode=a_scale_mode, b_scale_mode=b_scale_mode)
+                           a_scale_mode=a_scale_mode, b_scale_mode=b_scale_mode, algo=algo)
     acc = gemm_padded(a, b, a_scale_inv, b_scale_inv, jnp.zeros((0,), jnp.float32),
                       out_dtype=jnp.dtype(jnp.float32), use_split_accumulator=use_split_accumulator,
-                      a_scale_mode=a_scale_mode, b_scale_mode=b_scale_mode)
+                      a_scale_mode=a_scale_mode, b_scale_mode=b_scale_mode, algo=algo)
     return (acc + bias.astype(jnp.float32)).astype(out_dtype)
 
 
@@ -270,62 +425,80 @@ def _cuda_capability() -> str:
         return ""
 
 
+def mxfp8_on_cublaslt(capability: str) -> bool:
+    """The sm_100 gate: MXFP8 runs on cuBLASLt on compute capability 10.x exactly (cuBLASLt's
+    VEC32_UE8M0 mode; the C++ launcher checks the same), and is emulated everywhere else."""
+    return capability.split(".")[0] == "10"
+
+
+def block_on_cublaslt(modes, capability: str) -> bool:
+    """Whether the CUDA lowering hands a block-scaled (a, b) mode pair to cuBLASLt on a device
+    of `capability` ("9.0" style); False = the jnp emulation."""
+    if modes == (GemmScaleMode.MXFP8, GemmScaleMode.MXFP8):
+        return mxfp8_on_cublaslt(capability)
+    return modes in CUBLASLT_BLOCK_PAIRS and capability == "9.0"
+
+
 def _cuda_lowering(ctx, a, b, a_scale_inv, b_scale_inv, bias, *, out_dtype, use_split_accumulator,
-                   a_scale_mode, b_scale_mode):
+                   a_scale_mode, b_scale_mode, algo=0):
     a_aval, b_aval = ctx.avals_in[0], ctx.avals_in[1]
     (m, k), n = a_aval.shape, b_aval.shape[0]
     modes = (GemmScaleMode(int(a_scale_mode)), GemmScaleMode(int(b_scale_mode)))
     kw = dict(out_dtype=out_dtype, a_scale_mode=a_scale_mode, b_scale_mode=b_scale_mode)
     lower = functools.partial(mlir.lower_fun, multiple_results=False)
     if modes[0] != GemmScaleMode.TENSOR:
-        if modes not in CUBLASLT_BLOCK_PAIRS or _cuda_capability() != "9.0":
+        if not block_on_cublaslt(modes, _cuda_capability()):
             _notice_once(f"cuda-{modes}", f"lowbit.ops.gemm: no cuBLASLt path for scale modes "
                          f"{modes[0].name} x {modes[1].name} on compute capability "
                          f"{_cuda_capability() or 'unknown'}; emulating it exactly (dequantize to "
                          "fp32, fp32 GEMM)")
             return lower(functools.partial(emulated_gemm, **kw))(ctx, a, b, a_scale_inv, b_scale_inv, bias)
-        if not _cublaslt_block_ready(m, n, k, ctx.avals_in[4].shape[0]):
+        if not _cublaslt_block_ready(m, n, k, ctx.avals_in[4].shape[0], modes[0] == GemmScaleMode.MXFP8):
             # Padded (and bias split off) by _block_gemm_cuda, whose gemm_p binds come back
             # here ready and fall through to the custom call.
-            fn = functools.partial(_block_gemm_cuda, use_split_accumulator=use_split_accumulator, **kw)
+            fn = functools.partial(_block_gemm_cuda, use_split_accumulator=use_split_accumulator,
+                                   algo=algo, **kw)
             return lower(fn)(ctx, a, b, a_scale_inv, b_scale_inv, bias)
     elif a_aval.dtype in FP8 and (k % FP8_DIM_MULTIPLE or n % FP8_DIM_MULTIPLE):
-        padded = functools.partial(gemm_padded, use_split_accumulator=use_split_accumulator, **kw)
+        padded = functools.partial(gemm_padded, use_split_accumulator=use_split_accumulator,
+                                   algo=algo, **kw)
         return lower(padded)(ctx, a, b, a_scale_inv, b_scale_inv, bias)
     _ffi.require_platform("lowbit_gemm", "cuda")
-    workspace_bytes = GEMM_WORKSPACE_BYTES if m and n else 0  # the handler returns early on empty
+    # The handler returns early on empty problems.
+    workspace_bytes = gemm_workspace_bytes(modes[0], m, n, k) if m and n else 0
     return _lower_with_workspace(ctx, a, b, a_scale_inv, b_scale_inv, bias,
                                  workspace_bytes=workspace_bytes,
                                  use_split_accumulator=use_split_accumulator,
-                                 a_scale_mode=a_scale_mode, b_scale_mode=b_scale_mode)
+                                 a_scale_mode=a_scale_mode, b_scale_mode=b_scale_mode, algo=algo)
 
 
 mlir.register_lowering(gemm_p, _cuda_lowering, platform="cuda")
 
 
 def _gemm_2d(a, b, a_scale_inv, b_scale_inv, bias, out_dtype, use_split_accumulator, k_ndim=1,
-             a_scale_mode=GemmScaleMode.TENSOR, b_scale_mode=GemmScaleMode.TENSOR):
+             a_scale_mode=GemmScaleMode.TENSOR, b_scale_mode=GemmScaleMode.TENSOR, algo=0):
     """a (M..., K...) . b (N..., K...) -> (M..., N...) through one gemm_p call on the (M, K) and
     (N, K) views (the last k_ndim dims of both are contracted)."""
     m_shape, n_shape = a.shape[:a.ndim - k_ndim], b.shape[:b.ndim - k_ndim]
     k = math.prod(a.shape[a.ndim - k_ndim:])
     out = gemm_p.bind(a.reshape(-1, k), b.reshape(-1, k), a_scale_inv, b_scale_inv, bias.reshape(-1),
                       out_dtype=out_dtype, use_split_accumulator=np.bool_(use_split_accumulator),
-                      a_scale_mode=np.int32(a_scale_mode), b_scale_mode=np.int32(b_scale_mode))
+                      a_scale_mode=np.int32(a_scale_mode), b_scale_mode=np.int32(b_scale_mode),
+                      algo=np.int32(algo))
     return out.reshape(*m_shape, *n_shape)
 
 
-def _gemm_p_batch(args, dims, *, out_dtype, use_split_accumulator, a_scale_mode, b_scale_mode):
+def _gemm_p_batch(args, dims, *, out_dtype, use_split_accumulator, a_scale_mode, b_scale_mode, algo=0):
     a, b, sa, sb, bias = args
     da, *rest = dims
     if all(d is None for d in rest) and a_scale_mode == GemmScaleMode.TENSOR:
         a = jnp.moveaxis(a, da, 0)  # only a batched: fold the batch into M
-        return _gemm_2d(a, b, sa, sb, bias, out_dtype, use_split_accumulator), 0
+        return _gemm_2d(a, b, sa, sb, bias, out_dtype, use_split_accumulator, algo=algo), 0
     size = next(x.shape[d] for x, d in zip(args, dims) if d is not None)
     args = [batching.bdim_at_front(x, d, size) for x, d in zip(args, dims)]
     out = jax.lax.map(
         lambda xs: gemm_p.bind(*xs, out_dtype=out_dtype, use_split_accumulator=use_split_accumulator,
-                               a_scale_mode=a_scale_mode, b_scale_mode=b_scale_mode),
+                               a_scale_mode=a_scale_mode, b_scale_mode=b_scale_mode, algo=algo),
         tuple(args))
     return out, 0
 
@@ -469,7 +642,7 @@ def _scale_sharding(mode, row_axes, k_axes):
 @functools.lru_cache(maxsize=None)
 def _make_gemm(out_dtype: np.dtype, use_split_accumulator: bool, has_bias: bool, k_ndim: int,
                n_ndim: int, a_mode: GemmScaleMode = GemmScaleMode.TENSOR,
-               b_mode: GemmScaleMode = GemmScaleMode.TENSOR):
+               b_mode: GemmScaleMode = GemmScaleMode.TENSOR, algo: int = 0):
     """The partitioned, vmappable gemm for one static configuration; args (a, b, sa, sb[, bias]).
 
     Block modes: sharded like the tensor mode where _block_specs allows (rows on the first
@@ -488,14 +661,15 @@ def _make_gemm(out_dtype: np.dtype, use_split_accumulator: bool, has_bias: bool,
     def local(a, b, sa, sb, *bias):
         bias_arr = bias[0] if has_bias else jnp.zeros((0,), out_dtype)
         sa, sb = fitted(a, b, sa, sb)
-        return _gemm_2d(a, b, sa, sb, bias_arr, out_dtype, use_split_accumulator, k_ndim, a_mode, b_mode)
+        return _gemm_2d(a, b, sa, sb, bias_arr, out_dtype, use_split_accumulator, k_ndim, a_mode, b_mode,
+                        algo)
 
     def local_k_sharded(psum_axes, scatter):
         def lower(a, b, sa, sb, *bias):
             empty = jnp.zeros((0,), jnp.float32)
             sa, sb = fitted(a, b, sa, sb)
             acc = _gemm_2d(a, b, sa, sb, empty, jnp.dtype(jnp.float32), use_split_accumulator, k_ndim,
-                           a_mode, b_mode)
+                           a_mode, b_mode, algo)
             for axis, dim in scatter:
                 acc = jax.lax.psum_scatter(acc, axis, scatter_dimension=dim, tiled=True)
             if psum_axes:
@@ -641,7 +815,7 @@ def _check_scale_modes(a_mode, b_mode, a_dtype):
 def gemm(a, b, a_scale_inv=None, b_scale_inv=None, bias=None, *, out_dtype=jnp.bfloat16,
          use_split_accumulator: bool = True, contracting_ndim: int = 1,
          sequence_parallel: bool = False, a_scale_mode: GemmScaleMode = GemmScaleMode.TENSOR,
-         b_scale_mode: GemmScaleMode = GemmScaleMode.TENSOR) -> jax.Array:
+         b_scale_mode: GemmScaleMode = GemmScaleMode.TENSOR, algo: int | None = None) -> jax.Array:
     """(a_scale_inv * a) . (b_scale_inv * b)^T + bias for a (M..., K...), b (N..., K...) ->
     (M..., N...), contracting the last `contracting_ndim` dims of both (default: a (..., K),
     b (N, K)); bias has b's N... shape.
@@ -654,6 +828,10 @@ def gemm(a, b, a_scale_inv=None, b_scale_inv=None, bias=None, *, out_dtype=jnp.b
 
     `a_scale_mode` / `b_scale_mode` (GemmScaleMode, see the module docstring): the block
     scale arrays are those of the (prod(M...), prod(K...)) and (prod(N...), prod(K...)) views.
+
+    `algo`: cuBLASLt's heuristic index on CUDA (None: LOWBIT_GEMM_ALGO or DEFAULT_ALGO for
+    the FP8 kinds, see the module docstring, and 0 for 16-bit operands); no effect on the
+    CPU or where the GEMM is emulated.
     """
     a, b = jnp.asarray(a), jnp.asarray(b)
     kd = int(contracting_ndim)
@@ -698,7 +876,9 @@ def gemm(a, b, a_scale_inv=None, b_scale_inv=None, bias=None, *, out_dtype=jnp.b
         a = gather_rows(a, a.ndim - kd)
     if a_mode != GemmScaleMode.TENSOR:
         use_split_accumulator = True  # block scales have the split accumulation only
-    fn = _make_gemm(out_dtype, bool(use_split_accumulator), bias is not None, kd, len(n_shape), a_mode, b_mode)
+    algo = resolve_algo(algo, a.dtype, a_mode, bool(use_split_accumulator))
+    fn = _make_gemm(out_dtype, bool(use_split_accumulator), bias is not None, kd, len(n_shape), a_mode, b_mode,
+                    algo)
     return fn(a, b, sa, sb, *([bias] if bias is not None else []))
 
 
@@ -709,3 +889,162 @@ def gemm_reference(a, b, a_scale_inv=1.0, b_scale_inv=1.0, bias=None, *, out_dty
     if bias is not None:
         acc = acc + bias.astype(jnp.float32)
     return acc.astype(out_dtype)
+
+
+# ---------------------------------------------------------------- NVFP4
+
+NVFP4_K_MULTIPLE = 64  # kNvfp4KMultiple in csrc/gemm/cublaslt_gemm_cuda.cc
+_E4M3 = jnp.dtype(jnp.float8_e4m3fn)
+
+
+def nvfp4_scale_shape(rows: int, k: int) -> tuple[int, int]:
+    """The e4m3 block scale array of a rows x k NVFP4 operand (quantize_nvfp4.h)."""
+    return (_round_up(rows, 128), _round_up(_cdiv(k, 16), 4))
+
+
+def nvfp4_workspace_bytes(m: int, n: int, k: int) -> int:
+    """GemmWorkspaceBytes in csrc/gemm/gemm.h for lowbit_gemm_nvfp4."""
+    padded = lambda rows: _round_up(math.prod(nvfp4_scale_shape(rows, k)), 256)  # noqa: E731
+    return GEMM_WORKSPACE_BYTES + padded(m) + padded(n)
+
+
+def _nvfp4_abstract(a, b, a_scale, b_scale, a_gsi, b_gsi, bias, *, out_dtype, k, algo=0):
+    del a_scale, b_scale, a_gsi, b_gsi, bias, k, algo
+    return jax.core.ShapedArray((a.shape[0], b.shape[0]), out_dtype)
+
+
+# a, b packed E2M1 (rows, ceil(K/2)) uint8, their e4m3 scales and f32 (1,) global scale_invs,
+# bias (N,) or (0,) -> (M, N); the lowering rules add the workspace result, as for gemm_p.
+gemm_nvfp4_p = ffi_primitive("lowbit_gemm_nvfp4", "lowbit_gemm_nvfp4", _nvfp4_abstract, attrs=("k", "algo"))
+_nvfp4_ffi_lowering = jax.ffi.ffi_lowering("lowbit_gemm_nvfp4")
+
+
+def _nvfp4_lower_with_workspace(ctx, *args, workspace_bytes, k, algo):
+    (out_aval,) = ctx.avals_out
+    workspace = jax.core.ShapedArray((workspace_bytes,), jnp.uint8)
+    out, _ = _nvfp4_ffi_lowering(ctx.replace(avals_out=[out_aval, workspace]), *args,
+                                 k=np.int64(k), algo=np.int32(algo))
+    return [out]
+
+
+def _nvfp4_cpu_lowering(ctx, *args, out_dtype, k, algo=0):
+    del out_dtype
+    _ffi.require_platform("lowbit_gemm_nvfp4", "cpu")
+    return _nvfp4_lower_with_workspace(ctx, *args, workspace_bytes=0, k=k, algo=algo)
+
+
+mlir.register_lowering(gemm_nvfp4_p, _nvfp4_cpu_lowering, platform="cpu")
+
+
+def emulated_nvfp4_gemm_packed(a, b, a_scale, b_scale, a_gsi, b_gsi, bias, *, out_dtype, k):
+    """The NVFP4 emulation on packed operands: each dequantized to fp32 as
+    dequantize_nvfp4 does ((e2m1 * e4m3) * global_scale_inv), a HIGHEST fp32 dot, + bias in
+    fp32, rounded to out_dtype."""
+    from lowbit.ops.quantize_nvfp4 import dequantize_nvfp4
+    a32 = dequantize_nvfp4(a, a_scale, a_gsi, cols=k)
+    b32 = dequantize_nvfp4(b, b_scale, b_gsi, cols=k)
+    acc = jnp.dot(a32, b32.T, precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+    if bias.shape[0]:
+        acc = acc + bias.astype(jnp.float32)
+    return acc.astype(out_dtype)
+
+
+def _nvfp4_gemm_cuda(a, b, a_scale, b_scale, a_gsi, b_gsi, bias, *, out_dtype, k, algo):
+    """NVFP4 on cuBLASLt: M and N zero-padded to 16, K to 64 (zero bytes are E2M1 zeros; the
+    scale arrays keep their shapes, their entries past ceil(K/16) zeroed), bias added in fp32
+    afterwards, the result sliced back."""
+    m, n = a.shape[0], b.shape[0]
+    mp, np_, kp = _round_up(m, FP8_DIM_MULTIPLE), _round_up(n, FP8_DIM_MULTIPLE), _round_up(k, NVFP4_K_MULTIPLE)
+    a = jnp.pad(a, ((0, mp - m), (0, kp // 2 - a.shape[1])))
+    b = jnp.pad(b, ((0, np_ - n), (0, kp // 2 - b.shape[1])))
+
+    def fit(scale):
+        used = jnp.arange(scale.shape[1])[None, :] < _cdiv(k, 16)
+        bits = jax.lax.bitcast_convert_type(scale, jnp.uint8)
+        return jax.lax.bitcast_convert_type(jnp.where(used, bits, jnp.uint8(0)), _E4M3)
+
+    f32 = jnp.dtype(jnp.float32)
+    out = gemm_nvfp4_p.bind(a, b, fit(a_scale), fit(b_scale), a_gsi, b_gsi, jnp.zeros((0,), f32),
+                            out_dtype=f32 if bias.shape[0] else out_dtype, k=np.int64(kp),
+                            algo=np.int32(algo))[:m, :n]
+    if bias.shape[0]:
+        out = (out + bias.astype(jnp.float32)).astype(out_dtype)
+    return out
+
+
+def _nvfp4_cuda_lowering(ctx, a, b, a_scale, b_scale, a_gsi, b_gsi, bias, *, out_dtype, k, algo=0):
+    m, n = ctx.avals_in[0].shape[0], ctx.avals_in[1].shape[0]
+    lower = functools.partial(mlir.lower_fun, multiple_results=False)
+    args = (a, b, a_scale, b_scale, a_gsi, b_gsi, bias)
+    if not mxfp8_on_cublaslt(_cuda_capability()):
+        _notice_once("nvfp4-cuda", f"lowbit.ops.gemm: no cuBLASLt NVFP4 path on compute capability "
+                     f"{_cuda_capability() or 'unknown'} (10.x only); emulating it exactly (dequantize "
+                     "to fp32, fp32 GEMM)")
+        fn = functools.partial(emulated_nvfp4_gemm_packed, out_dtype=out_dtype, k=int(k))
+        return lower(fn)(ctx, *args)
+    ready = not (m % FP8_DIM_MULTIPLE or n % FP8_DIM_MULTIPLE or k % NVFP4_K_MULTIPLE or ctx.avals_in[6].shape[0])
+    if not ready:
+        fn = functools.partial(_nvfp4_gemm_cuda, out_dtype=out_dtype, k=int(k), algo=int(algo))
+        return lower(fn)(ctx, *args)
+    _ffi.require_platform("lowbit_gemm_nvfp4", "cuda")
+    workspace_bytes = nvfp4_workspace_bytes(m, n, int(k)) if m and n else 0
+    return _nvfp4_lower_with_workspace(ctx, *args, workspace_bytes=workspace_bytes, k=k, algo=algo)
+
+
+mlir.register_lowering(gemm_nvfp4_p, _nvfp4_cuda_lowering, platform="cuda")
+
+
+def nvfp4_gemm(a, b, a_scale, b_scale, a_global_scale_inv, b_global_scale_inv, bias=None, *, k: int,
+               out_dtype=jnp.bfloat16, algo: int | None = None) -> jax.Array:
+    """out (M, N) = dequant(a) (M, K) . dequant(b) (N, K)^T + bias for NVFP4 copies as
+    lowbit.ops.quantize_nvfp4 stores them: a / b packed E2M1 uint8 (rows, ceil(K/2)), their
+    e4m3 scales (roundup(rows, 128), roundup(ceil(K/16), 4)) and f32 global_scale_invs (one
+    value each); K given since the packed width cannot tell an odd K.
+
+    CPU: the exact emulation of csrc/gemm/gemm.h (each operand dequantized as
+    dequantize_nvfp4 does, products rounded to fp32 and summed in increasing k). CUDA on
+    compute capability 10.x: cuBLASLt (E2M1 x E2M1, VEC16_UE4M3 scales swizzled in the
+    launcher, alpha = a_gsi * b_gsi), compile-checked only; elsewhere the emulation in jnp
+    with a one-time notice. 2-D operands only, no sharding or vmap rule (a building block:
+    lowbit.dense still multiplies NVFP4 through emulated_nvfp4_gemm). RHT-transformed copies
+    multiply as stored (T applied to both operands' K leaves the product unchanged up to
+    rounding; dequantize_nvfp4 would undo it instead)."""
+    a, b = jnp.asarray(a), jnp.asarray(b)
+    op = f"{OP} (nvfp4)"
+    k = int(k)
+    kb = _cdiv(k, 2)
+    for name, x in (("a", a), ("b", b)):
+        if x.dtype != jnp.uint8 or x.ndim != 2 or x.shape[1] != kb:
+            raise ValueError(f"{op}: {name}: expected packed E2M1 uint8 (rows, {kb}) for K={k}, "
+                             f"got {x.dtype}{x.shape}")
+    scales = []
+    for name, x, rows in (("a_scale", a_scale, a.shape[0]), ("b_scale", b_scale, b.shape[0])):
+        x = jnp.asarray(x)
+        if x.dtype != _E4M3 or tuple(x.shape) != nvfp4_scale_shape(rows, k):
+            raise ValueError(f"{op}: {name}: expected float8_e4m3fn {nvfp4_scale_shape(rows, k)}, "
+                             f"got {x.dtype}{tuple(x.shape)}")
+        scales.append(x)
+    globals_ = []
+    for name, x in (("a_global_scale_inv", a_global_scale_inv), ("b_global_scale_inv", b_global_scale_inv)):
+        x = jnp.asarray(x)
+        if x.dtype != jnp.float32 or x.size != 1:
+            raise ValueError(f"{op}: {name}: expected one float32, got {x.dtype}{x.shape}")
+        globals_.append(x.reshape(1))
+    out_dtype = jnp.dtype(out_dtype)
+    if out_dtype not in OUT:
+        raise TypeError(f"{op}: out_dtype: expected bfloat16, float16 or float32, got {out_dtype}")
+    if bias is None:
+        bias = jnp.zeros((0,), out_dtype)
+    else:
+        bias = jnp.asarray(bias)
+        if bias.shape != (b.shape[0],) or bias.dtype != out_dtype:
+            raise ValueError(f"{op}: bias: expected {out_dtype} ({b.shape[0]},), got {bias.dtype}{bias.shape}")
+    if algo is None:
+        algo = _env_algo().get("nvfp4", DEFAULT_ALGO["nvfp4"])
+    elif isinstance(algo, bool) or not isinstance(algo, (int, np.integer)) or not 0 <= algo < MAX_ALGO:
+        raise ValueError(f"{op}: algo: expected None or an index 0..{MAX_ALGO - 1}, got {algo!r}")
+    if a.shape[0] == 0 or b.shape[0] == 0 or k == 0:
+        base = bias if bias.shape[0] else jnp.zeros((b.shape[0],), out_dtype)
+        return jnp.broadcast_to(base, (a.shape[0], b.shape[0]))
+    return gemm_nvfp4_p.bind(a, b, *scales, *globals_, bias, out_dtype=out_dtype, k=np.int64(k),
+                             algo=np.int32(algo))

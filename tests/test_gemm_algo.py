@@ -1,0 +1,197 @@
+"""The cuBLASLt algorithm knob of lowbit.ops.gemm (LOWBIT_GEMM_ALGO, `algo=`): parsing with
+errors naming the variable, the per-kind defaults, the index reaching the custom call as its
+`algo` attribute (lowered for CUDA without a GPU), the handlers' own range check, and on the
+GPU every index cuBLASLt offers giving results within the tolerances of test_gemm_ops.py /
+test_gemm_block.py."""
+
+from __future__ import annotations
+
+import importlib
+import re
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import run_on
+
+import lowbit
+
+gemm_mod = importlib.import_module("lowbit.ops.gemm")
+ffi_mod = importlib.import_module("lowbit._ffi")
+Mode = gemm_mod.GemmScaleMode
+E4M3, E5M2, BF16, F32 = jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.bfloat16, jnp.float32
+KINDS = tuple(gemm_mod.DEFAULT_ALGO)
+
+
+@pytest.fixture(autouse=True)
+def fresh_env_parse():
+    """LOWBIT_GEMM_ALGO is parsed once per process: forget it around each test."""
+    gemm_mod._env_algo.cache_clear()
+    yield
+    gemm_mod._env_algo.cache_clear()
+
+
+@pytest.mark.parametrize("text,want", [
+    ("", {}), ("  ", {}), ("0", {k: 0 for k in KINDS}), ("3", {k: 3 for k in KINDS}),
+    ("31", {k: 31 for k in KINDS}), ("fp8_fast=2", {"fp8_fast": 2}),
+    ("fp8_fast=2, block=1", {"fp8_fast": 2, "block": 1}),
+    ("fp8_split=0,fp8_fast=4,block=7,mxfp8=1", {"fp8_split": 0, "fp8_fast": 4, "block": 7, "mxfp8": 1}),
+], ids=repr)
+def test_parse_algo(text, want):
+    assert gemm_mod.parse_algo(text) == want
+
+
+@pytest.mark.parametrize("text", ["-1", "32", "1.5", "x", "fp8=1", "block", "block=", "block=-2",
+                                  "block=1,block=2", "block=1,", "=3", "1,2", "block=99"], ids=repr)
+def test_parse_algo_rejects_bad_values_naming_the_variable(text):
+    with pytest.raises(ValueError, match=f"LOWBIT_GEMM_ALGO: expected .*got {re.escape(repr(text.strip()))}"):
+        gemm_mod.parse_algo(text)
+
+
+def test_bad_environment_value_fails_the_first_fp8_gemm(monkeypatch, rng):
+    monkeypatch.setenv("LOWBIT_GEMM_ALGO", "fast")
+    a = jnp.asarray(rng.normal(size=(4, 32)), E4M3)
+    with pytest.raises(ValueError, match="LOWBIT_GEMM_ALGO"):
+        lowbit.ops.gemm(a, a)
+
+
+def test_environment_is_read_once(monkeypatch):
+    monkeypatch.setenv("LOWBIT_GEMM_ALGO", "block=5")
+    assert gemm_mod.resolve_algo(None, E4M3, Mode.BLOCK_1x128, True) == 5
+    monkeypatch.setenv("LOWBIT_GEMM_ALGO", "block=6")
+    assert gemm_mod.resolve_algo(None, E4M3, Mode.BLOCK_1x128, True) == 5
+
+
+def test_resolve_algo_kinds_and_defaults(monkeypatch):
+    monkeypatch.setenv("LOWBIT_GEMM_ALGO", "fp8_split=3")
+    monkeypatch.setitem(gemm_mod.DEFAULT_ALGO, "fp8_fast", 2)  # a per-kind default, as the lead may set
+    r = gemm_mod.resolve_algo
+    assert r(None, E4M3, Mode.TENSOR, False) == 2
+    assert r(None, E5M2, Mode.TENSOR, True) == 3
+    assert r(None, E4M3, Mode.BLOCK_128x128, True) == 0
+    assert r(None, E4M3, Mode.MXFP8, True) == 0
+    assert r(None, BF16, Mode.TENSOR, True) == 0  # 16-bit GEMMs: always cuBLASLt's choice
+    assert r(7, E4M3, Mode.TENSOR, True) == 7     # explicit wins
+
+
+@pytest.mark.parametrize("algo", [-1, 32, 1.0, "1", True])
+def test_explicit_bad_algo_names_the_argument(algo, rng):
+    a = jnp.asarray(rng.normal(size=(4, 32)), E4M3)
+    with pytest.raises(ValueError, match="lowbit.ops.gemm: algo: expected"):
+        lowbit.ops.gemm(a, a, algo=algo)
+
+
+def cuda_algo_attrs(monkeypatch, fn, *args, capability="9.0"):
+    """The `algo` attribute of every lowbit_gemm custom call of fn lowered for CUDA."""
+    monkeypatch.setattr(gemm_mod, "_cuda_capability", lambda: capability)
+    monkeypatch.setattr(ffi_mod, "require_platform", lambda op, platform: None)
+    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    lines = [ln for ln in text.splitlines() if "custom_call @lowbit_gemm(" in ln]
+    return [int(re.search(r"\balgo = (-?\d+) : i32", ln).group(1)) for ln in lines]
+
+
+def test_algo_reaches_the_custom_call(monkeypatch, rng):
+    a = jnp.asarray(rng.normal(size=(32, 64)), E4M3)
+    b = jnp.asarray(rng.normal(size=(48, 64)), E4M3)
+    sa, sb = np.ones((1,), np.float32), np.ones((1,), np.float32)
+    assert cuda_algo_attrs(monkeypatch, lambda a, b: lowbit.ops.gemm(a, b, sa, sb), a, b) == [0]
+    assert cuda_algo_attrs(monkeypatch, lambda a, b: lowbit.ops.gemm(a, b, sa, sb, algo=5), a, b) == [5]
+    monkeypatch.setenv("LOWBIT_GEMM_ALGO", "fp8_fast=4,fp8_split=2,block=3")
+    gemm_mod._env_algo.cache_clear()  # read once per process: this test starts a new one
+    fast = lambda a, b: lowbit.ops.gemm(a, b, sa, sb, use_split_accumulator=False)  # noqa: E731
+    assert cuda_algo_attrs(monkeypatch, fast, a, b) == [4]
+    assert cuda_algo_attrs(monkeypatch, lambda a, b: lowbit.ops.gemm(a, b, sa, sb), a, b) == [2]
+    # Padded problems (K, N not multiples of 16) keep it through the padding wrapper.
+    a2, b2 = a[:, :50], b[:17, :50]
+    assert cuda_algo_attrs(monkeypatch, lambda a, b: lowbit.ops.gemm(a, b, sa, sb), a2, b2) == [2]
+    s1 = jnp.ones(gemm_mod.scale_shape(Mode.BLOCK_1x128, 32, 64), F32)
+    s2 = jnp.ones(gemm_mod.scale_shape(Mode.BLOCK_128x128, 48, 64), F32)
+    blk = lambda a, b: lowbit.ops.gemm(a, b, s1, s2, bias=jnp.ones((48,), BF16),  # noqa: E731
+                                       a_scale_mode=Mode.BLOCK_1x128, b_scale_mode=Mode.BLOCK_128x128)
+    assert cuda_algo_attrs(monkeypatch, blk, a, b) == [3]
+    h = jnp.asarray(rng.normal(size=(32, 64)), BF16)
+    assert cuda_algo_attrs(monkeypatch, lambda x: lowbit.ops.gemm(x, x), h) == [0]
+
+
+def test_handler_checks_the_algo_range(cpu, rng):
+    """A caller binding gemm_p directly with an index out of 0..31 gets the handler's error."""
+    a = rng.normal(size=(4, 32)).astype(E4M3)
+    one, empty = np.ones((1,), np.float32), np.zeros((0,), np.float32)
+    f = lambda a, s, e: gemm_mod.gemm_p.bind(  # noqa: E731
+        a, a, s, s, e, out_dtype=jnp.dtype(F32), use_split_accumulator=np.bool_(True),
+        a_scale_mode=np.int32(0), b_scale_mode=np.int32(0), algo=np.int32(40))
+    with pytest.raises(Exception, match="lowbit_gemm: algo: expected a cuBLASLt heuristic index in 0..31"):
+        run_on(cpu, f, a, one, empty)
+
+
+def test_cpu_results_do_not_depend_on_algo(cpu, rng):
+    a = rng.normal(size=(9, 40)).astype(E4M3)
+    b = rng.normal(size=(11, 40)).astype(E5M2)
+    outs = [run_on(cpu, lambda a, b, i=i: lowbit.ops.gemm(a, b, out_dtype=F32, algo=i), a, b) for i in (0, 3)]
+    np.testing.assert_array_equal(outs[0], outs[1])
+
+
+# ---------------------------------------------------------------- GPU
+
+def run_or_skip(device, fn, *args):
+    """fn on the device; a skip when cuBLASLt offers fewer algorithms than the index."""
+    try:
+        return np.asarray(run_on(device, fn, *args), np.float64)
+    except Exception as e:  # noqa: BLE001 (XlaRuntimeError)
+        if "heuristic algorithms for" in str(e):
+            pytest.skip(str(e).splitlines()[0])
+        raise
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("algo", range(6))
+@pytest.mark.parametrize("split", [False, True], ids=["fast", "split"])
+def test_cuda_tensor_fp8_every_algo_matches_cpu(algo, split, rng, cpu, gpu):
+    """Per-tensor FP8 at each heuristic index, against the CPU reference within
+    test_gemm_ops.py's tolerance."""
+    from test_gemm_ops import FROBENIUS, assert_close_gemm, gemm_atol
+    m, n, k = 256, 384, 1024
+    a = rng.normal(size=(m, k)).astype(E4M3)
+    b = rng.normal(size=(n, k)).astype(E5M2)
+    sa, sb = np.float32([0.75]), np.float32([1.5])
+    f = lambda a, b: lowbit.ops.gemm(a, b, sa, sb, out_dtype=BF16, use_split_accumulator=split,  # noqa: E731
+                                     algo=algo)
+    g = run_or_skip(gpu, f, a, b)
+    c = np.asarray(run_on(cpu, f, a, b), np.float64)
+    model = "fp8_split" if split else "fp8_fast"
+    assert_close_gemm(g, c, gemm_atol(a, b, sa[0], sb[0], BF16, model=model), max_rel_frobenius=FROBENIUS[model])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("algo", range(6))
+@pytest.mark.parametrize("a_mode,b_mode", [(Mode.BLOCK_1x128, Mode.BLOCK_128x128),
+                                           (Mode.BLOCK_1x128, Mode.BLOCK_1x128)], ids=["1x128-128x128", "1x128-1x128"])
+def test_cuda_block_fp8_every_algo_matches_cpu(algo, a_mode, b_mode, rng, cpu, gpu):
+    """FP8 block scaling at each heuristic index (cuBLASLt on 9.0; elsewhere the emulation,
+    where the index is unused), against the CPU emulation within test_gemm_block.py's
+    tolerance."""
+    from test_gemm_block import block_tolerance, operands
+    a, b, sa, sb = operands(rng, 256, 384, 1024, a_mode, b_mode, E4M3, E5M2)
+    f = lambda *x: lowbit.ops.gemm(*x, out_dtype=F32, a_scale_mode=a_mode, b_scale_mode=b_mode,  # noqa: E731
+                                   algo=algo)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the one-time emulation notice off Hopper
+        g = run_or_skip(gpu, f, a, b, sa, sb)
+    c = np.asarray(run_on(cpu, f, a, b, sa, sb), np.float64)
+    tol = block_tolerance(a, b, a_mode, sa, b_mode, sb, F32)
+    assert np.all(np.abs(g - c) <= tol), np.max(np.abs(g - c) / tol)
+
+
+@pytest.mark.gpu
+def test_cuda_index_past_the_list_names_the_count(rng, gpu):
+    a = rng.normal(size=(64, 128)).astype(E4M3)
+    f = lambda a: lowbit.ops.gemm(a, a, algo=31)  # noqa: E731
+    try:
+        run_on(gpu, f, a)
+    except Exception as e:  # noqa: BLE001
+        assert re.search(r"cuBLASLt returned only \d+ heuristic algorithms for .* index 31 "
+                         r"\(LOWBIT_GEMM_ALGO\) does not exist", str(e)), str(e)
+    else:
+        pass  # cuBLASLt offered 32 algorithms: nothing to check
