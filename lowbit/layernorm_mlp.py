@@ -11,10 +11,12 @@ Backward:
     dln, dwi    = dgrad / wgrad of GEMM1
     dx, dgamma, dbeta = norm backward
 With current scaling the fused kernels write the high-precision output and the quantize op
-follows (the scale needs that output's amax first); the block recipes (Float8BlockScaling,
-MXFP8BlockScaling) do the same, unfused, through their block quantizers, with the
-block-scaled GEMMs of dense (fused norm/act + block-quantize kernels are a later step), and so
-does NVFP4 with dense's emulated NVFP4 GEMMs (its key: `sr_key`, see layernorm_mlp). Saved
+follows (the scale needs that output's amax first). The block recipes (Float8BlockScaling,
+MXFP8BlockScaling) quantize `a` in the activation's pass (lowbit.activation.block_quantized:
+the fp32 activation block-quantized directly, 1x128 tiles or MXFP8 blocks), while the norm
+writes ln in x's dtype and their block quantizer follows (unfused), with the block-scaled
+GEMMs of dense; NVFP4 takes the unfused path for both, with dense's emulated NVFP4 GEMMs (its
+key: `sr_key`, see layernorm_mlp). The backward is the same for every recipe. Saved
 for the backward: x, mu, rsigma, h (high precision, the activation's backward needs it) and
 the quantized copies ln.colwise, wi.rowwise, a.colwise and wo.rowwise. `ffn1_ckpt_name` /
 `ffn2_ckpt_name` name h and out for remat policies.
@@ -29,7 +31,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from lowbit.activation import parse_activation_type
+from lowbit.activation import block_quantized, parse_activation_type
 from lowbit.dense import (backward_gemms, check_quantizer_set, dense, dgrad_wgrad, forward_gemm, quantize_2x,
                           with_sr_key)
 from lowbit.layernorm import NormConfig, fused_2x, layernorm, norm_quantize
@@ -151,8 +153,11 @@ def _fwd(x, gamma, beta, wi, wo, wi_bias, wo_bias, qs1, qs2, static):
                         keep_dims=True)
         aq = fused_2x(qs2.x, a.q_rowwise, a.q_colwise, a.amax, x.dtype, n_lead)
     else:
-        a = act_forward(h, static.act_type, gated=static.gated)
-        aq = quantize_2x(qs2.x, a.y, n_lead)                                         # (M..., F)
+        # Block recipes: fused (None for the others); act_forward's default limit / alpha.
+        aq = block_quantized(h, static.act_type, static.gated, 7.0, 1.702, qs2.x, True, True)
+        if aq is None:
+            a = act_forward(h, static.act_type, gated=static.gated)
+            aq = quantize_2x(qs2.x, a.y, n_lead)                                     # (M..., F)
     woq = quantize_2x(qs2.kernel, wo, 1)
     out = forward_gemm(aq, woq, wo_bias, x.dtype)                                   # (M..., H)
     out = checkpoint_name(out, static.ffn2_ckpt_name)
