@@ -17,13 +17,7 @@ default row-group kernel with forward 32 and backward the fewest elements per th
 forward 16 / 64 and backward 16 / 32), each in a
 subprocess (the launchers read the variables at every call; results are identical).
 --ops (any mode) runs only the named ops: gelu_fwd, gelu_bwd, swiglu_fwd, swiglu_bwd,
-softmax_fwd, softmax_bwd, gelu_mxfp8, gelu_fp8block (each subprocess draws only the inputs its
-ops need).
-
-Block rows (gelu_mxfp8, gelu_fp8block; 16384 x 8192 bf16, --small 256 x 512): the fused
-activation + block quantization (lowbit.ops.act_quantize_block, rowwise + colwise copies with
-their scales) against the unfused lowbit path (act_forward's y, then quantize_mxfp8 /
-quantize_fp8_block 1x128 of it); bytes: x read, both fp8 copies and the scales written.
+softmax_fwd, softmax_bwd (each subprocess draws only the inputs its ops need).
 """
 
 from __future__ import annotations
@@ -42,14 +36,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 
 import lowbit  # noqa: E402
-from lowbit.ops.fused_block import act_quantize_block  # noqa: E402
-from lowbit.ops.quantize_block import quantize_fp8_block, quantize_mxfp8  # noqa: E402
 from lowbit.ops.softmax import softmax_backward_reference, softmax_reference  # noqa: E402
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
-OPS = ("gelu_fwd", "gelu_bwd", "swiglu_fwd", "swiglu_bwd", "softmax_fwd", "softmax_bwd", "gelu_mxfp8",
-       "gelu_fp8block")
-BLOCK_OPS = ("gelu_mxfp8", "gelu_fp8block")
+OPS = ("gelu_fwd", "gelu_bwd", "swiglu_fwd", "swiglu_bwd", "softmax_fwd", "softmax_bwd")
 
 
 def _act(a, act):
@@ -161,8 +151,6 @@ def main():
             t_x = time_xla(lambda d, yy: softmax_backward_reference(d, yy, 0.125), y)
             record("softmax bwd", 6 * n, t_l, t_x, fn, y)
 
-    block_rows = block_benchmarks(ops, args, iters, copy_bw, copy_dev, rng)
-
     if args.lowbit_only:
         print("VARIANT_RESULT " + json.dumps(dict(copy_GBps=copy_bw / 1e9, results=rows_out)))
         return
@@ -172,49 +160,11 @@ def main():
         print(f"copy bandwidth from kernel time {copy_dev / 1e9:.1f} GB/s")
     common.print_table(rows_out, ["op", "lowbit_us", "xla_us", "GBps", "pct_copy", "speedup"]
                        + (["lowbit_dev_us", "pct_copy_dev"] if copy_dev else []))
-    if block_rows:
-        print("fused activation + block quantize (vs the unfused lowbit path), "
-              f"{BLOCK_SHAPE_SMALL if args.small else BLOCK_SHAPE} bf16")
-        common.print_table(block_rows, ["op", "fused_us", "unfused_us", "GBps", "pct_copy", "speedup"]
-                           + (["fused_dev_us", "pct_copy_dev"] if copy_dev else []))
     path = common.write_results("activation", dict(copy_GBps=copy_bw / 1e9,
                                                    copy_kernel_time_GBps=copy_dev / 1e9 if copy_dev else None,
                                                    rows=rows, hidden=hidden,
-                                                   softmax_shape=list(sm_shape), results=rows_out,
-                                                   block_shape=list(BLOCK_SHAPE_SMALL if args.small else BLOCK_SHAPE),
-                                                   block_results=block_rows))
+                                                   softmax_shape=list(sm_shape), results=rows_out))
     print(f"wrote {path}")
-
-
-BLOCK_SHAPE, BLOCK_SHAPE_SMALL = (16384, 8192), (256, 512)
-
-
-def block_benchmarks(ops, args, iters, copy_bw, copy_dev, rng):
-    """gelu + MXFP8 / FP8 block 1x128: fused against act_forward + the block quantizer."""
-    todo = [o for o in BLOCK_OPS if o in ops]
-    if not todo or args.lowbit_only:
-        return []
-    rows, hidden = BLOCK_SHAPE_SMALL if args.small else BLOCK_SHAPE
-    sets = [(jnp.asarray(rng.standard_normal((rows, hidden), dtype=np.float32), jnp.bfloat16),) for _ in range(2)]
-    n = rows * hidden
-    out = []
-    for op in todo:
-        mx = op == "gelu_mxfp8"
-        quantize = (lambda y: quantize_mxfp8(y, rowwise=True, colwise=True)) if mx else (
-            lambda y: quantize_fp8_block(y, rowwise=True, colwise=True))
-        fused = lambda x, mx=mx: act_quantize_block(x, "gelu", mxfp8=mx, rowwise=True, colwise=True)  # noqa: E731
-        unfused = lambda x, q=quantize: q(lowbit.ops.act_forward(x, "gelu").y)  # noqa: E731
-        scale_bytes = 2 * n // 32 if mx else 2 * 4 * n // 128
-        moved = 2 * n + 2 * n + scale_bytes  # bf16 x in, two fp8 copies + scales out
-        t_f = common.time_fn(fused, sets, iters=iters)
-        t_u = common.time_fn(unfused, sets, iters=iters)
-        row = dict(op=op.replace("_", "+"), fused_us=t_f * 1e6, unfused_us=t_u * 1e6, GBps=moved / t_f / 1e9,
-                   pct_copy=100 * moved / t_f / copy_bw, speedup=t_u / t_f)
-        d = common.device_time_fn(fused, sets) if copy_dev else None
-        if d:
-            row.update(fused_dev_us=d * 1e6, pct_copy_dev=100 * moved / d / copy_dev)
-        out.append(row)
-    return out
 
 
 def run_variants(args):

@@ -227,3 +227,177 @@ def test_cuda_near_max_and_every_bf16_input_equals_cpu(mode, rng, cpu, gpu):
     for x, act, gated in cases:
         f = lambda v: fused(v, act, gated, *mode)  # noqa: E731
         assert_same(run_on(gpu, f, x), run_on(cpu, f, x), f"{act} {gated}")
+
+
+# ---------------------------------------------------------------- norm + block quantization
+
+from lowbit.ops.fused_block import norm_quantize_block, norm_stats  # noqa: E402
+from lowbit.ops.norm import norm_forward  # noqa: E402
+
+NORMS = [("layernorm", False), ("layernorm", True), ("rmsnorm", False), ("rmsnorm", True)]
+
+
+def norm_inputs(rng, lead, h, dtype, gamma_f32, ln):
+    x = make_x(rng, lead, h, False, dtype)
+    gdt = F32 if gamma_f32 else dtype
+    gamma = (rng.standard_normal(h) * 0.5 + 1).astype(gdt)
+    beta = rng.standard_normal(h).astype(gdt) if ln else None
+    return x, gamma, beta
+
+
+def canonical(y):
+    y = np.asarray(y, F32)
+    return np.where(np.isnan(y), F32(np.nan), y).astype(F32)
+
+
+def norm_fused(x, gamma, beta, mu, rsigma, norm, zc, kind, out_dtype, pow2, rowwise=True, colwise=True):
+    return norm_quantize_block(x, gamma, beta, mu, rsigma, norm_type=norm, zero_centered_gamma=zc,
+                               mxfp8=kind == "mxfp8", out_dtype=out_dtype, pow2_scales=pow2, rowwise=rowwise,
+                               colwise=colwise)
+
+
+@pytest.mark.parametrize("mode", MODES, ids=ids)
+@pytest.mark.parametrize("gamma_f32", [True, False], ids=["gamma_f32", "gamma_x"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=ids)
+@pytest.mark.parametrize("norm,zc", NORMS, ids=ids)
+def test_norm_equals_quantizer_of_norm_forward_fp32(norm, zc, dtype, gamma_f32, mode, rng):
+    # With norm_forward's statistics, v is norm_forward's fp32 y (of the exactly upcast
+    # inputs), NaN canonical: the fused copies are the block quantizer's of that y.
+    ln = norm == "layernorm"
+    for lead, h in SHAPES[:3]:
+        x, gamma, beta = norm_inputs(rng, lead, h, dtype, gamma_f32, ln)
+        stats = norm_forward(x, gamma, beta, norm_type=norm, zero_centered_gamma=zc)
+        f32 = lambda a: None if a is None else jnp.asarray(a).astype(jnp.float32)  # noqa: E731
+        y32 = norm_forward(f32(x), f32(gamma), f32(beta), norm_type=norm, zero_centered_gamma=zc).y
+        got = norm_fused(x, gamma, beta, stats.mu, stats.rsigma, norm, zc, *mode)
+        assert_same(got, quantize(canonical(y32), *mode), f"{lead} {h}")
+
+
+def test_norm_stats_equal_norm_forward(rng):
+    for norm in ("layernorm", "rmsnorm"):
+        x, gamma, beta = norm_inputs(rng, (5, 33), 200, ml_dtypes.bfloat16, True, norm == "layernorm")
+        mu, rs = jax.jit(lambda a, g, b: norm_stats(a, g, b, norm_type=norm, epsilon=1e-5))(x, gamma, beta)
+        out = norm_forward(x, gamma, beta, norm_type=norm, epsilon=1e-5)
+        np.testing.assert_array_equal(bits(rs), bits(out.rsigma))
+        assert (mu is None) == (norm == "rmsnorm")
+        if mu is not None:
+            np.testing.assert_array_equal(bits(mu), bits(out.mu))
+
+
+@pytest.mark.parametrize("kind", ["fp8_block", "mxfp8"])
+def test_norm_dequantized_close_to_jnp_layernorm(kind, rng):
+    x = (rng.standard_normal((70, 300)) * 3 + 1).astype(F32)
+    gamma, beta = (rng.standard_normal(300) * 0.5 + 1).astype(F32), rng.standard_normal(300).astype(F32)
+    mu = x.mean(-1, keepdims=True)
+    y = (x - mu) / np.sqrt(((x - mu) ** 2).mean(-1, keepdims=True) + 1e-6) * gamma + beta
+    st = norm_forward(x, gamma, beta)
+    out = norm_fused(x, gamma, beta, st.mu, st.rsigma, "layernorm", False, kind, jnp.float8_e4m3fn, False)
+    from lowbit.ops.quantize_block import dequantize_fp8_block, dequantize_mxfp8
+    if kind == "mxfp8":
+        dq = dequantize_mxfp8(out.colwise, out.colwise_scale, colwise=True, out_dtype=jnp.float32)
+    else:
+        dq = dequantize_fp8_block(out.colwise, out.colwise_scale, out_dtype=jnp.float32).T
+    assert rel_err(dq, y) < 0.04
+
+
+def test_layernorm_dense_block_recipes_quantize_the_fp32_norm(rng):
+    """layernorm_dense's fused block path with return_layernorm_output (the statistics launch
+    with y): ln is norm_forward's y bit for bit, the copies norm_quantize_block makes from
+    those statistics are the block quantizer's of the fp32 norm output (NaN canonical), and
+    the output is within FP8 error of ln @ w."""
+    from lowbit.quantize import QuantizerFactory
+    from lowbit.recipe import Float8BlockScaling, MXFP8BlockScaling
+    x = (rng.standard_normal((2, 40, 256)) * 2).astype(ml_dtypes.bfloat16)
+    w = (rng.standard_normal((256, 136)) / 16).astype(ml_dtypes.bfloat16)
+    gamma, beta = (rng.standard_normal(256) * 0.5 + 1).astype(F32), rng.standard_normal(256).astype(F32)
+    for recipe in (Float8BlockScaling, MXFP8BlockScaling):
+        qs = QuantizerFactory.create_set(recipe())
+        y, ln = jax.jit(lambda a, k: lowbit.layernorm_dense(a, k, gamma, beta, quantizer_set=qs,
+                                                             return_layernorm_output=True))(x, w)
+        st = norm_forward(x, gamma, beta)
+        np.testing.assert_array_equal(bits(ln), bits(st.y))
+        xq = norm_fused(x, gamma, beta, st.mu, st.rsigma, "layernorm", False,
+                        "mxfp8" if recipe is MXFP8BlockScaling else "fp8_block", qs.x.q_dtype, qs.x.use_power_2_scales
+                        and recipe is not MXFP8BlockScaling)
+        q32 = quantize(canonical(norm_forward(jnp.asarray(x, jnp.float32), gamma, beta).y),
+                       "mxfp8" if recipe is MXFP8BlockScaling else "fp8_block", qs.x.q_dtype,
+                       qs.x.use_power_2_scales and recipe is not MXFP8BlockScaling)
+        assert_same(xq, q32)
+        assert rel_err(np.asarray(y, F32), np.asarray(st.y, F32) @ np.asarray(w, F32)) < 0.05
+
+
+def test_norm_bad_input(rng):
+    x, g, b = np.ones((4, 8), F32), np.ones(8, F32), np.zeros(8, F32)
+    mu, rs = np.zeros(4, F32), np.ones(4, F32)
+    with pytest.raises(ValueError, match="norm_quantize_block: norm_type"):
+        norm_quantize_block(x, g, b, mu, rs, norm_type="batchnorm")
+    with pytest.raises(ValueError, match="norm_quantize_block: gamma"):
+        norm_quantize_block(x, np.ones(7, F32), b, mu, rs)
+    with pytest.raises(ValueError, match="norm_quantize_block: beta/mu"):
+        norm_quantize_block(x, g, None, mu, rs)
+    with pytest.raises(ValueError, match="norm_quantize_block: beta/mu"):
+        norm_quantize_block(x, g, b, mu, rs, norm_type="rmsnorm")
+    with pytest.raises(ValueError, match="norm_quantize_block: rsigma"):
+        norm_quantize_block(x, g, b, mu, np.ones(5, F32))
+    with pytest.raises(ValueError, match="norm_quantize_block: mu"):
+        norm_quantize_block(x, g, b, mu.astype(np.float16), rs)
+    with pytest.raises(TypeError, match="norm_quantize_block: x"):
+        norm_quantize_block(x.astype(np.int32), g, b, mu, rs)
+    with pytest.raises(ValueError, match="norm_quantize_block: rowwise/colwise"):
+        norm_quantize_block(x, g, b, mu, rs, rowwise=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gamma_f32", [True, False], ids=["gamma_f32", "gamma_x"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=ids)
+@pytest.mark.parametrize("norm,zc", NORMS, ids=ids)
+@pytest.mark.parametrize("shape", GPU_SHAPES, ids=str)
+def test_norm_cuda_equals_cpu(shape, norm, zc, dtype, gamma_f32, rng, cpu, gpu):
+    # The same statistics (the CPU's) go to both backends: the fused kernel is exact given them.
+    lead, h = shape
+    ln = norm == "layernorm"
+    x, gamma, beta = norm_inputs(rng, lead, h, dtype, gamma_f32, ln)
+    st = run_on(cpu, lambda a, g, b: norm_forward(a, g, b, norm_type=norm, zero_centered_gamma=zc), x, gamma, beta)
+    for mode, (rowwise, colwise) in zip(MODES * 2, [(True, True)] * 4 + [(True, False), (False, True)] * 2):
+        def f(a, g, b, m, r):
+            return norm_fused(a, g, b, m, r, norm, zc, *mode, rowwise=rowwise, colwise=colwise)
+        args = (x, gamma, beta, st.mu, st.rsigma)
+        assert_same(run_on(gpu, f, *args), run_on(cpu, f, *args), f"{mode} {rowwise} {colwise}")
+
+
+@pytest.mark.gpu
+def test_norm_stats_cuda_equal_cuda_norm_forward(rng, gpu):
+    for norm in ("layernorm", "rmsnorm"):
+        x, gamma, beta = norm_inputs(rng, (4099,), 1000, ml_dtypes.bfloat16, True, norm == "layernorm")
+        mu, rs = run_on(gpu, lambda a, g, b: norm_stats(a, g, b, norm_type=norm), x, gamma, beta)
+        out = run_on(gpu, lambda a, g, b: norm_forward(a, g, b, norm_type=norm), x, gamma, beta)
+        np.testing.assert_array_equal(bits(rs), bits(out.rsigma))
+        if mu is not None:
+            np.testing.assert_array_equal(bits(mu), bits(out.mu))
+
+
+# ---------------------------------------------------------------- sharding
+
+@pytest.mark.parametrize("kind", ["fp8_block", "mxfp8"])
+def test_row_sharded_equals_unsharded_without_gathers(kind, rng):
+    """x's first dim sharded over 4 devices (clean: 256 rows per shard) stays sharded: no
+    all-gather, the copies and scales equal the single-device ones; an unclean split (rows
+    per shard not whole tiles) is gathered, still exact."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    mesh = Mesh(np.array(jax.devices()[:4]), ("dp",))
+    mode = (kind, jnp.float8_e4m3fn, False)
+    x = make_x(rng, (4, 256), 160, True, ml_dtypes.bfloat16)
+    gamma, beta = (rng.standard_normal(160) + 1).astype(F32), rng.standard_normal(160).astype(F32)
+    st = norm_forward(x[:, :, 0], gamma, beta)
+    fns = [(lambda v: fused(v, "silu", True, *mode), (x,)),
+           (lambda v, m, r: norm_fused(v, gamma, beta, m, r, "layernorm", False, *mode), (x[:, :, 0], st.mu, st.rsigma))]
+    for fn, args in fns:
+        want = jax.jit(fn)(*args)
+        sharded = [jax.device_put(a, NamedSharding(mesh, P("dp"))) for a in args]
+        got = jax.jit(fn)(*sharded)
+        assert_same(got, want)
+        text = jax.jit(fn).lower(*sharded).compile().as_text()
+        assert "all-gather" not in text
+    x2 = make_x(rng, (4, 6), 160, False, ml_dtypes.bfloat16)  # 6 rows per shard: gathered, exact
+    f2 = lambda v: fused(v, "gelu", False, *mode)  # noqa: E731
+    assert_same(jax.jit(f2)(jax.device_put(x2, NamedSharding(mesh, P("dp")))), jax.jit(f2)(x2))

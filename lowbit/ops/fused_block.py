@@ -17,9 +17,17 @@ and the statistics norm_forward returns for x (mu for LayerNorm, rsigma; f32 x.s
 v = (x - mu) * rsigma * w (+ beta), w = gamma or 1 + gamma, in fp32 with norm_forward's own
 elementwise formula (csrc/norm/norm_math.h), NaN canonical; so with norm_forward's statistics
 v is bit for bit norm_forward's fp32 y. Copies as above with lead = x.shape[:-1].
+norm_stats: those statistics alone, from a launch of the norm forward with no output but
+mu / rsigma (norm_forward itself refuses return_y=False without a quantized output, so this
+binds its op directly; same kernel, same sharding rules).
 
 jit: yes. vmap: a loop over the batch (each element quantized on its own, as
-lowbit.ops.quantize_block). Sharding: no partitioning rule yet, so sharded operands are
+lowbit.ops.quantize_block). Sharded jit (Shardy custom partitioning): x's first dim (the
+first row dim: tokens under DP / FSDP / SP) stays sharded when every shard holds whole tiles
+along the rows and every scale dim that tiles the rows is unpadded
+(lowbit.ops._sharding.clean_split: 1x128: R % 4 == 0 per shard for the rowwise scales, whole
+128-row tiles for the colwise ones; MXFP8: whole 128-row groups), the scales then sharded
+with their data (mu / rsigma with x's rows); every other sharded dim, H included, is
 gathered (exact, not parallel).
 """
 
@@ -32,7 +40,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax.experimental.custom_partitioning import custom_partitioning
+from jax.sharding import NamedSharding, PartitionSpec
+
 from lowbit.ops._primitive import ffi_primitive
+from lowbit.ops._sharding import ROWS, SCALE_DIMS, clean_split, compound_sizes, mesh_axes, spec_entries, \
+    tiled_group_rule, transposed_layout
 from lowbit.ops.activation import ACT_TYPES
 from lowbit.ops.amax import check_high_precision
 from lowbit.ops.quantize import FP8_DTYPES
@@ -78,6 +91,107 @@ def _params(act_type: int, gated: bool, limit: float, alpha: float, mxfp8: bool,
                 out_dtype=out_dtype, rowwise=rowwise, colwise=colwise)
 
 
+def _copy_layouts(mxfp8: bool, rowwise: bool, colwise: bool):
+    """(is_colwise, (group, tile, pad) of scale dims 0 and 1 in the result's R x C terms) of each
+    requested copy (an FP8 block colwise copy is stored transposed)."""
+    out = []
+    if rowwise:
+        out.append((False, SCALE_DIMS["mxfp8" if mxfp8 else "1x128"]))
+    if colwise:
+        out.append((True, SCALE_DIMS["mxfp8_colwise"] if mxfp8 else transposed_layout(SCALE_DIMS["1x128"])))
+    return out
+
+
+@lru_cache(maxsize=None)
+def _partitioned(kind: str, params: tuple, n_lead: int, mxfp8: bool, rowwise: bool, colwise: bool):
+    """The op on (x,) ("act") or (x, gamma, beta, mu, rsigma) ("norm") -> the requested
+    (data, scale) pairs, with its Shardy partitioning (see the module doc)."""
+    prim = act_quantize_block_p if kind == "act" else norm_quantize_block_p
+    kw = dict(params)
+
+    def local(*operands):
+        outs = prim.bind(*operands, **kw)
+        return tuple(outs[:2]) * rowwise + tuple(outs[2:]) * colwise
+
+    copies = _copy_layouts(mxfp8, rowwise, colwise)
+    if n_lead == 0:  # one row: nothing to keep sharded
+        return local
+
+    def keep_rows(mesh, x_shape, x_sharding):
+        """The spec entry of x's dim 0 if it may stay sharded, else None."""
+        entry = spec_entries(x_sharding, len(x_shape))[0]
+        axes = mesh_axes((entry,))
+        if not axes:
+            return None
+        shards = int(np.prod([mesh.shape[a] for a in axes], dtype=np.int64))
+        rows = math.prod(x_shape[:n_lead])
+        ok = all(clean_split(rows, shards, t, p) for _, layout in copies for g, t, p in layout if g == ROWS)
+        return entry if ok else None
+
+    def partition(mesh, arg_shapes, result_shape):
+        del result_shape
+        x = arg_shapes[0]
+        keep = keep_rows(mesh, x.shape, x.sharding)
+        named = lambda *spec: NamedSharding(mesh, PartitionSpec(*spec))  # noqa: E731
+        lead = [keep] + [None] * (n_lead - 1)
+        args = [named(*lead, *[None] * (x.ndim - n_lead))]
+        if kind == "norm":
+            mu_sh = named(*lead) if tuple(arg_shapes[3].shape) == tuple(x.shape[:n_lead]) else named(None)
+            args += [named(None), named(None), mu_sh, named(*lead)]
+        results = []
+        for is_col, layout in copies:
+            if is_col and not mxfp8:  # (H, lead...)
+                results.append(named(None, *lead))
+            else:
+                results.append(named(*lead, None))
+            results.append(named(*[keep if g == ROWS else None for g, _, _ in layout]))
+        return mesh, local, tuple(results), tuple(args)
+
+    def rule(mesh, value_types, result_types):
+        del mesh, result_types
+        shape = value_types[0].shape
+        dims = [f"d{i}" for i in range(len(shape))]
+        sizes = {}
+        scale_exprs = [[None, None] for _ in copies]
+        rows = math.prod(shape[:n_lead])
+        tiles = [(t, p) for _, layout in copies for g, t, p in layout if g == ROWS]
+        expr, ties, got = tiled_group_rule(dims[0], shape[0], rows, tiles)
+        sizes.update(got)
+        dims[0] = expr
+        ties = iter(ties)
+        for i, (_, layout) in enumerate(copies):
+            for d, (g, _, _) in enumerate(layout):
+                if g == ROWS:
+                    scale_exprs[i][d] = next(ties)
+        lead, h = dims[:n_lead], dims[-1]
+        out = []
+        for i, (is_col, _) in enumerate(copies):
+            out.append(" ".join([h] + lead) if is_col and not mxfp8 else " ".join(lead + [h]))
+            out.append(" ".join(e if e is not None else f"s{i}_{d}" for d, e in enumerate(scale_exprs[i])))
+        operands = [" ".join(dims)]
+        if kind == "norm":
+            mu_ok = tuple(value_types[3].shape) == tuple(shape[:n_lead])
+            operands += [h, h if tuple(value_types[2].shape) == (shape[-1],) else "e0",
+                         " ".join(lead) if mu_ok else "e1", " ".join(lead)]
+        text = f"{', '.join(operands)} -> {', '.join(out)}"
+        return text, compound_sizes([text], sizes)
+
+    partitioned = custom_partitioning(local)
+    partitioned.def_partition(partition=partition, sharding_rule=rule)
+
+    @jax.custom_batching.custom_vmap
+    def fn(*operands):
+        return partitioned(*operands)
+
+    @fn.def_vmap
+    def _vmap(axis_size, in_batched, *operands):
+        axes = [0 if b else None for b in in_batched]
+        outs = jax.vmap(local, in_axes=axes, axis_size=axis_size)(*operands)
+        return outs, tuple(True for _ in outs)
+
+    return fn
+
+
 def act_quantize_block(x, act_type: str, *, gated: bool = False, limit: float = 7.0, alpha: float = 1.702,
                        mxfp8: bool = False, out_dtype=jnp.float8_e4m3fn, pow2_scales: bool = False,
                        rowwise: bool = True, colwise: bool = False) -> BlockQuantized:
@@ -104,8 +218,10 @@ def act_quantize_block(x, act_type: str, *, gated: bool = False, limit: float = 
         raise ValueError(f"{_OP}: pow2_scales: MXFP8 scales are powers of two already; pass False")
     params = _params(ACT_TYPES[act_type], bool(gated), float(limit), float(alpha), bool(mxfp8),
                      bool(pow2_scales), out_dtype, bool(rowwise), bool(colwise))
-    outs = act_quantize_block_p.bind(x, **params)
-    return _pack(tuple(outs[:2]) * bool(rowwise) + tuple(outs[2:]) * bool(colwise), bool(rowwise), bool(colwise))
+    n_lead = x.ndim - (2 if gated else 1)
+    fn = _partitioned("act", tuple(sorted(params.items(), key=lambda kv: kv[0])), n_lead, bool(mxfp8),
+                      bool(rowwise), bool(colwise))
+    return _pack(fn(x), bool(rowwise), bool(colwise))
 
 
 _NORM_OP = "lowbit.ops.norm_quantize_block"
@@ -163,9 +279,32 @@ def norm_quantize_block(x, gamma, beta, mu, rsigma, *, norm_type: str = "layerno
     if mxfp8 and pow2_scales:
         raise ValueError(f"{_NORM_OP}: pow2_scales: MXFP8 scales are powers of two already; pass False")
     empty = jnp.zeros((0,), jnp.float32)
-    outs = norm_quantize_block_p.bind(
-        x, gamma, beta if ln else jnp.zeros((0,), gamma.dtype), mu if ln else empty, rsigma,
-        norm_type=np.int32(_NORM_TYPES[norm_type]), zero_centered_gamma=np.bool_(zero_centered_gamma),
-        mxfp8=np.bool_(mxfp8), pow2_scales=np.bool_(pow2_scales), out_dtype=out_dtype, rowwise=bool(rowwise),
-        colwise=bool(colwise))
-    return _pack(tuple(outs[:2]) * bool(rowwise) + tuple(outs[2:]) * bool(colwise), bool(rowwise), bool(colwise))
+    params = dict(norm_type=np.int32(_NORM_TYPES[norm_type]), zero_centered_gamma=np.bool_(zero_centered_gamma),
+                  mxfp8=np.bool_(mxfp8), pow2_scales=np.bool_(pow2_scales), out_dtype=out_dtype,
+                  rowwise=bool(rowwise), colwise=bool(colwise))
+    fn = _partitioned("norm", tuple(sorted(params.items(), key=lambda kv: kv[0])), x.ndim - 1, bool(mxfp8),
+                      bool(rowwise), bool(colwise))
+    outs = fn(x, gamma, beta if ln else jnp.zeros((0,), gamma.dtype), mu if ln else empty, rsigma)
+    return _pack(outs, bool(rowwise), bool(colwise))
+
+
+def norm_stats(x, gamma, beta, *, norm_type: str = "layernorm", zero_centered_gamma: bool = False,
+               epsilon: float = 1e-6):
+    """(mu or None for RMSNorm, rsigma) of x: the norm forward writing neither y nor codes."""
+    from lowbit.ops import norm as _norm
+
+    kind = _NORM_TYPES.get(norm_type)
+    if kind is None:
+        raise ValueError(f"lowbit.ops.norm_stats: norm_type: expected one of {sorted(_NORM_TYPES)}, got {norm_type!r}")
+    x, gamma = jnp.asarray(x), jnp.asarray(gamma)
+    eps = float(epsilon)
+    if not (np.isfinite(eps) and eps >= 0):
+        raise ValueError(f"lowbit.ops.norm_stats: epsilon: expected a finite value >= 0, got {epsilon}")
+    # The public checks of x, gamma and beta (norm_forward's): run them on the full call's
+    # arguments without tracing anything heavier than their shapes.
+    jax.eval_shape(lambda a, g, b: _norm.norm_forward(a, g, b, norm_type=norm_type, epsilon=eps,
+                                                      zero_centered_gamma=zero_centered_gamma), x, gamma, beta)
+    beta = jnp.asarray(beta) if kind == 0 else jnp.zeros((0,), gamma.dtype)
+    cfg = _norm._Fwd(kind, bool(zero_centered_gamma), eps, None, False, True, False)
+    _, mu, rsigma, _, _, _ = _norm._fwd_op(cfg)(x, gamma, beta, jnp.zeros((0,), jnp.float32))
+    return (mu if kind == 0 else None), rsigma
