@@ -35,6 +35,8 @@ TARGETS: dict[str, str] = {
     "lowbit_dequantize_fp8_block": "LowbitDequantizeFp8Block",
     "lowbit_quantize_mxfp8": "LowbitQuantizeMxfp8",
     "lowbit_dequantize_mxfp8": "LowbitDequantizeMxfp8",
+    "lowbit_act_quantize_block": "LowbitActQuantizeBlock",
+    "lowbit_norm_quantize_block": "LowbitNormQuantizeBlock",
     "lowbit_gemm": "LowbitGemm",
     "lowbit_gemm_swizzle_scales": "LowbitGemmSwizzleScales",
     "lowbit_gemm_nvfp4": "LowbitGemmNvfp4",

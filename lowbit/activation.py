@@ -9,11 +9,13 @@ swiglu (act_params: anything with .limit and .alpha, default 7.0 and 1.702, like
 ClampedSwigluParams). x is (..., len(activation_type), H) as in TE, or (..., H) for a
 single activation; the result is (..., H) in x's dtype.
 
-quantizer: None returns the high-precision activation (differentiable). A tensor-scaling
-quantizer returns the ScaledTensor of the activation instead: a DelayedScaleQuantizer through
-the fused kernel (its stored scale, the fp32 activation quantized directly), any other
-through its own quantize() of the activation. Quantized outputs carry no gradient (the fused
-MLP functions own that dataflow).
+quantizer: None returns the high-precision activation (differentiable). A quantizer returns
+the ScaledTensor of the activation instead: a DelayedScaleQuantizer through the fused kernel
+(its stored scale), a BlockScaleQuantizer of MXFP8 or FP8 block 1x128 tiles through the
+fused activation + block quantization (lowbit.ops.act_quantize_block: block_quantized()),
+both quantizing the fp32 activation directly; any other (current scaling, FP8 128x128
+tiles, NVFP4) through its own quantize() of the activation in x's dtype. Quantized outputs
+carry no gradient (the fused MLP functions own that dataflow).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from lowbit.ops.activation import act_backward, act_forward
+from lowbit.ops.fused_block import act_quantize_block
 
 _NAMES = ("gelu", "silu", "relu", "quick_gelu", "squared_relu", "linear")
 
@@ -89,6 +92,9 @@ def _quantized(op, x, act_type, gated, limit, alpha, quantizer):
                         f"{type(quantizer).__name__}")
     x = jax.lax.stop_gradient(x)
     layout = quantizer.q_layout
+    fused = block_quantized(x, act_type, gated, limit, alpha, quantizer, layout.has_rowwise, layout.has_colwise)
+    if fused is not None:
+        return fused
     if not isinstance(quantizer, DelayedScaleQuantizer):
         y = act_forward(x, act_type, gated=gated, limit=limit, alpha=alpha).y
         return quantizer.quantize(y, is_rowwise=layout.has_rowwise, is_colwise=layout.has_colwise)[0]
@@ -110,3 +116,31 @@ def _quantized(op, x, act_type, gated, limit, alpha, quantizer):
     if layout.has_rowwise and layout.has_colwise:
         return ScaledTensor2x(one(out.q_rowwise, False), one(out.q_colwise, True))
     return one(out.q_colwise, True) if layout.has_colwise else one(out.q_rowwise, False)
+
+
+def block_quantized(x, act_type, gated, limit, alpha, quantizer, rowwise: bool, colwise: bool):
+    """The activation of x quantized by a BlockScaleQuantizer of MXFP8 or FP8 block 1x128
+    tiles in one fused pass (the fp32 activation quantized directly), as the ScaledTensor
+    quantizer.quantize() of the activation would be (flatten_axis: the activation's lead
+    dims); None for any other quantizer (the caller quantizes the activation itself)."""
+    from lowbit.quantize.quantizer import BlockScaleQuantizer
+    from lowbit.quantize.scaling_modes import ScalingMode
+    from lowbit.quantize.tensor import ScaledTensor1x, ScaledTensor2x
+
+    modes = (ScalingMode.MXFP8_1D_SCALING, ScalingMode.FP8_BLOCK_1x128)
+    if not isinstance(quantizer, BlockScaleQuantizer) or quantizer.mode not in modes:
+        return None
+    mxfp8 = quantizer.mode == ScalingMode.MXFP8_1D_SCALING
+    out = act_quantize_block(x, act_type, gated=gated, limit=limit, alpha=alpha, mxfp8=mxfp8,
+                             out_dtype=quantizer.q_dtype,
+                             pow2_scales=quantizer.use_power_2_scales and not mxfp8,  # MXFP8: unused
+                             rowwise=rowwise, colwise=colwise)
+    axis = x.ndim - (2 if gated else 1)
+
+    def one(data, scale, is_colwise):
+        return ScaledTensor1x(data=data, scale_inv=scale, amax=None, scaling_mode=quantizer.mode,
+                              dq_dtype=x.dtype, is_colwise=is_colwise, flatten_axis=axis)
+
+    if rowwise and colwise:
+        return ScaledTensor2x(one(out.rowwise, out.rowwise_scale, False), one(out.colwise, out.colwise_scale, True))
+    return one(out.colwise, out.colwise_scale, True) if colwise else one(out.rowwise, out.rowwise_scale, False)

@@ -8,11 +8,14 @@ then lowbit's norm backward turns d(ln) into dx, dgamma and dbeta. Saved for the
 x, mu, rsigma (the norm needs them) and the FP8 copies ln.colwise and kernel.rowwise.
 `return_layernorm_output=True` also returns the norm's output in x's dtype (its gradient
 is added to the GEMM's before the norm backward).
-Block recipes (Float8BlockScaling, MXFP8BlockScaling): the norm writes its output in x's
-dtype and the block quantizer follows (unfused; the fused norm + block-quantize kernels are
-a later step), then the block-scaled GEMMs of dense. NVFP4 (NVFP4BlockScaling) takes the same
-unfused path with dense's emulated NVFP4 GEMMs; its key comes in as `sr_key` (or already in
-the set, lowbit.dense.with_sr_key).
+Block recipes (Float8BlockScaling 1x128, MXFP8BlockScaling): norm_block_quantized: a
+statistics launch of the norm forward (mu, rsigma; y only with return_layernorm_output),
+then lowbit.ops.norm_quantize_block block-quantizes the fp32 norm output computed from them
+in one pass over x (norm_forward's own elementwise formula, so the codes are those of the
+block quantizer applied to norm_forward's fp32 y), then the block-scaled GEMMs of dense; the
+backward is unchanged. NVFP4 (NVFP4BlockScaling) writes the norm output in x's dtype and its
+quantizer follows (unfused), with dense's emulated NVFP4 GEMMs; its key comes in as `sr_key`
+(or already in the set, lowbit.dense.with_sr_key).
 """
 
 from __future__ import annotations
@@ -25,10 +28,11 @@ import jax.numpy as jnp
 
 from lowbit.dense import backward_gemms, check_quantizer_set, dense, forward_gemm, quantize_2x, with_sr_key
 from lowbit.layernorm import NormConfig, layernorm, norm_quantize
-from lowbit.ops.norm import norm_backward
+from lowbit.ops.fused_block import norm_quantize_block, norm_stats
+from lowbit.ops.norm import norm_backward, norm_forward
 from lowbit.quantize.quantizer import QuantizerSet, noop_quantizer_set
 
-__all__ = ["layernorm_dense"]
+__all__ = ["layernorm_dense", "norm_block_quantized"]
 
 
 class _Static(NamedTuple):
@@ -81,6 +85,38 @@ def layernorm_dense(
     return (y, ln) if return_layernorm_output else y
 
 
+def norm_block_quantized(x, gamma, beta, cfg: NormConfig, quantizer, want_y: bool):
+    """norm_quantize (lowbit.layernorm) for a BlockScaleQuantizer of MXFP8 or FP8 block 1x128
+    tiles, fused: (ScaledTensor2x of rowwise (M..., H) + colwise copies, y in x's dtype or
+    None, mu, rsigma); None for any other quantizer."""
+    from lowbit.quantize.quantizer import BlockScaleQuantizer
+    from lowbit.quantize.scaling_modes import ScalingMode
+    from lowbit.quantize.tensor import ScaledTensor1x, ScaledTensor2x
+
+    modes = (ScalingMode.MXFP8_1D_SCALING, ScalingMode.FP8_BLOCK_1x128)
+    if not isinstance(quantizer, BlockScaleQuantizer) or quantizer.mode not in modes:
+        return None
+    ln = cfg.norm_type == "layernorm"
+    if want_y:
+        stats = norm_forward(x, gamma, beta, epsilon=cfg.epsilon, **cfg.kwargs())
+        y, mu, rsigma = stats.y, stats.mu, stats.rsigma
+    else:
+        y = None
+        mu, rsigma = norm_stats(x, gamma, beta, epsilon=cfg.epsilon, **cfg.kwargs())
+    mxfp8 = quantizer.mode == ScalingMode.MXFP8_1D_SCALING
+    q = norm_quantize_block(x, gamma, beta if ln else None, mu, rsigma,
+                            mxfp8=mxfp8, out_dtype=quantizer.q_dtype,
+                            pow2_scales=quantizer.use_power_2_scales and not mxfp8,  # MXFP8: unused
+                            rowwise=True, colwise=True, **cfg.kwargs())
+
+    def one(data, scale, is_colwise):
+        return ScaledTensor1x(data=data, scale_inv=scale, amax=None, scaling_mode=quantizer.mode,
+                              dq_dtype=x.dtype, is_colwise=is_colwise, flatten_axis=x.ndim - 1)
+
+    xq = ScaledTensor2x(one(q.rowwise, q.rowwise_scale, False), one(q.colwise, q.colwise_scale, True))
+    return xq, y, mu, rsigma
+
+
 @partial(jax.custom_vjp, nondiff_argnums=(6,))
 def _layernorm_dense(x, kernel, gamma, beta, bias, quantizer_set, static):
     return _fwd(x, kernel, gamma, beta, bias, quantizer_set, static)[0]
@@ -88,7 +124,10 @@ def _layernorm_dense(x, kernel, gamma, beta, bias, quantizer_set, static):
 
 def _fwd(x, kernel, gamma, beta, bias, quantizer_set, static):
     # No flattening: every dim keeps its sharding (tokens, hidden, the kernel's out dims).
-    xq, ln, mu, rsigma = norm_quantize(x, gamma, beta, static.cfg, quantizer_set.x, static.return_ln)
+    fused = norm_block_quantized(x, gamma, beta, static.cfg, quantizer_set.x, static.return_ln)
+    if fused is None:
+        fused = norm_quantize(x, gamma, beta, static.cfg, quantizer_set.x, static.return_ln)
+    xq, ln, mu, rsigma = fused
     kq = quantize_2x(quantizer_set.kernel, kernel, 1)
     y = forward_gemm(xq, kq, bias, x.dtype)
     ln = ln if static.return_ln else None

@@ -11,10 +11,14 @@ Backward:
     dln, dwi    = dgrad / wgrad of GEMM1
     dx, dgamma, dbeta = norm backward
 With current scaling the fused kernels write the high-precision output and the quantize op
-follows (the scale needs that output's amax first); the block recipes (Float8BlockScaling,
-MXFP8BlockScaling) do the same, unfused, through their block quantizers, with the
-block-scaled GEMMs of dense (fused norm/act + block-quantize kernels are a later step), and so
-does NVFP4 with dense's emulated NVFP4 GEMMs (its key: `sr_key`, see layernorm_mlp). Saved
+follows (the scale needs that output's amax first). The block recipes (Float8BlockScaling,
+MXFP8BlockScaling) block-quantize ln and `a` in one pass each over their inputs, from the
+fp32 values (1x128 tiles or MXFP8 blocks): ln through layernorm_dense.norm_block_quantized
+(the norm's statistics launch, then lowbit.ops.norm_quantize_block), `a` through
+lowbit.activation.block_quantized (lowbit.ops.act_quantize_block); with the block-scaled
+GEMMs of dense. NVFP4 takes the unfused path for both (output in x's dtype, then its
+quantizer), with dense's emulated NVFP4 GEMMs (its key: `sr_key`, see layernorm_mlp). The
+backward is the same for every recipe. Saved
 for the backward: x, mu, rsigma, h (high precision, the activation's backward needs it) and
 the quantized copies ln.colwise, wi.rowwise, a.colwise and wo.rowwise. `ffn1_ckpt_name` /
 `ffn2_ckpt_name` name h and out for remat policies.
@@ -29,10 +33,11 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from lowbit.activation import parse_activation_type
+from lowbit.activation import block_quantized, parse_activation_type
 from lowbit.dense import (backward_gemms, check_quantizer_set, dense, dgrad_wgrad, forward_gemm, quantize_2x,
                           with_sr_key)
 from lowbit.layernorm import NormConfig, fused_2x, layernorm, norm_quantize
+from lowbit.layernorm_dense import norm_block_quantized
 from lowbit.ops.activation import act_backward, act_forward
 from lowbit.ops.norm import norm_backward
 from lowbit.quantize.quantizer import DelayedScaleQuantizer, QuantizerSet, noop_quantizer_set
@@ -139,7 +144,8 @@ def _fwd(x, gamma, beta, wi, wo, wi_bias, wo_bias, qs1, qs2, static):
     # (H, 2, F) layout, so every dim keeps its sharding (no gather of a TP-sharded F).
     n_lead = x.ndim - 1
     hidden = x.shape[-1]
-    lnq, _, mu, rsigma = norm_quantize(x, gamma, beta, static.cfg, qs1.x, False)   # (M..., H)
+    fused = norm_block_quantized(x, gamma, beta, static.cfg, qs1.x, False)          # block recipes
+    lnq, _, mu, rsigma = fused if fused is not None else norm_quantize(x, gamma, beta, static.cfg, qs1.x, False)
     wi = wi.reshape(hidden, 2, -1) if static.gated else wi.reshape(hidden, -1)      # (H, [2,] F)
     wiq = quantize_2x(qs1.kernel, wi, 1)
     wi_bias = None if wi_bias is None else wi_bias.reshape(wi.shape[1:])
@@ -151,8 +157,11 @@ def _fwd(x, gamma, beta, wi, wo, wi_bias, wo_bias, qs1, qs2, static):
                         keep_dims=True)
         aq = fused_2x(qs2.x, a.q_rowwise, a.q_colwise, a.amax, x.dtype, n_lead)
     else:
-        a = act_forward(h, static.act_type, gated=static.gated)
-        aq = quantize_2x(qs2.x, a.y, n_lead)                                         # (M..., F)
+        # Block recipes: fused (None for the others); act_forward's default limit / alpha.
+        aq = block_quantized(h, static.act_type, static.gated, 7.0, 1.702, qs2.x, True, True)
+        if aq is None:
+            a = act_forward(h, static.act_type, gated=static.gated)
+            aq = quantize_2x(qs2.x, a.y, n_lead)                                     # (M..., F)
     woq = quantize_2x(qs2.kernel, wo, 1)
     out = forward_gemm(aq, woq, wo_bias, x.dtype)                                   # (M..., H)
     out = checkpoint_name(out, static.ffn2_ckpt_name)

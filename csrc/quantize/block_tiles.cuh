@@ -1,0 +1,463 @@
+// The block-quantize tile kernels, shared by the plain block quantizers (quantize_block.cu,
+// quantize_mxfp8.cu) and the fused elementwise + block-quantize kernels (fused_block/), so
+// that every block-scaled FP8 copy comes from one implementation. Numerics and layouts:
+// quantize_block.h (FP8 block) and quantize_mxfp8.h (MXFP8).
+//
+// The kernels are templated on a tile source, what a thread reads for one 16-byte chunk of
+// x's row r at column c of the rows x cols matrix being quantized:
+//   Src::kVec               values per chunk (16 / sizeof(input element))
+//   Src::Chunk              what a thread holds for a chunk between its load and its encode
+//   src.Load<kVectorIO>(r, c, rows, cols, chunk)
+//                           kVectorIO: the chunk is one aligned 16-byte load (or its parts);
+//                           else bounds-checked scalar loads. Elements outside rows x cols
+//                           must come out as +0 (no amax changes).
+//   Src::Value(chunk, j)    element j as fp32: the value quantized
+// PlainSource is x itself (the plain quantizers: the chunk holds the input elements,
+// converted when encoded). A fused source computes fp32 values in Load (fused_block/).
+//
+// Fp8BlockTileKernel: a block (256 threads) loops over 128 x 128 tiles of x. Each thread
+//   issues all its chunk loads of the tile first (kPasses rows x one 16-byte chunk), then:
+//   - amaxes: 1x128 rowwise: the tile row's max over the lanes that hold it (shuffles);
+//     1x128 colwise: per-thread column maxima, combined through shared memory; 128x128: one
+//     block-wide max;
+//   - rowwise codes: encoded with their row's scale and stored straight to global memory;
+//   - colwise codes (encoded with their column's scale; for 128x128 the rowwise codes, the
+//     scale being the same) go to shared memory, from which each thread gathers 4 columns x
+//     8 rows, byte-transposes them and writes 8-byte stores of the cols x rows copy.
+//   Scales are written by the threads that own them; padding entries are zeroed by a memset
+//   first, only when there are any.
+// Mxfp8TileKernel: a block (256 threads) loops over 64 x 128 tiles of x; each thread
+//   issues its chunk loads (kPasses rows x one chunk) first, then
+//   - rowwise: the 32-value block max over the 32 / kVec lanes that hold it (shuffles), the
+//     E8M0 byte written by the group's first lane, codes stored straight back (kVec bytes);
+//   - colwise: per-thread column maxima for each of the tile's two 32-row blocks, combined
+//     through shared memory by one thread per (block, column), which writes the byte; codes
+//     are encoded with the column's factor and stored in x's layout (no transpose).
+//   Scale padding is zeroed by a memset first, only when there is any.
+// Encoding: fp8_cvt.cuh (hardware cvt where bit-identical, else the formats.h codec). Partial
+// tiles and unaligned tensors take bounds-checked scalar paths: nothing outside the tensors
+// is read or written.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <cstring>
+
+#include "common/cuda_check.h"
+#include "common/element.h"
+#include "common/reduce.cuh"
+#include "quantize/block_codec.h"
+#include "quantize/fp8_cvt.cuh"
+#include "quantize/quantize_block.h"
+#include "quantize/quantize_mxfp8.h"
+
+namespace lowbit {
+namespace block_tiles {
+
+constexpr int kThreads = 256;
+// FP8 block: the kernel's tile is always 128 x 128.
+constexpr int kTile = int(kFp8BlockLen);
+// Shared-memory row of codes: 4-byte aligned; +4 spreads a warp's 8-row reads over banks.
+constexpr int kCodeStride = kTile + 4;
+constexpr int kColItems = (kTile / 4) * (kTile / 8);  // 4-col x 8-row transpose items per tile
+static_assert(kColItems % kThreads == 0, "whole transpose items per thread");
+// MXFP8: 64 x 128 tiles (two 32-row colwise blocks).
+constexpr int kBlock = int(kMxfp8BlockLen);
+constexpr int kTileRows = 2 * kBlock;
+constexpr int kTileCols = 128;
+
+inline bool Aligned(const void* p, uintptr_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
+
+// x itself, rows x cols row-major (the plain quantizers).
+template <typename Tag>
+struct PlainSource {
+  using T = typename Tag::Storage;
+  static constexpr int kVec = 16 / int(sizeof(T));
+  struct Chunk {
+    T v[kVec];
+  };
+  const T* x;
+
+  // Whole 16-byte chunks: x 16-byte aligned and cols % kVec == 0.
+  bool VectorOk(int64_t cols) const { return Aligned(x, 16) && cols % kVec == 0; }
+
+  template <bool kVectorIO>
+  __device__ __forceinline__ void Load(int64_t r, int64_t c, int64_t rows, int64_t cols, Chunk& out) const {
+    if constexpr (kVectorIO) {
+      uint4 packed = make_uint4(0, 0, 0, 0);
+      if (r < rows && c < cols) packed = __ldg(reinterpret_cast<const uint4*>(x + r * cols + c));
+      memcpy(out.v, &packed, sizeof(packed));
+    } else {
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) out.v[j] = (r < rows && c + j < cols) ? x[r * cols + c + j] : T(0);
+    }
+  }
+  __device__ __forceinline__ static float Value(const Chunk& chunk, int j) { return LoadAsFloatFast(Tag{}, chunk.v[j]); }
+};
+
+// kVectorIO: the source's chunks are whole 16-byte loads (Src::Load) and rowwise is aligned:
+// every in-range chunk is one kVec-byte store. colwise_vec: rows % 8 == 0, colwise 8-byte
+// aligned: full 8-row transposed chunks are 8-byte stores.
+template <typename Src, typename Fmt, bool kTile2d, bool kVectorIO>
+__global__ void __launch_bounds__(kThreads, 2)
+    Fp8BlockTileKernel(const Src src, int64_t rows, int64_t cols,
+                           bool pow2, uint8_t* __restrict__ rowwise, float* __restrict__ row_scale_inv,
+                           uint8_t* __restrict__ colwise, float* __restrict__ col_scale_inv,
+                           bool colwise_vec) {
+  constexpr int kVec = Src::kVec;                      // elements per chunk (16 input bytes)
+  constexpr int kThreadsPerRow = kTile / kVec;         // 16 (16-bit x) or 32 (f32)
+  constexpr int kRowsPerPass = kThreads / kThreadsPerRow;
+  constexpr int kPasses = kTile / kRowsPerPass;        // 8 or 16
+  __shared__ __align__(16) uint8_t codes[kTile][kCodeStride];
+  __shared__ uint32_t col_part[kRowsPerPass][kTile];
+  __shared__ float col_scale[kTile];
+
+  const int64_t tiles_c = (cols + kTile - 1) / kTile;
+  const int64_t tiles = (rows + kTile - 1) / kTile * tiles_c;
+  const int chunk_col = (threadIdx.x % kThreadsPerRow) * kVec;
+  const int chunk_row = threadIdx.x / kThreadsPerRow;
+  const ScaleDims row_dims = Fp8BlockScaleDims(rows, cols, kTile2d);
+  const ScaleDims col_dims = Fp8BlockScaleDims(cols, rows, kTile2d);
+
+  for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+    const int64_t r0 = tile / tiles_c * kTile;
+    const int64_t c0 = tile % tiles_c * kTile;
+    const int64_t c = c0 + chunk_col;
+
+    // 1. All loads first (out of range -> 0, which changes no amax).
+    typename Src::Chunk vals[kPasses];
+#pragma unroll
+    for (int p = 0; p < kPasses; ++p) src.template Load<kVectorIO>(r0 + p * kRowsPerPass + chunk_row, c, rows, cols, vals[p]);
+
+    // 2. amaxes (|x| bits): per chunk (also the chunk's "no NaN" test) and per column.
+    uint32_t chunk_max[kPasses];
+    uint32_t col_max[kVec];
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) col_max[j] = 0;
+#pragma unroll
+    for (int p = 0; p < kPasses; ++p) {
+      chunk_max[p] = 0;
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) {
+        const uint32_t b = AbsBitsOf(Src::Value(vals[p], j));
+        chunk_max[p] = max(chunk_max[p], b);
+        col_max[j] = max(col_max[j], b);
+      }
+    }
+
+    float row_scale[kPasses];  // the scale of each of my rows' tile (all equal for 128x128)
+    if constexpr (kTile2d) {
+      uint32_t m = 0;
+#pragma unroll
+      for (int p = 0; p < kPasses; ++p) m = max(m, chunk_max[p]);
+      const float s = Fp8BlockScale(BlockMaxU32(m), Fmt::kMax, pow2);
+#pragma unroll
+      for (int p = 0; p < kPasses; ++p) row_scale[p] = s;
+      if (threadIdx.x == 0) {
+        const float inv = ScaleDivRn(1.0f, s);
+        if (rowwise != nullptr) row_scale_inv[(r0 / kTile) * row_dims.dim1 + c0 / kTile] = inv;
+        if (colwise != nullptr) col_scale_inv[(c0 / kTile) * col_dims.dim1 + r0 / kTile] = inv;
+      }
+    } else {
+#pragma unroll
+      for (int p = 0; p < kPasses; ++p) {
+        row_scale[p] = Fp8BlockScale(GroupMaxU32<kThreadsPerRow>(chunk_max[p]), Fmt::kMax, pow2);
+        const int64_t r = r0 + p * kRowsPerPass + chunk_row;
+        if (rowwise != nullptr && threadIdx.x % kThreadsPerRow == 0 && r < rows) {
+          row_scale_inv[(c0 / kTile) * row_dims.dim1 + r] = ScaleDivRn(1.0f, row_scale[p]);
+        }
+      }
+      if (colwise != nullptr) {
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) col_part[chunk_row][chunk_col + j] = col_max[j];
+        __syncthreads();
+        if (threadIdx.x < kTile) {
+          uint32_t m = 0;
+#pragma unroll
+          for (int g = 0; g < kRowsPerPass; ++g) m = max(m, col_part[g][threadIdx.x]);
+          const float s = Fp8BlockScale(m, Fmt::kMax, pow2);
+          col_scale[threadIdx.x] = s;
+          // Colwise copy Q = x^T: element (c, r) has its 1x128 scale at [r / 128][c].
+          if (c0 + threadIdx.x < cols) col_scale_inv[(r0 / kTile) * col_dims.dim1 + c0 + threadIdx.x] = ScaleDivRn(1.0f, s);
+        }
+        __syncthreads();
+      }
+    }
+
+    // 3. Rowwise codes (for 128x128 also the colwise ones, via shared memory).
+    const bool codes_from_rowwise = kTile2d && colwise != nullptr;
+    if (rowwise != nullptr || codes_from_rowwise) {
+#pragma unroll
+      for (int p = 0; p < kPasses; ++p) {
+        const int local_row = p * kRowsPerPass + chunk_row;
+        const int64_t r = r0 + local_row;
+        float v[kVec], s[kVec];
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) {
+          v[j] = Src::Value(vals[p], j);
+          s[j] = row_scale[p];
+        }
+        uint32_t words[kVec / 4];
+        EncodeChunkScaled(Fmt{}, v, s, chunk_max[p] <= 0x7F800000u, words);
+        if (rowwise != nullptr && r < rows) {
+          if (kVectorIO && c < cols) {
+            StoreCodes<kVec>(rowwise + r * cols + c, words);
+          } else {
+#pragma unroll
+            for (int j = 0; j < kVec; ++j) {
+              if (c + j < cols) rowwise[r * cols + c + j] = CodeOf(words, j);
+            }
+          }
+        }
+        if (codes_from_rowwise) {
+#pragma unroll
+          for (int j = 0; j < kVec; j += 4) *reinterpret_cast<uint32_t*>(&codes[local_row][chunk_col + j]) = words[j / 4];
+        }
+      }
+    }
+    if (colwise == nullptr) continue;  // uniform across the block
+
+    // 4. 1x128 colwise codes: each value with its column's scale.
+    if constexpr (!kTile2d) {
+      float s[kVec];
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) s[j] = col_scale[chunk_col + j];
+#pragma unroll
+      for (int p = 0; p < kPasses; ++p) {
+        float v[kVec];
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) v[j] = Src::Value(vals[p], j);
+        uint32_t words[kVec / 4];
+        EncodeChunkScaled(Fmt{}, v, s, chunk_max[p] <= 0x7F800000u, words);
+        const int local_row = p * kRowsPerPass + chunk_row;
+#pragma unroll
+        for (int j = 0; j < kVec; j += 4) *reinterpret_cast<uint32_t*>(&codes[local_row][chunk_col + j]) = words[j / 4];
+      }
+    }
+    __syncthreads();
+
+    // 5. Transposed write: item -> 4 tile columns x 8 tile rows, 8 lanes cover 64 bytes.
+#pragma unroll
+    for (int item = threadIdx.x; item < kColItems; item += kThreads) {
+      const int row8 = (item % (kTile / 8)) * 8;
+      const int col4 = (item / (kTile / 8)) * 4;
+      uint32_t w[8];
+#pragma unroll
+      for (int k = 0; k < 8; ++k) w[k] = *reinterpret_cast<const uint32_t*>(&codes[row8 + k][col4]);
+      // Byte transpose: lo[j] holds column j of rows 0..3, hi[j] of rows 4..7.
+      uint32_t lo[4], hi[4];
+      const uint32_t a_lo = __byte_perm(w[0], w[1], 0x5140), a_hi = __byte_perm(w[0], w[1], 0x7362);
+      const uint32_t b_lo = __byte_perm(w[2], w[3], 0x5140), b_hi = __byte_perm(w[2], w[3], 0x7362);
+      const uint32_t e_lo = __byte_perm(w[4], w[5], 0x5140), e_hi = __byte_perm(w[4], w[5], 0x7362);
+      const uint32_t f_lo = __byte_perm(w[6], w[7], 0x5140), f_hi = __byte_perm(w[6], w[7], 0x7362);
+      lo[0] = __byte_perm(a_lo, b_lo, 0x5410);
+      lo[1] = __byte_perm(a_lo, b_lo, 0x7632);
+      lo[2] = __byte_perm(a_hi, b_hi, 0x5410);
+      lo[3] = __byte_perm(a_hi, b_hi, 0x7632);
+      hi[0] = __byte_perm(e_lo, f_lo, 0x5410);
+      hi[1] = __byte_perm(e_lo, f_lo, 0x7632);
+      hi[2] = __byte_perm(e_hi, f_hi, 0x5410);
+      hi[3] = __byte_perm(e_hi, f_hi, 0x7632);
+      const int64_t r = r0 + row8;  // first of my 8 input rows = colwise column
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int64_t oc = c0 + col4 + j;  // colwise row
+        if (oc >= cols) break;
+        uint8_t* dst = colwise + oc * rows + r;
+        if (colwise_vec && r + 8 <= rows) {
+          *reinterpret_cast<uint2*>(dst) = make_uint2(lo[j], hi[j]);
+        } else {
+#pragma unroll
+          for (int k = 0; k < 8; ++k) {
+            if (r + k < rows) dst[k] = uint8_t((k < 4 ? lo[j] : hi[j]) >> (8 * (k % 4)));
+          }
+        }
+      }
+    }
+    __syncthreads();  // codes and col_scale are rewritten by the next tile
+  }
+}
+
+// kVectorIO: the source's chunks are whole 16-byte loads (Src::Load) and rowwise / colwise
+// are 16-byte aligned: every in-range chunk is one kVec-byte store.
+template <typename Src, typename Fmt, bool kVectorIO>
+__global__ void __launch_bounds__(kThreads, 2)
+    Mxfp8TileKernel(const Src src, int64_t rows, int64_t cols,
+                        uint8_t* __restrict__ rowwise, uint8_t* __restrict__ row_scale,
+                        uint8_t* __restrict__ colwise, uint8_t* __restrict__ col_scale) {
+  constexpr int kVec = Src::kVec;  // elements per chunk (16 input bytes)
+  constexpr int kThreadsPerRow = kTileCols / kVec;
+  constexpr int kRowsPerPass = kThreads / kThreadsPerRow;
+  constexpr int kPasses = kTileRows / kRowsPerPass;  // 4 or 8; the first half is block 0
+  constexpr int kLanesPerBlock = kBlock / kVec;      // 4 or 8 lanes hold one rowwise block
+  __shared__ uint32_t col_part[2][kRowsPerPass][kTileCols];
+  __shared__ float col_factor[2][kTileCols];
+
+  const int64_t tiles_c = (cols + kTileCols - 1) / kTileCols;
+  const int64_t tiles = (rows + kTileRows - 1) / kTileRows * tiles_c;
+  const int chunk_col = (threadIdx.x % kThreadsPerRow) * kVec;
+  const int chunk_row = threadIdx.x / kThreadsPerRow;
+  const int64_t row_ld = Mxfp8ScaleDims(rows, cols, false).dim1;
+  const int64_t col_ld = Mxfp8ScaleDims(rows, cols, true).dim1;
+
+  for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+    const int64_t r0 = tile / tiles_c * kTileRows;
+    const int64_t c0 = tile % tiles_c * kTileCols;
+    const int64_t c = c0 + chunk_col;
+
+    typename Src::Chunk vals[kPasses];  // out of range -> 0, which changes no amax
+#pragma unroll
+    for (int p = 0; p < kPasses; ++p) src.template Load<kVectorIO>(r0 + p * kRowsPerPass + chunk_row, c, rows, cols, vals[p]);
+
+    uint32_t chunk_max[kPasses];
+    uint32_t col_max[2][kVec];
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) col_max[0][j] = col_max[1][j] = 0;
+#pragma unroll
+    for (int p = 0; p < kPasses; ++p) {
+      chunk_max[p] = 0;
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) {
+        const uint32_t b = AbsBitsOf(Src::Value(vals[p], j));
+        chunk_max[p] = max(chunk_max[p], b);
+        col_max[p / (kPasses / 2)][j] = max(col_max[p / (kPasses / 2)][j], b);
+      }
+    }
+
+    if (rowwise != nullptr) {
+#pragma unroll
+      for (int p = 0; p < kPasses; ++p) {
+        const int64_t r = r0 + p * kRowsPerPass + chunk_row;
+        const uint8_t e = Mxfp8ScaleByte(GroupMaxU32<kLanesPerBlock>(chunk_max[p]), Fmt::kMax);
+        if (threadIdx.x % kLanesPerBlock == 0 && r < rows && c < cols) row_scale[r * row_ld + c / kBlock] = e;
+        float v[kVec], f[kVec];
+        const float factor = Mxfp8EncodeFactor(e);
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) {
+          v[j] = Src::Value(vals[p], j);
+          f[j] = factor;
+        }
+        uint32_t words[kVec / 4];
+        EncodeChunkScaled(Fmt{}, v, f, chunk_max[p] <= 0x7F800000u && e != 0xFFu, words);
+        if (r < rows) {
+          if (kVectorIO && c < cols) {
+            StoreCodes<kVec>(rowwise + r * cols + c, words);
+          } else {
+#pragma unroll
+            for (int j = 0; j < kVec; ++j) {
+              if (c + j < cols) rowwise[r * cols + c + j] = CodeOf(words, j);
+            }
+          }
+        }
+      }
+    }
+    if (colwise == nullptr) continue;  // uniform across the block
+
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) {
+      col_part[0][chunk_row][chunk_col + j] = col_max[0][j];
+      col_part[1][chunk_row][chunk_col + j] = col_max[1][j];
+    }
+    __syncthreads();
+    {
+      const int half = threadIdx.x / kTileCols, col = threadIdx.x % kTileCols;  // 256 = 2 x 128
+      uint32_t m = 0;
+#pragma unroll
+      for (int g = 0; g < kRowsPerPass; ++g) m = max(m, col_part[half][g][col]);
+      const uint8_t e = Mxfp8ScaleByte(m, Fmt::kMax);
+      col_factor[half][col] = Mxfp8EncodeFactor(e);
+      const int64_t block_row = r0 / kBlock + half;
+      if (block_row * kBlock < rows && c0 + col < cols) col_scale[block_row * col_ld + c0 + col] = e;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int p = 0; p < kPasses; ++p) {
+      const int64_t r = r0 + p * kRowsPerPass + chunk_row;
+      float v[kVec], f[kVec];
+      bool factors_ok = true;
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) {
+        v[j] = Src::Value(vals[p], j);
+        f[j] = col_factor[p / (kPasses / 2)][chunk_col + j];
+        factors_ok &= !IsNanBits(FloatBits(f[j]));
+      }
+      uint32_t words[kVec / 4];
+      EncodeChunkScaled(Fmt{}, v, f, chunk_max[p] <= 0x7F800000u && factors_ok, words);
+      if (r < rows) {
+        if (kVectorIO && c < cols) {
+          StoreCodes<kVec>(colwise + r * cols + c, words);
+        } else {
+#pragma unroll
+          for (int j = 0; j < kVec; ++j) {
+            if (c + j < cols) colwise[r * cols + c + j] = CodeOf(words, j);
+          }
+        }
+      }
+    }
+    __syncthreads();  // col_part / col_factor are rewritten by the next tile
+  }
+}
+
+// Launches Fp8BlockTileKernel over a's outputs (a.x and a.x_dtype are not used: the source
+// is the input). src_vector_ok: the source's chunks are whole 16-byte loads (Src::Load).
+template <typename Src, typename Fmt, bool kTile2d>
+Status LaunchFp8BlockTiles(const Src& src, bool src_vector_ok, const QuantizeFp8BlockArgs& a, const char* op,
+                           GpuStream stream) {
+  // Zero the scale padding (only where there is any).
+  auto zero_padding = [&](float* scale_inv, int64_t r, int64_t c) -> Status {
+    if (scale_inv == nullptr) return Status::Ok();
+    const int64_t used = kTile2d ? CeilDivI64(c, kFp8BlockLen) : r;
+    const ScaleDims d = Fp8BlockScaleDims(r, c, kTile2d);
+    if (used == d.dim1) return Status::Ok();
+    return CudaStatus(cudaMemsetAsync(scale_inv, 0, size_t(d.size()) * sizeof(float), stream), op,
+                      "cudaMemsetAsync");
+  };
+  LOWBIT_RETURN_IF_ERROR(zero_padding(a.rowwise_scale_inv, a.rows, a.cols));
+  LOWBIT_RETURN_IF_ERROR(zero_padding(a.colwise_scale_inv, a.cols, a.rows));
+
+  const int64_t tiles = CeilDivI64(a.rows, kTile) * CeilDivI64(a.cols, kTile);
+  const int blocks = GridStrideBlocks(tiles * kThreads, kThreads, 4);
+  const bool vec_io = src_vector_ok && (a.rowwise == nullptr || Aligned(a.rowwise, 16));
+  const bool colwise_vec = a.colwise != nullptr && Aligned(a.colwise, 8) && a.rows % 8 == 0;
+  if (vec_io) {
+    Fp8BlockTileKernel<Src, Fmt, kTile2d, true><<<blocks, kThreads, 0, stream>>>(
+        src, a.rows, a.cols, a.pow2_scales, a.rowwise, a.rowwise_scale_inv, a.colwise, a.colwise_scale_inv, colwise_vec);
+  } else {
+    Fp8BlockTileKernel<Src, Fmt, kTile2d, false><<<blocks, kThreads, 0, stream>>>(
+        src, a.rows, a.cols, a.pow2_scales, a.rowwise, a.rowwise_scale_inv, a.colwise, a.colwise_scale_inv, colwise_vec);
+  }
+  return LaunchStatus(op);
+}
+
+// Launches Mxfp8TileKernel over a's outputs (a.x and a.x_dtype are not used), as above.
+template <typename Src, typename Fmt>
+Status LaunchMxfp8Tiles(const Src& src, bool src_vector_ok, const QuantizeMxfp8Args& a, const char* op,
+                        GpuStream stream) {
+  auto zero_padding = [&](uint8_t* scale, bool colwise) -> Status {
+    if (scale == nullptr) return Status::Ok();
+    const ScaleDims d = Mxfp8ScaleDims(a.rows, a.cols, colwise);
+    const int64_t used0 = colwise ? CeilDivI64(a.rows, kBlock) : a.rows;
+    const int64_t used1 = colwise ? a.cols : CeilDivI64(a.cols, kBlock);
+    if (used0 == d.dim0 && used1 == d.dim1) return Status::Ok();
+    return CudaStatus(cudaMemsetAsync(scale, 0, size_t(d.size()), stream), op, "cudaMemsetAsync");
+  };
+  LOWBIT_RETURN_IF_ERROR(zero_padding(a.rowwise_scale, false));
+  LOWBIT_RETURN_IF_ERROR(zero_padding(a.colwise_scale, true));
+
+  const int64_t tiles = CeilDivI64(a.rows, kTileRows) * CeilDivI64(a.cols, kTileCols);
+  const int blocks = GridStrideBlocks(tiles * kThreads, kThreads, 4);
+  const bool vec_io = src_vector_ok && (a.rowwise == nullptr || Aligned(a.rowwise, 16)) &&
+                      (a.colwise == nullptr || Aligned(a.colwise, 16));
+  if (vec_io) {
+    Mxfp8TileKernel<Src, Fmt, true><<<blocks, kThreads, 0, stream>>>(
+        src, a.rows, a.cols, a.rowwise, a.rowwise_scale, a.colwise, a.colwise_scale);
+  } else {
+    Mxfp8TileKernel<Src, Fmt, false><<<blocks, kThreads, 0, stream>>>(
+        src, a.rows, a.cols, a.rowwise, a.rowwise_scale, a.colwise, a.colwise_scale);
+  }
+  return LaunchStatus(op);
+}
+
+}  // namespace block_tiles
+}  // namespace lowbit
