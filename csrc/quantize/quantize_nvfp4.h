@@ -1,7 +1,7 @@
 // NVFP4 quantization: E2M1 data in 16-value blocks with E4M3 block decode scales under a
-// per-copy fp32 global scale (DESIGN.md §4). CPU reference only for now; the jnp twin in
-// lowbit/ops/quantize_nvfp4.py computes the same bits (and runs on the GPU until a CUDA
-// kernel exists).
+// per-copy fp32 global scale (DESIGN.md §4). CPU reference (quantize_nvfp4_ref.cc) and CUDA
+// kernels (quantize_nvfp4.cu) give the same bits; so does the jnp twin in
+// lowbit/ops/quantize_nvfp4.py (the tests' third reference).
 //
 // Data: x is rows x cols, row-major, f32/f16/bf16 (rows = prod(shape[:flatten_axis]), cols
 // the contracting dim). Two stored copies, each a matrix Q with R x C elements:
@@ -47,6 +47,7 @@
 #include <cstdint>
 
 #include "common/dtype.h"
+#include "common/gpu_stream.h"
 #include "common/formats.h"
 #include "common/fp32_math.h"
 #include "common/status.h"
@@ -92,6 +93,22 @@ LOWBIT_HD uint8_t Nvfp4Encode(float v, float factor, bool stochastic, uint32_t r
   return stochastic ? FloatToE2m1Stochastic(y, random) : FloatToE2m1(y);
 }
 
+// FloatToE2m1(y) (RNE, saturating, NaN -> sign | 7) in a few ALU operations, for the
+// kernels: |y|'s bits are clamped to 6.0f's as integers (inf and NaN become 6, hence code 7),
+// then one correctly rounded add of 2^22, 2^23 or 2^24 rounds it to E2M1's quantum in its
+// binade (0.5 below 2, 1 below 4, 2 up to 6) with ties to even (an even multiple of the
+// quantum is an even code) and leaves the multiple in the low bits of the sum. Checked
+// against FloatToE2m1 in quantize_nvfp4_test.cc.
+LOWBIT_HD uint8_t Nvfp4E2m1Rne(float y) {
+  const uint32_t sign = (FloatBits(y) >> 28) & 0x8u;
+  const uint32_t abs_bits = FloatBits(y) & 0x7FFFFFFFu;
+  const uint32_t m = abs_bits < 0x40C00000u ? abs_bits : 0x40C00000u;  // min(|y|, 6)
+  const uint32_t binade = uint32_t(m >= 0x40000000u) + uint32_t(m >= 0x40800000u);  // >= 2, >= 4
+  const float magic = BitsToFloat(0x4A800000u + (binade << 23));  // 2^(22 + binade)
+  const uint32_t multiple = FloatBits(Fp32Add(BitsToFloat(m), magic)) & 0x7u;
+  return uint8_t(sign | (multiple + 2u * binade));
+}
+
 LOWBIT_HD float Nvfp4Decode(uint8_t nibble, uint8_t scale_byte, float global_scale_inv) {
   return MulNanDefined(MulNanDefined(E2m1ToFloat(nibble), E4m3ToFloat(scale_byte)), global_scale_inv);
 }
@@ -123,7 +140,8 @@ struct QuantizeNvfp4Args {
   bool tile_2d = false;                    // 16x16 tiles, else 1x16
   const uint32_t* random = nullptr;        // rows x cols words, or null for RNE
   bool rht = false;                        // RHT on the colwise copy
-  uint32_t rht_sign_bits = 0;              // bit i set: d_i = -1
+  uint32_t rht_sign_bits = 0;              // bit i set: d_i = -1 (CPU reference)
+  const uint32_t* rht_sign_bits_device = nullptr;  // CUDA launcher: the same word, on the device
   uint8_t* rowwise = nullptr;              // rows x ceil(cols/2), or null
   uint8_t* rowwise_scale = nullptr;        // Nvfp4ScaleDims(rows, cols) E4M3 bytes
   float* rowwise_global_scale_inv = nullptr;  // (1,)
@@ -134,5 +152,12 @@ struct QuantizeNvfp4Args {
 
 // CPU reference (quantize_nvfp4_ref.cc).
 Status QuantizeNvfp4Ref(const QuantizeNvfp4Args& args);
+
+// CUDA launcher (quantize_nvfp4.cu), same arguments (device pointers), no host sync. First
+// pass: the copies' global amaxes, accumulated in the global_scale_inv results themselves
+// (amax/amax.h, or a fused plain + RHT amax kernel with rht); second: one 64 x 64 tile of x
+// per CTA through shared memory, both copies from the tile; last: global_scale_inv = 1 / S.
+// rows * cols must be > 0.
+Status QuantizeNvfp4Cuda(const QuantizeNvfp4Args& args, GpuStream stream);
 
 }  // namespace lowbit

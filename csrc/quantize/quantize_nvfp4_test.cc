@@ -1,6 +1,7 @@
 // GoogleTest checks of the NVFP4 CPU reference on chosen values: the global and block scale
 // rules (amax 0 / inf / NaN), nibble packing of an odd row, the padded scale layout, the
-// colwise copy as the transpose, and the RHT being its own inverse.
+// colwise copy as the transpose, the RHT being its own inverse, and the kernels' fast E2M1
+// encoder against FloatToE2m1.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -15,6 +16,26 @@ namespace {
 
 const float kNan = std::numeric_limits<float>::quiet_NaN();
 const float kInf = std::numeric_limits<float>::infinity();
+
+// Every fp32 pattern whose magnitude lies in [2^-3, 8) (all of E2M1's rounding boundaries),
+// both signs, plus every 97th pattern elsewhere (zeros, subnormals, large, inf, NaN).
+TEST(QuantizeNvfp4Ref, FastE2m1EncoderMatchesFloatToE2m1) {
+  const uint32_t lo = FloatBits(0.125f), hi = FloatBits(8.0f);
+  for (uint32_t sign : {0u, 0x80000000u}) {
+    for (uint32_t b = lo; b < hi; ++b) {
+      const float y = BitsToFloat(sign | b);
+      ASSERT_EQ(Nvfp4E2m1Rne(y), FloatToE2m1(y)) << std::hexfloat << y;
+    }
+  }
+  for (uint64_t b = 0; b <= 0xFFFFFFFFull; b += 97) {
+    const float y = BitsToFloat(uint32_t(b));
+    ASSERT_EQ(Nvfp4E2m1Rne(y), FloatToE2m1(y)) << std::hexfloat << y;
+  }
+  for (float y : {0.0f, -0.0f, 0.25f, 0.75f, 1.25f, 1.75f, 2.5f, 3.5f, 5.0f, 6.0f, kInf, -kInf,
+                  kNan, -kNan, BitsToFloat(1u), BitsToFloat(0x7F7FFFFFu)}) {
+    EXPECT_EQ(Nvfp4E2m1Rne(y), FloatToE2m1(y)) << std::hexfloat << y;
+  }
+}
 
 TEST(QuantizeNvfp4Ref, ScaleRules) {
   EXPECT_EQ(Nvfp4GlobalScale(FloatBits(0.0f)), 1.0f);
