@@ -37,6 +37,7 @@ TARGETS: dict[str, str] = {
     "lowbit_dequantize_mxfp8": "LowbitDequantizeMxfp8",
     "lowbit_act_quantize_block": "LowbitActQuantizeBlock",
     "lowbit_norm_quantize_block": "LowbitNormQuantizeBlock",
+    "lowbit_quantize_nvfp4": "LowbitQuantizeNvfp4",
     "lowbit_gemm": "LowbitGemm",
     "lowbit_gemm_swizzle_scales": "LowbitGemmSwizzleScales",
     "lowbit_gemm_nvfp4": "LowbitGemmNvfp4",
@@ -48,9 +49,7 @@ TARGETS: dict[str, str] = {
 
 # Targets with a CPU handler only (no CUDA kernel yet): the CUDA library need not export
 # them, and their ops lower to an exact jnp twin on the GPU instead (see each op's module).
-CPU_ONLY_TARGETS: dict[str, str] = {
-    "lowbit_quantize_nvfp4": "LowbitQuantizeNvfp4",
-}
+CPU_ONLY_TARGETS: dict[str, str] = {}
 
 _REBUILD = (
     "rebuild it from the source tree with `pip install --no-build-isolation -e .` "

@@ -218,3 +218,32 @@ def test_bad_input():
     with pytest.raises(ValueError, match="quantize_nvfp4: scale"):
         dequantize_nvfp4(jnp.zeros((4, 8), jnp.uint8), jnp.zeros((4, 4), jnp.float8_e4m3fn),
                          jnp.ones((1,)), cols=16)
+
+
+@pytest.mark.parametrize("shape", [(0, 16), (4, 0), (0, 0)])
+def test_empty_x(shape):
+    """Empty data and scales of their shapes; global_scale_inv 1 (A = 0 gives S = 1)."""
+    x = jnp.zeros(shape, jnp.bfloat16)
+    got = quantize_nvfp4(x, rowwise=True, colwise=True, rht_sign_bits=rht_sign_bits(jax.random.PRNGKey(0)))
+    want = quantize_nvfp4(x, rowwise=True, colwise=True, use_jnp=True,
+                          rht_sign_bits=rht_sign_bits(jax.random.PRNGKey(0)))
+    _assert_same(got, want)
+    r, c = shape
+    assert got.rowwise.shape == (r, -(-c // 2)) and got.colwise.shape == (c, -(-r // 2))
+    assert got.rowwise_scale.shape == scale_shape(r, c) and got.colwise_scale.shape == scale_shape(c, r)
+    for g in (got.rowwise_global_scale_inv, got.colwise_global_scale_inv):
+        np.testing.assert_array_equal(np.asarray(g), np.ones((1,), F32))
+
+
+def test_cuda_lowering_is_the_kernel(monkeypatch):
+    """On a GPU the op lowers to the lowbit_quantize_nvfp4 custom call (the CUDA kernels), not
+    to the jnp twin (checked without a GPU: lowering needs no device)."""
+    from lowbit import _ffi
+
+    monkeypatch.setattr(_ffi, "require_platform", lambda op, platform: None)
+    x = jnp.ones((32, 48), jnp.bfloat16)
+    f = jax.jit(lambda v, r: quantize_nvfp4(v, random=r, colwise=True, tile_2d=True,
+                                            rht_sign_bits=jnp.ones((1,), jnp.uint32)))
+    text = f.trace(x, jnp.zeros(x.shape, jnp.uint32)).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("stablehlo.custom_call @lowbit_quantize_nvfp4") == 1
+    assert "shift_right_logical" not in text  # the twin's integer division would show here

@@ -1,17 +1,20 @@
-// XLA FFI handler for lowbit_quantize_nvfp4 (quantize/quantize_nvfp4.h). CPU only: there is
-// no CUDA kernel yet, so on a GPU lowbit/ops/quantize_nvfp4.py runs its exact jnp twin
-// instead of this target (lowbit/_ffi.py lists it in CPU_ONLY_TARGETS).
+// XLA FFI handlers for lowbit_quantize_nvfp4 (quantize/quantize_nvfp4.h). Compiled twice, as
+// the CPU handler (the reference) and, with LOWBIT_CUDA_HANDLERS, the CUDA one (the
+// launcher); both validate identically.
 //
 // x (rank >= 1) is viewed as rows x cols, rows = prod(shape[:flatten_axis]). random is
 // uint32 of x's shape (stochastic rounding) or (0,) (round to nearest even); rht_sign_bits
 // is uint32 (1,) (low 16 bits used when rht). A data result with 0 elements is "not
-// requested" (its scale and global scale results must then be empty too).
+// requested" unless its global scale result is (1,) (an empty x: its data and scale results
+// are empty, its global scale gets 1, as A = 0 gives S = 1).
 #include <string>
 
 #include "ffi/ffi_util.h"
 #include "quantize/quantize_nvfp4.h"
 
-#if !defined(LOWBIT_CUDA_HANDLERS)
+#if defined(LOWBIT_CUDA_HANDLERS)
+#include <cuda_runtime_api.h>
+#endif
 
 namespace lowbit {
 namespace {
@@ -21,7 +24,8 @@ constexpr const char* kOp = "lowbit_quantize_nvfp4";
 Status CheckCopy(const char* data_arg, const char* scale_arg, const char* global_arg,
                  const ffi::Result<ffi::AnyBuffer>& data, const ffi::Result<ffi::AnyBuffer>& scale,
                  const ffi::Result<ffi::AnyBuffer>& global, int64_t R, int64_t C, bool* requested) {
-  *requested = data->element_count() != 0;
+  // Requested copies always have a (1,) global scale (their data is empty for an empty x).
+  *requested = data->element_count() != 0 || global->element_count() != 0;
   if (!*requested) {
     if (scale->element_count() != 0 || global->element_count() != 0) {
       return Invalid(kOp, scale_arg, std::string("expected empty scale results when ") + data_arg +
@@ -47,15 +51,16 @@ Status CheckCopy(const char* data_arg, const char* scale_arg, const char* global
   return Status::Ok();
 }
 
-ffi::Error QuantizeNvfp4Cpu(ffi::AnyBuffer x, ffi::AnyBuffer random, ffi::AnyBuffer rht_sign_bits,
-                            ffi::Result<ffi::AnyBuffer> rowwise,
-                            ffi::Result<ffi::AnyBuffer> rowwise_scale,
-                            ffi::Result<ffi::AnyBuffer> rowwise_global_scale_inv,
-                            ffi::Result<ffi::AnyBuffer> colwise,
-                            ffi::Result<ffi::AnyBuffer> colwise_scale,
-                            ffi::Result<ffi::AnyBuffer> colwise_global_scale_inv,
-                            int32_t flatten_axis, bool tile_2d, bool rht) {
-  auto run = [&]() -> Status {
+// Validates the call and fills *out. The RHT sign word stays where it is: read here on the
+// CPU, by the kernels on the GPU. An empty x is passed on (only the global scales are written).
+Status ParseArgs(ffi::AnyBuffer x, ffi::AnyBuffer random, ffi::AnyBuffer rht_sign_bits,
+                         ffi::Result<ffi::AnyBuffer> rowwise, ffi::Result<ffi::AnyBuffer> rowwise_scale,
+                         ffi::Result<ffi::AnyBuffer> rowwise_global_scale_inv,
+                         ffi::Result<ffi::AnyBuffer> colwise, ffi::Result<ffi::AnyBuffer> colwise_scale,
+                         ffi::Result<ffi::AnyBuffer> colwise_global_scale_inv, int32_t flatten_axis,
+                         bool tile_2d, bool rht, QuantizeNvfp4Args* out) {
+  QuantizeNvfp4Args& a = *out;
+  {
     LOWBIT_RETURN_IF_ERROR(ExpectHighPrecision(kOp, "x", x));
     const Dims shape = DimsOf(x);
     const int rank = int(shape.size());
@@ -64,7 +69,6 @@ ffi::Error QuantizeNvfp4Cpu(ffi::AnyBuffer x, ffi::AnyBuffer random, ffi::AnyBuf
       return Invalid(kOp, "flatten_axis", "expected a value in [0, " + std::to_string(rank - 1) +
                                               "], got " + std::to_string(flatten_axis));
     }
-    QuantizeNvfp4Args a;
     a.rows = 1;
     a.cols = 1;
     for (int i = 0; i < rank; ++i) (i < flatten_axis ? a.rows : a.cols) *= shape[size_t(i)];
@@ -84,14 +88,17 @@ ffi::Error QuantizeNvfp4Cpu(ffi::AnyBuffer x, ffi::AnyBuffer random, ffi::AnyBuf
                                      rowwise_scale, rowwise_global_scale_inv, a.rows, a.cols, &want_row));
     LOWBIT_RETURN_IF_ERROR(CheckCopy("colwise", "colwise_scale", "colwise_global_scale_inv", colwise,
                                      colwise_scale, colwise_global_scale_inv, a.cols, a.rows, &want_col));
-    if (a.rows * a.cols == 0) return Status::Ok();
     if (!want_row && !want_col) return Invalid(kOp, "rowwise", "neither rowwise nor colwise output requested");
     a.x = x.untyped_data();
     a.x_dtype = ToDType(x.element_type());
     a.tile_2d = tile_2d;
     a.random = random.element_count() ? static_cast<const uint32_t*>(random.untyped_data()) : nullptr;
     a.rht = rht;
+#if defined(LOWBIT_CUDA_HANDLERS)
+    a.rht_sign_bits_device = static_cast<const uint32_t*>(rht_sign_bits.untyped_data());
+#else
     a.rht_sign_bits = *static_cast<const uint32_t*>(rht_sign_bits.untyped_data());
+#endif
     if (want_row) {
       a.rowwise = static_cast<uint8_t*>(rowwise->untyped_data());
       a.rowwise_scale = static_cast<uint8_t*>(rowwise_scale->untyped_data());
@@ -102,16 +109,54 @@ ffi::Error QuantizeNvfp4Cpu(ffi::AnyBuffer x, ffi::AnyBuffer random, ffi::AnyBuf
       a.colwise_scale = static_cast<uint8_t*>(colwise_scale->untyped_data());
       a.colwise_global_scale_inv = static_cast<float*>(colwise_global_scale_inv->untyped_data());
     }
-    return QuantizeNvfp4Ref(a);
-  };
-  return ToFfiError(run());
+    return Status::Ok();
+  }
 }
+
+#if !defined(LOWBIT_CUDA_HANDLERS)
+
+ffi::Error QuantizeNvfp4Cpu(ffi::AnyBuffer x, ffi::AnyBuffer random, ffi::AnyBuffer rht_sign_bits,
+                            ffi::Result<ffi::AnyBuffer> rowwise,
+                            ffi::Result<ffi::AnyBuffer> rowwise_scale,
+                            ffi::Result<ffi::AnyBuffer> rowwise_global_scale_inv,
+                            ffi::Result<ffi::AnyBuffer> colwise,
+                            ffi::Result<ffi::AnyBuffer> colwise_scale,
+                            ffi::Result<ffi::AnyBuffer> colwise_global_scale_inv,
+                            int32_t flatten_axis, bool tile_2d, bool rht) {
+  QuantizeNvfp4Args a;
+  Status s = ParseArgs(x, random, rht_sign_bits, rowwise, rowwise_scale, rowwise_global_scale_inv,
+                       colwise, colwise_scale, colwise_global_scale_inv, flatten_axis, tile_2d, rht,
+                       &a);
+  if (s.ok()) s = QuantizeNvfp4Ref(a);
+  return ToFfiError(s);
+}
+
+#else
+
+ffi::Error QuantizeNvfp4Gpu(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer random,
+                            ffi::AnyBuffer rht_sign_bits, ffi::Result<ffi::AnyBuffer> rowwise,
+                            ffi::Result<ffi::AnyBuffer> rowwise_scale,
+                            ffi::Result<ffi::AnyBuffer> rowwise_global_scale_inv,
+                            ffi::Result<ffi::AnyBuffer> colwise,
+                            ffi::Result<ffi::AnyBuffer> colwise_scale,
+                            ffi::Result<ffi::AnyBuffer> colwise_global_scale_inv,
+                            int32_t flatten_axis, bool tile_2d, bool rht) {
+  QuantizeNvfp4Args a;
+  Status s = ParseArgs(x, random, rht_sign_bits, rowwise, rowwise_scale, rowwise_global_scale_inv,
+                       colwise, colwise_scale, colwise_global_scale_inv, flatten_axis, tile_2d, rht,
+                       &a);
+  if (s.ok()) s = QuantizeNvfp4Cuda(a, stream);
+  return ToFfiError(s);
+}
+
+#endif
 
 }  // namespace
 }  // namespace lowbit
 
 namespace xffi = ::xla::ffi;
 
+#if !defined(LOWBIT_CUDA_HANDLERS)
 LOWBIT_FFI_HANDLER(LowbitQuantizeNvfp4Cpu, lowbit::QuantizeNvfp4Cpu,
                    xffi::Ffi::Bind()
                        .Arg<xffi::AnyBuffer>()   // x: f32/f16/bf16, rank >= 1
@@ -126,5 +171,21 @@ LOWBIT_FFI_HANDLER(LowbitQuantizeNvfp4Cpu, lowbit::QuantizeNvfp4Cpu,
                        .Attr<int32_t>("flatten_axis")
                        .Attr<bool>("tile_2d")    // 16x16 tiles, else 1x16
                        .Attr<bool>("rht"));      // random Hadamard transform on the colwise copy
+#else
+LOWBIT_FFI_HANDLER(LowbitQuantizeNvfp4Cuda, lowbit::QuantizeNvfp4Gpu,
+                   xffi::Ffi::Bind()
+                       .Ctx<xffi::PlatformStream<cudaStream_t>>()  // stream
+                       .Arg<xffi::AnyBuffer>()   // x: f32/f16/bf16, rank >= 1
+                       .Arg<xffi::AnyBuffer>()   // random: u32, x's shape, or (0,) for RNE
+                       .Arg<xffi::AnyBuffer>()   // rht_sign_bits: u32 (1,)
+                       .Ret<xffi::AnyBuffer>()   // rowwise: u8 (rows, ceil(cols/2)), or (0,)
+                       .Ret<xffi::AnyBuffer>()   // rowwise_scale: e4m3 Nvfp4ScaleDims(rows, cols), or (0,)
+                       .Ret<xffi::AnyBuffer>()   // rowwise_global_scale_inv: f32 (1,), or (0,)
+                       .Ret<xffi::AnyBuffer>()   // colwise: u8 (cols, ceil(rows/2)), or (0,)
+                       .Ret<xffi::AnyBuffer>()   // colwise_scale: e4m3 Nvfp4ScaleDims(cols, rows), or (0,)
+                       .Ret<xffi::AnyBuffer>()   // colwise_global_scale_inv: f32 (1,), or (0,)
+                       .Attr<int32_t>("flatten_axis")
+                       .Attr<bool>("tile_2d")    // 16x16 tiles, else 1x16
+                       .Attr<bool>("rht"));      // random Hadamard transform on the colwise copy
 
-#endif  // !LOWBIT_CUDA_HANDLERS
+#endif

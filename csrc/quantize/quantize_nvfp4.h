@@ -99,14 +99,26 @@ LOWBIT_HD uint8_t Nvfp4Encode(float v, float factor, bool stochastic, uint32_t r
 // binade (0.5 below 2, 1 below 4, 2 up to 6) with ties to even (an even multiple of the
 // quantum is an even code) and leaves the multiple in the low bits of the sum. Checked
 // against FloatToE2m1 in quantize_nvfp4_test.cc.
-LOWBIT_HD uint8_t Nvfp4E2m1Rne(float y) {
-  const uint32_t sign = (FloatBits(y) >> 28) & 0x8u;
-  const uint32_t abs_bits = FloatBits(y) & 0x7FFFFFFFu;
+LOWBIT_HD uint32_t Nvfp4E2m1RneMagnitude(uint32_t abs_bits) {
   const uint32_t m = abs_bits < 0x40C00000u ? abs_bits : 0x40C00000u;  // min(|y|, 6)
   const uint32_t binade = uint32_t(m >= 0x40000000u) + uint32_t(m >= 0x40800000u);  // >= 2, >= 4
   const float magic = BitsToFloat(0x4A800000u + (binade << 23));  // 2^(22 + binade)
   const uint32_t multiple = FloatBits(Fp32Add(BitsToFloat(m), magic)) & 0x7u;
-  return uint8_t(sign | (multiple + 2u * binade));
+  return multiple + 2u * binade;
+}
+
+LOWBIT_HD uint8_t Nvfp4E2m1Rne(float y) {
+  const uint32_t sign = (FloatBits(y) >> 28) & 0x8u;
+  return uint8_t(sign | Nvfp4E2m1RneMagnitude(FloatBits(y) & 0x7FFFFFFFu));
+}
+
+// Nvfp4Encode(v, factor, false, 0) for a factor that is not NaN (factors are never negative):
+// v's sign with the magnitude of |v * factor| (a NaN product, from a NaN v or inf * 0,
+// saturates to 7): the IEEE product carries sign(v) otherwise, and MulNanDefined gives a NaN
+// product v's sign. Checked against Nvfp4Encode in quantize_nvfp4_test.cc.
+LOWBIT_HD uint8_t Nvfp4EncodeRneNonNanFactor(float v, float factor) {
+  return uint8_t(((FloatBits(v) >> 28) & 0x8u) |
+                 Nvfp4E2m1RneMagnitude(FloatBits(Fp32Mul(v, factor)) & 0x7FFFFFFFu));
 }
 
 LOWBIT_HD float Nvfp4Decode(uint8_t nibble, uint8_t scale_byte, float global_scale_inv) {
@@ -157,7 +169,7 @@ Status QuantizeNvfp4Ref(const QuantizeNvfp4Args& args);
 // pass: the copies' global amaxes, accumulated in the global_scale_inv results themselves
 // (amax/amax.h, or a fused plain + RHT amax kernel with rht); second: one 64 x 64 tile of x
 // per CTA through shared memory, both copies from the tile; last: global_scale_inv = 1 / S.
-// rows * cols must be > 0.
+// Both: for rows * cols == 0 only the non-null global_scale_inv are written (1: A = 0).
 Status QuantizeNvfp4Cuda(const QuantizeNvfp4Args& args, GpuStream stream);
 
 }  // namespace lowbit

@@ -58,6 +58,12 @@ void QuantizeCopy(const std::vector<float>& q, int64_t R, int64_t C, bool tile_2
 
 Status QuantizeNvfp4Ref(const QuantizeNvfp4Args& a) {
   const ScopedIeeeDenormals ieee;  // as the GPU (see ieee_denormals.h)
+  if (a.rows * a.cols == 0) {  // A = 0, so S = 1; there is nothing else to write
+    for (float* g : {a.rowwise_global_scale_inv, a.colwise_global_scale_inv}) {
+      if (g != nullptr) *g = 1.0f;
+    }
+    return Status::Ok();
+  }
   return DispatchHighPrecision(a.x_dtype, kQuantizeOp, "x", [&](auto tag) {
     using T = typename decltype(tag)::Storage;
     const T* x = static_cast<const T*>(a.x);

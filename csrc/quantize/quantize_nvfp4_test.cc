@@ -37,6 +37,37 @@ TEST(QuantizeNvfp4Ref, FastE2m1EncoderMatchesFloatToE2m1) {
   }
 }
 
+// The kernels' RNE encode for blocks without NaN: every factor a block can get (every scale
+// byte below 0x7F under several global scales, and 0) times values around every E2M1
+// boundary, specials and random patterns.
+TEST(QuantizeNvfp4Ref, NonNanFactorEncodeMatchesNvfp4Encode) {
+  std::vector<float> values = {0.0f, -0.0f, kInf, -kInf, kNan, -kNan, BitsToFloat(1u),
+                               BitsToFloat(0x807FFFFFu), BitsToFloat(0x7F7FFFFFu)};
+  for (float t : {0.25f, 0.75f, 1.25f, 1.75f, 2.5f, 3.5f, 5.0f, 6.0f}) {
+    for (int d = -2; d <= 2; ++d) {
+      values.push_back(BitsToFloat(FloatBits(t) + uint32_t(d)));
+      values.push_back(-BitsToFloat(FloatBits(t) + uint32_t(d)));
+    }
+  }
+  uint32_t state = 12345u;
+  for (int i = 0; i < 2000; ++i) {
+    state = state * 1664525u + 1013904223u;
+    values.push_back(BitsToFloat(state));
+  }
+  for (float amax : {1.0f, 12.0f, 3e-39f, 3e38f, 2688.0f}) {
+    const float S = Nvfp4GlobalScale(FloatBits(amax));
+    for (uint32_t sd = 0; sd < 0x7F; ++sd) {
+      const float factor = Nvfp4EncodeFactor(uint8_t(sd), S);
+      for (float v : values) {
+        for (float w : {v, v / factor}) {  // also values that land near the boundaries
+          ASSERT_EQ(Nvfp4EncodeRneNonNanFactor(w, factor), Nvfp4Encode(w, factor, false, 0u))
+              << std::hexfloat << w << " * " << factor;
+        }
+      }
+    }
+  }
+}
+
 TEST(QuantizeNvfp4Ref, ScaleRules) {
   EXPECT_EQ(Nvfp4GlobalScale(FloatBits(0.0f)), 1.0f);
   EXPECT_EQ(Nvfp4GlobalScale(FloatBits(kInf)), 1.0f);

@@ -16,28 +16,26 @@ colwise: x^T, C x R, K-major for wgrad, optionally RHT-transformed):
   NaN results of T are the positive quiet NaN.
 dequantize_nvfp4: (e2m1(q) * e4m3(sd)) * global_scale_inv in jnp (the first product exact).
 
-Backends: the CPU lowers to the C++ reference (lowbit_quantize_nvfp4). There is no CUDA
-kernel yet: on a GPU the op lowers to `quantize_nvfp4_jnp`, an exact jnp twin of the
+Backends: lowbit_quantize_nvfp4 lowers to the C++ reference on the CPU and to the CUDA
+kernels (csrc/quantize/quantize_nvfp4.cu) on a GPU; both give the same bits.
+`quantize_nvfp4_jnp` (use_jnp=True) is an exact jnp twin of the reference, the tests' third
 reference (integer arithmetic for every division and rounding, since XLA's fp32 division on
-the GPU is not correctly rounded), with a one-time notice. The twin equals the CPU handler
-bit for bit (tests/test_quantize_nvfp4.py), except that XLA:CPU flushes fp32 subnormals
-(FTZ/DAZ), so on the CPU the twin may differ for inputs or block intermediates below 2^-126;
-XLA:GPU keeps subnormals, as the reference does.
+the GPU is not correctly rounded). It equals the handlers bit for bit
+(tests/test_quantize_nvfp4.py, tests/test_quantize_nvfp4_cuda.py), except that XLA:CPU
+flushes fp32 subnormals (FTZ/DAZ), so on the CPU the twin may differ for inputs or block
+intermediates below 2^-126; XLA:GPU keeps subnormals, as the reference does.
 The global amax is taken over the whole (unsharded) tensor: the op has no partitioning rule
 (sharded inputs are gathered). vmap maps the op over the batch (one quantization each).
 """
 
 from __future__ import annotations
 
-import functools
-import warnings
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
-from jax.interpreters import mlir
 
 from lowbit.ops._primitive import ffi_primitive
 from lowbit.ops.amax import check_high_precision
@@ -272,10 +270,11 @@ def quantize_nvfp4_jnp(x, random, rht_sign_bits, *, flatten_axis: int, tile_2d: 
         out += _quantize_copy(q, None if rnd is None else rnd.T, tile_2d)
     else:
         out += empty
-    if not x2.size:  # empty x: the wanted results are empty arrays of their shapes
+    if not x2.size:  # empty x: empty data and scales of their shapes, global scales 1
         want = _abstract(x, random, rht_sign_bits, flatten_axis=flatten_axis, tile_2d=tile_2d,
                          rht=rht, rowwise=rowwise, colwise=colwise)
-        out = [jnp.zeros(a.shape, a.dtype) for a in want]
+        out = [jnp.ones(a.shape, a.dtype) if a.dtype == jnp.float32 else jnp.zeros(a.shape, a.dtype)
+               for a in want]  # global_scale_inv 1 (A = 0, S = 1), as the handlers
     return tuple(out)
 
 
@@ -298,22 +297,6 @@ def _abstract(x, random, rht_sign_bits, *, flatten_axis, tile_2d, rht, rowwise, 
 quantize_nvfp4_p = ffi_primitive("lowbit_quantize_nvfp4", "lowbit_quantize_nvfp4", _abstract,
                                  multiple_results=True, attrs=("flatten_axis", "tile_2d", "rht"))
 _looped_batcher(quantize_nvfp4_p)
-
-_NOTICED: set[str] = set()
-
-
-def _cuda_lowering(ctx, x, random, sign_bits, *, flatten_axis, tile_2d, rht, rowwise, colwise):
-    if "cuda" not in _NOTICED:
-        _NOTICED.add("cuda")
-        warnings.warn(f"{OP}: no CUDA kernel yet; running its exact jnp implementation on the GPU "
-                      "(same bits as the CPU reference)", stacklevel=2)
-    fn = functools.partial(quantize_nvfp4_jnp, flatten_axis=int(flatten_axis), tile_2d=bool(tile_2d),
-                           rht=bool(rht), rowwise=rowwise, colwise=colwise)
-    return mlir.lower_fun(fn, multiple_results=True)(ctx, x, random, sign_bits)
-
-
-mlir.register_lowering(quantize_nvfp4_p, _cuda_lowering, platform="cuda")
-
 
 def quantize_nvfp4(x, *, random=None, rht_sign_bits=None, tile_2d: bool = False, rowwise: bool = True,
                    colwise: bool = False, flatten_axis: int = -1, use_jnp: bool = False) -> Nvfp4Quantized:
