@@ -94,17 +94,17 @@ LOWBIT_HD uint8_t Nvfp4Encode(float v, float factor, bool stochastic, uint32_t r
 }
 
 // FloatToE2m1(y) (RNE, saturating, NaN -> sign | 7) in a few ALU operations, for the
-// kernels: |y|'s bits are clamped to 6.0f's as integers (inf and NaN become 6, hence code 7),
-// then one correctly rounded add of 2^22, 2^23 or 2^24 rounds it to E2M1's quantum in its
-// binade (0.5 below 2, 1 below 4, 2 up to 6) with ties to even (an even multiple of the
-// quantum is an even code) and leaves the multiple in the low bits of the sum. Checked
-// against FloatToE2m1 in quantize_nvfp4_test.cc.
+// kernels: |y|'s bits are clamped to 6.0f's as integers (inf and NaN become 6, hence code 7);
+// e = 2^b is the power of two of its binade, at least 1 (b = 0, 1, 2); one correctly rounded
+// add of 2^(22 + b) rounds it to E2M1's quantum there (0.5 below 2, 1 below 4, 2 up to 6) with
+// ties to even (an even multiple of the quantum is an even code) and leaves the multiple in
+// the low bits of the sum; the code is that multiple + 2b. Checked against FloatToE2m1 in
+// quantize_nvfp4_test.cc.
 LOWBIT_HD uint32_t Nvfp4E2m1RneMagnitude(uint32_t abs_bits) {
   const uint32_t m = abs_bits < 0x40C00000u ? abs_bits : 0x40C00000u;  // min(|y|, 6)
-  const uint32_t binade = uint32_t(m >= 0x40000000u) + uint32_t(m >= 0x40800000u);  // >= 2, >= 4
-  const float magic = BitsToFloat(0x4A800000u + (binade << 23));  // 2^(22 + binade)
-  const uint32_t multiple = FloatBits(Fp32Add(BitsToFloat(m), magic)) & 0x7u;
-  return multiple + 2u * binade;
+  const uint32_t e = (m > 0x3F800000u ? m : 0x3F800000u) & 0x7F800000u;  // 2^b, b in 0..2
+  const uint32_t multiple = FloatBits(Fp32Add(BitsToFloat(m), BitsToFloat(e + (22u << 23)))) & 0x7u;
+  return multiple + (e >> 22) - 254u;  // + 2b
 }
 
 LOWBIT_HD uint8_t Nvfp4E2m1Rne(float y) {
