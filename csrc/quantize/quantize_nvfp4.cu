@@ -88,6 +88,15 @@ struct TileParams {
   CopyOut row, col;
 };
 
+// Nibbles of codes encode(0..15): 0..7 into lo, 8..15 into hi (element 2j low in byte j).
+template <typename Encode>
+__device__ __forceinline__ void PackCodes(Encode encode, uint32_t& lo, uint32_t& hi) {
+#pragma unroll
+  for (int i = 0; i < 8; ++i) lo |= uint32_t(encode(i)) << (4 * i);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) hi |= uint32_t(encode(i + 8)) << (4 * i);
+}
+
 // Quantizes one 16-value block of a copy held in v[] (values past the edge are 0): amax
 // (combined over the 16 block rows of a tile through `amax_s` for tile_2d: entry [q][b] of
 // the thread's block-row q and block b, 16 consecutive q per tile), scale byte, codes,
@@ -110,24 +119,19 @@ __device__ __forceinline__ void QuantizeBlock(const float (&v)[16], const uint32
   if (!valid) return;
   const uint8_t sd = Nvfp4BlockScaleByte(amax, S);
   const float factor = Nvfp4EncodeFactor(sd, S);
-  // A NaN factor (a NaN in the block) takes the general path.
-  const bool fast = !stochastic && !IsNanBits(FloatBits(factor));
-  uint32_t lo = 0, hi = 0;  // packed nibbles of elements 0..7 and 8..15
-#pragma unroll
-  for (int i = 0; i < 16; ++i) {
-    uint32_t code;
-    if (fast) {
-      code = Nvfp4EncodeRneNonNanFactor(v[i], factor);
-    } else {
-      const float y = MulNanDefined(v[i], factor);
-      code = stochastic ? FloatToE2m1Stochastic(y, rnd[i]) : Nvfp4E2m1Rne(y);
-    }
-    code = i < count ? code : 0u;  // past the edge: nibble 0 (even for a NaN factor)
-    if (i < 8) {
-      lo |= code << (4 * i);
-    } else {
-      hi |= code << (4 * (i - 8));
-    }
+  // A block without NaN (factor not NaN) takes the cheap exact RNE path; one loop per path,
+  // so that none branches per element.
+  uint32_t lo = 0, hi = 0;
+  if (stochastic) {
+    PackCodes([&](int i) { return FloatToE2m1Stochastic(MulNanDefined(v[i], factor), rnd[i]); }, lo, hi);
+  } else if (!IsNanBits(FloatBits(factor))) {
+    PackCodes([&](int i) { return Nvfp4EncodeRneNonNanFactor(v[i], factor); }, lo, hi);
+  } else {
+    PackCodes([&](int i) { return Nvfp4E2m1Rne(MulNanDefined(v[i], factor)); }, lo, hi);
+  }
+  if (count < 16) {  // past the edge: nibble 0 (even where v * factor is NaN)
+    lo &= count >= 8 ? 0xFFFFFFFFu : (1u << (4 * count)) - 1u;
+    hi &= count <= 8 ? 0u : (1u << (4 * (count - 8))) - 1u;
   }
   if (count == 16 && (reinterpret_cast<uintptr_t>(data) & 7u) == 0) {
     *reinterpret_cast<uint2*>(data) = make_uint2(lo, hi);

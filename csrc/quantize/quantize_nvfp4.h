@@ -116,9 +116,9 @@ LOWBIT_HD uint8_t Nvfp4E2m1Rne(float y) {
 // v's sign with the magnitude of |v * factor| (a NaN product, from a NaN v or inf * 0,
 // saturates to 7): the IEEE product carries sign(v) otherwise, and MulNanDefined gives a NaN
 // product v's sign. Checked against Nvfp4Encode in quantize_nvfp4_test.cc.
-LOWBIT_HD uint8_t Nvfp4EncodeRneNonNanFactor(float v, float factor) {
-  return uint8_t(((FloatBits(v) >> 28) & 0x8u) |
-                 Nvfp4E2m1RneMagnitude(FloatBits(Fp32Mul(v, factor)) & 0x7FFFFFFFu));
+LOWBIT_HD uint32_t Nvfp4EncodeRneNonNanFactor(float v, float factor) {
+  return ((FloatBits(v) >> 28) & 0x8u) |
+         Nvfp4E2m1RneMagnitude(FloatBits(Fp32Mul(v, factor)) & 0x7FFFFFFFu);
 }
 
 LOWBIT_HD float Nvfp4Decode(uint8_t nibble, uint8_t scale_byte, float global_scale_inv) {
