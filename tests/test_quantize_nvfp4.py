@@ -1,6 +1,7 @@
 """lowbit.ops.quantize_nvfp4: a numpy reference first (IEEE fp32, ml_dtypes codecs), then the
-CPU handler == reference == the jnp GPU twin bit for bit, SR unbiasedness, the RHT, the
-dequantize error bound, jit / vmap and bad input."""
+CPU handler == reference == the jnp twin bit for bit, SR unbiasedness, the RHT, the
+dequantize error bound, jit / vmap, bad input, empty x, and that the CUDA lowering is the
+kernel's custom call (tests/test_quantize_nvfp4_cuda.py compares CUDA with CPU on a GPU)."""
 
 import ml_dtypes
 import numpy as np
@@ -129,8 +130,8 @@ def test_cpu_handler_matches_numpy_reference(case, shape):
 @pytest.mark.parametrize("case,dtype", [(dict(), jnp.float32), (dict(tile_2d=True), jnp.bfloat16),
                                         (dict(sr=True, rht=True), jnp.float32)], ids=["rne", "2d-bf16", "sr-rht"])
 def test_jnp_gpu_twin_matches_cpu_handler(case, dtype):
-    """The twin the GPU runs, bit for bit (inputs without fp32 subnormals: XLA:CPU flushes
-    them, see the module doc)."""
+    """The jnp twin (the GPU tests' third reference), bit for bit (inputs without fp32
+    subnormals: XLA:CPU flushes them, see the module doc)."""
     shape = (2, 19, 40)
     key = jax.random.PRNGKey(7)
     x = jnp.asarray(_data(shape, 3, subnormals=False)).astype(dtype)
