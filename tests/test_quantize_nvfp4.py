@@ -248,3 +248,38 @@ def test_cuda_lowering_is_the_kernel(monkeypatch):
     text = f.trace(x, jnp.zeros(x.shape, jnp.uint32)).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("stablehlo.custom_call @lowbit_quantize_nvfp4") == 1
     assert "shift_right_logical" not in text  # the twin's integer division would show here
+
+
+def test_handler_validation():
+    """The FFI handler (the CPU one here, the CUDA one on a GPU backend) rejects malformed
+    calls with the op and argument named."""
+    from lowbit import _ffi
+
+    _ffi.load()
+    x = jnp.ones((20, 40), jnp.bfloat16)
+    sd, u8, e4, f32, u32 = jax.ShapeDtypeStruct, jnp.uint8, jnp.float8_e4m3fn, jnp.float32, jnp.uint32
+    good = [sd((20, 20), u8), sd(scale_shape(20, 40), e4), sd((1,), f32),
+            sd((40, 10), u8), sd(scale_shape(40, 20), e4), sd((1,), f32)]
+    rnd, bits = jnp.zeros((0,), u32), jnp.ones((1,), u32)
+
+    def call(results, x=x, rnd=rnd, bits=bits, flatten_axis=1):
+        f = jax.ffi.ffi_call("lowbit_quantize_nvfp4", results)
+        return jax.block_until_ready(f(x, rnd, bits, flatten_axis=np.int32(flatten_axis),
+                                       tile_2d=np.bool_(False), rht=np.bool_(True)))
+
+    call(good)  # sanity: the well-formed call runs
+    cases = [
+        (dict(rnd=jnp.zeros((20, 39), u32)), "lowbit_quantize_nvfp4: random: expected u32"),
+        (dict(bits=jnp.ones((2,), u32)), "lowbit_quantize_nvfp4: rht_sign_bits: expected u32"),
+        (dict(flatten_axis=2), r"lowbit_quantize_nvfp4: flatten_axis: expected a value in \[0, 1\]"),
+        (dict(x=x.astype(jnp.int32)), "lowbit_quantize_nvfp4: x: expected f32, f16 or bf16"),
+        (dict(results=[sd((20, 21), u8)] + good[1:]), "lowbit_quantize_nvfp4: rowwise: expected u8"),
+        (dict(results=good[:4] + [sd(scale_shape(40, 20), u8)] + good[5:]),
+         "lowbit_quantize_nvfp4: colwise_scale: expected"),
+        (dict(results=good[:5] + [sd((2,), f32)]), "lowbit_quantize_nvfp4: colwise_global_scale_inv: expected"),
+        (dict(results=[sd((0,), u8), good[1], sd((0,), f32)] + good[3:]), "lowbit_quantize_nvfp4: rowwise_scale"),
+    ]
+    for kw, msg in cases:
+        results = kw.pop("results", good)
+        with pytest.raises(Exception, match=msg):
+            call(results, **kw)
