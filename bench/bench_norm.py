@@ -14,7 +14,7 @@ per-row or per-column, negligible at these shapes, and are not counted).
 --variants times the two forward cases once per LOWBIT_NORM_FWD_VARIANT setting (the
 forward launcher's tuning knob, csrc/norm/norm_plan.h: items per thread, cp.async row
 stages, block sizes, colwise block tile, column segment length / cluster, tile order,
-barrier split and fences, codes buffers), each in its own subprocess, and prints
+barrier split and fences, gamma/beta in shared memory), each in its own subprocess, and prints
 one table (XLA alongside);
 --variants "items=8;items=16,stages=4" times the given ';'-separated settings instead.
 """
@@ -76,20 +76,14 @@ def make_lowbit_bwd(x, gamma, beta):
 
 
 # Launch-tuning settings timed by --variants ("" = the built-in defaults), at most 12. The
-# sweeps of 35efbbb and be947c5 (bench/results/norm_variants_*) ruled out colspan 64/128,
-# colorder=0, l1keep=1 and stages=3 (single codes buffer), items=8, colblock=512 and
-# shared-memory gamma/beta; these time 2 or 3 codes buffers per block with one cluster
-# barrier per tile (colbuf: 8192 -> clusters of 4 / 8 blocks of 8 / 4 rows, 4096 -> 2 / 4),
-# with the smallest carveout that holds the block (l1keep=1: 92 KB of L1 at colbuf=3, room
-# for the 64 KB of f32 gamma/beta at 8192), that barrier as mbarriers whose waits do not
-# invalidate L1 (colmbar=1; 2 buffers of the same 4-row tiles for comparison), 8 x 8 code blocks read 8 bytes per row (colread=8),
-# gamma/beta through ld.global.nc (parnc=1: do its L1 lines outlive the cluster waits' L1
-# invalidation?), one buffer of 8-row tiles in clusters of 4 (132 KB of shared memory) and
-# colbuf=0 (3 buffers only where one needs a cluster: 8192, not 4096).
-VARIANTS = ["", "colbuf=3", "colbuf=3,l1keep=1", "colbuf=3,colmbar=1", "colbuf=3,l1keep=1,colmbar=1",
-            "colbuf=3,l1keep=1,colmbar=1,colread=8", "colbuf=2,coltile=4,l1keep=1,colmbar=1", "colread=8",
-            "parnc=1", "colbuf=3,l1keep=1,parnc=1", "coltile=8,l1keep=1",
-            "colbuf=0,l1keep=1,colmbar=1,colread=8"]
+# sweep of 35efbbb (bench/results/norm_variants_*) ruled out colspan 64/128, colorder=0,
+# l1keep=1, stages=3, items=8 and coltile=8 at the then-defaults; these time the shared-memory
+# gamma/beta (parsmem), the shared-memory-only cluster barriers (colbar) and one block of
+# 1024 threads per SM (colblock=1024: 4096 -> one 32-row block tile without a cluster).
+VARIANTS = ["", "colbar=1", "parsmem=1", "parsmem=1,colbar=1", "parsmem=1,colblock=1024",
+            "parsmem=1,colblock=1024,colbar=1", "parsmem=1,colblock=1024,coltile=16,colbar=1",
+            "colblock=1024", "colblock=1024,colbar=1", "colblock=1024,coltile=16,colbar=1",
+            "colsplit=0,colbar=1", "colspan=64,colbar=1"]
 
 
 def run(rows: int, hidden: int, dtype, copy_bw: float, iters: int,

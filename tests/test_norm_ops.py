@@ -493,12 +493,7 @@ def test_cuda_forward_variants(variant, rng, cpu, gpu):
 # (coltile=32, 16, 8, 4; 4 with colspan=128 is capped at 16 blocks, 64 rows), cluster tiles
 # contiguous or interleaved over the clusters (colorder), the barrier after the transposed
 # stores whole or split (colsplit), block tiles chosen to leave L1 to gamma/beta or not
-# (l1keep), one cluster barrier per tile over 2 or 3 codes buffers per block (colbuf; a
-# cluster of one block at hidden 128 and 1000, 2 to 16 blocks above, buffers dropped where
-# they do not fit: 16384; colbuf=0: 3 only where one buffer needs a cluster; colmbar: the
-# tile barrier as mbarriers, clusters of 1 to 16), 8 x 8 code blocks read 8 bytes per row (colread=8: rows % 8 == 0,
-# whole segments of 32, 64 or 128 rows and the last tile's 16 of 80; hidden 1000 leaves
-# lanes idle), gamma/beta by ld.global.nc (parnc); 16-byte column stores (rows % 16 == 0: 1040, 272 and 80,
+# (l1keep); 16-byte column stores (rows % 16 == 0: 1040, 272 and 80,
 # whose last tiles have 16 or 80 rows), 4-byte stores or bytes (333, 257, 65 rows).
 FWD_VARIANTS = ["items=8", "items=8,stages=2", "items=16,stages=3", "items=16,stages=4",
                 "stages=1", "items=16,block=256", "items=16,block=1024", "items=8,colblock=512",
@@ -506,13 +501,7 @@ FWD_VARIANTS = ["items=8", "items=8,stages=2", "items=16,stages=3", "items=16,st
                 "coltile=8", "coltile=4,colblock=1024", "items=8,coltile=8",
                 "colspan=32,colorder=0,colsplit=0,l1keep=0", "colspan=32,coltile=8", "colspan=64",
                 "colspan=64,colorder=0,coltile=16", "colspan=128,colsplit=0,coltile=4",
-                "colsplit=0,colblock=1024", "l1keep=0,colorder=0", "colbuf=2", "colbuf=3",
-                "colbuf=3,colblock=512,items=8", "colbuf=2,colspan=64,coltile=4,colorder=0",
-                "colbuf=3,colspan=128,coltile=8,colbar=0", "colbuf=3,l1keep=1,stages=3",
-                "colread=8", "colread=8,colbuf=3", "colread=8,colspan=64,coltile=8,colorder=0",
-                "colread=8,colspan=128,colbuf=2,colsplit=0", "colbuf=0,colread=8",
-                "parnc=1,items=8", "parnc=1,colbuf=3,colread=8", "colbuf=3,colmbar=1",
-                "colbuf=2,colmbar=1,colbar=0,colread=8", "colbuf=3,colmbar=1,colspan=128,coltile=8"]
+                "colsplit=0,colblock=1024", "l1keep=0,colorder=0"]
 FWD_VARIANT_SHAPES = [(3, 200), (272, 128), (257, 1000), (1040, 4096), (333, 8192), (80, 8192),
                       (65, 16384)]
 
@@ -536,23 +525,16 @@ def test_cuda_forward_tuning_variants(variant, norm_type, dtype, shape, rng, cpu
 
 
 # Settings that keep the items per thread (so the order of the row sums) and the
-# elementwise math: cluster barriers ordering all memory or shared memory only (colbar, split
-# or whole), one block of 1024 threads per SM (colblock=1024: 4096 takes one 32-row tile
-# without a cluster), or two of 512, block tiles of 4 rows in clusters of 16 blocks; 2 or 3
-# codes buffers per block with one cluster barrier per tile (colbuf; 3 at 16384 keeps 2;
-# colmbar: mbarriers),
-# 8 x 8 code blocks read 8 bytes per row (colread=8), gamma/beta loaded per row through
-# ld.global.nc (parnc: every kernel of > 8 items per thread, and colwise). Each kernel's outputs
+# elementwise math: gamma/beta staged in shared memory (parsmem: colwise, and the rowwise /
+# plain kernels of > 8 items per thread; where the parameters do not fit beside two row
+# stages and a 4-row tile, e.g. 16384 layernorm colwise, they are loaded per row), cluster barriers ordering
+# shared memory only (colbar, split or whole), one block of 1024 threads per SM
+# (colblock=1024: 4096 takes one 32-row tile without a cluster). Each kernel's outputs
 # (colwise, rowwise only, plain) must equal the default launch's bit for bit, and the CPU
 # reference within its tolerances.
-EXACT_FWD_VARIANTS = ["colbar=0", "colbar=1,colsplit=0", "colblock=512",
-                      "colblock=1024,coltile=16,colbar=1", "coltile=4,colspan=64,colbar=0,block=1024",
-                      "colbuf=2", "colbuf=3", "colbuf=3,l1keep=1", "colbuf=2,stages=3,colbar=0",
-                      "colbuf=3,coltile=32,colblock=512", "colread=8", "colread=8,colbuf=2",
-                      "colread=8,colbuf=3,l1keep=1", "colbuf=0,l1keep=1", "parnc=1",
-                      "parnc=1,colbuf=3,l1keep=1,colread=8", "colbuf=3,colmbar=1,l1keep=1",
-                      "colbuf=2,colmbar=1", "colbuf=0,colmbar=1,l1keep=1,colread=8,parnc=1",
-                      "colbuf=2,coltile=4,l1keep=1,colmbar=1"]
+EXACT_FWD_VARIANTS = ["parsmem=1", "colbar=1", "parsmem=1,colbar=1,colsplit=0",
+                      "parsmem=1,colblock=1024", "colblock=1024,coltile=16,colbar=1",
+                      "parsmem=1,coltile=4,colspan=64,colbar=1,block=1024"]
 
 
 @pytest.mark.gpu

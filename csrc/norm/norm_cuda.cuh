@@ -14,7 +14,6 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#include <cstring>
 #include <string>
 #include <type_traits>
 
@@ -45,38 +44,6 @@ __device__ __forceinline__ void LoadParamChunk(const void* p, bool is_f32, int64
   } else {
     using T = typename Tag::Storage;
     const auto pack = *reinterpret_cast<const Pack<T, kVec>*>(static_cast<const T*>(p) + e);
-#pragma unroll
-    for (int k = 0; k < kVec; ++k) out[k] = LoadAsFloat(Tag{}, pack.v[k]);
-  }
-}
-
-// LoadParamChunk through the non-coherent (read-only) path, ld.global.nc, where the chunk
-// is whole 16-byte vectors (else the plain loads): for parameters no kernel writes.
-template <typename Tag, int kVec>
-__device__ __forceinline__ void LoadParamChunkNc(const void* p, bool is_f32, int64_t e,
-                                                 float (&out)[kVec]) {
-  using T = typename Tag::Storage;
-  auto load = [&](auto elem) {
-    using E = decltype(elem);
-    Pack<E, kVec> pack;
-    if constexpr (sizeof(pack) % 16 == 0) {
-      const uint4* src = reinterpret_cast<const uint4*>(static_cast<const E*>(p) + e);
-#pragma unroll
-      for (int i = 0; i < int(sizeof(pack) / 16); ++i) {
-        const uint4 v = __ldg(src + i);
-        memcpy(reinterpret_cast<uint8_t*>(&pack) + 16 * i, &v, 16);
-      }
-    } else {
-      pack = *reinterpret_cast<const Pack<E, kVec>*>(static_cast<const E*>(p) + e);
-    }
-    return pack;
-  };
-  if (is_f32) {
-    const auto pack = load(float{});
-#pragma unroll
-    for (int k = 0; k < kVec; ++k) out[k] = pack.v[k];
-  } else {
-    const auto pack = load(T{});
 #pragma unroll
     for (int k = 0; k < kVec; ++k) out[k] = LoadAsFloat(Tag{}, pack.v[k]);
   }

@@ -33,14 +33,9 @@
 // or interleaved (colorder), so neighbouring segments of a 128-byte line are written at
 // about the same time. The cluster barriers order shared memory only (colbar, the default:
 // restricted fences and a relaxed arrive) instead of a release arrive, which on sm_90 waits
-// for every global store in flight (ClusterArrive). With 2 or 3 codes buffers per block
-// (colbuf, sm_90+; smaller tiles, larger clusters) there is one split barrier per tile:
-// arrive after the tile's last codes, wait before the next tile's first codes (2 buffers)
-// or at its end (3), then the tile is written transposed while the next one is staged;
-// that barrier is the hardware one or (colmbar) two mbarriers per block, whose relaxed
-// waits do not invalidate L1 as the cluster barrier's acquire does on sm_90.
+// for every global store in flight (ClusterArrive).
 // gamma/beta: in registers (<= 8 items per thread, no colwise), else loaded per row through
-// L1 (parnc: by ld.global.nc).
+// L1 or (parsmem, vectorized rows) staged once per block as fp32 in shared memory.
 // Tuning (items per thread, stages, block sizes): NormFwdTuning in norm_plan.h, overridable
 // through LOWBIT_NORM_FWD_VARIANT for benchmarks.
 #include <cooperative_groups.h>
@@ -95,17 +90,12 @@ struct FwdParams {
   bool shared_fences;   // colwise clusters: barriers order shared memory only (colbar)
   int per_tile_log2;    // log2(rows of one group per tile)
   int tile_stride;      // bytes per staged row of codes (colwise)
-  int tile_bytes;       // bytes per codes tile buffer: tile_rows * tile_stride
-  int bufs;             // codes tile buffers (colbuf: 1, 2 or 3; > 1 only on sm_90+, where
-                        // the kernel is launched as clusters, of one block or more)
-  bool mbar;            // colmbar (bufs > 1): the tile barriers are mbarriers (TileBarriers)
   int stages;           // row stages in shared memory (vectorized path), >= 1
+  int param_offset;     // parsmem: byte offset of the staged fp32 gamma/beta in the dynamic
+                        // shared memory (after the codes tile; 0: loaded per row)
   float epsilon;
   bool layernorm, zero_centered, gamma_f32, e5m2;
-  bool params_nc;       // parnc: per-row gamma/beta loads through ld.global.nc (vectorized)
   bool col_words;       // q_col 16-byte aligned, hidden % 4 == 0 (word transposes)
-  bool col_read8;       // colread=8: col_words, hidden % 8 == 0 and tile_stride % 16 == 8:
-                        // 8 x 8 code blocks, 8-byte reads and stores (WriteColumnBlock8)
 };
 
 // 4x4 byte transpose: w[i] holds byte j of row i at bits 8j; out[j] holds byte i of column
@@ -186,96 +176,6 @@ __device__ __forceinline__ void TileWait(const FwdParams& p) {
   __syncthreads();
 }
 
-// colbuf > 1: one cluster barrier per cluster tile, split. BufArrive after the block staged
-// the tile's last codes and, before that, read its peers' codes of an earlier tile: the
-// release of its shared memory writes and the completion of its reads of the cluster's
-// shared memory (colbar as in ClusterArrive). BufWait: the acquire. The launcher uses
-// buffers > 1 only where it launches clusters (sm_90+), so these are never reached below.
-//
-// colmbar: instead of the hardware cluster barrier (whose wait is an acquire of all memory
-// at cluster scope: on sm_90 it invalidates L1, and with it the gamma/beta rows read
-// through L1), two mbarriers per block, used by alternate tiles (tile s: bars[s % 2], its
-// (s / 2)-th phase), each expecting one arrival per warp of every block of the cluster:
-// after a __syncwarp, lane r < cluster arrives on the barrier of block r (relaxed, after the
-// restricted fences; colbar=0: a release arrive); every thread waits on its own block's
-// barrier (relaxed, then the restricted acquire fence; colbar=0: an acquire wait). A block
-// arrives for tile s + 2 only after its wait for tile s + 1, which needs every block's
-// arrival for s + 1, made after that block's wait for s: so no arrival reaches a barrier
-// before its previous phase completed.
-struct TileBarriers {
-  uint32_t bars;  // shared address of uint64_t[2]
-};
-
-__device__ __forceinline__ void MbarArrive(const FwdParams& p, const TileBarriers& tb, int s) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  // Every lane's reads of the cluster's codes are performed; the warp barrier makes its
-  // lanes' staged codes visible to the arriving lanes, whose release fence (cumulative)
-  // then orders them before their arrivals.
-  if (p.shared_fences) {
-    asm volatile("fence.acquire.sync_restrict::shared::cluster.cluster;" ::: "memory");
-  }
-  __syncwarp();
-  const int lane = threadIdx.x & 31;
-  if (lane < p.cluster) {
-    if (p.shared_fences) {
-      asm volatile("fence.release.sync_restrict::shared::cta.cluster;" ::: "memory");
-    }
-    uint32_t remote;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;"
-                 : "=r"(remote) : "r"(tb.bars + 8u * uint32_t(s & 1)), "r"(lane));
-    if (p.shared_fences) {
-      asm volatile("mbarrier.arrive.relaxed.cluster.shared::cluster.b64 _, [%0];" ::"r"(remote)
-                   : "memory");
-    } else {
-      asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" ::"r"(remote)
-                   : "memory");
-    }
-  }
-#endif
-}
-
-__device__ __forceinline__ void MbarWait(const FwdParams& p, const TileBarriers& tb, int s) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  const uint32_t bar = tb.bars + 8u * uint32_t(s & 1), parity = uint32_t(s >> 1) & 1u;
-  uint32_t done = 0;
-  if (p.shared_fences) {
-    do {
-      asm volatile(
-          "{.reg .pred ok;\n"
-          "mbarrier.try_wait.parity.relaxed.cluster.shared::cta.b64 ok, [%1], %2;\n"
-          "selp.u32 %0, 1, 0, ok;}"
-          : "=r"(done) : "r"(bar), "r"(parity) : "memory");
-    } while (!done);
-    asm volatile("fence.acquire.sync_restrict::shared::cluster.cluster;" ::: "memory");
-  } else {
-    do {
-      asm volatile(
-          "{.reg .pred ok;\n"
-          "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 ok, [%1], %2;\n"
-          "selp.u32 %0, 1, 0, ok;}"
-          : "=r"(done) : "r"(bar), "r"(parity) : "memory");
-    } while (!done);
-  }
-#endif
-}
-
-__device__ __forceinline__ void BufArrive(const FwdParams& p) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  if (!p.shared_fences) {
-    asm volatile("barrier.cluster.arrive.release;" ::: "memory");
-  } else {
-    asm volatile("fence.acquire.sync_restrict::shared::cluster.cluster;" ::: "memory");
-    asm volatile("fence.release.sync_restrict::shared::cta.cluster;" ::: "memory");
-    asm volatile("barrier.cluster.arrive.relaxed;" ::: "memory");
-  }
-#endif
-}
-__device__ __forceinline__ void BufWait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("barrier.cluster.wait.acquire;" ::: "memory");
-#endif
-}
-
 // Writes kG rows x 4 columns (rows rs.., columns c..) of the staged cluster tile to q_col
 // rows r0 + rs.., as kG contiguous bytes per column (one 16- or 4-byte store). A 4-row
 // block lies in one block's tile (tile_rows >= 4).
@@ -305,77 +205,17 @@ __device__ __forceinline__ void WriteColumnBlock(const FwdParams& p, const uint8
   }
 }
 
-// colread=8: 8 rows x 8 columns (rows rs.., columns c..) of the staged cluster tile, each
-// row's 8 codes read at once (8-byte loads: half the shared / distributed shared memory
-// requests per byte of the 4-byte reads; the row stride is a multiple of 8), written as 8
-// contiguous bytes per column (n / 8 neighbouring lanes complete one column segment). 16
-// rows would take 32 registers of codes: the kernel spills.
-__device__ __forceinline__ void WriteColumnBlock8(const FwdParams& p, const uint8_t* tile,
-                                                  int64_t r0, int rs, int c) {
-  uint2 v[8];
-#pragma unroll
-  for (int m = 0; m < 2; ++m) {
-    const uint8_t* src = CodeRow(p, tile, rs + 4 * m) + c;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) v[4 * m + i] = *reinterpret_cast<const uint2*>(src + i * p.tile_stride);
-  }
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    uint32_t lo[4], hi[4];
-    if (half == 0) {
-      Transpose4x4(v[0].x, v[1].x, v[2].x, v[3].x, lo);
-      Transpose4x4(v[4].x, v[5].x, v[6].x, v[7].x, hi);
-    } else {
-      Transpose4x4(v[0].y, v[1].y, v[2].y, v[3].y, lo);
-      Transpose4x4(v[4].y, v[5].y, v[6].y, v[7].y, hi);
-    }
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      uint8_t* dst = p.q_col + int64_t(c + 4 * half + j) * p.rows + r0 + rs;
-      *reinterpret_cast<uint2*>(dst) = make_uint2(lo[j], hi[j]);
-    }
-  }
-}
-
 // Writes the staged cluster tile rows [r0, r0 + n) transposed into q_col (hidden x rows);
 // the blocks of a cluster take interleaved shares of the column blocks. Threads i .. i +
 // span / 16 - 1 write the 16-byte pieces of one span-row column segment (a full tile), so
 // each store instruction covers whole segments of 32, 64 or 128 bytes.
-// kRead8: the kernel has the colread=8 path (2-byte x: the f32 kernels spill with it).
-template <bool kRead8>
 __device__ __forceinline__ void WriteTransposed(const FwdParams& p, const uint8_t* tile, int64_t r0, int n) {
   const int h = p.hidden;
   const int span_log2 = p.tile_rows_log2 + p.cluster_log2;
   const bool full = n == 1 << span_log2;
-  // The cluster's items: contiguous ranges of blockDim per block, or (several codes buffers:
-  // small tiles in large clusters, e.g. 4096 items at 8192 x 32 rows for 8 x 1024 threads,
-  // which ranges would leave to half the blocks) warps interleaved over the blocks. Either
-  // way i % 32 is the lane.
-  const int rank = blockIdx.x & (p.cluster - 1);
-  const int first = p.bufs > 1
-                        ? ((((threadIdx.x >> 5) << p.cluster_log2) + rank) << 5) + (threadIdx.x & 31)
-                        : rank * blockDim.x + threadIdx.x;
+  const int first = (blockIdx.x & (p.cluster - 1)) * blockDim.x + threadIdx.x;
   const int step = p.cluster * blockDim.x;
-  if (kRead8 && p.col_read8 && p.rows % 8 == 0 && n % 8 == 0) {  // 8 x 8 code blocks
-    const int per_col = n >> 3, col_blocks = h >> 3;
-    if (full) {
-      // A warp's lanes in per_col groups, one per 8-row block, each over 32 / per_col
-      // consecutive column blocks: a load's half-warp reads two rows 8 apart, 64 contiguous
-      // bytes each, in different banks (stride 8 mod 16) at colspan 32, and a store writes
-      // whole segments. Indexes padded to whole warps; lanes past the columns idle.
-      const int lane_log2 = 5 - (span_log2 - 3);
-      const int padded = ((col_blocks << (span_log2 - 3)) + 31) & ~31;
-      for (int i = first; i < padded; i += step) {
-        const int lane = i & 31;
-        const int cb = ((i >> 5) << lane_log2) + (lane & ((1 << lane_log2) - 1));
-        if (cb < col_blocks) WriteColumnBlock8(p, tile, r0, (lane >> lane_log2) * 8, cb * 8);
-      }
-    } else {
-      for (int i = first; i < col_blocks * per_col; i += step) {
-        WriteColumnBlock8(p, tile, r0, (i % per_col) * 8, (i / per_col) * 8);
-      }
-    }
-  } else if (p.col_words && p.rows % 16 == 0 && n % 16 == 0) {
+  if (p.col_words && p.rows % 16 == 0 && n % 16 == 0) {
     // Row blocks of 16 (r0 is a multiple of 16: the span is >= 16 here, since n % 16 == 0).
     const int per_col = n >> 4, items = (h >> 2) * per_col;
     const int shift = full ? span_log2 - 4 : 0;
@@ -458,7 +298,6 @@ __global__ void __launch_bounds__(1024) NormForwardKernel(FwdParams p) {
   constexpr bool kCodeWords = kVec % 4 == 0;
   extern __shared__ __align__(16) uint8_t smem[];
   __shared__ float partial[2][32];
-  __shared__ __align__(8) uint64_t tile_bars[kColwise ? 2 : 1];  // colmbar
 
   const int tpr = p.threads_per_row;
   const int group = threadIdx.x / tpr, lane = threadIdx.x - group * tpr;
@@ -470,8 +309,7 @@ __global__ void __launch_bounds__(1024) NormForwardKernel(FwdParams p) {
   const T* const x = static_cast<const T*>(p.x);
   // Row stages: slot s, chunk j of this thread at stage[(s * kChunks + j) * blockDim.x +
   // threadIdx.x]; the colwise tile follows them.
-  uint8_t* const tiles = smem + (kVectorized ? size_t(p.stages) * kChunks * blockDim.x * 16 : 0);
-  auto tile_buf = [&](int s) { return tiles + (p.bufs == 1 ? 0 : (s % p.bufs) * p.tile_bytes); };
+  uint8_t* const tile = smem + (kVectorized ? size_t(p.stages) * kChunks * blockDim.x * 16 : 0);
   const uint32_t my_stage = SharedAddress(smem) + threadIdx.x * 16;
   const uint32_t chunk_bytes = blockDim.x * 16, slot_bytes = kChunks * chunk_bytes;
 
@@ -488,49 +326,37 @@ __global__ void __launch_bounds__(1024) NormForwardKernel(FwdParams p) {
   }
   const int iters = my_tiles << p.per_tile_log2;
   const int per_tile_mask = (1 << p.per_tile_log2) - 1;
-  auto tile_start = [&](int s) { return t_begin + s * t_step; };  // the s-th cluster tile
-  auto tile_of = [&](int k) { return tile_start(k >> p.per_tile_log2); };
-  // Writes the cluster's s-th cluster tile transposed, from buffer s of every block.
-  auto write_tile = [&](int s) {
-    const int span_log2 = p.tile_rows_log2 + p.cluster_log2;
-    const int r0 = tile_start(s) << span_log2;
-    const int left = int(p.rows) - r0;
-    WriteTransposed<kVectorized && sizeof(T) == 2>(p, tile_buf(s), r0,
-                                                   left < (1 << span_log2) ? left : 1 << span_log2);
-  };
+  auto tile_of = [&](int k) { return t_begin + (k >> p.per_tile_log2) * t_step; };
   auto row_in_tile = [&](int k) { return group + (k & per_tile_mask) * groups; };
   auto row_of = [&](int k) {
     return (((tile_of(k) << p.cluster_log2) + rank) << p.tile_rows_log2) + row_in_tile(k);
   };
   auto first_elem = [&](int j) { return (j * tpr + lane) * kVec; };
-  // The barrier of cluster tile s (several codes buffers): hardware or mbarriers (colmbar).
-  const TileBarriers tb{SharedAddress(tile_bars)};
-  auto tile_arrive = [&](int s) {
-    if (p.mbar) {
-      MbarArrive(p, tb, s);
-    } else {
-      BufArrive(p);
+
+  // parsmem (vectorized rows whose parameters are not kept in registers): gamma (NormWeight
+  // applied) and beta as fp32 quads
+  // in shared memory, quad m of chunk c (elements c * kVec + 4m ..) at [m * chunks + c], beta
+  // after gamma, so a warp's 16-byte reads of one chunk are contiguous (no bank conflicts).
+  constexpr bool kParamSmem = kDispatch && kVec % 4 == 0;
+  const bool params_smem = kParamSmem && p.param_offset != 0;
+  float4* const param_quads = reinterpret_cast<float4*>(smem + p.param_offset);
+  const int chunks_per_row = h / kVec;  // vectorized rows: h % kVec == 0
+  if constexpr (kParamSmem) {
+    if (params_smem) {
+      for (int i = threadIdx.x; i < h / 4; i += blockDim.x) {
+        const int e = 4 * i, q = (e % kVec) / 4 * chunks_per_row + e / kVec;
+        float v[4];
+        LoadParamChunk<Tag, 4>(p.gamma, p.gamma_f32, e, v);
+        param_quads[q] = make_float4(NormWeight(v[0], p.zero_centered), NormWeight(v[1], p.zero_centered),
+                                     NormWeight(v[2], p.zero_centered), NormWeight(v[3], p.zero_centered));
+        if (p.layernorm) {
+          LoadParamChunk<Tag, 4>(p.beta, p.gamma_f32, e, v);
+          param_quads[(kVec / 4) * chunks_per_row + q] = make_float4(v[0], v[1], v[2], v[3]);
+        }
+      }
+      __syncthreads();  // uniform: every thread of the block is here
     }
-  };
-  auto tile_wait = [&](int s) {
-    if (p.mbar) {
-      MbarWait(p, tb, s);
-    } else {
-      BufWait();
-    }
-  };
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  if (kColwise && p.mbar) {  // every block's barriers initialized before any arrival
-    if (threadIdx.x == 0) {
-      const uint32_t count = uint32_t(p.cluster) * (blockDim.x >> 5);
-      asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(tb.bars), "r"(count) : "memory");
-      asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(tb.bars + 8u), "r"(count) : "memory");
-      asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    }
-    asm volatile("barrier.cluster.arrive.release;" ::: "memory");
-    asm volatile("barrier.cluster.wait.acquire;" ::: "memory");
   }
-#endif
 
   float w_keep[kKeepParams ? kChunks : 1][kVec] = {}, b_keep[kKeepParams ? kChunks : 1][kVec] = {};
   if constexpr (kKeepParams) {
@@ -633,22 +459,13 @@ __global__ void __launch_bounds__(1024) NormForwardKernel(FwdParams p) {
     if constexpr (kColwise) {
       // Split barrier: every thread waits here (uniform) before the first codes of a new
       // tile are staged, i.e. after the peers have read the previous tile's codes.
-      // Two buffers: the wait of the previous tile's barrier is here too (its codes are
-      // staged everywhere, and the tile before it, in the buffer this tile takes, was read).
-      if (k > 0 && (k & per_tile_mask) == 0) {
-        if (p.bufs == 2) {
-          tile_wait((int(k) >> p.per_tile_log2) - 1);
-        } else if (p.bufs == 1 && p.split_sync) {
-          TileWait(p);
-        }
-      }
+      if (p.split_sync && k > 0 && (k & per_tile_mask) == 0) TileWait(p);
     }
     if (row_ok && lane == 0) {
       if (p.layernorm) p.mu[r] = mu;
       p.rsigma[r] = rsigma;
     }
     // The output pass (see kDispatch).
-    uint8_t* const tile = kColwise ? tile_buf(int(k) >> p.per_tile_log2) : nullptr;
     auto output = [&](auto gamma_f32, auto has_beta) {
       const bool gf32 = kDispatch ? decltype(gamma_f32)::value : p.gamma_f32;
       const bool beta = kDispatch ? decltype(has_beta)::value : p.layernorm;
@@ -664,22 +481,24 @@ __global__ void __launch_bounds__(1024) NormForwardKernel(FwdParams p) {
             w[k2] = w_keep[j][k2];
             b[k2] = b_keep[j][k2];
           }
-        } else {
-          if (kVectorized && p.params_nc) {
-            LoadParamChunkNc<Tag, kVec>(p.gamma, gf32, e, w);
-          } else {
-            LoadParamChunk<Tag, kVec>(p.gamma, gf32, e, w);
+        } else if (kParamSmem && params_smem) {
+          const int c = e / kVec;
+#pragma unroll
+          for (int m = 0; m < kVec / 4; ++m) {
+            const float4 gq = param_quads[m * chunks_per_row + c];
+            const float4 bq = beta ? param_quads[(kVec / 4 + m) * chunks_per_row + c]
+                                   : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            w[4 * m] = gq.x, w[4 * m + 1] = gq.y, w[4 * m + 2] = gq.z, w[4 * m + 3] = gq.w;
+            b[4 * m] = bq.x, b[4 * m + 1] = bq.y, b[4 * m + 2] = bq.z, b[4 * m + 3] = bq.w;
           }
+        } else {
+          LoadParamChunk<Tag, kVec>(p.gamma, gf32, e, w);
 #pragma unroll
           for (int k2 = 0; k2 < kVec; ++k2) {
             w[k2] = NormWeight(w[k2], p.zero_centered);
             b[k2] = 0.0f;
           }
-          if (kVectorized && beta && p.params_nc) {
-            LoadParamChunkNc<Tag, kVec>(p.beta, gf32, e, b);
-          } else if (beta) {
-            LoadParamChunk<Tag, kVec>(p.beta, gf32, e, b);
-          }
+          if (beta) LoadParamChunk<Tag, kVec>(p.beta, gf32, e, b);
         }
         float y[kVec];
         uint32_t chunk_max = 0;
@@ -697,17 +516,10 @@ __global__ void __launch_bounds__(1024) NormForwardKernel(FwdParams p) {
             Pack<uint32_t, kVec / 4> q;
             EncodeFp8Words<kVec>(y, scale, p.e5m2, scale_ok && no_nan, q.v);
             if (p.q_row != nullptr) *reinterpret_cast<Pack<uint32_t, kVec / 4>*>(p.q_row + off) = q;
-            if constexpr (kColwise) {  // staged rows are 4-byte aligned, 8 with col_read8
-              uint8_t* const dst = tile + rr * p.tile_stride + e;
-              if (kVec % 8 == 0 && p.col_read8) {
+            if constexpr (kColwise) {  // staged rows are only 4-byte aligned
+              uint32_t* dst = reinterpret_cast<uint32_t*>(tile + rr * p.tile_stride + e);
 #pragma unroll
-                for (int m = 0; m < kVec / 8; ++m) {
-                  reinterpret_cast<uint2*>(dst)[m] = make_uint2(q.v[2 * m], q.v[2 * m + 1]);
-                }
-              } else {
-#pragma unroll
-                for (int m = 0; m < kVec / 4; ++m) reinterpret_cast<uint32_t*>(dst)[m] = q.v[m];
-              }
+              for (int m = 0; m < kVec / 4; ++m) dst[m] = q.v[m];
             }
           } else {
             uint8_t q[kVec];
@@ -733,19 +545,12 @@ __global__ void __launch_bounds__(1024) NormForwardKernel(FwdParams p) {
       }
     }
     if constexpr (kColwise) {
-      if (p.bufs > 1) {
-        // The previous tile, written transposed one row into this tile (two buffers: after
-        // the wait above) or at its end (three: its wait here, a tile after its arrive);
-        // then this tile's arrive after its last codes.
-        const int s = int(k) >> p.per_tile_log2, in_tile = int(k) & per_tile_mask;
-        if (s > 0 && in_tile == (p.bufs == 2 ? 0 : per_tile_mask)) {
-          if (p.bufs == 3) tile_wait(s - 1);
-          write_tile(s - 1);
-        }
-        if (in_tile == per_tile_mask) tile_arrive(s);
-      } else if ((int(k) & per_tile_mask) == per_tile_mask) {  // the tile's last rows: every group is here
+      if ((int(k) & per_tile_mask) == per_tile_mask) {  // the tile's last rows: every group is here
         TileSync(p, false);  // every block's codes of the tile are staged and visible
-        write_tile(int(k) >> p.per_tile_log2);
+        const int span_log2 = p.tile_rows_log2 + p.cluster_log2;
+        const int r0 = tile_of(k) << span_log2;
+        const int left = int(p.rows) - r0;
+        WriteTransposed(p, tile, r0, left < (1 << span_log2) ? left : 1 << span_log2);
         // No block rewrites its tile while the cluster reads it, or exits.
         if (p.split_sync) {
           TileArrive(p);
@@ -756,16 +561,7 @@ __global__ void __launch_bounds__(1024) NormForwardKernel(FwdParams p) {
     }
   }
   if constexpr (kColwise) {
-    if (p.bufs > 1 && iters > 0) {
-      // The last tile; the final barrier keeps every block's codes until the peers read them.
-      const int last = (iters - 1) >> p.per_tile_log2;
-      tile_wait(last);
-      write_tile(last);
-      tile_arrive(last + 1);
-      tile_wait(last + 1);
-    } else if (p.bufs == 1 && p.split_sync && iters > 0) {
-      TileWait(p);  // the last tile's arrive
-    }
+    if (p.split_sync && iters > 0) TileWait(p);  // the last tile's arrive
   }
   if (p.amax_bits != nullptr) {
     amax_bits = BlockMaxU32(amax_bits);
@@ -816,10 +612,7 @@ Status Launch(const NormForwardArgs& a, const NormFwdTuning& tune, GpuStream str
   p.zero_centered = a.zero_centered_gamma;
   p.gamma_f32 = a.gamma_dtype == DType::kF32;
   p.e5m2 = a.q_dtype == DType::kE5M2;
-  p.params_nc = tune.parnc == 1;
   p.col_words = colwise && Aligned16(a.q_colwise) && a.hidden % 4 == 0;
-  p.col_read8 = p.col_words && a.hidden % 8 == 0 && tune.colread == 8 && sizeof(T) == 2 &&
-                g.vectorized;  // the vectorized 2-byte kernels only (WriteTransposed)
 
   // Row groups per block: a power of two, the block at most the target size, at most 8
   // (named barriers 1..15) unless a row is one warp (no barrier).
@@ -829,18 +622,20 @@ Status Launch(const NormForwardArgs& a, const NormFwdTuning& tune, GpuStream str
   int groups = 1;
   while (groups * 2 * tpr <= target && groups * 2 <= max_groups) groups *= 2;
   int stages = g.vectorized ? tune.stages : 1;
-  // stride / 4 odd: the transposing reads of a warp's rows r and r + 16 fall in different
-  // banks (col_read8: stride / 8 odd, its half-warps read one row each).
-  p.tile_stride = colwise ? int((a.hidden + 15) / 16 * 16 + (p.col_read8 ? 8 : 4)) : 0;
+  p.tile_stride = colwise ? int((a.hidden + 15) / 16 * 16 + 4) : 0;  // stride / 4 odd
   const int64_t row_bytes = g.vectorized ? int64_t(g.items) * int64_t(sizeof(T)) : 0;
+  // parsmem: fp32 gamma (+ beta) after the row stages and the codes tile (rounded up to 16
+  // bytes), for the kernels that do not keep them in registers (kKeepParams: <= 8 items per
+  // thread without colwise).
+  bool parsmem = g.vectorized && (colwise || g.items > 8) && tune.parsmem == 1;
+  const int64_t param_smem = a.hidden * 4 * (p.layernorm ? 2 : 1);
   auto stage_bytes = [&](int tile_rows) {
     const int64_t gr = groups < tile_rows ? groups : tile_rows;
     return int64_t(stages) * gr * tpr * row_bytes;
   };
-  int bufs = 1;  // codes tile buffers (colbuf, clusters only; set below)
   auto smem_for = [&](int tile_rows) {
     const int64_t tile = colwise ? int64_t(tile_rows) * p.tile_stride : 0;
-    return stage_bytes(tile_rows) + bufs * tile;
+    return stage_bytes(tile_rows) + (parsmem ? (tile + 15) / 16 * 16 + param_smem : tile);
   };
   int device = 0, max_smem = 48 * 1024, sm_smem = 0, major = 0, cluster_launch = 0;
   LOWBIT_RETURN_IF_ERROR(CudaStatus(cudaGetDevice(&device), kOp, "cudaGetDevice"));
@@ -866,19 +661,16 @@ Status Launch(const NormForwardArgs& a, const NormFwdTuning& tune, GpuStream str
   // that holds the resident blocks. Blocks of more than 512 threads never pair on an SM (64
   // registers per thread): they take the largest tile that fits.
   const bool clusters = colwise && major >= 9 && cluster_launch != 0;
-  // colbuf: 2 or 3 codes tiles per block (one split cluster barrier per tile instead of a
-  // whole one and a split one), counted in the tile choice below; launched as clusters
-  // (sm_90+), of one block where the tile spans the segment. 0: 3 where one buffer's
-  // tile would be shorter than the segment (a cluster), else 1.
-  if (clusters) bufs = tune.colbuf == 0 ? 1 : tune.colbuf;
   const int64_t param_bytes =
       a.hidden * (p.gamma_f32 ? 4 : int64_t(sizeof(T))) * (p.layernorm ? 2 : 1);
   const bool l1keep = colwise && tune.l1keep == 1;
   const int span = tune.colspan;
+  // parsmem only where it fits beside the stages and a 4-row tile (else per-row loads).
+  if (parsmem && smem_for(colwise ? 4 : groups) > max_dynamic) parsmem = false;
   // Two blocks per SM only where their threads fit (64 registers per thread: 1024 threads).
   const bool pair_ok = 2 * groups * tpr <= 1024;
   int tile_rows = groups;
-  auto choose_tile = [&]() {
+  if (colwise) {
     tile_rows = clusters ? span : (span < kMaxTileRows ? span : kMaxTileRows);
     if (tune.coltile != 0 && clusters) {
       tile_rows = tune.coltile;
@@ -900,18 +692,11 @@ Status Launch(const NormForwardArgs& a, const NormFwdTuning& tune, GpuStream str
         while (tile_rows > 4 && smem_for(tile_rows) > max_dynamic) tile_rows /= 2;
       }
     }
-  };
-  if (colwise) {
-    choose_tile();
-    if (clusters && tune.colbuf == 0 && tile_rows < span) {
-      bufs = 3;
-      choose_tile();
-    }
   }
   if (groups > tile_rows) groups = tile_rows;
   auto smem_of = [&]() { return smem_for(tile_rows); };
   // Shrink until it fits: colwise tiles down to 16 rows, stages down to 2, tiles down to 4
-  // rows, fewer codes buffers, one stage, fewer groups.
+  // rows, gamma/beta back to per-row loads (parsmem), one stage, fewer groups.
   while (smem_of() > max_dynamic) {
     if (colwise && tile_rows > 16) {
       tile_rows /= 2;
@@ -919,8 +704,8 @@ Status Launch(const NormForwardArgs& a, const NormFwdTuning& tune, GpuStream str
       --stages;
     } else if (colwise && tile_rows > 4) {
       tile_rows /= 2;
-    } else if (bufs > 1) {
-      --bufs;
+    } else if (parsmem) {
+      parsmem = false;
     } else if (stages > 1) {
       --stages;
     } else if (groups > 1) {
@@ -936,9 +721,8 @@ Status Launch(const NormForwardArgs& a, const NormFwdTuning& tune, GpuStream str
   p.tile_rows_log2 = Log2(tile_rows);
   p.per_tile_log2 = Log2(tile_rows / groups);
   p.stages = stages;
-  p.bufs = bufs;
-  p.mbar = bufs > 1 && tune.colmbar == 1;
-  p.tile_bytes = int(int64_t(tile_rows) * p.tile_stride);
+  p.param_offset =
+      parsmem ? int(stage_bytes(tile_rows) + (int64_t(tile_rows) * p.tile_stride + 15) / 16 * 16) : 0;
   p.interleave = colwise && tune.colorder == 1;
   p.split_sync = colwise && tune.colsplit == 1;
   p.shared_fences = colwise && tune.colbar == 1;
@@ -999,17 +783,7 @@ Status Launch(const NormForwardArgs& a, const NormFwdTuning& tune, GpuStream str
       if (max_clusters >= 1) break;
       set_cluster(p.cluster / 2);
     }
-    if (p.cluster == 1 && p.bufs > 1) {  // a cluster of one block (its barriers)
-      attr[0].val.clusterDim.x = 1;
-      attr[0].val.clusterDim.y = 1;
-      attr[0].val.clusterDim.z = 1;
-      config.gridDim = dim3(1);
-      if (cudaOccupancyMaxActiveClusters(&max_clusters, kernel, &config) != cudaSuccess) {
-        cudaGetLastError();
-        max_clusters = 0;
-      }
-      if (max_clusters < 1) max_clusters = per_sm * SmCount();
-    } else if (p.cluster == 1) {
+    if (p.cluster == 1) {
       const int64_t cap = int64_t(per_sm) * SmCount();
       const int grid = int(p.tiles < cap ? p.tiles : cap);
       kernel<<<grid, threads, smem, stream>>>(p);

@@ -73,11 +73,10 @@ inline RowGeometry ChooseRowGeometry(int64_t hidden, int elem_bytes, bool pointe
 // colspan=32 with interleaved cluster tiles and the split barrier, 174.5 / 349.7 us, beat
 // colspan=64 (192.5 / 380.2) and 128 (216.7 / 422.9), and l1keep=0 beat 1 at 8192, 349.7 vs
 // 371.3 us; then colblock=1024 with colbar=1, 168.6 / 336.3 us, beat colblock=512 with
-// colbar=0, 176.1 / 355.6, while fp32 gamma/beta staged in shared memory per block, a knob
-// since removed, was slower in every combination tried); the
+// colbar=0, 176.1 / 355.6, while parsmem=1 was slower in every combination tried); the
 // environment variable LOWBIT_NORM_FWD_VARIANT ("items=16,stages=2,block=512,colblock=1024,
-// coltile=16,colspan=32,colorder=1,colsplit=1,l1keep=0,colbar=1,colbuf=1,colmbar=0,colread=4,
-// parnc=0", any subset) overrides them, as a benchmark knob
+// coltile=16,colspan=32,colorder=1,colsplit=1,l1keep=0,parsmem=0,colbar=1", any subset) overrides
+// them, as a benchmark knob
 // (bench/bench_norm.py --variants): every setting computes the same results up to the order
 // of the row sums. "colspan=32,colorder=0,colsplit=0,l1keep=0" is the colwise path before colspan.
 //   items:    fewest elements per thread on the vectorized path (8 or 16; see above)
@@ -99,34 +98,16 @@ inline RowGeometry ChooseRowGeometry(int64_t hidden, int elem_bytes, bool pointe
 //   l1keep:   colwise: the automatic block tile leaves L1 room for gamma (and beta), read
 //             per row, and the shared memory carveout is the smallest that holds the
 //             resident blocks (1), or the tile ignores L1 and the carveout is the driver's (0).
-//             Blocks of > 512 threads (colblock=1024) cannot share an SM (64 registers per
-//             thread): their automatic tile is the largest that fits.
+//   parsmem:  vectorized rows of > 8 items per thread or colwise: gamma (NormWeight
+//             applied) and beta staged once per block as fp32 in shared memory after the
+//             row stages and the codes tile (1), counted in the tile choice, instead of
+//             reloaded per row through L1 (0; colwise, at the tiles above L1 keeps 28 KB,
+//             less than the 32 / 64 KB of f32 gamma + beta at 4096 / 8192, and every cluster
+//             wait invalidates it, so rows re-read them from L2). Blocks of > 512 threads (colblock=1024) cannot share
+//             an SM (64 registers per thread): their automatic tile is the largest that fits.
 //   colbar:   colwise clusters: the cluster barriers order the full memory (0: release on
 //             arrive, which on sm_90 also waits for every global store in flight) or shared
 //             memory only (1: fences restricted to shared memory, relaxed arrive).
-//   colbuf:   colwise, sm_90+: codes tiles per block (1, 2 or 3; 0: 3 where the automatic
-//             tile of one buffer would need a cluster, else 1), counted in the tile choice
-//             (so larger clusters of smaller tiles). 1: two cluster barriers per tile, a
-//             whole one before the transposed stores and colsplit's after. 2 or 3: one
-//             barrier per tile, split: arrive after the tile's last codes; the tile is
-//             written transposed while the next one is staged, after the wait: with 2
-//             buffers one row into the next tile (its codes go to the other buffer), with 3
-//             at the next tile's end (a whole tile of work between arrive and wait). Where
-//             the shared memory does not fit, buffers are dropped before the second stage.
-//             colsplit applies to colbuf=1 only.
-//   colmbar:  colbuf 2 or 3: that barrier is the hardware cluster barrier (0), whose wait
-//             invalidates L1 on sm_90 (the gamma/beta lines with it), or two mbarriers per
-//             block with one arrival per warp of the cluster and relaxed waits followed by
-//             fences restricted to shared memory (1; colbar=0: acquire waits).
-//   colread:  colwise, word transposes (8: bf16/f16 x, vectorized rows): bytes of codes a
-//             transposing thread reads per staged row (4: blocks of 4 columns x 16 rows,
-//             16-byte column stores; 8: 8 x 8, half the (distributed) shared memory reads
-//             per byte, 8-byte column stores, codes staged 8 bytes at a time).
-//   parnc:    kernels that load gamma/beta per row (> 8 items per thread or colwise): plain
-//             loads (0) or ld.global.nc (1), whose L1 lines may outlive the L1
-//             invalidation of every cluster barrier wait (sm_90: the acquire of
-//             barrier.cluster.wait; at 8192 the colwise kernel re-read 64 KB of f32
-//             gamma/beta from L2 per row).
 struct NormFwdTuning {
   int items = 16;
   int stages = 2;
@@ -137,11 +118,8 @@ struct NormFwdTuning {
   int colorder = 1;
   int colsplit = 1;
   int l1keep = 0;
+  int parsmem = 0;
   int colbar = 1;
-  int colbuf = 1;
-  int colread = 4;
-  int parnc = 0;
-  int colmbar = 0;
 };
 
 // Parses a LOWBIT_NORM_FWD_VARIANT value into *t (unset keys keep their value); false and
@@ -173,26 +151,19 @@ inline bool ParseNormFwdTuning(const char* text, NormFwdTuning* t, std::string* 
     } else if (ok && key == "colspan" && (value == 32 || value == 64 || value == 128)) {
       t->colspan = value;
     } else if (ok && (key == "colorder" || key == "colsplit" || key == "l1keep" ||
-                      key == "colbar") && value <= 1) {
+                      key == "parsmem" || key == "colbar") && value <= 1) {
       (key == "colorder"   ? t->colorder
        : key == "colsplit" ? t->colsplit
        : key == "l1keep"   ? t->l1keep
+       : key == "parsmem"  ? t->parsmem
                            : t->colbar) = value;
-    } else if (ok && key == "colbuf" && value <= 3) {
-      t->colbuf = value;
-    } else if (ok && key == "parnc" && value <= 1) {
-      t->parnc = value;
-    } else if (ok && key == "colmbar" && value <= 1) {
-      t->colmbar = value;
-    } else if (ok && key == "colread" && (value == 4 || value == 8)) {
-      t->colread = value;
     } else if (ok && (key == "block" || key == "colblock") && value >= 32 && value <= 1024 &&
                value % 32 == 0) {
       (key == "block" ? t->block : t->colblock) = value;
     } else {
       *error = "bad entry '" + item + "' (expected items=8|16, stages=1..4, block=32..1024, "
                "colblock=32..1024, blocks multiples of 32, coltile=0|4|8|16|32, "
-               "colspan=32|64|128, colorder=0|1, colsplit=0|1, l1keep=0|1, colbar=0|1, colbuf=0..3, colread=4|8, parnc=0|1, colmbar=0|1)";
+               "colspan=32|64|128, colorder=0|1, colsplit=0|1, l1keep=0|1, parsmem=0|1, colbar=0|1)";
       return false;
     }
   }

@@ -206,36 +206,15 @@ TEST(NormPlan, ForwardTuningKnob) {
   EXPECT_EQ(t.colspan, 128);
   EXPECT_EQ(t.colorder, 1);
   EXPECT_EQ(t.colsplit, 1);
+  EXPECT_EQ(t.parsmem, defaults.parsmem);
   EXPECT_EQ(t.colbar, defaults.colbar);
-  EXPECT_EQ(t.colbuf, defaults.colbuf);
-  ASSERT_TRUE(ParseNormFwdTuning("colbar=0,colbuf=3", &t, &error));
+  ASSERT_TRUE(ParseNormFwdTuning("parsmem=1,colbar=0", &t, &error));
+  EXPECT_EQ(t.parsmem, 1);
   EXPECT_EQ(t.colbar, 0);
-  EXPECT_EQ(t.colbuf, 3);
-  ASSERT_TRUE(ParseNormFwdTuning("colbuf=0", &t, &error));
-  EXPECT_EQ(t.colbuf, 0);
-  ASSERT_TRUE(ParseNormFwdTuning("colbuf=2", &t, &error));
-  EXPECT_EQ(t.colbuf, 2);
-  EXPECT_EQ(t.colread, defaults.colread);
-  ASSERT_TRUE(ParseNormFwdTuning("colread=8", &t, &error));
-  EXPECT_EQ(t.colread, 8);
-  EXPECT_EQ(t.colbuf, 2);  // kept from the previous call
-  EXPECT_EQ(t.parnc, defaults.parnc);
-  ASSERT_TRUE(ParseNormFwdTuning("parnc=1", &t, &error));
-  EXPECT_EQ(t.parnc, 1);
-  EXPECT_EQ(t.colmbar, defaults.colmbar);
-  ASSERT_TRUE(ParseNormFwdTuning("colmbar=1", &t, &error));
-  EXPECT_EQ(t.colmbar, 1);
-  // The settings bench/bench_norm.py --variants times by default.
-  for (const char* v : {"colbuf=3,l1keep=1,colmbar=1,colread=8", "colbuf=2,coltile=4,l1keep=1,colmbar=1",
-                        "colbuf=0,l1keep=1,colmbar=1,colread=8", "coltile=8,l1keep=1",
-                        "colbuf=3,l1keep=1,parnc=1"}) {
-    NormFwdTuning u;
-    EXPECT_TRUE(ParseNormFwdTuning(v, &u, &error)) << v << ": " << error;
-  }
   EXPECT_EQ(t.l1keep, 1);  // kept from the previous call
   for (const char* bad : {"items=12", "stages=0", "stages=5", "block=100", "block=2048",
                           "foo=1", "coltile=2", "coltile=64", "colspan=16", "colspan=256",
-                          "colorder=2", "colsplit=3", "l1keep=2", "parsmem=1", "colbar=2", "colbuf=4", "colread=2", "colread=16", "parnc=2", "colmbar=2", "items", "items=", "items=8x", "=8", "block=-32"}) {
+                          "colorder=2", "colsplit=3", "l1keep=2", "parsmem=2", "colbar=2", "items", "items=", "items=8x", "=8", "block=-32"}) {
     NormFwdTuning u;
     error.clear();
     EXPECT_FALSE(ParseNormFwdTuning(bad, &u, &error)) << bad;
