@@ -11,10 +11,12 @@ single activation; the result is (..., H) in x's dtype.
 
 quantizer: None returns the high-precision activation (differentiable). A quantizer returns
 the ScaledTensor of the activation instead: a DelayedScaleQuantizer through the fused kernel
-(its stored scale), a BlockScaleQuantizer of MXFP8 or FP8 block 1x128 tiles through the
-fused activation + block quantization (lowbit.ops.act_quantize_block: block_quantized()),
-both quantizing the fp32 activation directly; any other (current scaling, FP8 128x128
-tiles, NVFP4) through its own quantize() of the activation in x's dtype. Quantized outputs
+(its stored scale, quantizing the fp32 activation directly); a BlockScaleQuantizer of MXFP8
+or FP8 block 1x128 tiles through the fused activation + block quantization of the fp32
+activation (lowbit.ops.act_quantize_block: block_quantized()) only with
+LOWBIT_FUSED_BLOCK=1 (off by default: slower than the unfused pair on an H100, see
+lowbit/ops/fused_block.py); any other quantizer, and those by default, through its own
+quantize() of the activation in x's dtype. Quantized outputs
 carry no gradient (the fused MLP functions own that dataflow).
 """
 
@@ -26,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from lowbit.ops.activation import act_backward, act_forward
-from lowbit.ops.fused_block import act_quantize_block
+from lowbit.ops.fused_block import act_quantize_block, fused_block_enabled
 
 _NAMES = ("gelu", "silu", "relu", "quick_gelu", "squared_relu", "linear")
 
@@ -129,6 +131,8 @@ def block_quantized(x, act_type, gated, limit, alpha, quantizer, rowwise: bool, 
 
     modes = (ScalingMode.MXFP8_1D_SCALING, ScalingMode.FP8_BLOCK_1x128)
     if not isinstance(quantizer, BlockScaleQuantizer) or quantizer.mode not in modes:
+        return None
+    if not fused_block_enabled():
         return None
     mxfp8 = quantizer.mode == ScalingMode.MXFP8_1D_SCALING
     out = act_quantize_block(x, act_type, gated=gated, limit=limit, alpha=alpha, mxfp8=mxfp8,

@@ -8,7 +8,9 @@ then lowbit's norm backward turns d(ln) into dx, dgamma and dbeta. Saved for the
 x, mu, rsigma (the norm needs them) and the FP8 copies ln.colwise and kernel.rowwise.
 `return_layernorm_output=True` also returns the norm's output in x's dtype (its gradient
 is added to the GEMM's before the norm backward).
-Block recipes (Float8BlockScaling 1x128, MXFP8BlockScaling): norm_block_quantized: a
+Block recipes (Float8BlockScaling 1x128, MXFP8BlockScaling): by default the norm writes its
+output in x's dtype and the block quantizer follows; with LOWBIT_FUSED_BLOCK=1 (off by
+default: slower on an H100, see lowbit/ops/fused_block.py) norm_block_quantized: a
 statistics launch of the norm forward (mu, rsigma; y only with return_layernorm_output),
 then lowbit.ops.norm_quantize_block block-quantizes the fp32 norm output computed from them
 in one pass over x (norm_forward's own elementwise formula, so the codes are those of the
@@ -28,7 +30,7 @@ import jax.numpy as jnp
 
 from lowbit.dense import backward_gemms, check_quantizer_set, dense, forward_gemm, quantize_2x, with_sr_key
 from lowbit.layernorm import NormConfig, layernorm, norm_quantize
-from lowbit.ops.fused_block import norm_quantize_block, norm_stats
+from lowbit.ops.fused_block import fused_block_enabled, norm_quantize_block, norm_stats
 from lowbit.ops.norm import norm_backward, norm_forward
 from lowbit.quantize.quantizer import QuantizerSet, noop_quantizer_set
 
@@ -95,6 +97,8 @@ def norm_block_quantized(x, gamma, beta, cfg: NormConfig, quantizer, want_y: boo
 
     modes = (ScalingMode.MXFP8_1D_SCALING, ScalingMode.FP8_BLOCK_1x128)
     if not isinstance(quantizer, BlockScaleQuantizer) or quantizer.mode not in modes:
+        return None
+    if not fused_block_enabled():
         return None
     ln = cfg.norm_type == "layernorm"
     if want_y:

@@ -12,11 +12,13 @@ Backward:
     dx, dgamma, dbeta = norm backward
 With current scaling the fused kernels write the high-precision output and the quantize op
 follows (the scale needs that output's amax first). The block recipes (Float8BlockScaling,
-MXFP8BlockScaling) block-quantize ln and `a` in one pass each over their inputs, from the
-fp32 values (1x128 tiles or MXFP8 blocks): ln through layernorm_dense.norm_block_quantized
-(the norm's statistics launch, then lowbit.ops.norm_quantize_block), `a` through
-lowbit.activation.block_quantized (lowbit.ops.act_quantize_block); with the block-scaled
-GEMMs of dense. NVFP4 takes the unfused path for both (output in x's dtype, then its
+MXFP8BlockScaling) write ln and `a` in x's dtype and their block quantizers follow; with
+LOWBIT_FUSED_BLOCK=1 they block-quantize ln and `a` in one pass each over their inputs
+instead, from the fp32 values: ln through layernorm_dense.norm_block_quantized (the norm's
+statistics launch, then lowbit.ops.norm_quantize_block), `a` through
+lowbit.activation.block_quantized (lowbit.ops.act_quantize_block); that path is off by
+default because it measured slower on an H100 (lowbit/ops/fused_block.py). Either way the
+block-scaled GEMMs of dense follow. NVFP4 takes the unfused path for both (output in x's dtype, then its
 quantizer), with dense's emulated NVFP4 GEMMs (its key: `sr_key`, see layernorm_mlp). The
 backward is the same for every recipe. Saved
 for the backward: x, mu, rsigma, h (high precision, the activation's backward needs it) and

@@ -163,12 +163,21 @@ def test_vmap_quantizes_each_element_alone(rng):
         assert_same(jax.tree.map(lambda a: a[i], out), f(x[i]))
 
 
-def test_public_activation_with_block_quantizers(rng):
+def test_public_activation_with_block_quantizers(rng, monkeypatch):
+    """With LOWBIT_FUSED_BLOCK=1, lowbit.activation takes the fused op; by default (the
+    faster path on an H100) the block quantizer of the activation in x's dtype."""
     from lowbit.quantize.quantizer import BlockScaleQuantizer
     from lowbit.quantize.scaling_modes import ScalingMode
     x = make_x(rng, (4, 33), 256, True, ml_dtypes.bfloat16)
     for mode, kind in ((ScalingMode.FP8_BLOCK_1x128, "fp8_block"), (ScalingMode.MXFP8_1D_SCALING, "mxfp8")):
         q = BlockScaleQuantizer(mode=mode, q_dtype=jnp.float8_e4m3fn)
+        monkeypatch.delenv("LOWBIT_FUSED_BLOCK", raising=False)
+        t = jax.jit(lambda v: lowbit.activation(v, ("silu", "linear"), quantizer=q))(x)
+        y16 = act_forward(jnp.asarray(x), "silu", gated=True).y
+        want16 = quantize(np.asarray(y16), kind, jnp.float8_e4m3fn, False)
+        np.testing.assert_array_equal(bits(t.rowwise_tensor.data), bits(want16.rowwise))
+        np.testing.assert_array_equal(bits(t.colwise_tensor.scale_inv), bits(want16.colwise_scale))
+        monkeypatch.setenv("LOWBIT_FUSED_BLOCK", "1")
         t = jax.jit(lambda v: lowbit.activation(v, ("silu", "linear"), quantizer=q))(x)
         want = fused(x, "silu", True, kind, jnp.float8_e4m3fn, False)
         np.testing.assert_array_equal(bits(t.rowwise_tensor.data), bits(want.rowwise))
@@ -300,11 +309,22 @@ def test_norm_dequantized_close_to_jnp_layernorm(kind, rng):
     assert rel_err(dq, y) < 0.04
 
 
-def test_layernorm_dense_block_recipes_quantize_the_fp32_norm(rng):
+def test_fused_block_flag_rejects_other_values(monkeypatch):
+    from lowbit.ops.fused_block import fused_block_enabled
+    monkeypatch.setenv("LOWBIT_FUSED_BLOCK", "yes")
+    with pytest.raises(ValueError, match="LOWBIT_FUSED_BLOCK"):
+        fused_block_enabled()
+    monkeypatch.setenv("LOWBIT_FUSED_BLOCK", "0")
+    assert not fused_block_enabled()
+
+
+def test_layernorm_dense_block_recipes_quantize_the_fp32_norm(rng, monkeypatch):
     """layernorm_dense's fused block path with return_layernorm_output (the statistics launch
     with y): ln is norm_forward's y bit for bit, the copies norm_quantize_block makes from
     those statistics are the block quantizer's of the fp32 norm output (NaN canonical), and
-    the output is within FP8 error of ln @ w."""
+    the output is within FP8 error of ln @ w. (LOWBIT_FUSED_BLOCK=1: the fused path is off by
+    default.)"""
+    monkeypatch.setenv("LOWBIT_FUSED_BLOCK", "1")
     from lowbit.quantize import QuantizerFactory
     from lowbit.recipe import Float8BlockScaling, MXFP8BlockScaling
     x = (rng.standard_normal((2, 40, 256)) * 2).astype(ml_dtypes.bfloat16)

@@ -29,12 +29,31 @@ along the rows and every scale dim that tiles the rows is unpadded
 128-row tiles for the colwise ones; MXFP8: whole 128-row groups), the scales then sharded
 with their data (mu / rsigma with x's rows); every other sharded dim, H included, is
 gathered (exact, not parallel).
+
+Off by default in the layer functions: lowbit.activation, layernorm_dense and layernorm_mlp
+take this fused path only with LOWBIT_FUSED_BLOCK=1 (fused_block_enabled). On an H100
+(16384 x 8192 bf16, bench/results/fused_block_*) the fused kernels measured slower than the
+activation / norm kernel followed by the block quantizer (kernel time: gelu+MXFP8 534 vs
+504 us, gelu+FP8 1x128 602 vs 489, layernorm+MXFP8 807 vs 480, layernorm+FP8 1x128 786 vs
+470), so the default keeps the unfused path. The two paths differ in numerics: the fused one
+quantizes the fp32 result, the unfused one the result rounded to x's dtype.
 """
 
 from __future__ import annotations
 
 import math
+import os
 from functools import lru_cache
+
+
+def fused_block_enabled() -> bool:
+    """LOWBIT_FUSED_BLOCK: "1" routes the layer functions' MXFP8 / FP8 1x128 quantization of
+    norm and activation outputs through the fused ops of this module; "0" or unset keeps the
+    unfused path (see the preamble for why it is the default). Read at trace time."""
+    value = os.environ.get("LOWBIT_FUSED_BLOCK", "0")
+    if value not in ("0", "1"):
+        raise ValueError(f"lowbit: LOWBIT_FUSED_BLOCK: expected 0 or 1, got {value!r}")
+    return value == "1"
 
 import jax
 import jax.numpy as jnp
