@@ -28,15 +28,12 @@ RECIPES = {
     "MXFP8BlockScaling": (10, 0),
     "NVFP4BlockScaling": (10, 0),
 }
-# Recipes with no kernels yet: NVFP4 quantizes through its C++ reference on the CPU and an
-# exact jnp copy of it on a GPU, and its GEMM is emulated (dequantize, fp32 GEMM).
-NO_KERNELS = ("NVFP4BlockScaling",)
-# Recipes whose hardware GEMM runs on one compute capability only: cuBLASLt's FP8 block
-# scaling is Hopper's (sm_90); elsewhere lowbit.ops.gemm emulates it.
+# Recipes whose GEMMs lowbit.dense emulates on every device: NVFP4 quantizes through CUDA
+# kernels on a GPU, but dense multiplies it through the exact emulation (the sm_100 cuBLASLt
+# op lowbit.ops.gemm.nvfp4_gemm is not wired into it). MXFP8's sm_100 cuBLASLt path is wired
+# (lowbit.ops.gemm), compiled in but never run on a Blackwell GPU.
 ONLY_ON = {"Float8BlockScaling": (9, 0)}
-# Recipes lowbit.ops.gemm emulates on every device for now (the sm_100 MXFP8 cuBLASLt path
-# is not wired).
-EMULATED_ONLY = ("MXFP8BlockScaling",)
+EMULATED_ONLY = ("NVFP4BlockScaling",)
 
 
 def _cuda_driver_version() -> str | None:
@@ -72,10 +69,8 @@ def report() -> dict:
     recipes = {}
     for name, need in RECIPES.items():
         native = cc is not None and (cc == ONLY_ON[name] if name in ONLY_ON else cc >= need)
-        if name in NO_KERNELS:
-            recipes[name] = "emulated exactly (no CUDA kernels or hardware GEMM yet)"
-        elif name in EMULATED_ONLY:
-            recipes[name] = "emulated exactly (its cuBLASLt GEMM is not wired yet)"
+        if name in EMULATED_ONLY and cc is not None:
+            recipes[name] = "GEMM emulated exactly (its cuBLASLt GEMM is not wired into dense yet)"
         elif native and info["cuda_registered"]:
             recipes[name] = f"native (sm_{cc[0]}{cc[1]})"
         elif cc is not None:

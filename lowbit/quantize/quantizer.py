@@ -21,7 +21,7 @@ transposed colwise copy, amax, optionally dbias):
 by XLA's division, so that the CPU and CUDA backends agree bit for bit.
 BlockScaleQuantizer (MXFP8, FP8 block 1x128 / 128x128) calls lowbit.ops.quantize_block
 (one pass per tensor: the requested copies and their per-block scales). NVFP4Quantizer calls
-lowbit.ops.quantize_nvfp4 (a CPU handler; an exact jnp twin on the GPU).
+lowbit.ops.quantize_nvfp4 (the C++ reference on the CPU, CUDA kernels on the GPU).
 
 Gradients: quantization is piecewise constant, so its derivative is zero almost
 everywhere, and that is what `jax.grad` sees: x and the scale enter the kernels through
