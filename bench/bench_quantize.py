@@ -121,9 +121,7 @@ def run_variants(args, variants: list[str]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--small", action="store_true", help="tiny sizes, runs on the CPU")
-    parser.add_argument("--shapes", nargs="*", default=None, help="ROWSxCOLS, e.g. 16384x8192")
-    parser.add_argument("--iters", type=int, default=None)
+    common.add_size_args(parser)
     parser.add_argument("--layouts", nargs="*", choices=list(LAYOUTS), default=None,
                         help="layouts to time (default: all; with --variants: colwise both both+dbias)")
     parser.add_argument("--variants", nargs="*", default=None,
@@ -141,17 +139,9 @@ def main() -> None:
         run_variants(args, args.variants or DEFAULT_VARIANTS)
         return
 
-    if args.shapes:
-        shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes]
-    else:
-        shapes = [(256, 512), (128, 1024)] if args.small else [(16384, 8192), (8192, 32768)]
+    shapes, iters, repeats = common.sizes(args)
     layouts = {name: LAYOUTS[name] for name in (args.layouts or LAYOUTS)}
-    iters = args.iters or (3 if args.small else 20)
-    repeats = 2 if args.small else 5
-    bandwidth = common.copy_bandwidth(1 << 20 if args.small else 1 << 30)
-    bandwidth_dev = common.copy_bandwidth(1 << 20 if args.small else 1 << 30, device_time=True)
-    print(f"device {common.device_name()}, copy bandwidth {bandwidth / 1e9:.1f} GB/s (read + write)"
-          + (f", {bandwidth_dev / 1e9:.1f} GB/s from kernel time" if bandwidth_dev else ""))
+    bandwidth, bandwidth_dev = common.copy_bandwidths(args.small)
     if os.environ.get(VARIANT_ENV):
         print(f"{VARIANT_ENV}={os.environ[VARIANT_ENV]}")
 

@@ -67,19 +67,11 @@ def moved_bytes(rows, cols, fmt, rowwise, colwise) -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--small", action="store_true", help="tiny sizes, runs on the CPU")
-    parser.add_argument("--shapes", nargs="*", default=None, help="ROWSxCOLS, e.g. 16384x8192")
-    parser.add_argument("--iters", type=int, default=None)
+    common.add_size_args(parser)
     args = parser.parse_args()
 
-    if args.shapes:
-        shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes]
-    else:
-        shapes = [(256, 512), (128, 1024)] if args.small else [(16384, 8192), (8192, 32768)]
-    iters = args.iters or (3 if args.small else 20)
-    repeats = 2 if args.small else 5
-    bandwidth = common.copy_bandwidth(1 << 20 if args.small else 1 << 30)
-    print(f"device {common.device_name()}, copy bandwidth {bandwidth / 1e9:.1f} GB/s (read + write)")
+    shapes, iters, repeats = common.sizes(args)
+    bandwidth, _ = common.copy_bandwidths(args.small)
 
     rows_out = []
     for rows, cols in shapes:

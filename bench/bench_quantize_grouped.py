@@ -48,25 +48,17 @@ def group_sizes(rows: int, groups: int, split: str) -> np.ndarray:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--small", action="store_true", help="tiny sizes, runs on the CPU")
-    parser.add_argument("--shapes", nargs="*", default=None, help="ROWSxCOLS, e.g. 16384x8192")
+    common.add_size_args(parser)
     parser.add_argument("--groups", nargs="*", type=int, default=None, help="G values (default 8 64)")
     parser.add_argument("--split", nargs="*", choices=["even", "skewed"], default=["even", "skewed"])
     parser.add_argument("--layouts", nargs="*", choices=list(LAYOUTS), default=["both", "rowwise"])
     parser.add_argument("--scaling", nargs="*", choices=["delayed", "current"], default=["delayed", "current"])
-    parser.add_argument("--iters", type=int, default=None)
     parser.add_argument("--sets", type=int, default=2, help="input sets = calls per timed program")
     args = parser.parse_args()
 
-    shapes = ([tuple(int(v) for v in s.split("x")) for s in args.shapes] if args.shapes
-              else [(256, 512)] if args.small else [(16384, 8192)])
+    shapes, iters, repeats = common.sizes(args, gpu_shapes=[(16384, 8192)], small_shapes=[(256, 512)])
     group_counts = args.groups or ([4] if args.small else [8, 64])
-    iters = args.iters or (3 if args.small else 20)
-    repeats = 2 if args.small else 5
-    bandwidth = common.copy_bandwidth(1 << 20 if args.small else 1 << 30)
-    bandwidth_dev = common.copy_bandwidth(1 << 20 if args.small else 1 << 30, device_time=True)
-    print(f"device {common.device_name()}, copy bandwidth {bandwidth / 1e9:.1f} GB/s (read + write)"
-          + (f", {bandwidth_dev / 1e9:.1f} GB/s from kernel time" if bandwidth_dev else ""))
+    bandwidth, bandwidth_dev = common.copy_bandwidths(args.small)
 
     rows_out = []
     for rows, cols in shapes:

@@ -140,6 +140,37 @@ def copy_bandwidth(nbytes: int = 1 << 30, device_time: bool = False) -> float | 
     return None if t is None else 2 * n * 4 / t
 
 
+SMALL_SHAPES = [(256, 512), (128, 1024)]
+GPU_SHAPES = [(16384, 8192), (8192, 32768)]
+
+
+def add_size_args(parser) -> None:
+    """--small, --shapes ROWSxCOLS... and --iters, as the quantize benchmarks take them."""
+    parser.add_argument("--small", action="store_true", help="tiny sizes, runs on the CPU")
+    parser.add_argument("--shapes", nargs="*", default=None, help="ROWSxCOLS, e.g. 16384x8192")
+    parser.add_argument("--iters", type=int, default=None)
+
+
+def sizes(args, gpu_shapes=GPU_SHAPES, small_shapes=SMALL_SHAPES):
+    """(shapes, iters, repeats) from add_size_args' arguments: --shapes, else the --small or
+    GPU defaults; 3 iterations x 2 repeats with --small, 20 x 5 otherwise."""
+    if args.shapes:
+        shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes]
+    else:
+        shapes = list(small_shapes if args.small else gpu_shapes)
+    return shapes, args.iters or (3 if args.small else 20), 2 if args.small else 5
+
+
+def copy_bandwidths(small: bool) -> tuple[float, float | None]:
+    """The copy bandwidth on the wall clock and from kernel time (None without a GPU), over
+    1 MiB with --small and 1 GiB otherwise; prints the header line the benchmarks share."""
+    nbytes = 1 << 20 if small else 1 << 30
+    wall, dev = copy_bandwidth(nbytes), copy_bandwidth(nbytes, device_time=True)
+    print(f"device {device_name()}, copy bandwidth {wall / 1e9:.1f} GB/s (read + write)"
+          + (f", {dev / 1e9:.1f} GB/s from kernel time" if dev else ""))
+    return wall, dev
+
+
 def write_results(name: str, payload: dict) -> Path:
     RESULTS.mkdir(exist_ok=True)
     path = RESULTS / f"{name}_{device_name()}.json"
