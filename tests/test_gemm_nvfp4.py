@@ -50,9 +50,11 @@ def dequantized(data, scale, gsi, k):
 
 
 def sequential_ref(a, b, k, bias, out_dtype):
-    """gemm.h's emulation: operands dequantized, products rounded to fp32, summed in k order."""
+    """gemm.h's emulation: operands dequantized, products rounded to fp32, summed in k order
+    from an accumulator of +0 (so a sum of -0 products is +0, as in the C++ loop; cumsum
+    starts from the first product, hence the + 0)."""
     a32, b32 = dequantized(*a, k), dequantized(*b, k)
-    acc = np.cumsum(a32[:, None, :] * b32[None, :, :], axis=-1, dtype=np.float32)[..., -1]
+    acc = np.float32(0) + np.cumsum(a32[:, None, :] * b32[None, :, :], axis=-1, dtype=np.float32)[..., -1]
     if bias is not None:
         acc = acc + np.asarray(bias).astype(np.float32)
     return acc.astype(out_dtype)
