@@ -59,9 +59,11 @@ def dequantized(x, mode, scale):
 
 def sequential_ref(a, b, a_mode, sa, b_mode, sb, bias, out_dtype):
     """gemm.h's emulation: fl(decode * s) per operand, products rounded to fp32, summed in
-    increasing k (cumsum is sequential), + bias in fp32, rounded to out_dtype."""
+    increasing k (cumsum is sequential) from an accumulator of +0 as the C++ loop (cumsum
+    starts from the first product: + 0 turns an all -0 sum into +0), + bias in fp32, rounded
+    to out_dtype."""
     a32, b32 = dequantized(a, a_mode, sa), dequantized(b, b_mode, sb)
-    acc = np.cumsum(a32[:, None, :] * b32[None, :, :], axis=-1, dtype=np.float32)[..., -1]
+    acc = np.float32(0) + np.cumsum(a32[:, None, :] * b32[None, :, :], axis=-1, dtype=np.float32)[..., -1]
     if bias is not None:
         acc = acc + np.asarray(bias).astype(np.float32)
     return acc.astype(out_dtype)

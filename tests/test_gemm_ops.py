@@ -29,11 +29,12 @@ def gemm_ref(a, b, sa=1.0, sb=1.0, bias=None, out_dtype=jnp.bfloat16):
 
 def sequential_ref(a, b, sa, sb, bias, out_dtype):
     """The CPU handler's documented order in numpy: exact fp32 products, summed k ascending
-    (cumsum is sequential), then fl(fl(sa*sb) * acc), + bias, rounded to out_dtype."""
+    (cumsum is sequential) from an accumulator of +0 as the C++ loop (+ 0 turns cumsum's all
+    -0 sum into +0), then fl(fl(sa*sb) * acc), + bias, rounded to out_dtype."""
     a32 = np.asarray(a).astype(np.float32).reshape(-1, a.shape[-1])
     b32 = np.asarray(b).astype(np.float32)
     prod = a32[:, None, :] * b32[None, :, :]
-    acc = np.cumsum(prod, axis=-1, dtype=np.float32)[..., -1]
+    acc = np.float32(0) + np.cumsum(prod, axis=-1, dtype=np.float32)[..., -1]
     y = np.float32(np.float32(sa) * np.float32(sb)) * acc
     if bias is not None:
         y = y + np.asarray(bias).astype(np.float32)
