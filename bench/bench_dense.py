@@ -1,6 +1,7 @@
 """Seed Dense (x: 8x2048x8192 bf16 -> 32768 features) forward+backward, side by side in one
 run: bf16 Flax, Flax's FP8 (`Fp8DirectDotGeneralOp`), and lowbit per recipe (delayed,
-current, Float8BlockScaling as `lowbit_block`). Prints time, speedup over bf16, the compiled
+current, Float8BlockScaling as `lowbit_block`), both as the `dot_general` drop-in into Flax's
+Dense (`lowbit_*`) and as lowbit's own Dense module (`module_*`, same params). Prints time, speedup over bf16, the compiled
 step's peak memory, and the GEMM-only floor: the three lowbit FP8 GEMMs of the step (fwd,
 dgrad, wgrad) timed alone, beside the per-tensor FP8 GEMM ceiling and the block-scaled one
 (1x128 x 128x128, cuBLASLt on Hopper) measured at 8192^3.
@@ -42,6 +43,20 @@ class DenseBlock(nn.Module):
         return nn.Dense(self.features, dtype=x.dtype, dot_general=dg)(x)
 
 
+class LowbitDenseBlock(nn.Module):
+    """The same layer as lowbit's own Linen module (lowbit.flax.DenseGeneral, named like
+    DenseBlock's Dense so the params carry over): the bias rides in the GEMM epilogue and
+    dbias in dy's quantize pass, the f32 kernel is quantized as stored (no bf16 copy) and
+    wgrad is written in f32, where the drop-in leaves those steps to XLA around the GEMM."""
+    features: int
+    recipe: object = None
+
+    @nn.compact
+    def __call__(self, x):
+        return lowbit.flax.DenseGeneral(self.features, quantization_recipe=self.recipe,
+                                        name="Dense_0")(x)
+
+
 def variants():
     return {
         "bf16": DenseBlock,
@@ -52,6 +67,9 @@ def variants():
             features, lowbit.flax.make_dot_general_cls(Float8CurrentScaling())),
         "lowbit_block": lambda features: DenseBlock(
             features, lowbit.flax.make_dot_general_cls(Float8BlockScaling())),
+        "module_delayed": lambda features: LowbitDenseBlock(features, DelayedScaling()),
+        "module_current": lambda features: LowbitDenseBlock(features, Float8CurrentScaling()),
+        "module_block": lambda features: LowbitDenseBlock(features, Float8BlockScaling()),
     }
 
 
@@ -96,7 +114,13 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--small", action="store_true")
     parser.add_argument("--iters", type=int, default=None)
+    parser.add_argument("--variants", default=None,
+                        help="comma-separated subset of " + ",".join(variants())
+                        + " (bf16 always runs: the ratios need it)")
     args = parser.parse_args(argv)
+    chosen = set(args.variants.split(",")) | {"bf16"} if args.variants else None
+    if chosen is not None and chosen - set(variants()):
+        parser.error(f"--variants: unknown {sorted(chosen - set(variants()))}")
     b, s, h, f = (2, 64, 256, 512) if args.small else (8, 2048, 8192, 32768)
     iters = args.iters or (2 if args.small else 20)
     key = jax.random.PRNGKey(0)
@@ -106,6 +130,8 @@ def main(argv=None):
 
     results, params = {}, None
     for name, make in variants().items():
+        if chosen is not None and name not in chosen:
+            continue
         model = make(f)
         variables = model.init(key, x)
         if params is None:
