@@ -2,7 +2,7 @@
 run: bf16 Flax, Flax's FP8 (`Fp8DirectDotGeneralOp`), and lowbit per recipe (delayed,
 current, Float8BlockScaling as `lowbit_block`), both as the `dot_general` drop-in into Flax's
 Dense (`lowbit_*`) and as lowbit's own Dense module (`module_*`, same params). Prints time, speedup over bf16, the compiled
-step's peak memory, and the GEMM-only floor: the three lowbit FP8 GEMMs of the step (fwd,
+step's peak memory (variants timed round-robin, common.time_steps), and the GEMM-only floor: the three lowbit FP8 GEMMs of the step (fwd,
 dgrad, wgrad) timed alone, beside the per-tensor FP8 GEMM ceiling and the block-scaled one
 (1x128 x 128x128, cuBLASLt on Hopper) measured at 8192^3.
 
@@ -117,6 +117,7 @@ def main(argv=None):
     parser.add_argument("--variants", default=None,
                         help="comma-separated subset of " + ",".join(variants())
                         + " (bf16 always runs: the ratios need it)")
+    parser.add_argument("--rounds", type=int, default=3, help="round-robin rounds (common.time_steps)")
     args = parser.parse_args(argv)
     chosen = set(args.variants.split(",")) | {"bf16"} if args.variants else None
     if chosen is not None and chosen - set(variants()):
@@ -128,7 +129,7 @@ def main(argv=None):
     dy = jax.random.normal(jax.random.PRNGKey(1), (b, s, f), jnp.bfloat16)
     flops = 3 * 2 * b * s * h * f
 
-    results, params = {}, None
+    cases, params = {}, None
     for name, make in variants().items():
         if chosen is not None and name not in chosen:
             continue
@@ -136,9 +137,10 @@ def main(argv=None):
         variables = model.init(key, x)
         if params is None:
             params = variables["params"]
-        variables = {**variables, "params": params}
-        results[name] = common.time_step(make_step(model.apply, {}), variables, x, dy, iters)
-        results[name]["tflops"] = flops / results[name]["ms"] * 1e3 / 1e12
+        cases[name] = (make_step(model.apply, {}), {**variables, "params": params}, x, dy)
+    results = common.time_steps(cases, iters, rounds=1 if args.small else args.rounds)
+    for r in results.values():
+        r["tflops"] = flops / r["ms"] * 1e3 / 1e12
     rows = common.speedup_table(results)
     for row in rows:
         row["TFLOP/s"] = results[row["variant"]]["tflops"]

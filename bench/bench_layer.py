@@ -3,7 +3,9 @@ examples/te_integration_layer.py) forward+backward, side by side in one run: bf1
 Flax's FP8 (`Fp8DirectDotGeneralOp` in every Dense), lowbit per recipe through the seed's
 `dot_general` drop-in (`lowbit_*`), and the same layer built from lowbit's fused modules
 (`fused_*`: examples/fused_layer.py, the same params mapped over). Prints time, ratio to bf16
-and to Flax's FP8, and the compiled step's peak memory.
+and to Flax's FP8, and the compiled step's peak memory. The variants are timed round-robin
+(common.time_steps: an H100 at its power cap runs a step at a speed that depends on how hot
+the card is).
 
     python bench/bench_layer.py            # GPU, seed shape
     python bench/bench_layer.py --small    # CPU smoke run
@@ -42,6 +44,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--small", action="store_true")
     parser.add_argument("--iters", type=int, default=None)
+    parser.add_argument("--rounds", type=int, default=3, help="round-robin rounds (common.time_steps)")
     parser.add_argument("--variants", default=None,
                         help="comma-separated subset of " + ",".join([*VARIANTS, *FUSED_VARIANTS])
                         + " (bf16 always runs: the ratios need it)")
@@ -57,7 +60,7 @@ def main(argv=None):
     unknown = (chosen or set()) - {*VARIANTS, *FUSED_VARIANTS}
     if unknown:
         parser.error(f"--variants: unknown {sorted(unknown)}")
-    results, params = {}, None
+    cases, params = {}, None
     for name, cls in VARIANTS.items():
         if chosen is not None and name not in chosen:
             continue
@@ -67,9 +70,7 @@ def main(argv=None):
         if params is None:
             params = variables["params"]
         variables = {**variables, "params": params}
-        step = make_step(layer.apply, kwargs, rngs={"dropout": dropout_key})
-        results[name] = common.time_step(step, variables, x, dy, iters)
-        print(f"{name}: {results[name]['ms']:.3f} ms", flush=True)
+        cases[name] = (make_step(layer.apply, kwargs, rngs={"dropout": dropout_key}), variables, x, dy)
     for name, recipe in FUSED_VARIANTS.items():
         if chosen is not None and name not in chosen:
             continue
@@ -77,9 +78,10 @@ def main(argv=None):
                                       quantization_recipe=recipe())
         variables = layer.init(key, x, attention_mask=None, deterministic=False)
         variables = {**variables, "params": from_flax_params(params)}
-        step = make_step(layer.apply, kwargs, rngs={"dropout": dropout_key})
-        results[name] = common.time_step(step, variables, x, dy, iters)
-        print(f"{name}: {results[name]['ms']:.3f} ms", flush=True)
+        cases[name] = (make_step(layer.apply, kwargs, rngs={"dropout": dropout_key}), variables, x, dy)
+    results = common.time_steps(cases, iters, rounds=1 if args.small else args.rounds)
+    for name, r in results.items():
+        print(f"{name}: {r['ms']:.3f} ms (rounds: {', '.join(f'{t:.2f}' for t in r['ms_rounds'])})", flush=True)
     common.print_table(common.speedup_table(results), ["variant", "ms", "x bf16", "x flax_fp8", "peak GiB"])
     path = common.write_results("layer" + ("_small" if args.small else ""), {
         "shape": {"batch": b, "seq": s, "hidden": h, "ffn": f, "heads": heads}, "variants": results})

@@ -114,6 +114,30 @@ def time_step(step, variables, x, dy, iters: int) -> dict:
     return {"ms": t * 1e3, "peak_bytes": peak_bytes(compiled)}
 
 
+def time_steps(cases: dict, iters: int, rounds: int = 3) -> dict:
+    """Training steps of several variants timed round-robin: `rounds` rounds, each timing
+    every variant once (a median of 2 batches of `iters` steps), and per variant the median
+    over the rounds. An H100 running FP8 GEMMs back to back sits at its 700 W power cap with
+    its SM clock at ~1.3 GHz instead of 1.98 (nvidia-smi, throttle reason SW power cap), and
+    how hot the card is shifts every step's time by up to 5% (the seed Dense's bf16 step:
+    39.2 to 41.0 ms in one session): timed one after another, the variant that runs first
+    gets the coolest card. Round-robin gives every variant the same mix of card states.
+    cases: {name: (step, variables, x, dy)}; returns {name: {"ms", "ms_rounds",
+    "peak_bytes"}}."""
+    fns, out = {}, {}
+    for name, (step, variables, x, dy) in cases.items():
+        compiled = step.lower(variables, x, dy).compile()
+        out[name] = {"ms_rounds": [], "peak_bytes": peak_bytes(compiled)}
+        fns[name] = (lambda step: lambda v, x, dy: step(v, x, dy)[1:])(step)
+    for _ in range(rounds):
+        for name, (step, variables, x, dy) in cases.items():
+            t = time_fn(fns[name], [(variables, x, dy)], iters, repeats=2, warmup=2)
+            out[name]["ms_rounds"].append(t * 1e3)
+    for r in out.values():
+        r["ms"] = statistics.median(r["ms_rounds"])
+    return out
+
+
 def speedup_table(results: dict) -> list[dict]:
     """Adds speedup_vs_bf16 (and speedup_vs_flax_fp8 where a "flax_fp8" variant exists) to
     each variant's result dict and returns the printable rows."""
