@@ -14,8 +14,8 @@ per-row or per-column, negligible at these shapes, and are not counted).
 --variants times the two forward cases once per LOWBIT_NORM_FWD_VARIANT setting (the
 forward launcher's tuning knob, csrc/norm/norm_plan.h: items per thread, cp.async row
 stages, block sizes, colwise block tile, column segment length / cluster, tile order,
-barrier split and fences, gamma/beta in shared memory), each in its own subprocess, and prints
-one table (XLA alongside);
+barrier split and fences, gamma/beta in shared memory or registers), each in its own
+subprocess, and prints one table (XLA alongside);
 --variants "items=8;items=16,stages=4" times the given ';'-separated settings instead.
 """
 
@@ -79,11 +79,14 @@ def make_lowbit_bwd(x, gamma, beta):
 # sweep of 35efbbb (bench/results/norm_variants_*) ruled out colspan 64/128, colorder=0,
 # l1keep=1, stages=3, items=8 and coltile=8 at the then-defaults; these time the shared-memory
 # gamma/beta (parsmem), the shared-memory-only cluster barriers (colbar) and one block of
-# 1024 threads per SM (colblock=1024: 4096 -> one 32-row block tile without a cluster).
-VARIANTS = ["", "colbar=1", "parsmem=1", "parsmem=1,colbar=1", "parsmem=1,colblock=1024",
-            "parsmem=1,colblock=1024,colbar=1", "parsmem=1,colblock=1024,coltile=16,colbar=1",
-            "colblock=1024", "colblock=1024,colbar=1", "colblock=1024,coltile=16,colbar=1",
-            "colsplit=0,colbar=1", "colspan=64,colbar=1"]
+# 1024 threads per SM (colblock=1024: 4096 -> one 32-row block tile without a cluster);
+# those are the defaults now. This list times the candidates for 8192 (82.4% of copy):
+# more cp.async row stages, gamma/beta in registers (parkeep: 512-thread blocks, one per
+# SM), 16-row column segments without a cluster (colspan=16; colorder=0 is the control
+# whose sector halves are written a tile apart).
+VARIANTS = ["", "stages=3", "stages=4", "parkeep=1", "parkeep=1,stages=3", "parkeep=1,stages=4",
+            "colspan=16", "colspan=16,stages=3", "colspan=16,parsmem=1",
+            "parkeep=1,colspan=16,stages=3", "colspan=16,colorder=0"]
 
 
 def run(rows: int, hidden: int, dtype, copy_bw: float, iters: int,
