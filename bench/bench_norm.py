@@ -83,10 +83,10 @@ def make_lowbit_bwd(x, gamma, beta):
 # those are the defaults now. This list times the candidates for 8192 (82.4% of copy):
 # more cp.async row stages, gamma/beta in registers (parkeep: 512-thread blocks, one per
 # SM), 16-row column segments without a cluster (colspan=16; colorder=0 is the control
-# whose sector halves are written a tile apart).
+# whose sector halves are written a tile apart; colspan=0 is 32 at 4096 and 16 at 8192).
 VARIANTS = ["", "stages=3", "stages=4", "parkeep=1", "parkeep=1,stages=3", "parkeep=1,stages=4",
             "colspan=16", "colspan=16,stages=3", "colspan=16,parsmem=1",
-            "parkeep=1,colspan=16,stages=3", "colspan=16,colorder=0"]
+            "parkeep=1,colspan=16,stages=3", "colspan=16,colorder=0", "colspan=0"]
 
 
 def run(rows: int, hidden: int, dtype, copy_bw: float, iters: int,

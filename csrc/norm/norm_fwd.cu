@@ -37,8 +37,9 @@
 // gamma/beta: in registers (<= 8 items per thread, no colwise; parkeep: colwise vectorized
 // rows in blocks of <= 512 threads, a separate kernel bounded to 512 threads), else loaded
 // per row through L1 or (parsmem, vectorized rows) staged once per block as fp32 in shared
-// memory. colspan=16 (a tuning candidate): 16-row column segments, half sectors, which at
-// 8192 need no cluster; with interleaved tiles neighbouring blocks write the two halves.
+// memory. colspan=16 (a tuning candidate; 0: 16 only where a 32-row tile needs a cluster):
+// 16-row column segments, half sectors, which at 8192 need no cluster; with interleaved
+// tiles neighbouring blocks write the two halves in the same round.
 // Tuning (items per thread, stages, block sizes): NormFwdTuning in norm_plan.h, overridable
 // through LOWBIT_NORM_FWD_VARIANT for benchmarks.
 #include <cooperative_groups.h>
@@ -687,9 +688,11 @@ Status Launch(const NormForwardArgs& a, const NormFwdTuning& tune, GpuStream str
   const int64_t param_bytes = param_regs ? 0  // no parameter loads in the row loop
       : a.hidden * (p.gamma_f32 ? 4 : int64_t(sizeof(T))) * (p.layernorm ? 2 : 1);
   const bool l1keep = colwise && tune.l1keep == 1;
-  const int span = tune.colspan;
   // parsmem only where it fits beside the stages and a 4-row tile (else per-row loads).
   if (parsmem && smem_for(colwise ? 4 : groups) > max_dynamic) parsmem = false;
+  // colspan=0: 32-row segments where one block's 32-row tile fits (no cluster needed),
+  // else 16-row ones (8192 at 1024 threads: no cluster either).
+  const int span = tune.colspan != 0 ? tune.colspan : smem_for(32) <= max_dynamic ? 32 : 16;
   // Two blocks per SM only where their threads fit (64 registers per thread: 1024 threads;
   // the parkeep kernel takes more than 64).
   const bool pair_ok = 2 * groups * tpr <= 1024 && !param_regs;

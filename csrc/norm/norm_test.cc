@@ -216,6 +216,8 @@ TEST(NormPlan, ForwardTuningKnob) {
   ASSERT_TRUE(ParseNormFwdTuning("parkeep=1,colspan=16", &t, &error));
   EXPECT_EQ(t.parkeep, 1);
   EXPECT_EQ(t.colspan, 16);
+  ASSERT_TRUE(ParseNormFwdTuning("colspan=0", &t, &error));
+  EXPECT_EQ(t.colspan, 0);
   EXPECT_EQ(t.colbar, 0);  // kept from the previous call
   for (const char* bad : {"items=12", "stages=0", "stages=5", "block=100", "block=2048",
                           "foo=1", "coltile=2", "coltile=64", "colspan=8", "colspan=256",
