@@ -297,7 +297,14 @@ __device__ __forceinline__ void EncodeFp8Words(const float (&y)[kVec], float sca
 // kVec registers (32 at 16 items), which the 64 registers of a 1024-thread block do not
 // hold beside the colwise row state (63-64 used): such kernels are bounded to 512 threads
 // (128 registers; one block per SM when they use more than 64). The kParamRegs = false
-// instantiations are the kernels of the other settings, unchanged.
+// instantiations are the kernels of the other settings, unchanged. No synchronization is
+// added: the parameters are private registers, read from global memory (never written by
+// the kernel) before the first barrier; the shared-memory protocol (row stages, code tile,
+// cluster or block barriers) is the kParamRegs = false kernel's.
+// colspan=16 adds none either: where a block's 16-row tile is the whole segment (cluster
+// 1), TileSync/TileWait are __syncthreads and only the block reads its staged codes, as on
+// the 32-row path at 4096; with coltile < 16 it is a cluster of 16 / coltile blocks with
+// the usual cluster barriers.
 template <typename Tag, int kChunks, bool kVectorized, bool kQuant, bool kColwise,
           bool kParamRegs = false>
 __global__ void __launch_bounds__(kParamRegs ? kParamRegsThreads : 1024) NormForwardKernel(FwdParams p) {
