@@ -76,19 +76,19 @@ def make_lowbit_bwd(x, gamma, beta):
 
 
 # Launch-tuning settings timed by --variants ("" = the built-in defaults), at most 12. The
-# sweep of 35efbbb (bench/results/norm_variants_*) ruled out colspan 64/128, colorder=0,
-# l1keep=1, stages=3, items=8 and coltile=8 at the then-defaults; these time the shared-memory
-# gamma/beta (parsmem), the shared-memory-only cluster barriers (colbar) and one block of
-# 1024 threads per SM (colblock=1024: 4096 -> one 32-row block tile without a cluster);
-# those are the defaults now. This list times the candidates for 8192 (82.4% of copy):
+# sweep of 35efbbb ruled out colspan 64/128, colorder=0, l1keep=1, stages=3, items=8 and
+# coltile=8 at the then-defaults; the next (bench/results/norm_variants_*) made the
+# shared-memory-only cluster barriers (colbar=1) and one block of 1024 threads per SM
+# (colblock=1024) the defaults and found parsmem no faster. This list times the
+# candidates for 8192 (82.4% of copy in kernel time against 86.0% at 4096):
 # more cp.async row stages, gamma/beta in registers (parkeep: 512-thread blocks, one per
 # SM), 16-row column segments without a cluster (colspan=16; with l1keep=1 the 164 KB
 # carveout leaves 92 KB of L1 to the 64 KB of gamma/beta, and no cluster wait invalidates
 # it; colorder=0 is the control whose sector halves are written a tile apart; colspan=0 is
-# 32 at 4096 and 16 at 8192).
-VARIANTS = ["", "stages=3", "parkeep=1", "parkeep=1,stages=3", "parkeep=1,stages=4",
-            "colspan=16", "colspan=16,stages=3", "colspan=16,l1keep=1", "colspan=16,parsmem=1",
-            "parkeep=1,colspan=16,stages=3", "colspan=16,colorder=0", "colspan=0"]
+# 32 at 4096 and 16 at 8192), L2 evict-first hints on the data touched once (stream).
+VARIANTS = ["", "stages=3", "parkeep=1", "parkeep=1,stages=3", "colspan=16", "colspan=16,stages=3",
+            "colspan=16,l1keep=1", "colspan=16,parsmem=1", "colspan=16,colorder=0", "colspan=0",
+            "stream=1", "colspan=16,stream=1"]
 
 
 def run(rows: int, hidden: int, dtype, copy_bw: float, iters: int,

@@ -534,14 +534,16 @@ def test_cuda_forward_tuning_variants(variant, norm_type, dtype, shape, rng, cpu
 # registers by the colwise kernel (parkeep: blocks of <= 512 threads, one or more row
 # groups, with or without a cluster; 16384 falls back to per-row loads), 16-row column
 # segments (colspan=16: no cluster at 8192, contiguous or interleaved tiles; colspan=0:
-# 32 at 4096 and 2048, 16 at 8192, 16 with a cluster at 16384). Each
+# 32 at 4096 and 2048, 16 at 8192, 16 with a cluster at 16384), L2 evict-first hints
+# (stream: bf16/f16 x; f32 x ignores it). Each
 # kernel's outputs (colwise, rowwise only, plain) must equal the default launch's bit for
 # bit, and the CPU reference within its tolerances.
 NEW_EXACT_FWD_VARIANTS = ["parkeep=1", "parkeep=1,coltile=16,stages=3",
                           "parkeep=1,coltile=4,colspan=64,colsplit=0",
                           "parkeep=1,colblock=256,colbar=0", "colspan=16",
                           "colspan=16,colorder=0,stages=3", "parkeep=1,colspan=16,stages=4",
-                          "colspan=0", "colspan=0,parsmem=1"]
+                          "colspan=0", "colspan=0,parsmem=1", "stream=1",
+                          "stream=1,parkeep=1,colspan=16"]
 EXACT_FWD_VARIANTS = ["parsmem=1", "colbar=1", "parsmem=1,colbar=1,colsplit=0",
                       "parsmem=1,colblock=1024", "colblock=1024,coltile=16,colbar=1",
                       "parsmem=1,coltile=4,colspan=64,colbar=1,block=1024"] + NEW_EXACT_FWD_VARIANTS

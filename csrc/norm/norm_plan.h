@@ -75,8 +75,8 @@ inline RowGeometry ChooseRowGeometry(int64_t hidden, int elem_bytes, bool pointe
 // 371.3 us; then colblock=1024 with colbar=1, 168.6 / 336.3 us, beat colblock=512 with
 // colbar=0, 176.1 / 355.6, while parsmem=1 was slower in every combination tried); the
 // environment variable LOWBIT_NORM_FWD_VARIANT ("items=16,stages=2,block=512,colblock=1024,
-// coltile=16,colspan=32,colorder=1,colsplit=1,l1keep=0,parsmem=0,colbar=1,parkeep=0", any subset) overrides
-// them, as a benchmark knob
+// coltile=0,colspan=32,colorder=1,colsplit=1,l1keep=0,parsmem=0,colbar=1,parkeep=0,stream=0",
+// any subset) overrides them, as a benchmark knob
 // (bench/bench_norm.py --variants): every setting computes the same results up to the order
 // of the row sums. "colspan=32,colorder=0,colsplit=0,l1keep=0" is the colwise path before colspan.
 //   items:    fewest elements per thread on the vectorized path (8 or 16; see above)
@@ -124,6 +124,10 @@ inline RowGeometry ChooseRowGeometry(int64_t hidden, int elem_bytes, bool pointe
 //             min(colblock, 512) threads, one block per SM (its tile is the largest that
 //             fits, as colblock=1024's), so coltile/stages set its shape. Same results as
 //             parkeep=0 bit for bit (same items, same elementwise math).
+//   stream:   colwise, vectorized rows of bf16/f16 x: x (cp.async), y and the rowwise codes
+//             with the L2 evict-first policy (1), so L2 keeps the transposed codes' lines,
+//             completed 32 bytes at a time by neighbouring clusters, longer; 0: default
+//             policy. Cache hints only (same bits); f32 x ignores it.
 struct NormFwdTuning {
   int items = 16;
   int stages = 2;
@@ -137,6 +141,7 @@ struct NormFwdTuning {
   int parsmem = 0;
   int colbar = 1;
   int parkeep = 0;
+  int stream = 0;
 };
 
 // Parses a LOWBIT_NORM_FWD_VARIANT value into *t (unset keys keep their value); false and
@@ -169,13 +174,15 @@ inline bool ParseNormFwdTuning(const char* text, NormFwdTuning* t, std::string* 
                (value == 0 || value == 16 || value == 32 || value == 64 || value == 128)) {
       t->colspan = value;
     } else if (ok && (key == "colorder" || key == "colsplit" || key == "l1keep" ||
-                      key == "parsmem" || key == "colbar" || key == "parkeep") && value <= 1) {
+                      key == "parsmem" || key == "colbar" || key == "parkeep" ||
+                      key == "stream") && value <= 1) {
       (key == "colorder"   ? t->colorder
        : key == "colsplit" ? t->colsplit
        : key == "l1keep"   ? t->l1keep
        : key == "parsmem"  ? t->parsmem
        : key == "colbar"   ? t->colbar
-                           : t->parkeep) = value;
+       : key == "parkeep"  ? t->parkeep
+                           : t->stream) = value;
     } else if (ok && (key == "block" || key == "colblock") && value >= 32 && value <= 1024 &&
                value % 32 == 0) {
       (key == "block" ? t->block : t->colblock) = value;
@@ -183,7 +190,7 @@ inline bool ParseNormFwdTuning(const char* text, NormFwdTuning* t, std::string* 
       *error = "bad entry '" + item + "' (expected items=8|16, stages=1..4, block=32..1024, "
                "colblock=32..1024, blocks multiples of 32, coltile=0|4|8|16|32, "
                "colspan=0|16|32|64|128, colorder=0|1, colsplit=0|1, l1keep=0|1, parsmem=0|1, "
-               "colbar=0|1, parkeep=0|1)";
+               "colbar=0|1, parkeep=0|1, stream=0|1)";
       return false;
     }
   }
