@@ -122,8 +122,9 @@ inline RowGeometry ChooseRowGeometry(int64_t hidden, int elem_bytes, bool pointe
 //             rows re-read them from L2). That kernel is bounded to 512 threads (the 32
 //             registers of 16 items do not fit the 64 of a 1024-thread block): blocks take
 //             min(colblock, 512) threads, one block per SM (its tile is the largest that
-//             fits, as colblock=1024's), so coltile/stages set its shape. Same results as
-//             parkeep=0 bit for bit (same items, same elementwise math).
+//             fits, as colblock=1024's), so coltile/stages set its shape; parsmem is
+//             ignored. Rows of > 512 threads (16384) keep the parkeep=0 kernel. Same
+//             results as parkeep=0 bit for bit (same items, same elementwise math).
 //   stream:   colwise, vectorized rows of bf16/f16 x: x (cp.async), y and the rowwise codes
 //             with the L2 evict-first policy (1), so L2 keeps the transposed codes' lines,
 //             completed 32 bytes at a time by neighbouring clusters, longer; 0: default
