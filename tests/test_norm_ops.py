@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from conftest import run_on
+from conftest import random_with_specials, run_on
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import lowbit
@@ -501,7 +501,8 @@ FWD_VARIANTS = ["items=8", "items=8,stages=2", "items=16,stages=3", "items=16,st
                 "coltile=8", "coltile=4,colblock=1024", "items=8,coltile=8",
                 "colspan=32,colorder=0,colsplit=0,l1keep=0", "colspan=32,coltile=8", "colspan=64",
                 "colspan=64,colorder=0,coltile=16", "colspan=128,colsplit=0,coltile=4",
-                "colsplit=0,colblock=1024", "l1keep=0,colorder=0"]
+                "colsplit=0,colblock=1024", "l1keep=0,colorder=0", "items=8,parkeep=1",
+                "parkeep=1,colspan=16,items=8", "colspan=16,coltile=8"]
 FWD_VARIANT_SHAPES = [(3, 200), (272, 128), (257, 1000), (1040, 4096), (333, 8192), (80, 8192),
                       (65, 16384)]
 
@@ -529,12 +530,18 @@ def test_cuda_forward_tuning_variants(variant, norm_type, dtype, shape, rng, cpu
 # plain kernels of > 8 items per thread; where the parameters do not fit beside two row
 # stages and a 4-row tile, e.g. 16384 layernorm colwise, they are loaded per row), cluster barriers ordering
 # shared memory only (colbar, split or whole), one block of 1024 threads per SM
-# (colblock=1024: 4096 takes one 32-row tile without a cluster). Each kernel's outputs
-# (colwise, rowwise only, plain) must equal the default launch's bit for bit, and the CPU
-# reference within its tolerances.
+# (colblock=1024: 4096 takes one 32-row tile without a cluster), gamma/beta held in
+# registers by the colwise kernel (parkeep: blocks of <= 512 threads, one or more row
+# groups, with or without a cluster; 16384 falls back to per-row loads), 16-row column
+# segments (colspan=16: no cluster at 8192; colspan=0: 32 at 4096 and 2048, 16 at 8192,
+# 16 with a cluster at 16384), L2 evict-first hints (stream: bf16/f16 x; f32 x ignores
+# it). Each kernel's outputs (colwise, rowwise only, plain) must equal the default launch's
+# bit for bit, and the CPU reference within its tolerances.
 EXACT_FWD_VARIANTS = ["parsmem=1", "colbar=1", "parsmem=1,colbar=1,colsplit=0",
                       "parsmem=1,colblock=1024", "colblock=1024,coltile=16,colbar=1",
-                      "parsmem=1,coltile=4,colspan=64,colbar=1,block=1024"]
+                      "parsmem=1,coltile=4,colspan=64,colbar=1,block=1024",
+                      "parkeep=1,coltile=4,colspan=64,colsplit=0", "colspan=16,stream=1",
+                      "colspan=0,stream=1,parkeep=1,stages=3"]
 
 
 @pytest.mark.gpu
@@ -566,6 +573,56 @@ def test_cuda_forward_variants_bit_identical(variant, norm_type, dtype, gamma_li
         assert_forward_matches(got, run_on(cpu, fwd, x, gamma, beta), norm_type, dtype, shape[-1],
                                ("q_rowwise",) * ("quant_scale" in kw)
                                + ("q_colwise",) * bool(kw.get("colwise")))
+
+
+# The parkeep / colspan=16|0 / stream settings in more combinations (one or more row
+# groups, clusters of 1 to 16 blocks, contiguous or interleaved tiles) on special values:
+# inf, NaN, zeros, subnormals and near-max x planted at random (random_with_specials), plus
+# a zero row, a constant row and a row whose sums overflow; odd row counts. Every output
+# must equal the default launch's bit for bit (the same elementwise code and sum order: NaN
+# chunks take the same codec path); against the CPU reference the NaN pattern of y and the
+# y of the rows without planted values agree. Not named *variants*: tools/gpu_check.sh's
+# memcheck selection takes only the three of them in EXACT_FWD_VARIANTS.
+SPECIAL_FWD_VARIANTS = ["parkeep=1", "parkeep=1,coltile=16,stages=3",
+                        "parkeep=1,coltile=4,colspan=64,colsplit=0",
+                        "parkeep=1,colblock=256,colbar=0", "colspan=16",
+                        "colspan=16,colorder=0,stages=3", "parkeep=1,colspan=16,stages=4",
+                        "colspan=0", "colspan=0,parsmem=1", "stream=1",
+                        "stream=1,parkeep=1,colspan=16"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", SPECIAL_FWD_VARIANTS)
+@pytest.mark.parametrize("norm_type", NORMS)
+@pytest.mark.parametrize("dtype", [ml_dtypes.bfloat16, np.float32], ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("shape", [(333, 8192), (1041, 4096), (517, 2048)], ids=str)
+def test_cuda_forward_tuning_special_values(variant, norm_type, dtype, shape, rng, cpu, gpu,
+                                            monkeypatch):
+    x = random_with_specials(rng, shape, dtype)
+    x[5] = 0
+    x[6] = 1.5
+    x[7] = ml_dtypes.finfo(dtype).max
+    _, gamma, beta = make(rng, shape, dtype)
+    beta = args_for(norm_type, beta)
+    fwd = lambda x, g, b: norm_forward(  # noqa: E731
+        x, g, b, norm_type=norm_type, quant_scale=np.float32(40.0), colwise=True)
+    monkeypatch.delenv("LOWBIT_NORM_FWD_VARIANT", raising=False)
+    default = run_on(gpu, fwd, x, gamma, beta)
+    monkeypatch.setenv("LOWBIT_NORM_FWD_VARIANT", variant)
+    got = run_on(gpu, fwd, x, gamma, beta)
+    for name in ("y", "mu", "rsigma", "q_rowwise", "q_colwise", "amax"):
+        a, b = getattr(got, name), getattr(default, name)
+        assert (a is None) == (b is None), name
+        if a is not None:
+            assert a.dtype == b.dtype and a.shape == b.shape, name
+            np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8), err_msg=name)
+    ref = run_on(cpu, fwd, x, gamma, beta)
+    y, ref_y = got.y.astype(np.float32), ref.y.astype(np.float32)
+    np.testing.assert_array_equal(np.isnan(y), np.isnan(ref_y))
+    xf = np.abs(x.astype(np.float32))
+    plain = np.all((xf < 1e3) & ((xf == 0) | (xf > 1e-30)), axis=1)  # no planted special
+    assert plain.sum() > shape[0] // 2 and plain[5] and plain[6] and not plain[7]
+    assert_y_close(y[plain], ref_y[plain], dtype)
 
 
 @pytest.mark.gpu

@@ -34,8 +34,12 @@
 // about the same time. The cluster barriers order shared memory only (colbar, the default:
 // restricted fences and a relaxed arrive) instead of a release arrive, which on sm_90 waits
 // for every global store in flight (ClusterArrive).
-// gamma/beta: in registers (<= 8 items per thread, no colwise), else loaded per row through
-// L1 or (parsmem, vectorized rows) staged once per block as fp32 in shared memory.
+// gamma/beta: in registers (<= 8 items per thread, no colwise; parkeep: colwise vectorized
+// rows in blocks of <= 512 threads, a separate kernel bounded to 512 threads), else loaded
+// per row through L1 or (parsmem, vectorized rows) staged once per block as fp32 in shared
+// memory. colspan=16 (a tuning candidate; 0: 16 only where a 32-row tile needs a cluster):
+// 16-row column segments, half sectors, which at 8192 need no cluster; with interleaved
+// tiles neighbouring blocks write the two halves in the same round.
 // Tuning (items per thread, stages, block sizes): NormFwdTuning in norm_plan.h, overridable
 // through LOWBIT_NORM_FWD_VARIANT for benchmarks.
 #include <cooperative_groups.h>
@@ -65,6 +69,7 @@ constexpr int kMaxCluster = 16;   // blocks per cluster (non-portable above 8, s
 constexpr int kStaticSmem = 1024; // partial sums and BlockMaxU32, rounded up
 constexpr int kStaticUsed = 512;   // the static bytes used (384: partial, BlockMaxU32), rounded
 constexpr int kL1Floor = 28 * 1024;  // L1 left at the largest carveout (sm_80..sm_100)
+constexpr int kParamRegsThreads = 512;  // parkeep: __launch_bounds__ of the kernel
 
 struct FwdParams {
   const void* x;
@@ -284,16 +289,43 @@ __device__ __forceinline__ void EncodeFp8Words(const float (&y)[kVec], float sca
 // rows interleaved over the groups. Every group of every block of a cluster runs the same
 // number of iterations (rows past the end are masked), so a tile ends for the whole
 // cluster at once (the colwise barriers).
-template <typename Tag, int kChunks, bool kVectorized, bool kQuant, bool kColwise>
-__global__ void __launch_bounds__(1024) NormForwardKernel(FwdParams p) {
+//
+// kParamRegs (parkeep, colwise vectorized rows only): gamma (NormWeight applied) and beta
+// are held as fp32 in registers for the whole kernel: a thread's columns are the same in
+// every row it handles (first_elem depends on the lane only), so they are loaded once,
+// before the row loop, and no parameter load follows a barrier. They take 2 x kChunks x
+// kVec registers (32 at 16 items), which the 64 registers of a 1024-thread block do not
+// hold beside the colwise row state (63-64 used): such kernels are bounded to 512 threads
+// (128 registers; one block per SM when they use more than 64). The kParamRegs = false
+// instantiations are the kernels of the other settings, unchanged. No synchronization is
+// added: the parameters are private registers, read from global memory (never written by
+// the kernel) before the first barrier; the shared-memory protocol (row stages, code tile,
+// cluster or block barriers) is the kParamRegs = false kernel's.
+// colspan=16 adds none either: where a block's 16-row tile is the whole segment (cluster
+// 1), TileSync/TileWait are __syncthreads and only the block reads its staged codes, as on
+// the 32-row path at 4096; with coltile < 16 it is a cluster of 16 / coltile blocks with
+// the usual cluster barriers.
+//
+// kStream (stream=1; colwise, vectorized 2-byte x only): the data touched once, x (its
+// cp.async copies) and the y and rowwise-code stores, take the L2 evict-first policy
+// (createpolicy + L2::cache_hint, st.global.cs), so L2 keeps the transposed codes' lines,
+// written 32 bytes at a time by neighbouring clusters, and gamma/beta longer. Cache hints
+// only: same results, same synchronization.
+template <typename Tag, int kChunks, bool kVectorized, bool kQuant, bool kColwise,
+          bool kParamRegs = false, bool kStream = false>
+__global__ void __launch_bounds__(kParamRegs ? kParamRegsThreads : 1024) NormForwardKernel(FwdParams p) {
   using T = typename Tag::Storage;
   constexpr int kVec = kVectorized ? 16 / int(sizeof(T)) : 1;
   using Raw = RawChunk<T, kVec>;
   using Words = typename Raw::Words;
+  static_assert(!kParamRegs || (kColwise && kVectorized), "parkeep: colwise vectorized rows");
+  static_assert(!kStream || (kColwise && kVectorized && sizeof(T) == 2),
+                "stream: colwise vectorized rows of 2-byte x");
   // gamma/beta as fp32 in registers (2 x 8 of them at most, not beside the colwise
-  // staging: spills); else loaded per row (L1), vectorized rows with the gamma dtype and
-  // beta as uniform branches around the output pass (kDispatch).
-  constexpr bool kKeepParams = kChunks * kVec <= 8 && !kColwise;
+  // staging: spills; all of them with kParamRegs, see above); else loaded per row (L1),
+  // vectorized rows with the gamma dtype and beta as uniform branches around the output
+  // pass (kDispatch).
+  constexpr bool kKeepParams = (kChunks * kVec <= 8 && !kColwise) || kParamRegs;
   constexpr bool kDispatch = kVectorized && !kKeepParams;
   constexpr bool kCodeWords = kVec % 4 == 0;
   extern __shared__ __align__(16) uint8_t smem[];
@@ -374,6 +406,8 @@ __global__ void __launch_bounds__(1024) NormForwardKernel(FwdParams p) {
   // Copies the row of iteration k (if any) into the next stage slot; one commit group per
   // call, empty past the end, so that CpAsyncWait(stages - 1) always means "row k is here".
   int slot_in = 0, slot_out = 0;
+  uint64_t policy = 0;
+  if constexpr (kStream) policy = L2EvictFirstPolicy();
   auto issue = [&](int k) {
     if (k < iters) {
       const int r = row_of(k);
@@ -382,7 +416,13 @@ __global__ void __launch_bounds__(1024) NormForwardKernel(FwdParams p) {
         const uint32_t dst = my_stage + slot_in * slot_bytes;
 #pragma unroll
         for (int j = 0; j < kChunks; ++j) {
-          if (first_elem(j) < h) CpAsync16(dst + j * chunk_bytes, src + j * tpr * kVec);
+          if (first_elem(j) < h) {
+            if constexpr (kStream) {
+              CpAsync16EvictFirst(dst + j * chunk_bytes, src + j * tpr * kVec, policy);
+            } else {
+              CpAsync16(dst + j * chunk_bytes, src + j * tpr * kVec);
+            }
+          }
         }
       }
     }
@@ -510,12 +550,22 @@ __global__ void __launch_bounds__(1024) NormForwardKernel(FwdParams p) {
         amax_bits = max(amax_bits, chunk_max);
         const bool no_nan = chunk_max <= 0x7F800000u;
         const int64_t off = int64_t(r) * h + e;
-        if (p.y != nullptr) StoreChunkFast<Tag, kVec>(static_cast<T*>(p.y) + off, y, no_nan);
+        if constexpr (kStream) {  // 8 elements of 2 bytes
+          if (p.y != nullptr) {
+            __stcs(reinterpret_cast<uint4*>(static_cast<T*>(p.y) + off), PackChunk<Tag, kVec>(y, no_nan));
+          }
+        } else if (p.y != nullptr) {
+          StoreChunkFast<Tag, kVec>(static_cast<T*>(p.y) + off, y, no_nan);
+        }
         if constexpr (kQuant) {
           if constexpr (kCodeWords) {
             Pack<uint32_t, kVec / 4> q;
             EncodeFp8Words<kVec>(y, scale, p.e5m2, scale_ok && no_nan, q.v);
-            if (p.q_row != nullptr) *reinterpret_cast<Pack<uint32_t, kVec / 4>*>(p.q_row + off) = q;
+            if constexpr (kStream) {  // 8 codes
+              if (p.q_row != nullptr) __stcs(reinterpret_cast<uint2*>(p.q_row + off), make_uint2(q.v[0], q.v[1]));
+            } else if (p.q_row != nullptr) {
+              *reinterpret_cast<Pack<uint32_t, kVec / 4>*>(p.q_row + off) = q;
+            }
             if constexpr (kColwise) {  // staged rows are only 4-byte aligned
               uint32_t* dst = reinterpret_cast<uint32_t*>(tile + rr * p.tile_stride + e);
 #pragma unroll
@@ -618,7 +668,16 @@ Status Launch(const NormForwardArgs& a, const NormFwdTuning& tune, GpuStream str
   // (named barriers 1..15) unless a row is one warp (no barrier).
   const int tpr = g.threads_per_row;
   const int max_groups = tpr == 32 ? 32 : 8;
-  const int target = colwise ? tune.colblock : tune.block;
+  // parkeep: the colwise kernel that holds gamma/beta in registers (kParamRegs), for
+  // vectorized rows of at most kParamRegsThreads threads, in blocks of at most that many.
+  const bool param_regs =
+      colwise && g.vectorized && tune.parkeep == 1 && tpr <= kParamRegsThreads;
+  // stream: the colwise kernel with evict-first cache hints (kStream), 2-byte x.
+  const bool stream_hints = colwise && g.vectorized && sizeof(T) == 2 && tune.stream == 1;
+  const int target = !colwise  ? tune.block
+                     : param_regs ? (tune.colblock < kParamRegsThreads ? tune.colblock
+                                                                       : kParamRegsThreads)
+                                  : tune.colblock;
   int groups = 1;
   while (groups * 2 * tpr <= target && groups * 2 <= max_groups) groups *= 2;
   int stages = g.vectorized ? tune.stages : 1;
@@ -627,7 +686,7 @@ Status Launch(const NormForwardArgs& a, const NormFwdTuning& tune, GpuStream str
   // parsmem: fp32 gamma (+ beta) after the row stages and the codes tile (rounded up to 16
   // bytes), for the kernels that do not keep them in registers (kKeepParams: <= 8 items per
   // thread without colwise).
-  bool parsmem = g.vectorized && (colwise || g.items > 8) && tune.parsmem == 1;
+  bool parsmem = g.vectorized && (colwise || g.items > 8) && tune.parsmem == 1 && !param_regs;
   const int64_t param_smem = a.hidden * 4 * (p.layernorm ? 2 : 1);
   auto stage_bytes = [&](int tile_rows) {
     const int64_t gr = groups < tile_rows ? groups : tile_rows;
@@ -661,14 +720,17 @@ Status Launch(const NormForwardArgs& a, const NormFwdTuning& tune, GpuStream str
   // that holds the resident blocks. Blocks of more than 512 threads never pair on an SM (64
   // registers per thread): they take the largest tile that fits.
   const bool clusters = colwise && major >= 9 && cluster_launch != 0;
-  const int64_t param_bytes =
-      a.hidden * (p.gamma_f32 ? 4 : int64_t(sizeof(T))) * (p.layernorm ? 2 : 1);
+  const int64_t param_bytes = param_regs ? 0  // no parameter loads in the row loop
+      : a.hidden * (p.gamma_f32 ? 4 : int64_t(sizeof(T))) * (p.layernorm ? 2 : 1);
   const bool l1keep = colwise && tune.l1keep == 1;
-  const int span = tune.colspan;
   // parsmem only where it fits beside the stages and a 4-row tile (else per-row loads).
   if (parsmem && smem_for(colwise ? 4 : groups) > max_dynamic) parsmem = false;
-  // Two blocks per SM only where their threads fit (64 registers per thread: 1024 threads).
-  const bool pair_ok = 2 * groups * tpr <= 1024;
+  // colspan=0: 32-row segments where one block's 32-row tile fits (no cluster needed),
+  // else 16-row ones (8192 at 1024 threads: no cluster either).
+  const int span = tune.colspan != 0 ? tune.colspan : smem_for(32) <= max_dynamic ? 32 : 16;
+  // Two blocks per SM only where their threads fit (64 registers per thread: 1024 threads;
+  // the parkeep kernel takes more than 64).
+  const bool pair_ok = 2 * groups * tpr <= 1024 && !param_regs;
   int tile_rows = groups;
   if (colwise) {
     tile_rows = clusters ? span : (span < kMaxTileRows ? span : kMaxTileRows);
@@ -798,6 +860,13 @@ Status Launch(const NormForwardArgs& a, const NormFwdTuning& tune, GpuStream str
   return DispatchGeometry<16 / int(sizeof(T))>(g, kOp, [&](auto items, auto vectorized) {
     constexpr bool kV = decltype(vectorized)::value;
     constexpr int kC = decltype(items)::value / (kV ? 16 / int(sizeof(T)) : 1);
+    if constexpr (kV && sizeof(T) == 2) {
+      if (stream_hints && param_regs) return launch(NormForwardKernel<Tag, kC, kV, true, true, true, true>);
+      if (stream_hints) return launch(NormForwardKernel<Tag, kC, kV, true, true, false, true>);
+    }
+    if constexpr (kV) {
+      if (param_regs) return launch(NormForwardKernel<Tag, kC, kV, true, true, true>);
+    }
     if (colwise) return launch(NormForwardKernel<Tag, kC, kV, true, true>);
     if (quant) return launch(NormForwardKernel<Tag, kC, kV, true, false>);
     return launch(NormForwardKernel<Tag, kC, kV, false, false>);

@@ -75,8 +75,8 @@ inline RowGeometry ChooseRowGeometry(int64_t hidden, int elem_bytes, bool pointe
 // 371.3 us; then colblock=1024 with colbar=1, 168.6 / 336.3 us, beat colblock=512 with
 // colbar=0, 176.1 / 355.6, while parsmem=1 was slower in every combination tried); the
 // environment variable LOWBIT_NORM_FWD_VARIANT ("items=16,stages=2,block=512,colblock=1024,
-// coltile=16,colspan=32,colorder=1,colsplit=1,l1keep=0,parsmem=0,colbar=1", any subset) overrides
-// them, as a benchmark knob
+// coltile=0,colspan=32,colorder=1,colsplit=1,l1keep=0,parsmem=0,colbar=1,parkeep=0,stream=0",
+// any subset) overrides them, as a benchmark knob
 // (bench/bench_norm.py --variants): every setting computes the same results up to the order
 // of the row sums. "colspan=32,colorder=0,colsplit=0,l1keep=0" is the colwise path before colspan.
 //   items:    fewest elements per thread on the vectorized path (8 or 16; see above)
@@ -89,6 +89,13 @@ inline RowGeometry ChooseRowGeometry(int64_t hidden, int elem_bytes, bool pointe
 //   colspan:  colwise: rows per transposed column segment (32, 64 or 128 bytes per column
 //             store): a cluster of colspan / coltile blocks (sm_90+, at most 16) reads each
 //             other's codes. Where the cluster does not fit the GPU the launcher halves it.
+//             16 (a benchmark candidate, unmeasured): half-sector column stores, so at 8192
+//             (16-row tiles) no cluster, no distributed shared memory and no cluster
+//             barrier; with colorder=1 blocks b and b + 1 write the two halves of each
+//             32-byte sector in the same round, which L2 has to merge before evicting the
+//             line (the 16-row tiles of ce4972a, contiguous per block, wrote the halves a
+//             tile apart and were 2x slower). 0: 32 where one block's 32-row tile fits
+//             its shared memory (no cluster: 4096 at colblock=1024), else 16 (8192).
 //   colorder: colwise: cluster tiles per cluster contiguous (0) or interleaved over the
 //             clusters (1: the clusters write neighbouring column segments at the same time,
 //             so a 128-byte line of q_colwise is completed in L2 before it is evicted).
@@ -108,6 +115,20 @@ inline RowGeometry ChooseRowGeometry(int64_t hidden, int elem_bytes, bool pointe
 //   colbar:   colwise clusters: the cluster barriers order the full memory (0: release on
 //             arrive, which on sm_90 also waits for every global store in flight) or shared
 //             memory only (1: fences restricted to shared memory, relaxed arrive).
+//   parkeep:  colwise, vectorized rows of <= 512 threads: gamma (NormWeight applied) and
+//             beta held as fp32 in registers, loaded once per block before the row loop (a
+//             thread's columns are the same in every row), instead of per row (1; 0: per
+//             row through L1, which at 8192 holds 28 KB of the 64 KB of f32 gamma + beta, so
+//             rows re-read them from L2). That kernel is bounded to 512 threads (the 32
+//             registers of 16 items do not fit the 64 of a 1024-thread block): blocks take
+//             min(colblock, 512) threads, one block per SM (its tile is the largest that
+//             fits, as colblock=1024's), so coltile/stages set its shape; parsmem is
+//             ignored. Rows of > 512 threads (16384) keep the parkeep=0 kernel. Same
+//             results as parkeep=0 bit for bit (same items, same elementwise math).
+//   stream:   colwise, vectorized rows of bf16/f16 x: x (cp.async), y and the rowwise codes
+//             with the L2 evict-first policy (1), so L2 keeps the transposed codes' lines,
+//             completed 32 bytes at a time by neighbouring clusters, longer; 0: default
+//             policy. Cache hints only (same bits); f32 x ignores it.
 struct NormFwdTuning {
   int items = 16;
   int stages = 2;
@@ -120,6 +141,8 @@ struct NormFwdTuning {
   int l1keep = 0;
   int parsmem = 0;
   int colbar = 1;
+  int parkeep = 0;
+  int stream = 0;
 };
 
 // Parses a LOWBIT_NORM_FWD_VARIANT value into *t (unset keys keep their value); false and
@@ -148,22 +171,27 @@ inline bool ParseNormFwdTuning(const char* text, NormFwdTuning* t, std::string* 
     } else if (ok && key == "coltile" && (value == 0 || value == 4 || value == 8 ||
                                            value == 16 || value == 32)) {
       t->coltile = value;
-    } else if (ok && key == "colspan" && (value == 32 || value == 64 || value == 128)) {
+    } else if (ok && key == "colspan" &&
+               (value == 0 || value == 16 || value == 32 || value == 64 || value == 128)) {
       t->colspan = value;
     } else if (ok && (key == "colorder" || key == "colsplit" || key == "l1keep" ||
-                      key == "parsmem" || key == "colbar") && value <= 1) {
+                      key == "parsmem" || key == "colbar" || key == "parkeep" ||
+                      key == "stream") && value <= 1) {
       (key == "colorder"   ? t->colorder
        : key == "colsplit" ? t->colsplit
        : key == "l1keep"   ? t->l1keep
        : key == "parsmem"  ? t->parsmem
-                           : t->colbar) = value;
+       : key == "colbar"   ? t->colbar
+       : key == "parkeep"  ? t->parkeep
+                           : t->stream) = value;
     } else if (ok && (key == "block" || key == "colblock") && value >= 32 && value <= 1024 &&
                value % 32 == 0) {
       (key == "block" ? t->block : t->colblock) = value;
     } else {
       *error = "bad entry '" + item + "' (expected items=8|16, stages=1..4, block=32..1024, "
                "colblock=32..1024, blocks multiples of 32, coltile=0|4|8|16|32, "
-               "colspan=32|64|128, colorder=0|1, colsplit=0|1, l1keep=0|1, parsmem=0|1, colbar=0|1)";
+               "colspan=0|16|32|64|128, colorder=0|1, colsplit=0|1, l1keep=0|1, parsmem=0|1, "
+               "colbar=0|1, parkeep=0|1, stream=0|1)";
       return false;
     }
   }
