@@ -495,14 +495,21 @@ def test_cuda_forward_variants(variant, rng, cpu, gpu):
 # stores whole or split (colsplit), block tiles chosen to leave L1 to gamma/beta or not
 # (l1keep); 16-byte column stores (rows % 16 == 0: 1040, 272 and 80,
 # whose last tiles have 16 or 80 rows), 4-byte stores or bytes (333, 257, 65 rows).
-FWD_VARIANTS = ["items=8", "items=8,stages=2", "items=16,stages=3", "items=16,stages=4",
-                "stages=1", "items=16,block=256", "items=16,block=1024", "items=8,colblock=512",
-                "colblock=256,stages=4", "colblock=1024,stages=3", "coltile=32", "coltile=16",
-                "coltile=8", "coltile=4,colblock=1024", "items=8,coltile=8",
-                "colspan=32,colorder=0,colsplit=0,l1keep=0", "colspan=32,coltile=8", "colspan=64",
-                "colspan=64,colorder=0,coltile=16", "colspan=128,colsplit=0,coltile=4",
-                "colsplit=0,colblock=1024", "l1keep=0,colorder=0", "items=8,parkeep=1",
-                "parkeep=1,colspan=16,items=8", "colspan=16,coltile=8"]
+# The default launch is the parkeep=1 kernel (parstages=3 row stages); the settings of the
+# per-row gamma/beta kernel name parkeep=0.
+FWD_VARIANTS = ["parkeep=0,items=8", "parkeep=0,items=8,stages=2", "parkeep=0,items=16,stages=3",
+                "parkeep=0,items=16,stages=4", "parkeep=0,stages=1", "parkeep=0,items=16,block=256",
+                "parkeep=0,items=16,block=1024", "parkeep=0,items=8,colblock=512",
+                "parkeep=0,colblock=256,stages=4", "parkeep=0,colblock=1024,stages=3",
+                "parkeep=0,coltile=32", "parkeep=0,coltile=16", "parkeep=0,coltile=8",
+                "parkeep=0,coltile=4,colblock=1024", "parkeep=0,items=8,coltile=8",
+                "parkeep=0,colspan=32,colorder=0,colsplit=0,l1keep=0",
+                "parkeep=0,colspan=32,coltile=8", "parkeep=0,colspan=64",
+                "parkeep=0,colspan=64,colorder=0,coltile=16",
+                "parkeep=0,colspan=128,colsplit=0,coltile=4", "parkeep=0,colsplit=0,colblock=1024",
+                "parkeep=0,l1keep=0,colorder=0", "items=8,parkeep=1",
+                "parkeep=1,colspan=16,items=8", "parkeep=0,colspan=16,coltile=8", "parstages=2",
+                "parstages=1,coltile=8", "parstages=4,colblock=256", "parstages=0"]
 FWD_VARIANT_SHAPES = [(3, 200), (272, 128), (257, 1000), (1040, 4096), (333, 8192), (80, 8192),
                       (65, 16384)]
 
@@ -537,11 +544,12 @@ def test_cuda_forward_tuning_variants(variant, norm_type, dtype, shape, rng, cpu
 # 16 with a cluster at 16384), L2 evict-first hints (stream: bf16/f16 x; f32 x ignores
 # it). Each kernel's outputs (colwise, rowwise only, plain) must equal the default launch's
 # bit for bit, and the CPU reference within its tolerances.
-EXACT_FWD_VARIANTS = ["parsmem=1", "colbar=1", "parsmem=1,colbar=1,colsplit=0",
-                      "parsmem=1,colblock=1024", "colblock=1024,coltile=16,colbar=1",
-                      "parsmem=1,coltile=4,colspan=64,colbar=1,block=1024",
-                      "parkeep=1,coltile=4,colspan=64,colsplit=0", "colspan=16,stream=1",
-                      "colspan=0,stream=1,parkeep=1,stages=3"]
+EXACT_FWD_VARIANTS = ["parkeep=0,parsmem=1", "parkeep=0,colbar=1", "parkeep=0,parsmem=1,colbar=1,colsplit=0",
+                      "parkeep=0,parsmem=1,colblock=1024", "parkeep=0,colblock=1024,coltile=16,colbar=1",
+                      "parkeep=0,parsmem=1,coltile=4,colspan=64,colbar=1,block=1024",
+                      "parkeep=1,coltile=4,colspan=64,colsplit=0", "parkeep=0,colspan=16,stream=1",
+                      "colspan=0,stream=1,parkeep=1,stages=3", "parkeep=0", "parkeep=0,stages=3",
+                      "parstages=2"]
 
 
 @pytest.mark.gpu
@@ -585,9 +593,9 @@ def test_cuda_forward_variants_bit_identical(variant, norm_type, dtype, gamma_li
 # memcheck selection takes only the three of them in EXACT_FWD_VARIANTS.
 SPECIAL_FWD_VARIANTS = ["parkeep=1", "parkeep=1,coltile=16,stages=3",
                         "parkeep=1,coltile=4,colspan=64,colsplit=0",
-                        "parkeep=1,colblock=256,colbar=0", "colspan=16",
-                        "colspan=16,colorder=0,stages=3", "parkeep=1,colspan=16,stages=4",
-                        "colspan=0", "colspan=0,parsmem=1", "stream=1",
+                        "parkeep=1,colblock=256,colbar=0", "parkeep=0,colspan=16",
+                        "parkeep=0,colspan=16,colorder=0,stages=3", "parkeep=1,colspan=16,stages=4",
+                        "parkeep=0,colspan=0", "parkeep=0,colspan=0,parsmem=1", "parkeep=0,stream=1",
                         "stream=1,parkeep=1,colspan=16"]
 
 

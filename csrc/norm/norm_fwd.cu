@@ -680,7 +680,7 @@ Status Launch(const NormForwardArgs& a, const NormFwdTuning& tune, GpuStream str
                                   : tune.colblock;
   int groups = 1;
   while (groups * 2 * tpr <= target && groups * 2 <= max_groups) groups *= 2;
-  int stages = g.vectorized ? tune.stages : 1;
+  int stages = !g.vectorized ? 1 : param_regs && tune.parstages > 0 ? tune.parstages : tune.stages;
   p.tile_stride = colwise ? int((a.hidden + 15) / 16 * 16 + 4) : 0;  // stride / 4 odd
   const int64_t row_bytes = g.vectorized ? int64_t(g.items) * int64_t(sizeof(T)) : 0;
   // parsmem: fp32 gamma (+ beta) after the row stages and the codes tile (rounded up to 16

@@ -75,7 +75,8 @@ inline RowGeometry ChooseRowGeometry(int64_t hidden, int elem_bytes, bool pointe
 // 371.3 us; then colblock=1024 with colbar=1, 168.6 / 336.3 us, beat colblock=512 with
 // colbar=0, 176.1 / 355.6, while parsmem=1 was slower in every combination tried); the
 // environment variable LOWBIT_NORM_FWD_VARIANT ("items=16,stages=2,block=512,colblock=1024,
-// coltile=0,colspan=32,colorder=1,colsplit=1,l1keep=0,parsmem=0,colbar=1,parkeep=0,stream=0",
+// coltile=0,colspan=32,colorder=1,colsplit=1,l1keep=0,parsmem=0,colbar=1,parkeep=1,parstages=3,
+// stream=0",
 // any subset) overrides them, as a benchmark knob
 // (bench/bench_norm.py --variants): every setting computes the same results up to the order
 // of the row sums. "colspan=32,colorder=0,colsplit=0,l1keep=0" is the colwise path before colspan.
@@ -125,6 +126,13 @@ inline RowGeometry ChooseRowGeometry(int64_t hidden, int elem_bytes, bool pointe
 //             fits, as colblock=1024's), so coltile/stages set its shape; parsmem is
 //             ignored. Rows of > 512 threads (16384) keep the parkeep=0 kernel. Same
 //             results as parkeep=0 bit for bit (same items, same elementwise math).
+//             The default since the H100 sweep of 2026-11-23 (bench/results/norm_variants_*,
+//             kernel time, fwd + row+col e4m3, 16384 rows): with parstages=3, 151.0 / 310.4 us
+//             at 4096 / 8192 (88.1% / 85.7% of copy) against parkeep=0's 154.9 / 323.4 us;
+//             with 2 stages it was slower (159.6 / 332.5), and so was stages=3 without it.
+//   parstages: row stages of the parkeep kernel (1..4; 0 = stages). 3 by default: the
+//             parkeep kernel runs one 512-thread block per SM, so a third row in flight
+//             covers the latency the halved occupancy exposes.
 //   stream:   colwise, vectorized rows of bf16/f16 x: x (cp.async), y and the rowwise codes
 //             with the L2 evict-first policy (1), so L2 keeps the transposed codes' lines,
 //             completed 32 bytes at a time by neighbouring clusters, longer; 0: default
@@ -141,7 +149,8 @@ struct NormFwdTuning {
   int l1keep = 0;
   int parsmem = 0;
   int colbar = 1;
-  int parkeep = 0;
+  int parkeep = 1;
+  int parstages = 3;
   int stream = 0;
 };
 
@@ -168,6 +177,8 @@ inline bool ParseNormFwdTuning(const char* text, NormFwdTuning* t, std::string* 
       t->items = value;
     } else if (ok && key == "stages" && value >= 1 && value <= 4) {
       t->stages = value;
+    } else if (ok && key == "parstages" && value <= 4) {
+      t->parstages = value;
     } else if (ok && key == "coltile" && (value == 0 || value == 4 || value == 8 ||
                                            value == 16 || value == 32)) {
       t->coltile = value;
@@ -191,7 +202,7 @@ inline bool ParseNormFwdTuning(const char* text, NormFwdTuning* t, std::string* 
       *error = "bad entry '" + item + "' (expected items=8|16, stages=1..4, block=32..1024, "
                "colblock=32..1024, blocks multiples of 32, coltile=0|4|8|16|32, "
                "colspan=0|16|32|64|128, colorder=0|1, colsplit=0|1, l1keep=0|1, parsmem=0|1, "
-               "colbar=0|1, parkeep=0|1, stream=0|1)";
+               "colbar=0|1, parkeep=0|1, parstages=0..4, stream=0|1)";
       return false;
     }
   }
