@@ -161,6 +161,14 @@ __device__ __forceinline__ void LoadChunk(const T* src, bool valid, T (&dst)[kVe
   memcpy(dst, &packed, sizeof(packed));
 }
 
+// One 16-byte global store (st.global.v4.b32: weak, the default cache policy, STG.128) of
+// 16-byte aligned dst. The fp32 kernels use it for y / dx: there a plain uint4 store was
+// merged with the scalar path's element stores into four 4-byte stores (each warp-wide at
+// a 16-byte stride), and __stwb compiles to STG.128.STRONG.SM.
+__device__ __forceinline__ void StoreGlobal16(void* dst, uint4 v) {
+  asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(dst), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w));
+}
+
 // q = a / b, r = a % b for b >= 1.
 __device__ __forceinline__ void DivMod32(uint32_t a, uint32_t b, uint32_t* q, uint32_t* r) {
   *q = a / b, *r = a % b;
@@ -368,10 +376,7 @@ __global__ void LOWBIT_ACT_LAUNCH_BOUNDS(kBackward, kGated, kChunkRows) ActTiled
           if (row_ok[i]) {
             if (p.vector_io && cols_left > 0) {
               if constexpr (sizeof(T) == 4) {
-                // fp32: __stwb (st.global.wb, the default policy) keeps one 16-byte store;
-                // a plain one was merged with the scalar path's element stores into four
-                // 4-byte stores, each warp-wide at a 16-byte stride.
-                if (p.out != nullptr) __stwb(reinterpret_cast<uint4*>(p.out + oi), PackChunk<Tag, kVec>(vr, no_nan));
+                if (p.out != nullptr) StoreGlobal16(p.out + oi, PackChunk<Tag, kVec>(vr, no_nan));
               } else {
                 if (p.out != nullptr) *reinterpret_cast<uint4*>(p.out + oi) = PackChunk<Tag, kVec>(vr, no_nan);
               }
@@ -534,7 +539,7 @@ bool Aligned(const void* p, uintptr_t bytes) { return reinterpret_cast<uintptr_t
 // bf16; 32 loaded bytes per thread and input in flight instead of 16, the fp32 forward
 // without y reading 2 of its 3 bytes moved per element where bf16 with y reads 1 of 3),
 // 9 = as 6 with 4 (the gated backward: 2; 4 would load 96 values per thread and pass).
-// Registers (sm_90a, ptxas -v, gelu): fp32 plain forward 48 / 63 / 80 at 1 / 2 / 4 chunk
+// Registers (sm_90a, ptxas -v, gelu): fp32 plain forward 48 / 63 / 78 at 1 / 2 / 4 chunk
 // rows (5 / 4 / 3 blocks per SM), plain backward 62 / 80 / 122 (4 / 3 / 2). Every output
 // is identical for every variant but dbias, whose fixed summation order depends on the
 // tile height only (activation.h).
