@@ -21,6 +21,8 @@ forward 16 / 64 and backward 16 / 32), each in a
 subprocess (the launchers read the variables at every call; results are identical).
 --ops (any mode) runs only the named ops: gelu_fwd, gelu_bwd, swiglu_fwd, swiglu_bwd,
 softmax_fwd, softmax_bwd (each subprocess draws only the inputs its ops need).
+--dev-time adds each variant's kernel time (profiler trace; % of the kernel-time copy
+bandwidth) to the --variants table.
 --dtype (bfloat16, float32 or float16) and --shapes ROWSxH ... set the activations' input
 (x is ROWS x H, gated ROWS x 2 x H; softmax stays bf16); --no-y / --no-dx leave out the
 high-precision y / dx (only the FP8 copies, amax and dbias are written, as the fused
@@ -91,6 +93,8 @@ def main():
                         help="the activations' input dtype")
     parser.add_argument("--no-y", action="store_true", help="forward: no high-precision y")
     parser.add_argument("--no-dx", action="store_true", help="backward: no high-precision dx")
+    parser.add_argument("--dev-time", action="store_true",
+                        help="--variants: also the kernel time per variant (a profiler trace per op)")
     parser.add_argument("--variants", nargs="?", const="0,1,2", default=None,
                         help="time the lowbit ops per kernel variant, e.g. 0,3 (subprocesses)")
     parser.add_argument("--ops", default=",".join(OPS), help="comma-separated subset of " + ", ".join(OPS))
@@ -109,7 +113,7 @@ def main():
     copy_bw = common.copy_bandwidth(1 << 22 if args.small else 1 << 30)
     # Kernel-time copy bandwidth (None without a GPU): lowbit's ops are then also timed from
     # a profiler trace, without the host's dispatch gaps (bench/common.py device_time_fn).
-    copy_dev = None if args.lowbit_only else common.copy_bandwidth(1 << 22 if args.small else 1 << 30,
+    copy_dev = None if args.lowbit_only and not args.dev_time else common.copy_bandwidth(1 << 22 if args.small else 1 << 30,
                                                                    device_time=True)
     rng = np.random.default_rng(0)
     scale = jnp.ones((1,), jnp.float32)
@@ -194,7 +198,8 @@ def run_variants(args):
         cmd = [sys.executable, os.path.abspath(__file__), "--lowbit-only", "--ops", args.ops, "--dtype", args.dtype]
         cmd += ["--iters", str(args.iters)] if args.iters else []
         cmd += ["--shapes", *args.shapes] if args.shapes else []
-        cmd += [f for f, on in (("--small", args.small), ("--no-y", args.no_y), ("--no-dx", args.no_dx)) if on]
+        cmd += [f for f, on in (("--small", args.small), ("--no-y", args.no_y), ("--no-dx", args.no_dx),
+                                ("--dev-time", args.dev_time)) if on]
         out = subprocess.run(cmd, env=env, capture_output=True, text=True)
         line = [ln for ln in out.stdout.splitlines() if ln.startswith("VARIANT_RESULT ")]
         if out.returncode != 0 or not line:
@@ -203,9 +208,13 @@ def run_variants(args):
         for r in raw[v]["results"]:
             row = table.setdefault(r["op"], {"op": r["op"]})
             row[f"v{v}_us"], row[f"v{v}_pct"] = r["lowbit_us"], r["pct_copy"]
+            if "lowbit_dev_us" in r:  # --dev-time on a GPU: kernel time, % of the kernel-time copy
+                row[f"v{v}_dev_us"], row[f"v{v}_dev_pct"] = r["lowbit_dev_us"], r["pct_copy_dev"]
     print(f"copy bandwidth {raw[variants[0]]['copy_GBps']:.1f} GB/s; "
           f"LOWBIT_ACT_VARIANT / LOWBIT_SOFTMAX_VARIANT = {', '.join(variants)}")
-    cols = ["op"] + [f"v{v}_{k}" for v in variants for k in ("us", "pct")]
+    keys = ("us", "pct", "dev_us", "dev_pct") if any("lowbit_dev_us" in r for d in raw.values()
+                                                      for r in d["results"]) else ("us", "pct")
+    cols = ["op"] + [f"v{v}_{k}" for v in variants for k in keys]
     common.print_table(list(table.values()), cols)
     path = common.write_results("activation_variants", dict(variants=raw))
     print(f"wrote {path}")
