@@ -263,16 +263,25 @@ def test_bad_input():
         lowbit.activation(x, ("gelu", "gelu"))
 
 
+# (dtype, LOWBIT_ACT_VARIANT): 64- / 128- / 256-row tiles for every dtype; for fp32 also the
+# chunk-row kernels (activation.cu: 7 / 8 = 2 chunk rows with 256- / 128-row tiles, 9 = 4
+# with 256; other dtypes run 7-9 as 6 / 5 / 6).
+DTYPE_VARIANTS = [(d, v) for d in DTYPES for v in ("0", "5", "6")] + [(np.float32, v) for v in ("7", "8", "9")]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["0", "5", "6"], ids=lambda v: f"v{v}")  # 64- / 128- / 256-row tiles
-@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("dtype,variant", DTYPE_VARIANTS, ids=lambda v: f"v{v}" if isinstance(v, str) else np.dtype(v).name)
 @pytest.mark.parametrize("act,gated", TYPES, ids=lambda v: str(v))
-@pytest.mark.parametrize("shape", [(4099, 1000), (64, 8192), (1, 7), (300, 129), (200, 136)], ids=str)
+@pytest.mark.parametrize("shape", [(4099, 1000), (64, 8192), (1, 7), (300, 129), (200, 136), (37, 100)], ids=str)
 def test_cuda_equals_cpu(shape, act, gated, dtype, variant, rng, cpu, gpu, monkeypatch):
-    monkeypatch.setenv("LOWBIT_ACT_VARIANT", variant)  # activation.cu: tile height
+    monkeypatch.setenv("LOWBIT_ACT_VARIANT", variant)  # activation.cu: tile height, chunk rows
     x = make_x(rng, shape, gated, dtype, 4.0)
     flat = x.reshape(-1)
-    flat[rng.choice(flat.size, min(6, flat.size), replace=False)] = [np.inf, -np.inf, np.nan, 0, 500, -500][:min(6, flat.size)]
+    special = [np.inf, -np.inf, np.nan, 0, 500, -500]
+    if dtype == np.float32:
+        special += [3e38, -3e38, -np.nan]  # near the fp32 maximum; a NaN with its sign set
+    n = min(len(special), flat.size)
+    flat[rng.choice(flat.size, n, replace=False)] = special[:n]
     dz = rng.standard_normal(shape).astype(dtype)
     s = np.float32(16.0)
 
@@ -307,15 +316,17 @@ def test_cuda_unaligned_and_3d(rng, cpu, gpu):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["0", "5", "6"], ids=lambda v: f"v{v}")  # 64- / 128- / 256-row tiles
+@pytest.mark.parametrize("dtype,variant", [(ml_dtypes.bfloat16, v) for v in ("0", "5", "6")]
+                         + [(np.float32, v) for v in ("6", "7", "8", "9")],
+                         ids=lambda v: f"v{v}" if isinstance(v, str) else np.dtype(v).name)
 @pytest.mark.parametrize("act,gated", [("silu", True), ("gelu", False)], ids=str)
-def test_cuda_dbias_deterministic(variant, act, gated, rng, gpu, monkeypatch):
+def test_cuda_dbias_deterministic(variant, dtype, act, gated, rng, gpu, monkeypatch):
     monkeypatch.setenv("LOWBIT_ACT_VARIANT", variant)
-    x = make_x(rng, (8192, 512), gated, ml_dtypes.bfloat16, 1.0)
-    dz = rng.standard_normal((8192, 512)).astype(ml_dtypes.bfloat16)
+    x = make_x(rng, (8192, 512), gated, dtype, 1.0)
+    dz = rng.standard_normal((8192, 512)).astype(dtype)
     f = lambda d, v: lowbit.ops.act_backward(d, v, act, gated=gated, compute_dbias=True).dbias  # noqa: E731
     a, b = run_on(gpu, f, dz, x), run_on(gpu, f, dz, x)
-    np.testing.assert_array_equal(a.view(np.uint16), b.view(np.uint16))
+    np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
 
 
 def test_subnormals_kept_and_nan_canonical():
@@ -329,15 +340,18 @@ def test_subnormals_kept_and_nan_canonical():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [ml_dtypes.bfloat16, np.float32], ids=lambda d: np.dtype(d).name)
 @pytest.mark.parametrize("act,gated", [("gelu", False), ("silu", True)], ids=str)
-def test_cuda_variants_equal_cpu(act, gated, rng, cpu, gpu, monkeypatch):
-    # LOWBIT_ACT_VARIANT 0-6 (activation.cu: grid size, cross-tile prefetch, tile height).
-    # 70001 x 264 is 3 tile columns by 1094 / 547 / 274 tile rows of 64 / 128 / 256 rows
-    # (822 tiles of 256 rows), more than any variant's grid has blocks, so blocks loop over
-    # several tiles (the prefetch of the next tile), with partial tiles in both dimensions.
-    x = make_x(rng, (70001, 264), gated, ml_dtypes.bfloat16, 4.0)
+def test_cuda_variants_equal_cpu(act, gated, dtype, rng, cpu, gpu, monkeypatch):
+    # LOWBIT_ACT_VARIANT 0-9 (activation.cu: grid size, cross-tile prefetch, tile height,
+    # fp32 chunk rows). 70001 x 264 is 3 tile columns by 1094 / 547 / 274 tile rows of 64 /
+    # 128 / 256 rows (822 tiles of 256 rows), more than any variant's grid has blocks, so
+    # blocks loop over several tiles (the prefetch of the next tile), with partial tiles in
+    # both dimensions (70001 = 273 x 256 + 113: a last pass of 2 or 4 chunk rows is partly
+    # in range).
+    x = make_x(rng, (70001, 264), gated, dtype, 4.0)
     x.reshape(-1)[[5, 77777, 123456]] = [np.nan, np.inf, -np.inf]
-    dz = rng.standard_normal((70001, 264)).astype(ml_dtypes.bfloat16)
+    dz = rng.standard_normal((70001, 264)).astype(dtype)
 
     def f(d, v):
         fw = lowbit.ops.act_forward(v, act, gated=gated, quant_scale=np.float32(8), colwise=True)
@@ -346,8 +360,8 @@ def test_cuda_variants_equal_cpu(act, gated, rng, cpu, gpu, monkeypatch):
         return fw, bw
 
     want = run_on(cpu, f, dz, x)
-    dbias0 = {}  # per tile height: the dbias summation order
-    for variant in ("0", "1", "2", "3", "4", "5", "6"):
+    dbias0 = {}  # per tile height: the dbias summation order (the same for any chunk rows)
+    for variant in "0123456789":
         monkeypatch.setenv("LOWBIT_ACT_VARIANT", variant)  # read by the launcher at every call
         got = run_on(gpu, f, dz, x)
         for name in ("y", "q_rowwise", "q_colwise", "amax"):
@@ -360,9 +374,11 @@ def test_cuda_variants_equal_cpu(act, gated, rng, cpu, gpu, monkeypatch):
         np.testing.assert_array_equal(np.isnan(a), np.isnan(b))
         fin = np.isfinite(a) & np.isfinite(b)
         assert np.all(np.abs(a[fin] - b[fin]) <= 1e-4 * np.sqrt(70001) * (1 + np.abs(b[fin])))
-        height = variant if variant in ("5", "6") else "64"
+        height = {"5": 128, "8": 128, "6": 256, "7": 256, "9": 256}.get(variant, 64)
+        height = 128 if gated and height == 256 else height  # the gated backward's tallest
         dbias0.setdefault(height, got[1].dbias)  # every variant of a tile height: the same bits
-        np.testing.assert_array_equal(got[1].dbias.view(np.uint16), dbias0[height].view(np.uint16))
-    monkeypatch.setenv("LOWBIT_ACT_VARIANT", "9")
-    with pytest.raises(Exception, match="LOWBIT_ACT_VARIANT: expected 0 to 6"):
+        np.testing.assert_array_equal(got[1].dbias.view(np.uint8), dbias0[height].view(np.uint8),
+                                      err_msg=f"variant {variant} dbias")
+    monkeypatch.setenv("LOWBIT_ACT_VARIANT", "x")
+    with pytest.raises(Exception, match="LOWBIT_ACT_VARIANT: expected 0 to 9"):
         run_on(gpu, f, dz, x)

@@ -8,7 +8,9 @@
 // LOWBIT_ACT_VARIANT 0-4 / 5, 64- / 128-row) x 128-column tiles of the H input columns.
 // Each thread walks its 16-byte chunks of the tile (x, the gate half, dz) pass by pass, the
 // next pass's loads issued before this pass's math (the last pass's: the next tile's first
-// pass), and computes 1 or 2 output "planes"
+// pass); fp32 input may take 2 or 4 chunks of a column range per pass (kChunkRows,
+// LOWBIT_ACT_VARIANT 7-9), so a pass has bf16's 8 elements (or 16) instead of 4. It
+// computes 1 or 2 output "planes"
 // per element (2 for the gated backward: d x_a goes to columns [0, H), d x_g to [H, 2H)).
 // Per plane it stores the high-precision output and the rowwise codes (hardware
 // conversions: half_cvt.cuh, quantize/fp8_cvt.cuh), keeps the codes in shared memory for
@@ -21,8 +23,8 @@
 // amax: block max of |v| bit patterns, one unsigned atomicMax (order independent).
 // Unaligned data or H % (16 / sizeof(T)) != 0 take the bounds-checked scalar path.
 // LOWBIT_ACT_VARIANT (benchmark tuning knob, see ActVariant): grid size, cross-tile
-// prefetch and tile height; identical results but for dbias's summation order (per tile
-// height).
+// prefetch, tile height and fp32 chunk rows; identical results but for dbias's summation
+// order (per tile height; the chunk rows keep it).
 #include <cuda_runtime.h>
 
 #include <atomic>
@@ -56,13 +58,21 @@ constexpr int kCodeStride = kTileCols + 4;  // bytes per shared row of codes (4-
 // ptxas otherwise settles on 64 and spills in the forward kernels), 2 for its gated
 // backward (85 spill in the bf16 clamped swiglu one). sm_90a 3 for the gated backward
 // (with no minimum it takes 124 registers: 2 blocks), 4 (64) for the gated forward and the
-// plain backward, 5 (48) for the plain forward; no spills.
+// plain backward, 5 (48) for the plain forward; no spills. fp32 chunk rows (kChunkRows 2
+// or 4: twice or four times the loaded registers) take one block less per step of
+// kChunkRows on either architecture (fp32 kChunkRows 2: sm_90a 4 / 3 / 3 / 2), at least 2.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1000
-#define LOWBIT_ACT_LAUNCH_BOUNDS(backward, gated) __launch_bounds__(kThreads, (backward) && (gated) ? 2 : 3)
+#define LOWBIT_ACT_MIN_BLOCKS(backward, gated) ((backward) && (gated) ? 2 : 3)
 #else
-#define LOWBIT_ACT_LAUNCH_BOUNDS(backward, gated) \
-  __launch_bounds__(kThreads, (backward) && (gated) ? 3 : (backward) || (gated) ? 4 : 5)
+#define LOWBIT_ACT_MIN_BLOCKS(backward, gated) ((backward) && (gated) ? 3 : (backward) || (gated) ? 4 : 5)
 #endif
+// The minimum for kChunkRows chunk rows: one block less for 2, two less for 4, at least 2.
+constexpr int ActMinBlocks(int min_blocks, int chunk_rows) {
+  const int n = min_blocks - (chunk_rows == 1 ? 0 : chunk_rows == 2 ? 1 : 2);
+  return chunk_rows == 1 || n >= 2 ? n : 2;
+}
+#define LOWBIT_ACT_LAUNCH_BOUNDS(backward, gated, chunk_rows) \
+  __launch_bounds__(kThreads, ActMinBlocks(LOWBIT_ACT_MIN_BLOCKS(backward, gated), chunk_rows))
 
 template <typename T>
 struct ActKernelArgs {
@@ -151,63 +161,93 @@ __device__ __forceinline__ void LoadChunk(const T* src, bool valid, T (&dst)[kVe
   memcpy(dst, &packed, sizeof(packed));
 }
 
+// One 16-byte global store (st.global.v4.b32: weak, the default cache policy, STG.128) of
+// 16-byte aligned dst. The fp32 kernels use it for y / dx: there a plain uint4 store was
+// merged with the scalar path's element stores into four 4-byte stores (each warp-wide at
+// a 16-byte stride), and __stwb compiles to STG.128.STRONG.SM.
+__device__ __forceinline__ void StoreGlobal16(void* dst, uint4 v) {
+  asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(dst), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w));
+}
+
 // q = a / b, r = a % b for b >= 1.
 __device__ __forceinline__ void DivMod32(uint32_t a, uint32_t b, uint32_t* q, uint32_t* r) {
   *q = a / b, *r = a % b;
 }
 
-// Loads one pass's chunks of this thread: x_off is the element offset of the chunk's first
-// element in x (the gate half at x_off + hidden), dz_off in dz. Out of range -> 0 (the
-// caller masks): row_ok, and cols_left = columns from the chunk's first to the end.
-template <typename Tag, bool kBackward, bool kGated, int kVec>
+// Loads one pass's chunks of this thread: kChunkRows 16-byte chunks per input, rows
+// first_row, first_row + kThreadRows, ... of the tile (kThreadRows = the rows of threads a
+// pass spans per chunk row), at element offsets x_off (the gate half at x_off + hidden) and
+// dz_off, + i * x_row_step / dz_row_step for chunk row i. Out of range -> 0 (the caller
+// masks): rows from rows_limit on, and cols_left = columns from the chunk's first to the end.
+template <typename Tag, bool kBackward, bool kGated, int kVec, int kChunkRows>
 __device__ __forceinline__ void LoadPass(const ActKernelArgs<typename Tag::Storage>& p, int64_t x_off,
-                                         int64_t dz_off, bool row_ok, int cols_left,
-                                         typename Tag::Storage (&xa)[kVec],
-                                         typename Tag::Storage (&xg)[kVec],
-                                         typename Tag::Storage (&g)[kVec]) {
+                                         int64_t dz_off, int64_t x_row_step, int64_t dz_row_step,
+                                         int first_row, int rows_limit, int cols_left,
+                                         typename Tag::Storage (&xa)[kVec * kChunkRows],
+                                         typename Tag::Storage (&xg)[kVec * kChunkRows],
+                                         typename Tag::Storage (&g)[kVec * kChunkRows]) {
   using T = typename Tag::Storage;
-  if (p.vector_io) {
-    const bool ok = row_ok && cols_left > 0;
-    LoadChunk<T, kVec>(p.x + x_off, ok, xa);
-    if constexpr (kGated) LoadChunk<T, kVec>(p.x + x_off + p.hidden, ok, xg);
-    if constexpr (kBackward) LoadChunk<T, kVec>(p.dz + dz_off, ok, g);
-  } else {
+  constexpr int kThreadRows = kThreads * kVec / kTileCols;
 #pragma unroll
-    for (int j = 0; j < kVec; ++j) {
-      const bool ok = row_ok && j < cols_left;
-      xa[j] = ok ? p.x[x_off + j] : T(0);
-      if constexpr (kGated) xg[j] = ok ? p.x[x_off + p.hidden + j] : T(0);
-      if constexpr (kBackward) g[j] = ok ? p.dz[dz_off + j] : T(0);
+  for (int i = 0; i < kChunkRows; ++i) {
+    const bool row_ok = first_row + i * kThreadRows < rows_limit;
+    const int64_t xo = x_off + i * x_row_step, dzo = dz_off + i * dz_row_step;
+    // Chunk row i's elements in place (a 16-byte copy, as for one chunk: copied element by
+    // element, bf16 chunks were kept as 16-bit values, more registers).
+    T(&cxa)[kVec] = *reinterpret_cast<T(*)[kVec]>(&xa[i * kVec]);
+    T(&cxg)[kVec] = *reinterpret_cast<T(*)[kVec]>(&xg[i * kVec]);
+    T(&cg)[kVec] = *reinterpret_cast<T(*)[kVec]>(&g[i * kVec]);
+    if (p.vector_io) {
+      const bool ok = row_ok && cols_left > 0;
+      LoadChunk<T, kVec>(p.x + xo, ok, cxa);
+      if constexpr (kGated) LoadChunk<T, kVec>(p.x + xo + p.hidden, ok, cxg);
+      if constexpr (kBackward) LoadChunk<T, kVec>(p.dz + dzo, ok, cg);
+    } else {
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) {
+        const bool ok = row_ok && j < cols_left;
+        cxa[j] = ok ? p.x[xo + j] : T(0);
+        if constexpr (kGated) cxg[j] = ok ? p.x[xo + p.hidden + j] : T(0);
+        if constexpr (kBackward) cg[j] = ok ? p.dz[dzo + j] : T(0);
+      }
     }
   }
 }
 
-// One kernel per (dtype, forward/backward, gated, act type): the code format and the
-// vector/scalar IO are uniform runtime branches, and the passes of a tile are a rolled
-// loop (next pass's loads issued before this pass's math; with p.prefetch_tiles the last
-// pass loads the next tile's first pass, so the loads stay in flight through the dbias and
-// transpose phase), so each kernel inlines the activation math kVec times, not
-// kVec * passes * formats * IO variants (compile time). Each pass advances 64-bit element
-// offsets by one step (no per-pass index products).
-template <typename Tag, bool kBackward, bool kGated, ActType kType, int kTileRows>
-__global__ void LOWBIT_ACT_LAUNCH_BOUNDS(kBackward, kGated) ActTiledKernel(ActKernelArgs<typename Tag::Storage> p) {
+// One kernel per (dtype, forward/backward, gated, act type, tile height, chunk rows): the
+// code format and the vector/scalar IO are uniform runtime branches, and the passes of a
+// tile are a rolled loop (next pass's loads issued before this pass's math; with
+// p.prefetch_tiles the last pass loads the next tile's first pass, so the loads stay in
+// flight through the dbias and transpose phase), so each kernel inlines the activation
+// math kElems times, not kElems * passes * formats * IO variants (compile time). Each pass
+// advances 64-bit element offsets by one step (no per-pass index products).
+// kChunkRows (fp32 only, ActVariant 7-9; else 1): a thread's pass takes that many 16-byte
+// chunks of one column range, in rows kThreadRows apart, so a pass computes kElems =
+// kChunkRows * kVec elements (fp32: 8 or 16 instead of 4, as bf16's 8) and keeps twice or
+// four times the bytes in flight; the rows a thread visits, and their order, are those of
+// kChunkRows = 1 (so dbias has the same bits), only fewer passes per tile.
+template <typename Tag, bool kBackward, bool kGated, ActType kType, int kTileRows, int kChunkRows>
+__global__ void LOWBIT_ACT_LAUNCH_BOUNDS(kBackward, kGated, kChunkRows) ActTiledKernel(ActKernelArgs<typename Tag::Storage> p) {
   using T = typename Tag::Storage;
   ActParams act = p.act;  // type and gating as compile-time constants: the math folds
   act.type = kType;
   act.gated = kGated;
   constexpr int kPlanes = kBackward && kGated ? 2 : 1;
   constexpr int kVec = 16 / int(sizeof(T));
+  constexpr int kElems = kVec * kChunkRows;  // elements per thread and pass
   constexpr int kThreadsPerRow = kTileCols / kVec;
-  constexpr int kRowsPerPass = kThreads / kThreadsPerRow;
+  constexpr int kThreadRows = kThreads / kThreadsPerRow;  // rows of threads
+  constexpr int kRowsPerPass = kThreadRows * kChunkRows;
   constexpr int kPasses = kTileRows / kRowsPerPass;
-  // dbias: 64-row tiles keep one shared row of column sums per chunk row (the summation
+  static_assert(kPasses * kRowsPerPass == kTileRows, "whole passes per tile");
+  // dbias: 64-row tiles keep one shared row of column sums per thread row (the summation
   // order of the first kernels); tall tiles first add a warp's chunk rows by shuffles
   // (bf16/f16: lanes l and l ^ 16), one shared row per warp, so the gated backward's shared
   // memory stays under the 48 KiB static limit. Each order is fixed: same bits every run.
   constexpr bool kFoldWarpRows = kTileRows != kShortTileRows;
   constexpr int kRowsPerWarp = 32 / kThreadsPerRow;
   static_assert(kRowsPerWarp == 1 || kRowsPerWarp == 2, "the dbias warp fold");
-  constexpr int kPartialRows = !kBackward ? 1 : kFoldWarpRows ? kThreads / 32 : kRowsPerPass;
+  constexpr int kPartialRows = !kBackward ? 1 : kFoldWarpRows ? kThreads / 32 : kThreadRows;
   __shared__ __align__(16) uint8_t codes[kPlanes][kTileRows][kCodeStride];
   __shared__ float col_partial[kPlanes][kPartialRows][kTileCols];
 
@@ -222,6 +262,10 @@ __global__ void LOWBIT_ACT_LAUNCH_BOUNDS(kBackward, kGated) ActTiledKernel(ActKe
   const int64_t x_step = int64_t(kRowsPerPass) * p.in_cols;
   const int64_t dz_step = int64_t(kRowsPerPass) * p.hidden;
   const int64_t out_step = int64_t(kRowsPerPass) * p.out_cols;
+  // Chunk row i of a pass: + i * these (unused when kChunkRows == 1).
+  const int64_t x_row_step = int64_t(kThreadRows) * p.in_cols;
+  const int64_t dz_row_step = int64_t(kThreadRows) * p.hidden;
+  const int64_t out_row_step = int64_t(kThreadRows) * p.out_cols;
   uint32_t best = 0;
 
   // Tile t = tile_row * tiles_c + tile_col, t = blockIdx.x, blockIdx.x + gridDim.x, ...,
@@ -239,14 +283,15 @@ __global__ void LOWBIT_ACT_LAUNCH_BOUNDS(kBackward, kGated) ActTiledKernel(ActKe
     *rows_in_tile = int(min(p.rows - r0, int64_t(kTileRows)));
     *cols_left = int(max(min(p.hidden - c, int64_t(kVec)), int64_t(0)));
   };
-  T xa[kVec], xg[kVec], g[kVec];  // the current pass's chunks
-  bool loaded = false;            // xa/xg/g already hold this tile's first pass (prefetched)
+  T xa[kElems], xg[kElems], g[kElems];  // the current pass's chunks
+  bool loaded = false;                  // xa/xg/g already hold this tile's first pass (prefetched)
   for (; tile_row < tile_rows;) {
     int64_t x_off, dz_off;
     int rows_in_tile, cols_left;
     tile_start(tile_row, tile_col, &x_off, &dz_off, &rows_in_tile, &cols_left);
     if (!loaded) {
-      LoadPass<Tag, kBackward, kGated, kVec>(p, x_off, dz_off, chunk_row < rows_in_tile, cols_left, xa, xg, g);
+      LoadPass<Tag, kBackward, kGated, kVec, kChunkRows>(p, x_off, dz_off, x_row_step, dz_row_step, chunk_row,
+                                                         rows_in_tile, cols_left, xa, xg, g);
     }
     const int64_t r0 = int64_t(tile_row) * kTileRows;
     const int64_t c0 = int64_t(tile_col) * kTileCols;
@@ -265,22 +310,26 @@ __global__ void LOWBIT_ACT_LAUNCH_BOUNDS(kBackward, kGated) ActTiledKernel(ActKe
     // keep codes and column sums.
 #pragma unroll 1
     for (int s = 0; s < kPasses; ++s) {
-      const int local_row = s * kRowsPerPass + chunk_row;
-      const bool row_ok = local_row < rows_in_tile;
-      T nxa[kVec], nxg[kVec], ng[kVec];
+      const int local_row = s * kRowsPerPass + chunk_row;  // chunk row 0's
+      bool row_ok[kChunkRows];
+#pragma unroll
+      for (int i = 0; i < kChunkRows; ++i) row_ok[i] = local_row + i * kThreadRows < rows_in_tile;
+      T nxa[kElems], nxg[kElems], ng[kElems];
       if (s + 1 < kPasses) {
-        LoadPass<Tag, kBackward, kGated, kVec>(p, x_off + x_step, dz_off + dz_step,
-                                               local_row + kRowsPerPass < rows_in_tile, cols_left, nxa, nxg, ng);
+        LoadPass<Tag, kBackward, kGated, kVec, kChunkRows>(p, x_off + x_step, dz_off + dz_step, x_row_step,
+                                                           dz_row_step, local_row + kRowsPerPass, rows_in_tile,
+                                                           cols_left, nxa, nxg, ng);
       } else if (p.prefetch_tiles && next_row < tile_rows) {
         int64_t nx_off, ndz_off;
         int n_rows, n_cols;
         tile_start(next_row, next_col, &nx_off, &ndz_off, &n_rows, &n_cols);
-        LoadPass<Tag, kBackward, kGated, kVec>(p, nx_off, ndz_off, chunk_row < n_rows, n_cols, nxa, nxg, ng);
+        LoadPass<Tag, kBackward, kGated, kVec, kChunkRows>(p, nx_off, ndz_off, x_row_step, dz_row_step, chunk_row,
+                                                           n_rows, n_cols, nxa, nxg, ng);
         loaded = true;
       }
-      float v[kPlanes][kVec];
+      float v[kPlanes][kElems];
 #pragma unroll
-      for (int j = 0; j < kVec; ++j) {
+      for (int j = 0; j < kElems; ++j) {
         const float a = LoadElement(Tag{}, xa[j]);
         const float gate = kGated ? LoadElement(Tag{}, xg[j]) : 0.0f;
         if constexpr (kBackward) {
@@ -297,44 +346,60 @@ __global__ void LOWBIT_ACT_LAUNCH_BOUNDS(kBackward, kGated) ActTiledKernel(ActKe
       // (columns past the end are never written).
 #pragma unroll
       for (int k = 0; k < kPlanes; ++k) {
-        const int64_t o = out_off + k * p.hidden;  // element j = 0 of plane k
+        const int64_t o = out_off + k * p.hidden;  // element j = 0 of plane k, chunk row 0
         float chunk_max = 0.0f;
 #pragma unroll
-        for (int j = 0; j < kVec; ++j) chunk_max = AbsMaxNan(v[k][j], chunk_max);
+        for (int j = 0; j < kElems; ++j) chunk_max = AbsMaxNan(v[k][j], chunk_max);
         best = max(best, FloatBits(chunk_max));  // NaN (0x7FFFFFFF) beats inf
         const bool no_nan = chunk_max == chunk_max;
         if (!no_nan) {  // rare: the reference's canonical NaN for the codecs below
 #pragma unroll
-          for (int j = 0; j < kVec; ++j) v[k][j] = CanonicalNan(v[k][j]);
+          for (int j = 0; j < kElems; ++j) v[k][j] = CanonicalNan(v[k][j]);
         }
-        if (dbias && row_ok) {
+        // Chunk row by chunk row, so each column adds the thread's rows in row order.
 #pragma unroll
-          for (int j = 0; j < kVec; ++j) col_sum[k][j] += v[k][j];
-        }
-        uint32_t q[kVec / 4] = {};
-        if (quantize) EncodeChunk<kVec>(p.e5m2, v[k], scale, no_nan && scale_ok, q);
-        if (row_ok) {
-          if (p.vector_io && cols_left > 0) {
-            if (p.out != nullptr) *reinterpret_cast<uint4*>(p.out + o) = PackChunk<Tag, kVec>(v[k], no_nan);
-            if (p.q_rowwise != nullptr) StoreCodes<kVec>(p.q_rowwise + o, q);
-          } else {
+        for (int i = 0; i < kChunkRows; ++i) {
+          if (dbias && row_ok[i]) {
 #pragma unroll
-            for (int j = 0; j < kVec; ++j) {
-              if (j >= cols_left) break;
-              if (p.out != nullptr) p.out[o + j] = StoreFromFloat(Tag{}, v[k][j]);
-              if (p.q_rowwise != nullptr) p.q_rowwise[o + j] = uint8_t(q[j / 4] >> (8 * (j % 4)));
-            }
+            for (int j = 0; j < kVec; ++j) col_sum[k][j] += v[k][i * kVec + j];
           }
         }
-        if (p.q_colwise != nullptr) {
+        uint32_t q[kElems / 4] = {};
+        if (quantize) EncodeChunk<kElems>(p.e5m2, v[k], scale, no_nan && scale_ok, q);
 #pragma unroll
-          for (int j = 0; j < kVec; j += 4) {
-            *reinterpret_cast<uint32_t*>(&codes[k][local_row][chunk_col + j]) = q[j / 4];
+        for (int i = 0; i < kChunkRows; ++i) {
+          // Chunk row i's values and codes (views, not copies: with kChunkRows = 1 the
+          // code is that of the kernel before chunk rows).
+          const float(&vr)[kVec] = *reinterpret_cast<const float(*)[kVec]>(&v[k][i * kVec]);
+          const uint32_t(&qr)[kVec / 4] = *reinterpret_cast<const uint32_t(*)[kVec / 4]>(&q[i * (kVec / 4)]);
+          const int64_t oi = o + i * out_row_step;
+          if (row_ok[i]) {
+            if (p.vector_io && cols_left > 0) {
+              if constexpr (sizeof(T) == 4) {
+                if (p.out != nullptr) StoreGlobal16(p.out + oi, PackChunk<Tag, kVec>(vr, no_nan));
+              } else {
+                if (p.out != nullptr) *reinterpret_cast<uint4*>(p.out + oi) = PackChunk<Tag, kVec>(vr, no_nan);
+              }
+              if (p.q_rowwise != nullptr) StoreCodes<kVec>(p.q_rowwise + oi, qr);
+            } else {
+#pragma unroll
+              for (int j = 0; j < kVec; ++j) {
+                if (j >= cols_left) break;
+                if (p.out != nullptr) p.out[oi + j] = StoreFromFloat(Tag{}, vr[j]);
+                if (p.q_rowwise != nullptr) p.q_rowwise[oi + j] = uint8_t(qr[j / 4] >> (8 * (j % 4)));
+              }
+            }
+          }
+          if (p.q_colwise != nullptr) {
+#pragma unroll
+            for (int j = 0; j < kVec; j += 4) {
+              *reinterpret_cast<uint32_t*>(&codes[k][local_row + i * kThreadRows][chunk_col + j]) = qr[j / 4];
+            }
           }
         }
       }
 #pragma unroll
-      for (int j = 0; j < kVec; ++j) {
+      for (int j = 0; j < kElems; ++j) {
         xa[j] = nxa[j];
         if constexpr (kGated) xg[j] = nxg[j];
         if constexpr (kBackward) g[j] = ng[j];
@@ -469,38 +534,52 @@ bool Aligned(const void* p, uintptr_t bytes) { return reinterpret_cast<uintptr_t
 // half the barriers and transposes' loop overhead per element); 6 = as 0 with 256-row
 // tiles (the gated backward: 128). With 8 per SM and 5
 // (plain fwd) or 3 (gated bwd) resident, a second round of 3 or 2 blocks per SM runs on
-// part of the SM. Every output is identical for every variant but dbias, whose fixed
-// summation order depends on the tile height (activation.h).
+// part of the SM. fp32 input only (other dtypes run 7 / 8 / 9 as 6 / 5 / 6): 7 = as 6 and
+// 8 = as 5 with 2 chunk rows per pass (kChunkRows: 8 elements per thread and pass, as
+// bf16; 32 loaded bytes per thread and input in flight instead of 16, the fp32 forward
+// without y reading 2 of its 3 bytes moved per element where bf16 with y reads 1 of 3),
+// 9 = as 6 with 4 (the gated backward: 2; 4 would load 96 values per thread and pass).
+// Registers (sm_90a, ptxas -v, gelu): fp32 plain forward 48 / 63 / 78 at 1 / 2 / 4 chunk
+// rows (5 / 4 / 3 blocks per SM), plain backward 62 / 80 / 122 (4 / 3 / 2). Every output
+// is identical for every variant but dbias, whose fixed summation order depends on the
+// tile height only (activation.h).
 struct ActVariant {
   int blocks_per_sm = 0;  // 0: the occupancy
   bool prefetch_tiles = true;
   int tile_rows = kTallerTileRows;  // 64, 128 or 256 (unset: variant 6's)
+  int f32_chunk_rows = 1;           // fp32 input: 1, 2 or 4 (kChunkRows); others: 1
 };
 
-constexpr char kMaxActVariant = '6';
+constexpr char kMaxActVariant = '9';
 
 // False if the value is invalid.
 bool ReadActVariant(ActVariant* v) {
   const char* env = std::getenv("LOWBIT_ACT_VARIANT");
   if (env == nullptr || env[0] == '\0') return true;
   if (env[1] != '\0' || env[0] < '0' || env[0] > kMaxActVariant) return false;
-  static constexpr int kBlocksPerSm[7] = {0, 4, 16, 8, 8, 0, 0};
-  v->blocks_per_sm = kBlocksPerSm[env[0] - '0'];
-  v->prefetch_tiles = env[0] != '3';
-  v->tile_rows = env[0] == '5' ? kTallTileRows : env[0] == '6' ? kTallerTileRows : kShortTileRows;
+  const int i = env[0] - '0';
+  static constexpr int kBlocksPerSm[10] = {0, 4, 16, 8, 8, 0, 0, 0, 0, 0};
+  static constexpr int kTileRowsOf[10] = {kShortTileRows, kShortTileRows, kShortTileRows, kShortTileRows,
+                                          kShortTileRows, kTallTileRows,  kTallerTileRows, kTallerTileRows,
+                                          kTallTileRows,  kTallerTileRows};
+  static constexpr int kF32ChunkRows[10] = {1, 1, 1, 1, 1, 1, 1, 2, 2, 4};
+  v->blocks_per_sm = kBlocksPerSm[i];
+  v->prefetch_tiles = i != 3;
+  v->tile_rows = kTileRowsOf[i];
+  v->f32_chunk_rows = kF32ChunkRows[i];
   return true;
 }
 
-// Resident blocks per SM of ActTiledKernel<Tag, kBackward, kGated, kType, kTileRows>
-// (kThreads threads, static shared memory), asked once per instantiation; 1 if the
-// runtime cannot tell.
-template <typename Tag, bool kBackward, bool kGated, ActType kType, int kTileRows>
+// Resident blocks per SM of ActTiledKernel<Tag, kBackward, kGated, kType, kTileRows,
+// kChunkRows> (kThreads threads, static shared memory), asked once per instantiation; 1 if
+// the runtime cannot tell.
+template <typename Tag, bool kBackward, bool kGated, ActType kType, int kTileRows, int kChunkRows>
 int ResidentBlocksPerSm() {
   static std::atomic<int> cached{0};
   int n = cached.load(std::memory_order_relaxed);
   if (n == 0) {
-    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, ActTiledKernel<Tag, kBackward, kGated, kType, kTileRows>,
-                                                      kThreads, 0) != cudaSuccess ||
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+            &n, ActTiledKernel<Tag, kBackward, kGated, kType, kTileRows, kChunkRows>, kThreads, 0) != cudaSuccess ||
         n < 1) {
       n = 1;
     }
@@ -511,7 +590,7 @@ int ResidentBlocksPerSm() {
 
 // The tiled kernel with kTileRows-row tiles, then (dbias) the finalize kernel over its
 // tile_rows workspace rows (ActBackwardWorkspaceBytes sizes for 64-row tiles: enough).
-template <typename Tag, bool kBackward, bool kGated, ActType kType, int kTileRows>
+template <typename Tag, bool kBackward, bool kGated, ActType kType, int kTileRows, int kChunkRows>
 Status LaunchTiles(const ActKernelArgs<typename Tag::Storage>& p, const ActVariant& variant, GpuStream stream,
                    const char* op) {
   using T = typename Tag::Storage;
@@ -521,10 +600,11 @@ Status LaunchTiles(const ActKernelArgs<typename Tag::Storage>& p, const ActVaria
     return Status::InvalidArgument(std::string(op) + ": x: too many rows or columns for the CUDA kernel");
   }
   const int64_t tiles = tile_rows * tile_cols;
-  const int per_sm = variant.blocks_per_sm > 0 ? variant.blocks_per_sm
-                                               : ResidentBlocksPerSm<Tag, kBackward, kGated, kType, kTileRows>();
+  const int per_sm = variant.blocks_per_sm > 0
+                         ? variant.blocks_per_sm
+                         : ResidentBlocksPerSm<Tag, kBackward, kGated, kType, kTileRows, kChunkRows>();
   const int blocks = GridStrideBlocks(tiles * kThreads, kThreads, per_sm);
-  ActTiledKernel<Tag, kBackward, kGated, kType, kTileRows><<<blocks, kThreads, 0, stream>>>(p);
+  ActTiledKernel<Tag, kBackward, kGated, kType, kTileRows, kChunkRows><<<blocks, kThreads, 0, stream>>>(p);
   LOWBIT_RETURN_IF_ERROR(LaunchStatus(op));
   if (p.partials == nullptr) return Status::Ok();
   const int64_t finalize_blocks = (p.out_cols + 31) / 32;
@@ -532,6 +612,18 @@ Status LaunchTiles(const ActKernelArgs<typename Tag::Storage>& p, const ActVaria
   DbiasFinalizeKernel<Tag><<<unsigned(finalize_blocks), dim3(32, 8), 0, stream>>>(
       p.partials, tile_rows, p.out_cols, static_cast<T*>(p.dbias_out));
   return LaunchStatus(op);
+}
+
+// The tall tiles (128 or 256 rows; the gated backward: 128) with kChunkRows chunk rows.
+template <typename Tag, bool kBackward, bool kGated, ActType kType, int kChunkRows>
+Status LaunchTall(const ActKernelArgs<typename Tag::Storage>& p, const ActVariant& variant, GpuStream stream,
+                  const char* op) {
+  if (variant.tile_rows == kTallerTileRows) {
+    if constexpr (!(kBackward && kGated)) {
+      return LaunchTiles<Tag, kBackward, kGated, kType, kTallerTileRows, kChunkRows>(p, variant, stream, op);
+    }
+  }
+  return LaunchTiles<Tag, kBackward, kGated, kType, kTallTileRows, kChunkRows>(p, variant, stream, op);
 }
 
 template <typename Tag, bool kBackward, bool kGated, ActType kType>
@@ -568,15 +660,16 @@ Status Launch(const ActArgs& a, void* workspace, GpuStream stream, const char* o
                                    "'");
   }
   p.prefetch_tiles = variant.prefetch_tiles;
-  if (variant.tile_rows == kTallerTileRows) {
-    if constexpr (!(kBackward && kGated)) {
-      return LaunchTiles<Tag, kBackward, kGated, kType, kTallerTileRows>(p, variant, stream, op);
+  if constexpr (std::is_same_v<Tag, F32>) {
+    // fp32 chunk rows (tall tiles only); the gated backward takes at most 2 (4 would hold
+    // 2 x 48 loaded values per thread).
+    if (variant.f32_chunk_rows == 4) {
+      if constexpr (!(kBackward && kGated)) return LaunchTall<Tag, kBackward, kGated, kType, 4>(p, variant, stream, op);
     }
+    if (variant.f32_chunk_rows != 1) return LaunchTall<Tag, kBackward, kGated, kType, 2>(p, variant, stream, op);
   }
-  if (variant.tile_rows != kShortTileRows) {
-    return LaunchTiles<Tag, kBackward, kGated, kType, kTallTileRows>(p, variant, stream, op);
-  }
-  return LaunchTiles<Tag, kBackward, kGated, kType, kShortTileRows>(p, variant, stream, op);
+  if (variant.tile_rows != kShortTileRows) return LaunchTall<Tag, kBackward, kGated, kType, 1>(p, variant, stream, op);
+  return LaunchTiles<Tag, kBackward, kGated, kType, kShortTileRows, 1>(p, variant, stream, op);
 }
 
 // Calls f(std::integral_constant<ActType, type>{}): one kernel per activation type.

@@ -16,8 +16,9 @@
 // Quantization takes the fp32 value (not the rounded y/dx). CPU and CUDA compute every
 // element bit-identically (activation_math.h); dbias sums differ only in summation order:
 // the reference adds rows in order, the kernel per 256-row tile (the gated backward: 128;
-// 64- or 128-row tiles under LOWBIT_ACT_VARIANT 0-4 / 5: activation.cu) then the tiles in
-// order (deterministic run to run).
+// 64- or 128-row tiles under LOWBIT_ACT_VARIANT 0-4 / 5 and 8, 256 under 6, 7 and 9:
+// activation.cu; fp32's chunk-row variants 7-9 sum in the order of their tile height's)
+// then the tiles in order (deterministic run to run).
 #pragma once
 
 #include <cstdint>
