@@ -5,7 +5,8 @@
 //
 // x (rank >= 2, flatten_axis >= 1) is viewed as rows x cols; group_sizes count entries of
 // x's first dim (rows_per_unit = prod(shape[1:fa])). A data result with 0 elements is "not
-// requested" (its scale result must then be empty too). kind: 0 MXFP8, 1 FP8 block 1x128,
+// requested" unless its scale result is not empty (an empty x still has group-bound scale
+// arrays, all 0); otherwise the scale result must be empty too. kind: 0 MXFP8, 1 FP8 block 1x128,
 // 2 FP8 block 128x128 (GroupedBlockKind).
 #include <string>
 
@@ -28,7 +29,12 @@ Status CheckCopy(const char* data_arg, const char* scale_arg, const ffi::Result<
                  const ffi::Result<ffi::AnyBuffer>& scale, const Dims& want, const ScaleDims& want_scale,
                  ffi::DataType scale_type, bool* requested) {
   LOWBIT_RETURN_IF_ERROR(ExpectOptionalFp8(kOp, data_arg, data, want, requested));
-  if (*requested) return ExpectTypeAndDims(kOp, scale_arg, *scale, scale_type, ScaleShape(want_scale));
+  const bool empty_x_scales = !*requested && scale->element_count() != 0 && want_scale.size() != 0 &&
+                              DimsOf(*data) == want;  // requested copy of an empty x
+  if (*requested || empty_x_scales) {
+    *requested = true;
+    return ExpectTypeAndDims(kOp, scale_arg, *scale, scale_type, ScaleShape(want_scale));
+  }
   if (scale->element_count() == 0) return Status::Ok();
   return Invalid(kOp, scale_arg, std::string("expected an empty result when ") + data_arg + " is not requested, got " +
                                      Describe(scale->element_type(), DimsOf(*scale)));
@@ -82,10 +88,12 @@ Status GroupedBlockArgs(const ffi::AnyBuffer& x, const ffi::AnyBuffer& group_siz
   a->pow2_scales = pow2_scales;
   a->out_dtype = want_row ? ToDType(rowwise->element_type())
                           : want_col ? ToDType(colwise->element_type()) : DType::kE4M3;
-  a->rowwise = want_row ? static_cast<uint8_t*>(rowwise->untyped_data()) : nullptr;
-  a->rowwise_scale = want_row ? rowwise_scale->untyped_data() : nullptr;
-  a->colwise = want_col ? static_cast<uint8_t*>(colwise->untyped_data()) : nullptr;
-  a->colwise_scale = want_col ? colwise_scale->untyped_data() : nullptr;
+  // A requested copy of an empty x has no data (its pointer may be null), only scales.
+  const bool has_data = rows * cols != 0;
+  a->rowwise = want_row && has_data ? static_cast<uint8_t*>(rowwise->untyped_data()) : nullptr;
+  a->rowwise_scale = want_row && rowwise_scale->element_count() != 0 ? rowwise_scale->untyped_data() : nullptr;
+  a->colwise = want_col && has_data ? static_cast<uint8_t*>(colwise->untyped_data()) : nullptr;
+  a->colwise_scale = want_col && colwise_scale->element_count() != 0 ? colwise_scale->untyped_data() : nullptr;
   return CheckQuantizeGroupedBlockArgs(*a);
 }
 

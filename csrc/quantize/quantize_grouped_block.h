@@ -75,6 +75,7 @@ struct QuantizeGroupedBlockArgs {
   GroupedBlockKind kind = GroupedBlockKind::kMxfp8;
   bool pow2_scales = false;              // FP8 block only
   DType out_dtype = DType::kInvalid;     // kE4M3 or kE5M2
+  // A copy is requested when its data (x not empty) or its scales (not empty) are given.
   uint8_t* rowwise = nullptr;            // rows x cols, or null
   void* rowwise_scale = nullptr;         // ungrouped layout (128x128: grouped), with rowwise
   uint8_t* colwise = nullptr;            // MXFP8 rows x cols, FP8 cols x rows, or null
@@ -99,7 +100,7 @@ inline Status CheckQuantizeGroupedBlockArgs(const QuantizeGroupedBlockArgs& a) {
   if (a.pow2_scales && a.kind == GroupedBlockKind::kMxfp8) {
     return Status::InvalidArgument(op + "pow2_scales: applies to the FP8 block kinds only");
   }
-  if ((a.rowwise == nullptr) != (a.rowwise_scale == nullptr) || (a.colwise == nullptr) != (a.colwise_scale == nullptr)) {
+  if ((a.rowwise != nullptr && a.rowwise_scale == nullptr) || (a.colwise != nullptr && a.colwise_scale == nullptr)) {
     return Status::InvalidArgument(op + "rowwise, colwise: expected each copy with its scales");
   }
   if (a.rows * a.cols != 0 && a.rowwise == nullptr && a.colwise == nullptr) {

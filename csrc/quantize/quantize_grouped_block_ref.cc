@@ -48,19 +48,18 @@ Status QuantizeGroupedBlockRef(const QuantizeGroupedBlockArgs& a) {
       LOWBIT_RETURN_IF_ERROR(QuantizeFp8BlockRef(u));
     }
   }
-  const bool group_rowwise = a.rowwise != nullptr && tile_2d;
-  if (a.colwise == nullptr && !group_rowwise) return Status::Ok();
-
   // Group-bound copies start as zeros (tail codes, unused scale entries).
-  if (a.colwise != nullptr) {
-    std::memset(a.colwise, 0, size_t(rows * cols));
+  if (a.colwise_scale != nullptr) {
     const ScaleDims d = mx ? GroupedMxfp8ColScaleDims(rows, cols, G) : GroupedFp8BlockColScaleDims(rows, cols, G, tile_2d);
     std::memset(a.colwise_scale, 0, size_t(d.size()) * (mx ? 1 : sizeof(float)));
   }
-  if (group_rowwise) {
-    std::memset(a.rowwise, 0, size_t(rows * cols));
+  if (tile_2d && a.rowwise_scale != nullptr) {
     std::memset(a.rowwise_scale, 0, size_t(GroupedFp8Block2dRowScaleDims(rows, cols, G).size()) * sizeof(float));
   }
+  const bool group_rowwise = a.rowwise != nullptr && tile_2d;
+  if (a.colwise == nullptr && !group_rowwise) return Status::Ok();  // also: x is empty
+  if (a.colwise != nullptr) std::memset(a.colwise, 0, size_t(rows * cols));
+  if (group_rowwise) std::memset(a.rowwise, 0, size_t(rows * cols));
 
   int64_t start = 0, mx_scale_row = 0, tile_row = 0, col2d_col = 0;
   std::vector<uint8_t> part;
