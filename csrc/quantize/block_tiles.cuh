@@ -29,7 +29,8 @@
 //   - rowwise codes: encoded with their row's scale and stored straight to global memory;
 //   - colwise codes (encoded with their column's scale; for 128x128 the rowwise codes, the
 //     scale being the same) go to shared memory, from which each thread gathers 4 columns x
-//     8 rows, byte-transposes them and writes 8-byte stores of the cols x rows copy.
+//     8 rows, byte-transposes them and writes 8-byte stores of the cols x rows copy (grouped
+//     tiles, which start at any row, take 8-row windows aligned to x's rows instead).
 //   Scales are written by the threads that own them; padding entries are zeroed by a memset
 //   first, only when there are any.
 // Mxfp8TileKernel: a block (256 threads) loops over 64 x 128 tiles of x; each thread
@@ -136,9 +137,26 @@ struct PlainSource {
   __device__ __forceinline__ static float Value(const Chunk& chunk, int j) { return LoadAsFloatFast(Tag{}, chunk.v[j]); }
 };
 
+// Byte transpose of 8 rows x 4 bytes (w[k]: row k): lo[j] holds column j of rows 0..3, hi[j]
+// of rows 4..7 (little-endian: row k in byte k % 4).
+__device__ __forceinline__ void TransposeBytes8x4(const uint32_t (&w)[8], uint32_t (&lo)[4], uint32_t (&hi)[4]) {
+  const uint32_t a_lo = __byte_perm(w[0], w[1], 0x5140), a_hi = __byte_perm(w[0], w[1], 0x7362);
+  const uint32_t b_lo = __byte_perm(w[2], w[3], 0x5140), b_hi = __byte_perm(w[2], w[3], 0x7362);
+  const uint32_t e_lo = __byte_perm(w[4], w[5], 0x5140), e_hi = __byte_perm(w[4], w[5], 0x7362);
+  const uint32_t f_lo = __byte_perm(w[6], w[7], 0x5140), f_hi = __byte_perm(w[6], w[7], 0x7362);
+  lo[0] = __byte_perm(a_lo, b_lo, 0x5410);
+  lo[1] = __byte_perm(a_lo, b_lo, 0x7632);
+  lo[2] = __byte_perm(a_hi, b_hi, 0x5410);
+  lo[3] = __byte_perm(a_hi, b_hi, 0x7632);
+  hi[0] = __byte_perm(e_lo, f_lo, 0x5410);
+  hi[1] = __byte_perm(e_lo, f_lo, 0x7632);
+  hi[2] = __byte_perm(e_hi, f_hi, 0x5410);
+  hi[3] = __byte_perm(e_hi, f_hi, 0x7632);
+}
+
 // kVectorIO: the source's chunks are whole 16-byte loads (Src::Load) and rowwise is aligned:
 // every in-range chunk is one kVec-byte store. colwise_vec: rows % 8 == 0, colwise 8-byte
-// aligned: full 8-row transposed chunks at rows % 8 == 0 are 8-byte stores.
+// aligned: full 8-row transposed chunks (at rows % 8 == 0) are 8-byte stores.
 template <typename Src, typename Fmt, bool kTile2d, bool kVectorIO, typename Rows>
 __global__ void __launch_bounds__(kThreads, 2)
     Fp8BlockTileKernel(const Src src, const Rows row_tiles, int64_t rows, int64_t cols,
@@ -286,39 +304,62 @@ __global__ void __launch_bounds__(kThreads, 2)
     __syncthreads();
 
     // 5. Transposed write: item -> 4 tile columns x 8 tile rows, 8 lanes cover 64 bytes.
+    if constexpr (!Rows::kGrouped) {
 #pragma unroll
-    for (int item = threadIdx.x; item < kColItems; item += kThreads) {
-      const int row8 = (item % (kTile / 8)) * 8;
-      const int col4 = (item / (kTile / 8)) * 4;
-      uint32_t w[8];
+      for (int item = threadIdx.x; item < kColItems; item += kThreads) {
+        const int row8 = (item % (kTile / 8)) * 8;
+        const int col4 = (item / (kTile / 8)) * 4;
+        uint32_t w[8], lo[4], hi[4];
 #pragma unroll
-      for (int k = 0; k < 8; ++k) w[k] = *reinterpret_cast<const uint32_t*>(&codes[row8 + k][col4]);
-      // Byte transpose: lo[j] holds column j of rows 0..3, hi[j] of rows 4..7.
-      uint32_t lo[4], hi[4];
-      const uint32_t a_lo = __byte_perm(w[0], w[1], 0x5140), a_hi = __byte_perm(w[0], w[1], 0x7362);
-      const uint32_t b_lo = __byte_perm(w[2], w[3], 0x5140), b_hi = __byte_perm(w[2], w[3], 0x7362);
-      const uint32_t e_lo = __byte_perm(w[4], w[5], 0x5140), e_hi = __byte_perm(w[4], w[5], 0x7362);
-      const uint32_t f_lo = __byte_perm(w[6], w[7], 0x5140), f_hi = __byte_perm(w[6], w[7], 0x7362);
-      lo[0] = __byte_perm(a_lo, b_lo, 0x5410);
-      lo[1] = __byte_perm(a_lo, b_lo, 0x7632);
-      lo[2] = __byte_perm(a_hi, b_hi, 0x5410);
-      lo[3] = __byte_perm(a_hi, b_hi, 0x7632);
-      hi[0] = __byte_perm(e_lo, f_lo, 0x5410);
-      hi[1] = __byte_perm(e_lo, f_lo, 0x7632);
-      hi[2] = __byte_perm(e_hi, f_hi, 0x5410);
-      hi[3] = __byte_perm(e_hi, f_hi, 0x7632);
-      const int64_t r = r0 + row8;  // first of my 8 input rows = colwise column
+        for (int k = 0; k < 8; ++k) w[k] = *reinterpret_cast<const uint32_t*>(&codes[row8 + k][col4]);
+        TransposeBytes8x4(w, lo, hi);
+        const int64_t r = r0 + row8;  // first of my 8 input rows = colwise column
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const int64_t oc = c0 + col4 + j;  // colwise row
-        if (oc >= cols) break;
-        uint8_t* dst = colwise + oc * rows + r;
-        if (colwise_vec && r + 8 <= r_lim && (!Rows::kGrouped || r % 8 == 0)) {
-          *reinterpret_cast<uint2*>(dst) = make_uint2(lo[j], hi[j]);
-        } else {
+        for (int j = 0; j < 4; ++j) {
+          const int64_t oc = c0 + col4 + j;  // colwise row
+          if (oc >= cols) break;
+          uint8_t* dst = colwise + oc * rows + r;
+          if (colwise_vec && r + 8 <= r_lim) {
+            *reinterpret_cast<uint2*>(dst) = make_uint2(lo[j], hi[j]);
+          } else {
 #pragma unroll
-          for (int k = 0; k < 8; ++k) {
-            if (r + k < r_lim) dst[k] = uint8_t((k < 4 ? lo[j] : hi[j]) >> (8 * (k % 4)));
+            for (int k = 0; k < 8; ++k) {
+              if (r + k < r_lim) dst[k] = uint8_t((k < 4 ? lo[j] : hi[j]) >> (8 * (k % 4)));
+            }
+          }
+        }
+      }
+    } else {
+      // Grouped: r0 (a group start + 128k) need not be a multiple of 8. The 8-row windows
+      // are aligned to x's rows instead, so that whole windows stay 8-byte stores: with
+      // shift = r0 % 8 != 0 there are 17, the first starting at tile row -shift; rows
+      // outside [r0, min(r0 + 128, r_lim)) are neither read nor stored.
+      const int shift = int(r0 & 7);
+      const int windows = kTile / 8 + (shift != 0 ? 1 : 0);
+      const int rows_here = int(min(int64_t(kTile), r_lim - r0));
+      for (int item = threadIdx.x; item < windows * (kTile / 4); item += kThreads) {
+        const int lr0 = (item % windows) * 8 - shift;  // tile row of the window's first row
+        const int col4 = (item / windows) * 4;
+        uint32_t w[8], lo[4], hi[4];
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+          const int lr = lr0 + k;
+          w[k] = lr >= 0 && lr < rows_here ? *reinterpret_cast<const uint32_t*>(&codes[lr][col4]) : 0u;
+        }
+        TransposeBytes8x4(w, lo, hi);
+        const bool whole = colwise_vec && lr0 >= 0 && lr0 + 8 <= rows_here;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const int64_t oc = c0 + col4 + j;  // colwise row
+          if (oc >= cols) break;
+          uint8_t* dst = colwise + oc * rows + (r0 + lr0);
+          if (whole) {
+            *reinterpret_cast<uint2*>(dst) = make_uint2(lo[j], hi[j]);
+          } else {
+#pragma unroll
+            for (int k = 0; k < 8; ++k) {
+              if (lr0 + k >= 0 && lr0 + k < rows_here) dst[k] = uint8_t((k < 4 ? lo[j] : hi[j]) >> (8 * (k % 4)));
+            }
           }
         }
       }

@@ -30,6 +30,8 @@
 //   FP8 128x128 colwise: ceil(cols/128) x (roundup(ceil(rows/128), 4) + 4G); group g is
 //     columns [U_g, U_g + roundup(ceil(n_g/128), 4)), U_g = sum_{h<g} roundup(ceil(n_h/128), 4).
 //   (The extra per-group terms bound the padding: sum_g ceil(n_g/b) <= floor(rows/b) + G.)
+// A GEMM reading group g in place needs start_g aligned as it requires (FP8: 16 bytes); the
+// quantizer takes any sizes.
 // Numerics per block: those of the ungrouped quantizers (block_codec.h).
 // CUDA: the tile kernels of block_tiles.cuh with a grouped row tiling (GroupedRowTiles):
 // tile t of a group-bound walk is found from the groups' tile prefix sums (FindGroup of

@@ -29,7 +29,10 @@ Packed layout of the group-bound copies (R x C: x's flat view; n_g: group g's ro
       the same rows;
     FP8 128x128 colwise: (ceil(C/128), roundup(ceil(R/128), 4) + 4G); group g = columns
       [U_g, U_g + roundup(ceil(n_g/128), 4)).
-`group_offsets` gives start/end rows and S, T, U from the sizes.
+`group_offsets` gives start/end rows and S, T, U from the sizes. A GEMM that reads a group
+in place needs its data start aligned as the GEMM requires (FP8: 16 bytes, i.e. sizes that
+are multiples of 16 rows); the op itself takes any sizes (unaligned FP8-block groups cost
+some byte stores in the transposed copy).
 
 Works under jit and vmap (a loop over the batch). Under a sharded jit the grouped op is not
 partitioned: XLA gathers x to each device.
