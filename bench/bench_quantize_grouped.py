@@ -2,9 +2,9 @@
 each with its own scale and amax) beside the ungrouped lowbit.ops.quantize_fp8 of the same
 x in the same run; and the grouped block formats (lowbit.ops.quantize_grouped_block: MXFP8,
 FP8 block 1x128 and 128x128, colwise and rowwise+colwise) beside the ungrouped
-quantize_mxfp8 / quantize_fp8_block of the same x and layout. Prints time, GB/s and % of the measured device copy bandwidth, on the
-wall clock and (on a GPU) from kernel time (bench/common.py), and the ratio to the
-ungrouped op (the cost of grouping). Bytes counted: x read once + the FP8 copies written
+quantize_mxfp8 / quantize_fp8_block of the same x and layout. Prints time, GB/s and % of
+the measured device copy bandwidth, on the wall clock and (on a GPU) from kernel time
+(bench/common.py), and the ratio to the ungrouped op (the cost of grouping). Bytes counted: x read once + the FP8 copies written
 (n * itemsize + n per copy), the least any grouped quantizer moves; current scaling reads
 x twice (an amax pass first), so its % of copy is at most 2/3 of the fused kernel's
 for bf16 with both copies (6 instead of 4 bytes per element moved).

@@ -17,8 +17,8 @@ from conftest import random_with_specials, run_on
 from test_quantize_ops import assert_fp8_equal, quantize_ref
 
 import lowbit
-from lowbit.ops import (compute_scale, group_slice, quantize_fp8, quantize_fp8_block, quantize_grouped_block,
-                        quantize_grouped_fp8, quantize_mxfp8)
+from lowbit.ops import (compute_scale, grouped_block_slice, quantize_fp8, quantize_fp8_block,
+                        quantize_grouped_block, quantize_grouped_fp8, quantize_mxfp8)
 
 FP8 = [jnp.float8_e4m3fn, jnp.float8_e5m2]
 DTYPES = [np.float32, np.float16, ml_dtypes.bfloat16]
@@ -385,7 +385,8 @@ def grouped_block_ref(x, sizes, mode, tile_2d, fp8, axis=-1, pow2=False, rowwise
     if mx:
         r_scale, c_scale = None, (_round4(_cdiv(rows, 32)) + 4 * G, _cdiv(cols, 128) * 128)
     elif tile_2d:
-        r_scale, c_scale = (_cdiv(rows, 128) + G, _round4(_cdiv(cols, 128))), (_cdiv(cols, 128), _round4(_cdiv(rows, 128)) + 4 * G)
+        r_scale = (_cdiv(rows, 128) + G, _round4(_cdiv(cols, 128)))
+        c_scale = (_cdiv(cols, 128), _round4(_cdiv(rows, 128)) + 4 * G)
     else:
         r_scale, c_scale = None, (_cdiv(rows, 128) + G, _round4(cols))
     out = [None] * 4
@@ -400,8 +401,8 @@ def grouped_block_ref(x, sizes, mode, tile_2d, fp8, axis=-1, pow2=False, rowwise
     for size in sizes:
         n = min(max(int(size), 0) * unit, rows - start)
         if n > 0:
-            q = quant(x.reshape(rows // unit, -1)[start // unit:(start + n) // unit].reshape((n // unit,) + x.shape[1:]),
-                      tile_2d and rowwise, colwise)
+            part = x[start // unit:(start + n) // unit]  # x's first dim counts entries of `unit` rows
+            q = quant(part, tile_2d and rowwise, colwise)
             if tile_2d and rowwise:
                 out[0][start:start + n] = _u8(q.rowwise).reshape(n, cols)
                 out[1][t_off:t_off + _cdiv(n, 128)] = _u8(q.rowwise_scale)
@@ -469,7 +470,7 @@ def test_block_colwise_matches_reference(kind, dtype, rng):
 @pytest.mark.parametrize("kind", BLOCK_KINDS, ids=kind_ids)
 @pytest.mark.parametrize("layout", ["colwise", "both"])
 def test_block_one_copy_and_group_slice(kind, layout, rng):
-    """Colwise alone, and group_slice: each group equals the ungrouped op of its rows."""
+    """Colwise alone, and grouped_block_slice: each group equals the ungrouped op of its rows."""
     mode, tile_2d = kind
     x = block_input(rng, (200, 136), ml_dtypes.bfloat16)
     sizes = np.int32([0, 129, 3, 40])  # a 28-row tail
@@ -478,7 +479,7 @@ def test_block_one_copy_and_group_slice(kind, layout, rng):
     assert_block_equal(out, want)
     start = 0
     for g, n in enumerate(sizes):
-        part = group_slice(out, sizes, g, shape=x.shape, scaling_mode=mode, tile_2d=tile_2d)
+        part = grouped_block_slice(out, sizes, g, shape=x.shape, scaling_mode=mode, tile_2d=tile_2d)
         quant = quantize_mxfp8 if mode == "mxfp8" else lambda v, **kw: quantize_fp8_block(v, tile_2d=tile_2d, **kw)
         ref = quant(x[start:start + n], rowwise=layout == "both", colwise=True)
         for a, b in zip(part, ref):
@@ -660,5 +661,6 @@ def test_block_cuda_vmap_equals_cpu(rng, cpu, gpu):
     x = block_input(rng, (2, 300, 136), ml_dtypes.bfloat16)
     sizes = np.int32([[100, 200], [0, 299]])
     for mode, tile_2d in BLOCK_KINDS:
-        f = lambda v, g: tuple(jax.vmap(lambda a, b: _grouped_block(a, b, mode, tile_2d, colwise=True))(v, g))  # noqa: E731,B023
+        one = lambda a, b, m=mode, t=tile_2d: _grouped_block(a, b, m, t, colwise=True)  # noqa: E731
+        f = lambda v, g, q=one: tuple(jax.vmap(q)(v, g))  # noqa: E731
         _assert_same(run_on(gpu, f, x, sizes), run_on(cpu, f, x, sizes))

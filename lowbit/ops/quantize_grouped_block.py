@@ -11,8 +11,8 @@ at x's end). Entries after the last group are the tail.
 
 Group-bound copies start their blocks at the group's first row, so group g's codes and
 scales equal, bit for bit, lowbit.ops.quantize_mxfp8 / quantize_fp8_block of x[start_g:end_g]
-alone; `group_slice` cuts them out. They are the colwise copy (every kind) and, for 128x128
-tiles, the rowwise one too. The rowwise copy of MXFP8 and FP8 1x128 does not depend on the
+alone; `grouped_block_slice` cuts them out. They are the colwise copy (every kind) and, for
+128x128 tiles, the rowwise one too. The rowwise copy of MXFP8 and FP8 1x128 does not depend on the
 groups (blocks lie within a row): it is the ungrouped quantizer's of the whole x, tail
 included, in its layouts (a rowwise-only call is that op itself).
 
@@ -29,10 +29,10 @@ Packed layout of the group-bound copies (R x C: x's flat view; n_g: group g's ro
       the same rows;
     FP8 128x128 colwise: (ceil(C/128), roundup(ceil(R/128), 4) + 4G); group g = columns
       [U_g, U_g + roundup(ceil(n_g/128), 4)).
-`group_offsets` gives start/end rows and S, T, U from the sizes. A GEMM that reads a group
-in place needs its data start aligned as the GEMM requires (FP8: 16 bytes, i.e. sizes that
-are multiples of 16 rows); the op itself takes any sizes (unaligned FP8-block groups cost
-some byte stores in the transposed copy).
+`grouped_block_offsets` gives start/end rows and S, T, U from the sizes. A GEMM that reads a
+group in place needs its data start aligned as the GEMM requires (FP8: 16 bytes, i.e. sizes
+that are multiples of 16 rows); the op itself takes any sizes (unaligned FP8-block groups
+cost some byte stores in the transposed copy).
 
 Works under jit and vmap (a loop over the batch). Under a sharded jit the grouped op is not
 partitioned: XLA gathers x to each device.
@@ -52,7 +52,7 @@ from lowbit.ops.quantize import check_quantize_args
 from lowbit.ops.quantize_block import (E8M0, BlockQuantized, flat_view, fp8_block_scale_shape, mxfp8_scale_shape,
                                        quantize_fp8_block, quantize_mxfp8, transposed_shape)
 
-__all__ = ["quantize_grouped_block", "group_offsets", "group_slice", "grouped_block_scale_shapes"]
+__all__ = ["quantize_grouped_block", "grouped_block_offsets", "grouped_block_slice", "grouped_block_scale_shapes"]
 
 MAX_GROUPS = 1024  # kMaxQuantizeGroups in csrc/quantize/quantize_grouped.h
 KINDS = {("mxfp8", False): 0, ("fp8_block", False): 1, ("fp8_block", True): 2}  # GroupedBlockKind
@@ -149,7 +149,7 @@ def quantize_grouped_block(
     """Grouped block quantization (see the module docstring): scaling_mode "mxfp8"
     (lowbit.ops.quantize_mxfp8 per group) or "fp8_block" (quantize_fp8_block per group,
     1x128 tiles, or 128x128 with tile_2d). Returns the copies and scales in the packed layout;
-    `group_slice` cuts out one group's."""
+    `grouped_block_slice` cuts out one group's."""
     op = "lowbit.ops.quantize_grouped_block"
     if scaling_mode not in ("mxfp8", "fp8_block"):
         raise ValueError(f"{op}: scaling_mode: expected 'mxfp8' or 'fp8_block', got {scaling_mode!r}")
@@ -171,7 +171,7 @@ def quantize_grouped_block(
                           cs if colwise else None)
 
 
-def group_offsets(group_sizes, shape, flatten_axis: int = -1) -> dict[str, np.ndarray]:
+def grouped_block_offsets(group_sizes, shape, flatten_axis: int = -1) -> dict[str, np.ndarray]:
     """Host-side offsets of every group for concrete sizes: rows "start" and "end" of x's
     flat view (clipped as the op clips), and the scale offsets "S" (MXFP8 colwise rows),
     "T" (FP8 1x128 colwise / 128x128 rowwise rows) and "U" (128x128 colwise columns)."""
@@ -192,14 +192,14 @@ def _bits(a):
     return a.view(np.uint8) if a.dtype.itemsize == 1 else a
 
 
-def group_slice(q: BlockQuantized, group_sizes, g: int, *, shape, scaling_mode: str = "mxfp8",
+def grouped_block_slice(q: BlockQuantized, group_sizes, g: int, *, shape, scaling_mode: str = "mxfp8",
                 tile_2d: bool = False, flatten_axis: int = -1) -> BlockQuantized:
     """Group g's copies out of quantize_grouped_block's result `q` (for x of `shape`), as numpy
     arrays laid out exactly as quantize_mxfp8 / quantize_fp8_block of x[start_g:end_g] returns
     them (fp8 and e8m0 as uint8 views; the rowwise scales of MXFP8 / 1x128 are re-padded)."""
     shape = tuple(shape)
     f = flatten_axis % len(shape)
-    o = group_offsets(group_sizes, shape, f)
+    o = grouped_block_offsets(group_sizes, shape, f)
     s, e = int(o["start"][g]), int(o["end"][g])
     n = e - s
     rows, cols = flat_view(shape, f)
