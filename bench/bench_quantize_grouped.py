@@ -1,8 +1,10 @@
 """Grouped FP8 quantize (lowbit.ops.quantize_grouped_fp8: G tensors stacked along the rows,
 each with its own scale and amax) beside the ungrouped lowbit.ops.quantize_fp8 of the same
-x in the same run. Prints time, GB/s and % of the measured device copy bandwidth, on the
-wall clock and (on a GPU) from kernel time (bench/common.py), and the ratio to the
-ungrouped op (the cost of grouping). Bytes counted: x read once + the FP8 copies written
+x in the same run; and the grouped block formats (lowbit.ops.quantize_grouped_block: MXFP8,
+FP8 block 1x128 and 128x128, colwise and rowwise+colwise) beside the ungrouped
+quantize_mxfp8 / quantize_fp8_block of the same x and layout. Prints time, GB/s and % of
+the measured device copy bandwidth, on the wall clock and (on a GPU) from kernel time
+(bench/common.py), and the ratio to the ungrouped op (the cost of grouping). Bytes counted: x read once + the FP8 copies written
 (n * itemsize + n per copy), the least any grouped quantizer moves; current scaling reads
 x twice (an amax pass first), so its % of copy is at most 2/3 of the fused kernel's
 for bf16 with both copies (6 instead of 4 bytes per element moved).
@@ -10,7 +12,11 @@ for bf16 with both copies (6 instead of 4 bytes per element moved).
     python bench/bench_quantize_grouped.py           # GPU: 16384x8192 bf16, G = 8 and 64
     python bench/bench_quantize_grouped.py --small   # CPU smoke run at tiny sizes
     python bench/bench_quantize_grouped.py --shapes 16384x8192 --groups 8 32 --split skewed
+    python bench/bench_quantize_grouped.py --formats mxfp8 fp8_block   # block formats only
 
+Block formats: bytes counted as above (the scales, < 1% for 16384x8192, are not counted).
+"skewed" sizes are not multiples of 8, so most FP8-block colwise writes (the transposed
+copy, whose group columns then start unaligned) fall back from 8-byte to byte stores.
 Group sizes (int32, passed as device data, as a MoE router would produce them): "even"
 splits all rows equally; "skewed" splits 95% of the rows at random (seeded) uneven sizes,
 some groups empty, the last 5% padding.
@@ -29,9 +35,16 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 
-from lowbit.ops import quantize_fp8, quantize_grouped_fp8  # noqa: E402
+from lowbit.ops import (quantize_fp8, quantize_fp8_block, quantize_grouped_block, quantize_grouped_fp8,  # noqa: E402
+                        quantize_mxfp8)
 
 LAYOUTS = {"both": (True, True), "rowwise": (True, False), "colwise": (False, True)}
+# Block formats: (scaling_mode, tile_2d) and the ungrouped op of the same layout.
+BLOCK_FORMATS = {
+    "mxfp8": ("mxfp8", False, lambda x, r, c: quantize_mxfp8(x, rowwise=r, colwise=c)),
+    "fp8_block": ("fp8_block", False, lambda x, r, c: quantize_fp8_block(x, rowwise=r, colwise=c)),
+    "fp8_block_2d": ("fp8_block", True, lambda x, r, c: quantize_fp8_block(x, tile_2d=True, rowwise=r, colwise=c)),
+}
 
 
 def group_sizes(rows: int, groups: int, split: str) -> np.ndarray:
@@ -54,6 +67,10 @@ def main() -> None:
     parser.add_argument("--layouts", nargs="*", choices=list(LAYOUTS), default=["both", "rowwise"])
     parser.add_argument("--scaling", nargs="*", choices=["delayed", "current"], default=["delayed", "current"])
     parser.add_argument("--sets", type=int, default=2, help="input sets = calls per timed program")
+    parser.add_argument("--formats", nargs="*", choices=["fp8"] + list(BLOCK_FORMATS),
+                        default=["fp8"] + list(BLOCK_FORMATS))
+    parser.add_argument("--block-layouts", nargs="*", choices=["both", "colwise"], default=["both", "colwise"],
+                        help="layouts of the block formats (rowwise alone is the ungrouped op itself)")
     args = parser.parse_args()
 
     shapes, iters, repeats = common.sizes(args, gpu_shapes=[(16384, 8192)], small_shapes=[(256, 512)])
@@ -64,20 +81,27 @@ def main() -> None:
     for rows, cols in shapes:
         keys = jax.random.split(jax.random.key(0), args.sets)
         xs = [jax.random.normal(k, (rows, cols), jnp.bfloat16) for k in keys]
-        for layout in args.layouts:
+
+        def timed(fn, sets, nbytes):
+            t = common.time_fn(fn, sets, iters, repeats)
+            d = common.device_time_fn(fn, sets) if bandwidth_dev else None
+            row = {"us": t * 1e6, "GB/s": nbytes / t / 1e9, "%copy": 100.0 * nbytes / t / bandwidth}
+            if d:
+                row.update({"dev_us": d * 1e6, "%copy_dev": 100.0 * nbytes / d / bandwidth_dev})
+            return row
+
+        def grouped_row(row, base, layout, op):
+            row.update({"shape": f"{rows}x{cols}", "layout": layout, "op": op, "x ungrouped": row["us"] / base["us"]})
+            if "dev_us" in row and "dev_us" in base:
+                row["x ungrouped_dev"] = row["dev_us"] / base["dev_us"]
+            return row
+
+        for layout in args.layouts if "fp8" in args.formats else []:
             rowwise, colwise = LAYOUTS[layout]
             nbytes = rows * cols * (2 + int(rowwise) + int(colwise))
-
-            def timed(fn, sets):
-                t = common.time_fn(fn, sets, iters, repeats)
-                d = common.device_time_fn(fn, sets) if bandwidth_dev else None
-                row = {"us": t * 1e6, "GB/s": nbytes / t / 1e9, "%copy": 100.0 * nbytes / t / bandwidth}
-                if d:
-                    row.update({"dev_us": d * 1e6, "%copy_dev": 100.0 * nbytes / d / bandwidth_dev})
-                return row
-
+            timed_fp8 = lambda fn, sets, n=nbytes: timed(fn, sets, n)  # noqa: E731
             plain = lambda x, s: quantize_fp8(x, s, rowwise=rowwise, colwise=colwise)  # noqa: E731
-            base = timed(plain, [(x, jnp.float32(0.5)) for x in xs])
+            base = timed_fp8(plain, [(x, jnp.float32(0.5)) for x in xs])
             rows_out.append({"shape": f"{rows}x{cols}", "layout": layout, "op": "quantize_fp8", **base})
             for groups in group_counts:
                 for split in args.split:
@@ -92,13 +116,22 @@ def main() -> None:
                             fn = lambda x, g: quantize_grouped_fp8(  # noqa: E731
                                 x, g, rowwise=rowwise, colwise=colwise)
                             sets = [(x, sizes) for x in xs]
-                        row = timed(fn, sets)
-                        row.update({"shape": f"{rows}x{cols}", "layout": layout,
-                                    "op": f"grouped G={groups} {split} {scaling}",
-                                    "x ungrouped": row["us"] / base["us"]})
-                        if "dev_us" in row and "dev_us" in base:
-                            row["x ungrouped_dev"] = row["dev_us"] / base["dev_us"]
-                        rows_out.append(row)
+                        rows_out.append(grouped_row(timed_fp8(fn, sets), base, layout,
+                                                    f"grouped G={groups} {split} {scaling}"))
+        for name in [f for f in args.formats if f in BLOCK_FORMATS]:
+            mode, tile_2d, plain_block = BLOCK_FORMATS[name]
+            for layout in args.block_layouts:
+                rowwise, colwise = LAYOUTS[layout]
+                nbytes = rows * cols * (2 + int(rowwise) + int(colwise))
+                base = timed(lambda x, r=rowwise, c=colwise, q=plain_block: q(x, r, c), [(x,) for x in xs], nbytes)
+                rows_out.append({"shape": f"{rows}x{cols}", "layout": layout, "op": name, **base})
+                for groups in group_counts:
+                    for split in args.split:
+                        sizes = jnp.asarray(group_sizes(rows, groups, split))
+                        fn = lambda x, g, m=mode, t=tile_2d, r=rowwise: quantize_grouped_block(  # noqa: E731
+                            x, g, scaling_mode=m, tile_2d=t, rowwise=r, colwise=True)
+                        row = timed(fn, [(x, sizes) for x in xs], nbytes)
+                        rows_out.append(grouped_row(row, base, layout, f"{name} grouped G={groups} {split}"))
         del xs
     columns = ["shape", "layout", "op", "us", "GB/s", "%copy", "x ungrouped"]
     if bandwidth_dev:

@@ -45,6 +45,7 @@ TARGETS: dict[str, str] = {
     "lowbit_scale_inverse": "LowbitScaleInverse",
     "lowbit_update_delayed_scaling": "LowbitUpdateDelayedScaling",
     "lowbit_quantize_grouped_fp8": "LowbitQuantizeGroupedFp8",
+    "lowbit_quantize_grouped_block": "LowbitQuantizeGroupedBlock",
 }
 
 # Targets with a CPU handler only (no CUDA kernel yet): the CUDA library need not export

@@ -6,6 +6,8 @@
 
 OPS (default all): quantize norm act softmax. Each op runs twice after compilation (the
 profiler then sees two launches of each kernel); nothing is timed here (bench/ does that).
+Opt-in: grouped_block (quantize_grouped_block, colwise + rowwise, 64 skewed groups, MXFP8 and
+FP8 1x128 / 128x128; kernels -k regex:'TileKernel|GroupTable').
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import lowbit
-from lowbit.ops import norm_backward, norm_forward, quantize_fp8
+from lowbit.ops import norm_backward, norm_forward, quantize_fp8, quantize_grouped_block
 
 
 def run(f, *args):
@@ -54,6 +56,13 @@ def main(ops):
         xg = normal((8192, 2, 8192))
         run(lambda v, s: lowbit.ops.act_forward(v, "silu", gated=True, quant_scale=s, rowwise=True,
                                                 colwise=True), xg, scale)
+    if "grouped_block" in ops:
+        x = normal((16384, 8192))
+        w = rng.exponential(1.0, 64)
+        sizes = jnp.asarray(np.floor(w / w.sum() * 16384 * 0.95).astype(np.int32))  # unaligned, a tail
+        for mode, tile_2d in (("mxfp8", False), ("fp8_block", False), ("fp8_block", True)):
+            run(lambda v, g, m=mode, t=tile_2d: quantize_grouped_block(v, g, scaling_mode=m, tile_2d=t, colwise=True),
+                x, sizes)
     if "softmax" in ops:
         x = normal((2, 16, 2048, 2048))
         run(lambda v: lowbit.ops.softmax_forward(v, None, 0.125), x)

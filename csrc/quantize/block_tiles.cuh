@@ -3,6 +3,12 @@
 // that every block-scaled FP8 copy comes from one implementation. Numerics and layouts:
 // quantize_block.h (FP8 block) and quantize_mxfp8.h (MXFP8).
 //
+// The kernels are templated on a row tiling (Rows: which rows a tile row covers) and a tile
+// source. UniformRowTiles is the plain walk (tile row t = rows [t*h, t*h + h) of x); the
+// grouped quantizers (quantize_grouped_block.cu) start tiles at group boundaries instead:
+//   Rows::kGrouped, Rows::Cursor  per-thread lookup state
+//   rows.TileRows(h)              tile rows to walk (an upper bound for grouped walks)
+//   rows.Tile(t, h, blocks_per_tile, cursor) -> RowTile (below)
 // The kernels are templated on a tile source, what a thread reads for one 16-byte chunk of
 // x's row r at column c of the rows x cols matrix being quantized:
 //   Src::kVec               values per chunk (16 / sizeof(input element))
@@ -23,7 +29,8 @@
 //   - rowwise codes: encoded with their row's scale and stored straight to global memory;
 //   - colwise codes (encoded with their column's scale; for 128x128 the rowwise codes, the
 //     scale being the same) go to shared memory, from which each thread gathers 4 columns x
-//     8 rows, byte-transposes them and writes 8-byte stores of the cols x rows copy.
+//     8 rows, byte-transposes them and writes 8-byte stores of the cols x rows copy (grouped
+//     tiles, which start at any row, take 8-row windows aligned to x's rows instead).
 //   Scales are written by the threads that own them; padding entries are zeroed by a memset
 //   first, only when there are any.
 // Mxfp8TileKernel: a block (256 threads) loops over 64 x 128 tiles of x; each thread
@@ -69,6 +76,40 @@ constexpr int kTileCols = 128;
 
 inline bool Aligned(const void* p, uintptr_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
 
+// One tile row of a walk: rows [r0, min(r0 + h, r_lim)).
+struct RowTile {
+  int64_t r0 = 0;
+  int64_t r_lim = 0;        // rows at or past r_lim are not the tile's: loaded as 0, never stored
+  int64_t scale_row = 0;    // its first scale row in the (group-bound) scale matrix, in blocks
+  int64_t scale_col2d = 0;  // FP8 128x128: its column in the colwise scale matrix
+  bool tail = false;        // grouped tail: group-bound copies get zero codes and no scales
+  bool skip = false;        // past the last tile: nothing to do
+};
+
+// The plain walk over x: tile row t is rows [t*h, t*h + h).
+struct UniformRowTiles {
+  static constexpr bool kGrouped = false;
+  struct Cursor {};
+  int64_t rows = 0;
+  int64_t col2d_ld = 0;  // FP8 128x128: row length of the colwise scale matrix
+  __host__ __device__ int64_t TileRows(int h) const { return (rows + h - 1) / h; }
+  __device__ __forceinline__ RowTile Tile(int64_t t, int h, int blocks_per_tile, Cursor&) const {
+    RowTile rt;
+    rt.r0 = t * h;
+    rt.r_lim = rows;
+    rt.scale_row = t * blocks_per_tile;
+    rt.scale_col2d = t;
+    return rt;
+  }
+};
+
+// Zeroes every code of a chunk (the group-bound copies of a grouped tail).
+template <int kWords>
+__device__ __forceinline__ void ZeroWords(uint32_t (&words)[kWords]) {
+#pragma unroll
+  for (int w = 0; w < kWords; ++w) words[w] = 0u;
+}
+
 // x itself, rows x cols row-major (the plain quantizers).
 template <typename Tag>
 struct PlainSource {
@@ -96,12 +137,29 @@ struct PlainSource {
   __device__ __forceinline__ static float Value(const Chunk& chunk, int j) { return LoadAsFloatFast(Tag{}, chunk.v[j]); }
 };
 
+// Byte transpose of 8 rows x 4 bytes (w[k]: row k): lo[j] holds column j of rows 0..3, hi[j]
+// of rows 4..7 (little-endian: row k in byte k % 4).
+__device__ __forceinline__ void TransposeBytes8x4(const uint32_t (&w)[8], uint32_t (&lo)[4], uint32_t (&hi)[4]) {
+  const uint32_t a_lo = __byte_perm(w[0], w[1], 0x5140), a_hi = __byte_perm(w[0], w[1], 0x7362);
+  const uint32_t b_lo = __byte_perm(w[2], w[3], 0x5140), b_hi = __byte_perm(w[2], w[3], 0x7362);
+  const uint32_t e_lo = __byte_perm(w[4], w[5], 0x5140), e_hi = __byte_perm(w[4], w[5], 0x7362);
+  const uint32_t f_lo = __byte_perm(w[6], w[7], 0x5140), f_hi = __byte_perm(w[6], w[7], 0x7362);
+  lo[0] = __byte_perm(a_lo, b_lo, 0x5410);
+  lo[1] = __byte_perm(a_lo, b_lo, 0x7632);
+  lo[2] = __byte_perm(a_hi, b_hi, 0x5410);
+  lo[3] = __byte_perm(a_hi, b_hi, 0x7632);
+  hi[0] = __byte_perm(e_lo, f_lo, 0x5410);
+  hi[1] = __byte_perm(e_lo, f_lo, 0x7632);
+  hi[2] = __byte_perm(e_hi, f_hi, 0x5410);
+  hi[3] = __byte_perm(e_hi, f_hi, 0x7632);
+}
+
 // kVectorIO: the source's chunks are whole 16-byte loads (Src::Load) and rowwise is aligned:
 // every in-range chunk is one kVec-byte store. colwise_vec: rows % 8 == 0, colwise 8-byte
-// aligned: full 8-row transposed chunks are 8-byte stores.
-template <typename Src, typename Fmt, bool kTile2d, bool kVectorIO>
+// aligned: full 8-row transposed chunks (at rows % 8 == 0) are 8-byte stores.
+template <typename Src, typename Fmt, bool kTile2d, bool kVectorIO, typename Rows>
 __global__ void __launch_bounds__(kThreads, 2)
-    Fp8BlockTileKernel(const Src src, int64_t rows, int64_t cols,
+    Fp8BlockTileKernel(const Src src, const Rows row_tiles, int64_t rows, int64_t cols,
                            bool pow2, uint8_t* __restrict__ rowwise, float* __restrict__ row_scale_inv,
                            uint8_t* __restrict__ colwise, float* __restrict__ col_scale_inv,
                            bool colwise_vec) {
@@ -114,21 +172,24 @@ __global__ void __launch_bounds__(kThreads, 2)
   __shared__ float col_scale[kTile];
 
   const int64_t tiles_c = (cols + kTile - 1) / kTile;
-  const int64_t tiles = (rows + kTile - 1) / kTile * tiles_c;
+  const int64_t tiles = row_tiles.TileRows(kTile) * tiles_c;
   const int chunk_col = (threadIdx.x % kThreadsPerRow) * kVec;
   const int chunk_row = threadIdx.x / kThreadsPerRow;
   const ScaleDims row_dims = Fp8BlockScaleDims(rows, cols, kTile2d);
   const ScaleDims col_dims = Fp8BlockScaleDims(cols, rows, kTile2d);
+  typename Rows::Cursor cursor;
 
   for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-    const int64_t r0 = tile / tiles_c * kTile;
+    const RowTile rt = row_tiles.Tile(tile / tiles_c, kTile, 1, cursor);
+    if (rt.skip) continue;  // uniform across the block
+    const int64_t r0 = rt.r0, r_lim = rt.r_lim;
     const int64_t c0 = tile % tiles_c * kTile;
     const int64_t c = c0 + chunk_col;
 
     // 1. All loads first (out of range -> 0, which changes no amax).
     typename Src::Chunk vals[kPasses];
 #pragma unroll
-    for (int p = 0; p < kPasses; ++p) src.template Load<kVectorIO>(r0 + p * kRowsPerPass + chunk_row, c, rows, cols, vals[p]);
+    for (int p = 0; p < kPasses; ++p) src.template Load<kVectorIO>(r0 + p * kRowsPerPass + chunk_row, c, r_lim, cols, vals[p]);
 
     // 2. amaxes (|x| bits): per chunk (also the chunk's "no NaN" test) and per column.
     uint32_t chunk_max[kPasses];
@@ -154,17 +215,17 @@ __global__ void __launch_bounds__(kThreads, 2)
       const float s = Fp8BlockScale(BlockMaxU32(m), Fmt::kMax, pow2);
 #pragma unroll
       for (int p = 0; p < kPasses; ++p) row_scale[p] = s;
-      if (threadIdx.x == 0) {
+      if (threadIdx.x == 0 && !rt.tail) {
         const float inv = ScaleDivRn(1.0f, s);
-        if (rowwise != nullptr) row_scale_inv[(r0 / kTile) * row_dims.dim1 + c0 / kTile] = inv;
-        if (colwise != nullptr) col_scale_inv[(c0 / kTile) * col_dims.dim1 + r0 / kTile] = inv;
+        if (rowwise != nullptr) row_scale_inv[rt.scale_row * row_dims.dim1 + c0 / kTile] = inv;
+        if (colwise != nullptr) col_scale_inv[(c0 / kTile) * row_tiles.col2d_ld + rt.scale_col2d] = inv;
       }
     } else {
 #pragma unroll
       for (int p = 0; p < kPasses; ++p) {
         row_scale[p] = Fp8BlockScale(GroupMaxU32<kThreadsPerRow>(chunk_max[p]), Fmt::kMax, pow2);
         const int64_t r = r0 + p * kRowsPerPass + chunk_row;
-        if (rowwise != nullptr && threadIdx.x % kThreadsPerRow == 0 && r < rows) {
+        if (rowwise != nullptr && threadIdx.x % kThreadsPerRow == 0 && r < r_lim) {
           row_scale_inv[(c0 / kTile) * row_dims.dim1 + r] = ScaleDivRn(1.0f, row_scale[p]);
         }
       }
@@ -178,8 +239,11 @@ __global__ void __launch_bounds__(kThreads, 2)
           for (int g = 0; g < kRowsPerPass; ++g) m = max(m, col_part[g][threadIdx.x]);
           const float s = Fp8BlockScale(m, Fmt::kMax, pow2);
           col_scale[threadIdx.x] = s;
-          // Colwise copy Q = x^T: element (c, r) has its 1x128 scale at [r / 128][c].
-          if (c0 + threadIdx.x < cols) col_scale_inv[(r0 / kTile) * col_dims.dim1 + c0 + threadIdx.x] = ScaleDivRn(1.0f, s);
+          // Colwise copy Q = x^T: element (c, r) has its 1x128 scale at [r / 128][c] (grouped:
+          // at the tile's scale row).
+          if (c0 + threadIdx.x < cols && !rt.tail) {
+            col_scale_inv[rt.scale_row * col_dims.dim1 + c0 + threadIdx.x] = ScaleDivRn(1.0f, s);
+          }
         }
         __syncthreads();
       }
@@ -200,7 +264,8 @@ __global__ void __launch_bounds__(kThreads, 2)
         }
         uint32_t words[kVec / 4];
         EncodeChunkScaled(Fmt{}, v, s, chunk_max[p] <= 0x7F800000u, words);
-        if (rowwise != nullptr && r < rows) {
+        if (kTile2d && Rows::kGrouped && rt.tail) ZeroWords(words);  // 128x128: both copies group-bound
+        if (rowwise != nullptr && r < r_lim) {
           if (kVectorIO && c < cols) {
             StoreCodes<kVec>(rowwise + r * cols + c, words);
           } else {
@@ -230,6 +295,7 @@ __global__ void __launch_bounds__(kThreads, 2)
         for (int j = 0; j < kVec; ++j) v[j] = Src::Value(vals[p], j);
         uint32_t words[kVec / 4];
         EncodeChunkScaled(Fmt{}, v, s, chunk_max[p] <= 0x7F800000u, words);
+        if (Rows::kGrouped && rt.tail) ZeroWords(words);
         const int local_row = p * kRowsPerPass + chunk_row;
 #pragma unroll
         for (int j = 0; j < kVec; j += 4) *reinterpret_cast<uint32_t*>(&codes[local_row][chunk_col + j]) = words[j / 4];
@@ -238,39 +304,62 @@ __global__ void __launch_bounds__(kThreads, 2)
     __syncthreads();
 
     // 5. Transposed write: item -> 4 tile columns x 8 tile rows, 8 lanes cover 64 bytes.
+    if constexpr (!Rows::kGrouped) {
 #pragma unroll
-    for (int item = threadIdx.x; item < kColItems; item += kThreads) {
-      const int row8 = (item % (kTile / 8)) * 8;
-      const int col4 = (item / (kTile / 8)) * 4;
-      uint32_t w[8];
+      for (int item = threadIdx.x; item < kColItems; item += kThreads) {
+        const int row8 = (item % (kTile / 8)) * 8;
+        const int col4 = (item / (kTile / 8)) * 4;
+        uint32_t w[8], lo[4], hi[4];
 #pragma unroll
-      for (int k = 0; k < 8; ++k) w[k] = *reinterpret_cast<const uint32_t*>(&codes[row8 + k][col4]);
-      // Byte transpose: lo[j] holds column j of rows 0..3, hi[j] of rows 4..7.
-      uint32_t lo[4], hi[4];
-      const uint32_t a_lo = __byte_perm(w[0], w[1], 0x5140), a_hi = __byte_perm(w[0], w[1], 0x7362);
-      const uint32_t b_lo = __byte_perm(w[2], w[3], 0x5140), b_hi = __byte_perm(w[2], w[3], 0x7362);
-      const uint32_t e_lo = __byte_perm(w[4], w[5], 0x5140), e_hi = __byte_perm(w[4], w[5], 0x7362);
-      const uint32_t f_lo = __byte_perm(w[6], w[7], 0x5140), f_hi = __byte_perm(w[6], w[7], 0x7362);
-      lo[0] = __byte_perm(a_lo, b_lo, 0x5410);
-      lo[1] = __byte_perm(a_lo, b_lo, 0x7632);
-      lo[2] = __byte_perm(a_hi, b_hi, 0x5410);
-      lo[3] = __byte_perm(a_hi, b_hi, 0x7632);
-      hi[0] = __byte_perm(e_lo, f_lo, 0x5410);
-      hi[1] = __byte_perm(e_lo, f_lo, 0x7632);
-      hi[2] = __byte_perm(e_hi, f_hi, 0x5410);
-      hi[3] = __byte_perm(e_hi, f_hi, 0x7632);
-      const int64_t r = r0 + row8;  // first of my 8 input rows = colwise column
+        for (int k = 0; k < 8; ++k) w[k] = *reinterpret_cast<const uint32_t*>(&codes[row8 + k][col4]);
+        TransposeBytes8x4(w, lo, hi);
+        const int64_t r = r0 + row8;  // first of my 8 input rows = colwise column
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const int64_t oc = c0 + col4 + j;  // colwise row
-        if (oc >= cols) break;
-        uint8_t* dst = colwise + oc * rows + r;
-        if (colwise_vec && r + 8 <= rows) {
-          *reinterpret_cast<uint2*>(dst) = make_uint2(lo[j], hi[j]);
-        } else {
+        for (int j = 0; j < 4; ++j) {
+          const int64_t oc = c0 + col4 + j;  // colwise row
+          if (oc >= cols) break;
+          uint8_t* dst = colwise + oc * rows + r;
+          if (colwise_vec && r + 8 <= r_lim) {
+            *reinterpret_cast<uint2*>(dst) = make_uint2(lo[j], hi[j]);
+          } else {
 #pragma unroll
-          for (int k = 0; k < 8; ++k) {
-            if (r + k < rows) dst[k] = uint8_t((k < 4 ? lo[j] : hi[j]) >> (8 * (k % 4)));
+            for (int k = 0; k < 8; ++k) {
+              if (r + k < r_lim) dst[k] = uint8_t((k < 4 ? lo[j] : hi[j]) >> (8 * (k % 4)));
+            }
+          }
+        }
+      }
+    } else {
+      // Grouped: r0 (a group start + 128k) need not be a multiple of 8. The 8-row windows
+      // are aligned to x's rows instead, so that whole windows stay 8-byte stores: with
+      // shift = r0 % 8 != 0 there are 17, the first starting at tile row -shift; rows
+      // outside [r0, min(r0 + 128, r_lim)) are neither read nor stored.
+      const int shift = int(r0 & 7);
+      const int windows = kTile / 8 + (shift != 0 ? 1 : 0);
+      const int rows_here = int(min(int64_t(kTile), r_lim - r0));
+      for (int item = threadIdx.x; item < windows * (kTile / 4); item += kThreads) {
+        const int lr0 = (item % windows) * 8 - shift;  // tile row of the window's first row
+        const int col4 = (item / windows) * 4;
+        uint32_t w[8], lo[4], hi[4];
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+          const int lr = lr0 + k;
+          w[k] = lr >= 0 && lr < rows_here ? *reinterpret_cast<const uint32_t*>(&codes[lr][col4]) : 0u;
+        }
+        TransposeBytes8x4(w, lo, hi);
+        const bool whole = colwise_vec && lr0 >= 0 && lr0 + 8 <= rows_here;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const int64_t oc = c0 + col4 + j;  // colwise row
+          if (oc >= cols) break;
+          uint8_t* dst = colwise + oc * rows + (r0 + lr0);
+          if (whole) {
+            *reinterpret_cast<uint2*>(dst) = make_uint2(lo[j], hi[j]);
+          } else {
+#pragma unroll
+            for (int k = 0; k < 8; ++k) {
+              if (lr0 + k >= 0 && lr0 + k < rows_here) dst[k] = uint8_t((k < 4 ? lo[j] : hi[j]) >> (8 * (k % 4)));
+            }
           }
         }
       }
@@ -281,9 +370,9 @@ __global__ void __launch_bounds__(kThreads, 2)
 
 // kVectorIO: the source's chunks are whole 16-byte loads (Src::Load) and rowwise / colwise
 // are 16-byte aligned: every in-range chunk is one kVec-byte store.
-template <typename Src, typename Fmt, bool kVectorIO>
+template <typename Src, typename Fmt, bool kVectorIO, typename Rows>
 __global__ void __launch_bounds__(kThreads, 2)
-    Mxfp8TileKernel(const Src src, int64_t rows, int64_t cols,
+    Mxfp8TileKernel(const Src src, const Rows row_tiles, int64_t rows, int64_t cols,
                         uint8_t* __restrict__ rowwise, uint8_t* __restrict__ row_scale,
                         uint8_t* __restrict__ colwise, uint8_t* __restrict__ col_scale) {
   constexpr int kVec = Src::kVec;  // elements per chunk (16 input bytes)
@@ -295,20 +384,23 @@ __global__ void __launch_bounds__(kThreads, 2)
   __shared__ float col_factor[2][kTileCols];
 
   const int64_t tiles_c = (cols + kTileCols - 1) / kTileCols;
-  const int64_t tiles = (rows + kTileRows - 1) / kTileRows * tiles_c;
+  const int64_t tiles = row_tiles.TileRows(kTileRows) * tiles_c;
   const int chunk_col = (threadIdx.x % kThreadsPerRow) * kVec;
   const int chunk_row = threadIdx.x / kThreadsPerRow;
   const int64_t row_ld = Mxfp8ScaleDims(rows, cols, false).dim1;
   const int64_t col_ld = Mxfp8ScaleDims(rows, cols, true).dim1;
+  typename Rows::Cursor cursor;
 
   for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-    const int64_t r0 = tile / tiles_c * kTileRows;
+    const RowTile rt = row_tiles.Tile(tile / tiles_c, kTileRows, kTileRows / kBlock, cursor);
+    if (rt.skip) continue;  // uniform across the block
+    const int64_t r0 = rt.r0, r_lim = rt.r_lim;
     const int64_t c0 = tile % tiles_c * kTileCols;
     const int64_t c = c0 + chunk_col;
 
     typename Src::Chunk vals[kPasses];  // out of range -> 0, which changes no amax
 #pragma unroll
-    for (int p = 0; p < kPasses; ++p) src.template Load<kVectorIO>(r0 + p * kRowsPerPass + chunk_row, c, rows, cols, vals[p]);
+    for (int p = 0; p < kPasses; ++p) src.template Load<kVectorIO>(r0 + p * kRowsPerPass + chunk_row, c, r_lim, cols, vals[p]);
 
     uint32_t chunk_max[kPasses];
     uint32_t col_max[2][kVec];
@@ -330,7 +422,7 @@ __global__ void __launch_bounds__(kThreads, 2)
       for (int p = 0; p < kPasses; ++p) {
         const int64_t r = r0 + p * kRowsPerPass + chunk_row;
         const uint8_t e = Mxfp8ScaleByte(GroupMaxU32<kLanesPerBlock>(chunk_max[p]), Fmt::kMax);
-        if (threadIdx.x % kLanesPerBlock == 0 && r < rows && c < cols) row_scale[r * row_ld + c / kBlock] = e;
+        if (threadIdx.x % kLanesPerBlock == 0 && r < r_lim && c < cols) row_scale[r * row_ld + c / kBlock] = e;
         float v[kVec], f[kVec];
         const float factor = Mxfp8EncodeFactor(e);
 #pragma unroll
@@ -340,7 +432,7 @@ __global__ void __launch_bounds__(kThreads, 2)
         }
         uint32_t words[kVec / 4];
         EncodeChunkScaled(Fmt{}, v, f, chunk_max[p] <= 0x7F800000u && e != 0xFFu, words);
-        if (r < rows) {
+        if (r < r_lim) {
           if (kVectorIO && c < cols) {
             StoreCodes<kVec>(rowwise + r * cols + c, words);
           } else {
@@ -367,8 +459,7 @@ __global__ void __launch_bounds__(kThreads, 2)
       for (int g = 0; g < kRowsPerPass; ++g) m = max(m, col_part[half][g][col]);
       const uint8_t e = Mxfp8ScaleByte(m, Fmt::kMax);
       col_factor[half][col] = Mxfp8EncodeFactor(e);
-      const int64_t block_row = r0 / kBlock + half;
-      if (block_row * kBlock < rows && c0 + col < cols) col_scale[block_row * col_ld + c0 + col] = e;
+      if (r0 + half * kBlock < r_lim && c0 + col < cols && !rt.tail) col_scale[(rt.scale_row + half) * col_ld + c0 + col] = e;
     }
     __syncthreads();
 #pragma unroll
@@ -384,7 +475,8 @@ __global__ void __launch_bounds__(kThreads, 2)
       }
       uint32_t words[kVec / 4];
       EncodeChunkScaled(Fmt{}, v, f, chunk_max[p] <= 0x7F800000u && factors_ok, words);
-      if (r < rows) {
+      if (Rows::kGrouped && rt.tail) ZeroWords(words);
+      if (r < r_lim) {
         if (kVectorIO && c < cols) {
           StoreCodes<kVec>(colwise + r * cols + c, words);
         } else {
@@ -399,64 +491,89 @@ __global__ void __launch_bounds__(kThreads, 2)
   }
 }
 
-// Launches Fp8BlockTileKernel over a's outputs (a.x and a.x_dtype are not used: the source
-// is the input). src_vector_ok: the source's chunks are whole 16-byte loads (Src::Load).
-template <typename Src, typename Fmt, bool kTile2d>
-Status LaunchFp8BlockTiles(const Src& src, bool src_vector_ok, const QuantizeFp8BlockArgs& a, const char* op,
-                           GpuStream stream) {
-  // Zero the scale padding (only where there is any).
-  auto zero_padding = [&](float* scale_inv, int64_t r, int64_t c) -> Status {
-    if (scale_inv == nullptr) return Status::Ok();
-    const int64_t used = kTile2d ? CeilDivI64(c, kFp8BlockLen) : r;
-    const ScaleDims d = Fp8BlockScaleDims(r, c, kTile2d);
-    if (used == d.dim1) return Status::Ok();
-    return CudaStatus(cudaMemsetAsync(scale_inv, 0, size_t(d.size()) * sizeof(float), stream), op,
-                      "cudaMemsetAsync");
-  };
-  LOWBIT_RETURN_IF_ERROR(zero_padding(a.rowwise_scale_inv, a.rows, a.cols));
-  LOWBIT_RETURN_IF_ERROR(zero_padding(a.colwise_scale_inv, a.cols, a.rows));
+// Zeroes an FP8 block scale_inv of a stored r x c copy where it has padding entries.
+inline Status ZeroFp8BlockScalePadding(float* scale_inv, int64_t r, int64_t c, bool tile_2d, const char* op,
+                                       GpuStream stream) {
+  if (scale_inv == nullptr) return Status::Ok();
+  const int64_t used = tile_2d ? CeilDivI64(c, kFp8BlockLen) : r;
+  const ScaleDims d = Fp8BlockScaleDims(r, c, tile_2d);
+  if (used == d.dim1) return Status::Ok();
+  return CudaStatus(cudaMemsetAsync(scale_inv, 0, size_t(d.size()) * sizeof(float), stream), op, "cudaMemsetAsync");
+}
 
-  const int64_t tiles = CeilDivI64(a.rows, kTile) * CeilDivI64(a.cols, kTile);
+// Zeroes an MXFP8 scale array of a rows x cols tensor where it has padding entries.
+inline Status ZeroMxfp8ScalePadding(uint8_t* scale, int64_t rows, int64_t cols, bool colwise, const char* op,
+                                    GpuStream stream) {
+  if (scale == nullptr) return Status::Ok();
+  const ScaleDims d = Mxfp8ScaleDims(rows, cols, colwise);
+  const int64_t used0 = colwise ? CeilDivI64(rows, kBlock) : rows;
+  const int64_t used1 = colwise ? cols : CeilDivI64(cols, kBlock);
+  if (used0 == d.dim0 && used1 == d.dim1) return Status::Ok();
+  return CudaStatus(cudaMemsetAsync(scale, 0, size_t(d.size()), stream), op, "cudaMemsetAsync");
+}
+
+// Launches Fp8BlockTileKernel over a's outputs with the row tiling `row_tiles` (a.x and
+// a.x_dtype are not used: the source is the input; a.rows is x's row count, the colwise
+// copy's leading dim). src_vector_ok: the source's chunks are whole 16-byte loads.
+// Scale padding is the caller's.
+template <typename Src, typename Fmt, bool kTile2d, typename Rows>
+Status LaunchFp8BlockTileKernel(const Src& src, bool src_vector_ok, const Rows& row_tiles,
+                                const QuantizeFp8BlockArgs& a, const char* op, GpuStream stream) {
+  const int64_t tiles = row_tiles.TileRows(kTile) * CeilDivI64(a.cols, kTile);
   const int blocks = GridStrideBlocks(tiles * kThreads, kThreads, 4);
   const bool vec_io = src_vector_ok && (a.rowwise == nullptr || Aligned(a.rowwise, 16));
   const bool colwise_vec = a.colwise != nullptr && Aligned(a.colwise, 8) && a.rows % 8 == 0;
   if (vec_io) {
-    Fp8BlockTileKernel<Src, Fmt, kTile2d, true><<<blocks, kThreads, 0, stream>>>(
-        src, a.rows, a.cols, a.pow2_scales, a.rowwise, a.rowwise_scale_inv, a.colwise, a.colwise_scale_inv, colwise_vec);
+    Fp8BlockTileKernel<Src, Fmt, kTile2d, true, Rows><<<blocks, kThreads, 0, stream>>>(
+        src, row_tiles, a.rows, a.cols, a.pow2_scales, a.rowwise, a.rowwise_scale_inv, a.colwise,
+        a.colwise_scale_inv, colwise_vec);
   } else {
-    Fp8BlockTileKernel<Src, Fmt, kTile2d, false><<<blocks, kThreads, 0, stream>>>(
-        src, a.rows, a.cols, a.pow2_scales, a.rowwise, a.rowwise_scale_inv, a.colwise, a.colwise_scale_inv, colwise_vec);
+    Fp8BlockTileKernel<Src, Fmt, kTile2d, false, Rows><<<blocks, kThreads, 0, stream>>>(
+        src, row_tiles, a.rows, a.cols, a.pow2_scales, a.rowwise, a.rowwise_scale_inv, a.colwise,
+        a.colwise_scale_inv, colwise_vec);
   }
   return LaunchStatus(op);
 }
 
-// Launches Mxfp8TileKernel over a's outputs (a.x and a.x_dtype are not used), as above.
-template <typename Src, typename Fmt>
-Status LaunchMxfp8Tiles(const Src& src, bool src_vector_ok, const QuantizeMxfp8Args& a, const char* op,
-                        GpuStream stream) {
-  auto zero_padding = [&](uint8_t* scale, bool colwise) -> Status {
-    if (scale == nullptr) return Status::Ok();
-    const ScaleDims d = Mxfp8ScaleDims(a.rows, a.cols, colwise);
-    const int64_t used0 = colwise ? CeilDivI64(a.rows, kBlock) : a.rows;
-    const int64_t used1 = colwise ? a.cols : CeilDivI64(a.cols, kBlock);
-    if (used0 == d.dim0 && used1 == d.dim1) return Status::Ok();
-    return CudaStatus(cudaMemsetAsync(scale, 0, size_t(d.size()), stream), op, "cudaMemsetAsync");
-  };
-  LOWBIT_RETURN_IF_ERROR(zero_padding(a.rowwise_scale, false));
-  LOWBIT_RETURN_IF_ERROR(zero_padding(a.colwise_scale, true));
+// Launches Fp8BlockTileKernel over a's outputs (the plain walk), zeroing scale padding first.
+template <typename Src, typename Fmt, bool kTile2d>
+Status LaunchFp8BlockTiles(const Src& src, bool src_vector_ok, const QuantizeFp8BlockArgs& a, const char* op,
+                           GpuStream stream) {
+  LOWBIT_RETURN_IF_ERROR(ZeroFp8BlockScalePadding(a.rowwise_scale_inv, a.rows, a.cols, kTile2d, op, stream));
+  LOWBIT_RETURN_IF_ERROR(ZeroFp8BlockScalePadding(a.colwise_scale_inv, a.cols, a.rows, kTile2d, op, stream));
+  UniformRowTiles row_tiles;
+  row_tiles.rows = a.rows;
+  row_tiles.col2d_ld = Fp8BlockScaleDims(a.cols, a.rows, true).dim1;
+  return LaunchFp8BlockTileKernel<Src, Fmt, kTile2d>(src, src_vector_ok, row_tiles, a, op, stream);
+}
 
-  const int64_t tiles = CeilDivI64(a.rows, kTileRows) * CeilDivI64(a.cols, kTileCols);
+// Launches Mxfp8TileKernel over a's outputs with the row tiling `row_tiles`, as above.
+template <typename Src, typename Fmt, typename Rows>
+Status LaunchMxfp8TileKernel(const Src& src, bool src_vector_ok, const Rows& row_tiles, const QuantizeMxfp8Args& a,
+                             const char* op, GpuStream stream) {
+  const int64_t tiles = row_tiles.TileRows(kTileRows) * CeilDivI64(a.cols, kTileCols);
   const int blocks = GridStrideBlocks(tiles * kThreads, kThreads, 4);
   const bool vec_io = src_vector_ok && (a.rowwise == nullptr || Aligned(a.rowwise, 16)) &&
                       (a.colwise == nullptr || Aligned(a.colwise, 16));
   if (vec_io) {
-    Mxfp8TileKernel<Src, Fmt, true><<<blocks, kThreads, 0, stream>>>(
-        src, a.rows, a.cols, a.rowwise, a.rowwise_scale, a.colwise, a.colwise_scale);
+    Mxfp8TileKernel<Src, Fmt, true, Rows><<<blocks, kThreads, 0, stream>>>(
+        src, row_tiles, a.rows, a.cols, a.rowwise, a.rowwise_scale, a.colwise, a.colwise_scale);
   } else {
-    Mxfp8TileKernel<Src, Fmt, false><<<blocks, kThreads, 0, stream>>>(
-        src, a.rows, a.cols, a.rowwise, a.rowwise_scale, a.colwise, a.colwise_scale);
+    Mxfp8TileKernel<Src, Fmt, false, Rows><<<blocks, kThreads, 0, stream>>>(
+        src, row_tiles, a.rows, a.cols, a.rowwise, a.rowwise_scale, a.colwise, a.colwise_scale);
   }
   return LaunchStatus(op);
+}
+
+// Launches Mxfp8TileKernel over a's outputs (the plain walk), zeroing scale padding first.
+template <typename Src, typename Fmt>
+Status LaunchMxfp8Tiles(const Src& src, bool src_vector_ok, const QuantizeMxfp8Args& a, const char* op,
+                        GpuStream stream) {
+  LOWBIT_RETURN_IF_ERROR(ZeroMxfp8ScalePadding(a.rowwise_scale, a.rows, a.cols, false, op, stream));
+  LOWBIT_RETURN_IF_ERROR(ZeroMxfp8ScalePadding(a.colwise_scale, a.rows, a.cols, true, op, stream));
+  UniformRowTiles row_tiles;
+  row_tiles.rows = a.rows;
+  return LaunchMxfp8TileKernel<Src, Fmt>(src, src_vector_ok, row_tiles, a, op, stream);
 }
 
 }  // namespace block_tiles

@@ -21,9 +21,7 @@
 // CUDA: the per-tensor tiled kernel (quantize_tiled.cuh) with a per-group scale table;
 // LOWBIT_QUANTIZE_TILE_VARIANT (quantize.h) picks its tile variant here too. Current
 // scaling runs an amax pass over x first (x is read twice).
-// Block formats (MXFP8, FP8 1x128) are not grouped here: their rowwise blocks lie within a
-// row, so the ordinary block quantizers of the whole x give every group's rowwise copy;
-// their colwise copies would need blocks aligned to the groups (not supported).
+// Block formats (MXFP8, FP8 block): quantize_grouped_block.h (its tile walk reuses FindGroup).
 #pragma once
 
 #include <cstdint>

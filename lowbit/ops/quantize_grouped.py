@@ -23,12 +23,8 @@ scale, bit for bit on CPU and CUDA: a group equals quantize_fp8 of its rows.
 Works under jit and vmap (each batch element gets its own groups; done as a loop over the
 batch). Under a sharded jit the op is not partitioned: XLA gathers x to each device.
 
-quantize_grouped_block: the block formats (MXFP8 32-value blocks, FP8 1x128 tiles), rowwise
-only. Their blocks lie within a row, so a group's rowwise codes and scales are those of the
-ordinary block quantizer (lowbit.ops.quantize_mxfp8 / quantize_fp8_block) of the whole x:
-this returns exactly that (padding rows included, which are quantized like any other row).
-A colwise copy would need blocks aligned to the group boundaries (32 or 128 rows): not
-supported, a NotImplementedError.
+The block formats (MXFP8, FP8 block) are grouped by lowbit.ops.quantize_grouped_block
+(lowbit/ops/quantize_grouped_block.py).
 """
 
 from __future__ import annotations
@@ -43,9 +39,8 @@ from jax.interpreters import batching
 
 from lowbit.ops._primitive import ffi_primitive
 from lowbit.ops.quantize import check_quantize_args, colwise_shape
-from lowbit.ops.quantize_block import BlockQuantized, quantize_fp8_block, quantize_mxfp8
 
-__all__ = ["GroupedFp8Quantized", "quantize_grouped_fp8", "quantize_grouped_block", "MAX_GROUPS"]
+__all__ = ["GroupedFp8Quantized", "quantize_grouped_fp8", "MAX_GROUPS"]
 
 MAX_GROUPS = 1024  # kMaxQuantizeGroups in csrc/quantize/quantize_grouped.h
 
@@ -155,31 +150,3 @@ def quantize_grouped_fp8(
         scale_inv=si,
     )
 
-
-def quantize_grouped_block(
-    x,
-    group_sizes,
-    *,
-    scaling_mode: str = "mxfp8",
-    out_dtype=jnp.float8_e4m3fn,
-    rowwise: bool = True,
-    colwise: bool = False,
-    flatten_axis: int = -1,
-) -> BlockQuantized:
-    """Grouped block quantization, rowwise only (see the module docstring): scaling_mode
-    "mxfp8" (lowbit.ops.quantize_mxfp8) or "fp8_block" (1x128 tiles, quantize_fp8_block)."""
-    op = "lowbit.ops.quantize_grouped_block"
-    if scaling_mode not in ("mxfp8", "fp8_block"):
-        raise ValueError(f"{op}: scaling_mode: expected 'mxfp8' or 'fp8_block', got {scaling_mode!r}")
-    if colwise:
-        raise NotImplementedError(
-            f"{op}: colwise: not supported for the block formats: a colwise block spans 32 ({scaling_mode}) "
-            "or 128 rows, which would need group boundaries aligned to blocks; quantize each group "
-            "separately, or use quantize_grouped_fp8 (per-tensor FP8) for the colwise copies")
-    x, out_dtype, axis = check_quantize_args(op, x, out_dtype, rowwise, colwise, flatten_axis)
-    if x.ndim < 2 or axis < 1:
-        raise ValueError(f"{op}: x, flatten_axis: expected rank >= 2 and flatten_axis >= 1 (groups are "
-                         f"stacked along the first dim), got shape {x.shape} and flatten_axis {flatten_axis}")
-    _check_group_sizes(op, group_sizes)  # the codes do not depend on them: blocks lie within a row
-    quantize = quantize_mxfp8 if scaling_mode == "mxfp8" else quantize_fp8_block
-    return quantize(x, out_dtype=out_dtype, rowwise=True, colwise=False, flatten_axis=axis)
