@@ -90,8 +90,7 @@ def assert_forward_matches(g, c, norm_type, dtype, hidden, copies):
     for a, b in ((g.q_rowwise, c.q_rowwise), (g.q_colwise, c.q_colwise)):
         assert (a is None) == (b is None)
         if b is not None:
-            d = code_distance(a, b)
-            assert d.max() <= 1 and (d > 0).mean() <= 1e-3
+            assert_codes_close(a, b)
     if c.amax is not None:
         np.testing.assert_allclose(g.amax, c.amax, rtol=2 * rtol)
 
@@ -102,6 +101,14 @@ def code_distance(a, b):
         u = q.view(np.uint8).astype(np.int32)
         return np.where(u & 0x80, -(u & 0x7F), u & 0x7F)
     return np.abs(ordered(np.asarray(a)) - ordered(np.asarray(b)))
+
+
+def assert_codes_close(a, b):
+    """FP8 codes of two implementations whose row statistics differ by rounding: at most one
+    code apart, in at most 0.1% of the codes, or 2 codes in a small array (a value within
+    the statistics' rounding of a code boundary flips; in 600 codes one flip is 0.17%)."""
+    d = code_distance(a, b)
+    assert d.max() <= 1 and (d > 0).sum() <= max(2, 1e-3 * d.size), ((d > 0).sum(), d.size)
 
 
 @pytest.mark.parametrize("norm_type", NORMS)
@@ -170,8 +177,7 @@ def test_quantized_outputs_exact_from_fp32_y(norm_type, qdtype, rng):
     assert out.amax.shape == (1,) and float(out.amax[0]) == float(np.abs(y).max())
     ref_y, _, _ = norm_ref(jnp.asarray(x), gamma, beta, norm_type)
     ref_q = np.clip(np.asarray(ref_y) * scale, -fmax, fmax).astype(qdtype)
-    d = code_distance(out.q_rowwise, ref_q)
-    assert d.max() <= 1 and (d > 0).mean() <= 1e-3
+    assert_codes_close(out.q_rowwise, ref_q)
 
 
 @pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16], ids=["f16", "bf16"])
@@ -182,8 +188,7 @@ def test_quantized_low_precision_input_and_no_y(dtype, rng):
     assert out.y is None and out.q_rowwise is None and out.q_colwise.shape == (1000, 65)
     ref_y, _, _ = norm_ref(jnp.asarray(x), gamma, beta, "layernorm")
     ref_q = np.clip(np.asarray(ref_y) * 8.0, -448, 448).astype(jnp.float8_e4m3fn)
-    d = code_distance(np.asarray(out.q_colwise).T, ref_q)
-    assert d.max() <= 1 and (d > 0).mean() <= 1e-3
+    assert_codes_close(np.asarray(out.q_colwise).T, ref_q)
     np.testing.assert_allclose(out.amax[0], np.abs(np.asarray(ref_y)).max(), rtol=1e-5)
 
 
@@ -477,8 +482,7 @@ def test_cuda_forward_variants(variant, rng, cpu, gpu):
         if a is None:
             continue
         if a.dtype.itemsize == 1:
-            d = code_distance(a, b)
-            assert d.max() <= 1 and (d > 0).mean() <= 1e-3
+            assert_codes_close(a, b)
         else:
             tol = ULP[np.dtype(a.dtype)] if a.dtype != np.float32 else stat_rtol(2048)
             b32 = b.astype(np.float32)
