@@ -523,9 +523,10 @@ bool Aligned(const void* p, uintptr_t bytes) { return reinterpret_cast<uintptr_t
 
 // LOWBIT_ACT_VARIANT (a benchmark tuning knob, read at every launch): the grid's cap in
 // blocks per SM, whether a tile's last pass prefetches the next tile, and the tile height.
-// Unset = 6, the fastest on an H100 (16384 x 16384 bf16, bench/results/
-// activation_variants_*: gelu fwd+q 628.5 / 644.2 / 685.9 us for 6 / 5 / 0, dgelu+dbias+q
-// 805.5 / 833.8 / 886.4, swiglu fwd+q 803.6 / 800.5 / 844.3, dswiglu+dbias+q 1440 / 1436 /
+// Unset = 6 (the fp32 plain kernels: kF32DefaultChunkRows*), the fastest on an H100
+// (16384 x 16384 bf16, bench/results/activation_variants_*: gelu fwd+q 628.5 / 644.2 /
+// 685.9 us for 6 / 5 / 0, dgelu+dbias+q 805.5 / 833.8 / 886.4, swiglu fwd+q 803.6 / 800.5 /
+// 844.3, dswiglu+dbias+q 1440 / 1436 /
 // 1533). 0 = as many blocks as are resident at once (the kernel's occupancy: one
 // persistent round, each block within one tile of the others' count), prefetch, 64-row
 // tiles; 1 = 4 per SM, prefetch; 2 = 16, prefetch; 3 = 8 without the prefetch (the
@@ -548,7 +549,18 @@ struct ActVariant {
   bool prefetch_tiles = true;
   int tile_rows = kTallerTileRows;  // 64, 128 or 256 (unset: variant 6's)
   int f32_chunk_rows = 1;           // fp32 input: 1, 2 or 4 (kChunkRows); others: 1
+  bool from_env = false;            // LOWBIT_ACT_VARIANT set (else the defaults below)
 };
+
+// Unset, fp32 input of the plain (not gated) kernels takes the fastest chunk rows measured
+// for it (H100, 8192 x 16384 f32 gelu, kernel time, bench/results/
+// activation_variants_f32_*, the forward's in the .log beside it): the forward 4 (variant
+// 9: 310.2 us against 6's 351.4, 7's 326.4), the backward without dx 2 (variant 7: 481.0
+// us against 6's 503.2, 9's 493.0).
+// Same tile height as 6, so the same bits, dbias included. The gated kernels were not
+// measured with fp32 and keep 1.
+constexpr int kF32DefaultChunkRowsForward = 4;
+constexpr int kF32DefaultChunkRowsBackward = 2;
 
 constexpr char kMaxActVariant = '9';
 
@@ -558,6 +570,7 @@ bool ReadActVariant(ActVariant* v) {
   if (env == nullptr || env[0] == '\0') return true;
   if (env[1] != '\0' || env[0] < '0' || env[0] > kMaxActVariant) return false;
   const int i = env[0] - '0';
+  v->from_env = true;
   static constexpr int kBlocksPerSm[10] = {0, 4, 16, 8, 8, 0, 0, 0, 0, 0};
   static constexpr int kTileRowsOf[10] = {kShortTileRows, kShortTileRows, kShortTileRows, kShortTileRows,
                                           kShortTileRows, kTallTileRows,  kTallerTileRows, kTallerTileRows,
@@ -660,6 +673,11 @@ Status Launch(const ActArgs& a, void* workspace, GpuStream stream, const char* o
                                    "'");
   }
   p.prefetch_tiles = variant.prefetch_tiles;
+  if constexpr (std::is_same_v<Tag, F32> && !kGated) {
+    if (!variant.from_env) {
+      variant.f32_chunk_rows = kBackward ? kF32DefaultChunkRowsBackward : kF32DefaultChunkRowsForward;
+    }
+  }
   if constexpr (std::is_same_v<Tag, F32>) {
     // fp32 chunk rows (tall tiles only); the gated backward takes at most 2 (4 would hold
     // 2 x 48 loaded values per thread).
