@@ -1,9 +1,10 @@
-"""A small helper that turns one lowbit FFI target into a JAX primitive.
+"""Small helpers that turn lowbit FFI targets into JAX ops.
 
 Each op family in lowbit/ops/ defines its primitives with `ffi_primitive`: abstract
 evaluation and batching are the family's; lowering goes through `jax.ffi.ffi_lowering`
 for "cpu" and "cuda", after `_ffi.require_platform` has made sure a handler exists (a
 clear error instead of XLA's "No registered implementation for custom call").
+`vmap_body` is the batching rule of the families' custom_vmap ops.
 """
 
 from __future__ import annotations
@@ -42,3 +43,16 @@ def ffi_primitive(
     for platform in ("cpu", "cuda"):
         mlir.register_lowering(prim, partial(lowering, platform=platform), platform=platform)
     return prim
+
+
+def vmap_body(fn):
+    """The def_vmap rule of a custom_vmap op that batches by vmapping its body `fn` (the op
+    on unbatched operands, whose primitives have batching rules of their own): operands
+    batched at axis 0 (where custom_vmap puts them) or not at all, every output batched."""
+
+    def rule(axis_size, in_batched, *args):
+        axes = tuple(0 if b else None for b in in_batched)
+        out = jax.vmap(fn, in_axes=axes, axis_size=axis_size)(*args)
+        return out, jax.tree.map(lambda _: True, out)
+
+    return rule

@@ -39,7 +39,7 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.interpreters import batching
 from jax.sharding import NamedSharding, PartitionSpec
 
-from lowbit.ops._primitive import ffi_primitive
+from lowbit.ops._primitive import ffi_primitive, vmap_body
 from lowbit.ops._sharding import mesh_axes, pmax_nonnegative, spec_entries
 from lowbit.ops.amax import check_high_precision
 
@@ -281,11 +281,7 @@ def _op(cfg: _Cfg, backward: bool):
     def op(*args):
         return partitioned(*args, cfg)
 
-    @op.def_vmap
-    def _(axis_size, in_batched, *args):
-        axes = [0 if b else None for b in in_batched]
-        out = jax.vmap(lambda *a: local(*a, cfg), in_axes=axes)(*args)
-        return tuple(out), (True,) * len(out)
+    op.def_vmap(vmap_body(lambda *a: local(*a, cfg)))
 
     return op
 

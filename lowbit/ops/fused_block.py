@@ -62,7 +62,7 @@ import numpy as np
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
 
-from lowbit.ops._primitive import ffi_primitive
+from lowbit.ops._primitive import ffi_primitive, vmap_body
 from lowbit.ops._sharding import ROWS, SCALE_DIMS, clean_split, compound_sizes, mesh_axes, spec_entries, \
     tiled_group_rule, transposed_layout
 from lowbit.ops.activation import ACT_TYPES
@@ -202,11 +202,7 @@ def _partitioned(kind: str, params: tuple, n_lead: int, mxfp8: bool, rowwise: bo
     def fn(*operands):
         return partitioned(*operands)
 
-    @fn.def_vmap
-    def _vmap(axis_size, in_batched, *operands):
-        axes = [0 if b else None for b in in_batched]
-        outs = jax.vmap(local, in_axes=axes, axis_size=axis_size)(*operands)
-        return outs, tuple(True for _ in outs)
+    fn.def_vmap(vmap_body(local))
 
     return fn
 

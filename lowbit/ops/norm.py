@@ -36,7 +36,7 @@ from jax.interpreters import batching, mlir
 from jax.sharding import NamedSharding, PartitionSpec
 
 from lowbit import _ffi
-from lowbit.ops._primitive import ffi_primitive
+from lowbit.ops._primitive import ffi_primitive, vmap_body
 from lowbit.ops._sharding import mesh_axes, pmax_nonnegative, spec_entries
 from lowbit.ops.amax import check_high_precision
 
@@ -315,11 +315,7 @@ def _fwd_op(cfg: _Fwd):
     def op(x, gamma, beta, scale):
         return _fwd_partitioned(x, gamma, beta, scale, cfg)
 
-    @op.def_vmap
-    def _(axis_size, in_batched, *args):
-        axes = [0 if b else None for b in in_batched]
-        out = jax.vmap(lambda *a: _fwd_local(*a, cfg), in_axes=axes)(*args)
-        return tuple(out), tuple(True for _ in out)  # vmap's out_axes=0: all batched
+    op.def_vmap(vmap_body(lambda *a: _fwd_local(*a, cfg)))
 
     return op
 
@@ -330,11 +326,7 @@ def _bwd_op(cfg: _Bwd):
     def op(dz, x, mu, rsigma, gamma):
         return _bwd_partitioned(dz, x, mu, rsigma, gamma, cfg)
 
-    @op.def_vmap
-    def _(axis_size, in_batched, *args):
-        axes = [0 if b else None for b in in_batched]
-        out = jax.vmap(lambda *a: _bwd_local(*a, cfg), in_axes=axes)(*args)
-        return tuple(out), tuple(True for _ in out)  # vmap's out_axes=0: all batched
+    op.def_vmap(vmap_body(lambda *a: _bwd_local(*a, cfg)))
 
     return op
 

@@ -30,7 +30,7 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.interpreters import batching
 from jax.sharding import NamedSharding, PartitionSpec
 
-from lowbit.ops._primitive import ffi_primitive
+from lowbit.ops._primitive import ffi_primitive, vmap_body
 from lowbit.ops._sharding import mesh_axes, pmax_nonnegative, spec_entries
 from lowbit.ops.amax import HIGH_PRECISION, check_high_precision
 
@@ -193,11 +193,7 @@ def _quantize_fn(flatten_axis: int, out_dtype, rowwise: bool, colwise: bool, dbi
     def fn(x, scale):
         return partitioned(x, scale)
 
-    @fn.def_vmap
-    def _vmap(axis_size, in_batched, x, scale):
-        axes = tuple(0 if b else None for b in in_batched)
-        outs = jax.vmap(local, in_axes=axes, axis_size=axis_size)(x, scale)
-        return outs, tuple(True for _ in outs)
+    fn.def_vmap(vmap_body(local))
 
     return fn
 
@@ -252,10 +248,7 @@ def _dequantize_fn(out_dtype):
     def fn(data, scale_inv):
         return partitioned(data, scale_inv)
 
-    @fn.def_vmap
-    def _vmap(axis_size, in_batched, data, scale_inv):
-        axes = tuple(0 if b else None for b in in_batched)
-        return jax.vmap(local, in_axes=axes, axis_size=axis_size)(data, scale_inv), True
+    fn.def_vmap(vmap_body(local))
 
     return fn
 

@@ -42,7 +42,7 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.interpreters import batching
 from jax.sharding import NamedSharding, PartitionSpec
 
-from lowbit.ops._primitive import ffi_primitive
+from lowbit.ops._primitive import ffi_primitive, vmap_body
 from lowbit.ops._sharding import (SCALE_DIMS, clean_split, compound_sizes, fit_scale, mesh_axes,
                                   spec_entries, tiled_group_rule, transposed_layout)
 from lowbit.ops.amax import HIGH_PRECISION
@@ -268,10 +268,7 @@ def _quantize_fn(kind: str, flatten_axis: int, out_dtype, rowwise: bool, colwise
     def fn(x):
         return partitioned(x)
 
-    @fn.def_vmap
-    def _vmap(axis_size, in_batched, x):
-        outs = jax.vmap(local, axis_size=axis_size)(x)
-        return outs, tuple(True for _ in outs)
+    fn.def_vmap(vmap_body(local))
 
     return fn
 

@@ -29,7 +29,7 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.interpreters import batching
 from jax.sharding import NamedSharding, PartitionSpec
 
-from lowbit.ops._primitive import ffi_primitive
+from lowbit.ops._primitive import ffi_primitive, vmap_body
 
 FUSION_TYPES = {"scaled": 0, "scaled_masked": 1, "scaled_upper_triang": 2}
 CUDA_MAX_K = 16384
@@ -158,10 +158,7 @@ def _op(cfg: _Cfg, backward: bool):
     def op(a, b):
         return partitioned(a, b, cfg)
 
-    @op.def_vmap
-    def _(axis_size, in_batched, a, b):
-        axes = [0 if flag else None for flag in in_batched]
-        return jax.vmap(lambda u, v: local(u, v, cfg), in_axes=axes)(a, b), True
+    op.def_vmap(vmap_body(lambda u, v: local(u, v, cfg)))
 
     return op
 
