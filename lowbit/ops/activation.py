@@ -288,8 +288,8 @@ def _op(cfg: _Cfg, backward: bool):
 
 # ---------------------------------------------------------------- public API
 
-def _config(op, x, act_type, gated, limit, alpha, quant_scale, quant_dtype, rowwise, colwise,
-            out, dbias=False, keep_dims=False):
+def check_act_args(op, x, act_type, gated, limit):
+    """The checks every activation op makes of its input and activation arguments."""
     if act_type not in ACT_TYPES:
         raise ValueError(f"{op}: act_type: expected one of {sorted(ACT_TYPES)}, got {act_type!r}")
     if act_type == "clamped_silu" and not gated:
@@ -301,6 +301,11 @@ def _config(op, x, act_type, gated, limit, alpha, quant_scale, quant_dtype, roww
         raise ValueError(f"{op}: x: expected at least one dimension (H), got a scalar")
     if not (np.isfinite(limit) and limit >= 0):
         raise ValueError(f"{op}: limit: expected a finite value >= 0, got {limit}")
+
+
+def _config(op, x, act_type, gated, limit, alpha, quant_scale, quant_dtype, rowwise, colwise,
+            out, dbias=False, keep_dims=False):
+    check_act_args(op, x, act_type, gated, limit)
     q_dtype = None
     if quant_scale is not None:
         if jnp.dtype(quant_dtype) not in QUANT_DTYPES:

@@ -65,7 +65,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from lowbit.ops._primitive import ffi_primitive, vmap_body
 from lowbit.ops._sharding import ROWS, SCALE_DIMS, clean_split, compound_sizes, mesh_axes, spec_entries, \
     tiled_group_rule, transposed_layout
-from lowbit.ops.activation import ACT_TYPES
+from lowbit.ops.activation import ACT_TYPES, check_act_args
 from lowbit.ops.amax import check_high_precision
 from lowbit.ops.quantize import FP8_DTYPES
 from lowbit.ops.quantize_block import (E8M0, BlockQuantized, _looped_batcher, _pack, fp8_block_scale_shape,
@@ -213,17 +213,7 @@ def act_quantize_block(x, act_type: str, *, gated: bool = False, limit: float = 
     """Block-quantized copies of act(x) (see the module doc): FP8 block 1x128 tiles
     (pow2_scales: power-of-two scales), or MXFP8 with mxfp8=True."""
     x = jnp.asarray(x)
-    if act_type not in ACT_TYPES:
-        raise ValueError(f"{_OP}: act_type: expected one of {sorted(ACT_TYPES)}, got {act_type!r}")
-    if act_type == "clamped_silu" and not gated:
-        raise ValueError(f"{_OP}: act_type: 'clamped_silu' (clamped swiglu) needs gated=True")
-    check_high_precision(_OP, "x", x)
-    if gated and (x.ndim < 2 or x.shape[-2] != 2):
-        raise ValueError(f"{_OP}: x: gated activations take shape (..., 2, H), got {x.shape}")
-    if not gated and x.ndim < 1:
-        raise ValueError(f"{_OP}: x: expected at least one dimension (H), got a scalar")
-    if not (np.isfinite(limit) and limit >= 0):
-        raise ValueError(f"{_OP}: limit: expected a finite value >= 0, got {limit}")
+    check_act_args(_OP, x, act_type, gated, limit)
     out_dtype = jnp.dtype(out_dtype)
     if out_dtype not in FP8_DTYPES:
         raise TypeError(f"{_OP}: out_dtype: expected float8_e4m3fn or float8_e5m2, got {out_dtype}")
