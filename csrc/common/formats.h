@@ -37,6 +37,9 @@ LOWBIT_HD uint32_t FloatBits(float f) {
 #endif
 }
 
+// |x| as fp32 bits, the unsigned-compare key of the amax rule (every amax in lowbit).
+LOWBIT_HD uint32_t AbsBitsOf(float v) { return FloatBits(v) & 0x7FFFFFFFu; }
+
 LOWBIT_HD float BitsToFloat(uint32_t u) {
 #if defined(__CUDA_ARCH__)
   return __uint_as_float(u);

@@ -17,11 +17,7 @@
 
 #include "common/element.h"
 #include "fused_block/fused_block.h"
-// norm_math.h and quantize/fp8_codec.h both define AbsBitsOf (identically); norm_math.h's is
-// renamed here (unused in this file) so that the two headers can share this translation unit.
-#define AbsBitsOf NormMathAbsBitsOf
 #include "norm/norm_math.h"
-#undef AbsBitsOf
 #include "quantize/block_tiles.cuh"
 #include "quantize/fp8_cvt.cuh"
 

@@ -47,6 +47,4 @@ LOWBIT_HD uint8_t NormQuantize(float y, float scale, bool e5m2) {
   return e5m2 ? FloatToE5m2(v) : FloatToE4m3(v);
 }
 
-LOWBIT_HD uint32_t AbsBitsOf(float v) { return FloatBits(v) & 0x7FFFFFFFu; }
-
 }  // namespace lowbit

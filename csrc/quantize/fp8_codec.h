@@ -48,9 +48,6 @@ LOWBIT_HD float DecodeScaled(Fmt fmt, uint8_t q, float scale_inv) {
   return MulNanDefined(Decode(fmt, q), scale_inv);
 }
 
-// |x| as fp32 bits, the unsigned-compare key of the amax rule.
-LOWBIT_HD uint32_t AbsBitsOf(float v) { return FloatBits(v) & 0x7FFFFFFFu; }
-
 // Returns fn(E4m3Fmt{}) or fn(E5m2Fmt{}) (a Status), or an error naming `op` and `arg`.
 template <typename Fn>
 Status DispatchFp8(DType dtype, const char* op, const char* arg, Fn&& fn) {
