@@ -106,16 +106,8 @@ ffi::Error QuantizeGpu(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::
   Status s = QuantizeArgs(x, scale, rowwise, colwise, amax, dbias, flatten_axis, &a);
   void* workspace = nullptr;
   if (s.ok()) {
-    const int64_t bytes = QuantizeFp8WorkspaceBytes(a.rows, a.cols, a.dbias != nullptr);
-    if (bytes > 0) {
-      auto allocation = scratch.Allocate(size_t(bytes), 16);
-      if (allocation.has_value()) {
-        workspace = *allocation;
-      } else {
-        s = Status::Internal(std::string(kQuantizeOp) + ": dbias: cannot allocate " +
-                             std::to_string(bytes) + " bytes of workspace");
-      }
-    }
+    s = AllocateScratch(scratch, QuantizeFp8WorkspaceBytes(a.rows, a.cols, a.dbias != nullptr),
+                        std::string(kQuantizeOp) + ": dbias", &workspace);
   }
   if (s.ok()) s = QuantizeFp8Cuda(a, workspace, stream);
   return ToFfiError(s);

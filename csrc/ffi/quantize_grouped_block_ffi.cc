@@ -121,15 +121,7 @@ ffi::Error GroupedBlockGpu(cudaStream_t stream, ffi::ScratchAllocator scratch, f
   Status s = GroupedBlockArgs(x, group_sizes, rowwise, rowwise_scale, colwise, colwise_scale, flatten_axis, kind,
                               pow2_scales, &a);
   void* workspace = nullptr;
-  if (s.ok()) {
-    const int64_t bytes = QuantizeGroupedBlockWorkspaceBytes(a.groups);
-    auto allocation = scratch.Allocate(size_t(bytes), 16);
-    if (allocation.has_value()) {
-      workspace = *allocation;
-    } else {
-      s = Status::Internal(std::string(kOp) + ": cannot allocate " + std::to_string(bytes) + " bytes of workspace");
-    }
-  }
+  if (s.ok()) s = AllocateScratch(scratch, QuantizeGroupedBlockWorkspaceBytes(a.groups), kOp, &workspace);
   if (s.ok()) s = QuantizeGroupedBlockCuda(a, workspace, stream);
   return ToFfiError(s);
 }

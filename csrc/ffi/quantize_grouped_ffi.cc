@@ -102,16 +102,7 @@ ffi::Error GroupedGpu(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::A
   Status s = GroupedArgs(x, group_sizes, scale, rowwise, colwise, amax, scale_out, scale_inv, flatten_axis,
                          current_scaling, use_power_2_scales, &a);
   void* workspace = nullptr;
-  if (s.ok()) {
-    const int64_t bytes = QuantizeGroupedFp8WorkspaceBytes(a.groups);
-    auto allocation = scratch.Allocate(size_t(bytes), 16);
-    if (allocation.has_value()) {
-      workspace = *allocation;
-    } else {
-      s = Status::Internal(std::string(kOp) + ": cannot allocate " + std::to_string(bytes) +
-                           " bytes of workspace");
-    }
-  }
+  if (s.ok()) s = AllocateScratch(scratch, QuantizeGroupedFp8WorkspaceBytes(a.groups), kOp, &workspace);
   if (s.ok()) s = QuantizeGroupedFp8Cuda(a, workspace, stream);
   return ToFfiError(s);
 }
