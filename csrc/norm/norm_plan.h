@@ -90,8 +90,9 @@ inline RowGeometry ChooseRowGeometry(int64_t hidden, int elem_bytes, bool pointe
 //   colspan:  colwise: rows per transposed column segment (32, 64 or 128 bytes per column
 //             store): a cluster of colspan / coltile blocks (sm_90+, at most 16) reads each
 //             other's codes. Where the cluster does not fit the GPU the launcher halves it.
-//             16 (a benchmark candidate, unmeasured): half-sector column stores, so at 8192
-//             (16-row tiles) no cluster, no distributed shared memory and no cluster
+//             16 (measured 2x slower at 4096 and 8192, 288 / 640 us: L2 does not merge
+//             the halves in time; bench/results/norm_variants_parkeep_*): half-sector
+//             column stores, so at 8192 (16-row tiles) no cluster, no distributed shared memory and no cluster
 //             barrier; with colorder=1 blocks b and b + 1 write the two halves of each
 //             32-byte sector in the same round, which L2 has to merge before evicting the
 //             line (the 16-row tiles of ce4972a, contiguous per block, wrote the halves a
@@ -136,7 +137,8 @@ inline RowGeometry ChooseRowGeometry(int64_t hidden, int elem_bytes, bool pointe
 //   stream:   colwise, vectorized rows of bf16/f16 x: x (cp.async), y and the rowwise codes
 //             with the L2 evict-first policy (1), so L2 keeps the transposed codes' lines,
 //             completed 32 bytes at a time by neighbouring clusters, longer; 0: default
-//             policy. Cache hints only (same bits); f32 x ignores it.
+//             policy. Cache hints only (same bits); f32 x ignores it. Measured no faster
+//             (156.3 / 325.3 us against 154.9 / 323.4 at 4096 / 8192).
 struct NormFwdTuning {
   int items = 16;
   int stages = 2;
