@@ -93,8 +93,8 @@ inline RowGeometry ChooseRowGeometry(int64_t hidden, int elem_bytes, bool pointe
 //             16 (measured 2x slower at 4096 and 8192, 288 / 640 us: L2 does not merge
 //             the halves in time; bench/results/norm_variants_parkeep_*): half-sector
 //             column stores, so at 8192 (16-row tiles) no cluster, no distributed shared
-//             memory and no cluster barrier; with colorder=1 blocks b and b + 1 write the two halves of each
-//             32-byte sector in the same round, which L2 has to merge before evicting the
+//             memory and no cluster barrier; with colorder=1 blocks b and b + 1 write the
+//             two halves of each 32-byte sector in the same round, which L2 has to merge before evicting the
 //             line (the 16-row tiles of ce4972a, contiguous per block, wrote the halves a
 //             tile apart and were 2x slower). 0: 32 where one block's 32-row tile fits
 //             its shared memory (no cluster: 4096 at colblock=1024), else 16 (8192).
