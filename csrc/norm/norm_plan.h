@@ -90,14 +90,14 @@ inline RowGeometry ChooseRowGeometry(int64_t hidden, int elem_bytes, bool pointe
 //   colspan:  colwise: rows per transposed column segment (32, 64 or 128 bytes per column
 //             store): a cluster of colspan / coltile blocks (sm_90+, at most 16) reads each
 //             other's codes. Where the cluster does not fit the GPU the launcher halves it.
-//             16 (measured 2x slower at 4096 and 8192, 288 / 640 us: L2 does not merge
-//             the halves in time; bench/results/norm_variants_parkeep_*): half-sector
-//             column stores, so at 8192 (16-row tiles) no cluster, no distributed shared
-//             memory and no cluster barrier; with colorder=1 blocks b and b + 1 write the
-//             two halves of each 32-byte sector in the same round, which L2 has to merge before evicting the
-//             line (the 16-row tiles of ce4972a, contiguous per block, wrote the halves a
-//             tile apart and were 2x slower). 0: 32 where one block's 32-row tile fits
-//             its shared memory (no cluster: 4096 at colblock=1024), else 16 (8192).
+//             16 (measured 2x slower at 4096 and 8192, 288 / 640 us: L2 does not merge the halves
+//             in time; bench/results/norm_variants_parkeep_*): half-sector column stores, so at
+//             8192 (16-row tiles) no cluster, no distributed shared memory and no cluster barrier;
+//             with colorder=1 blocks b and b + 1 write the two halves of each 32-byte sector in the
+//             same round, which L2 has to merge before evicting the line (the 16-row tiles of
+//             ce4972a, contiguous per block, wrote the halves a tile apart and were 2x slower). 0:
+//             32 where one block's 32-row tile fits its shared memory (no cluster: 4096 at
+//             colblock=1024), else 16 (8192).
 //   colorder: colwise: cluster tiles per cluster contiguous (0) or interleaved over the
 //             clusters (1: the clusters write neighbouring column segments at the same time,
 //             so a 128-byte line of q_colwise is completed in L2 before it is evicted).
