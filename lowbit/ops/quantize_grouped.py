@@ -35,10 +35,10 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.interpreters import batching
 
 from lowbit.ops._primitive import ffi_primitive
 from lowbit.ops.quantize import check_quantize_args, colwise_shape
+from lowbit.ops.quantize_block import _looped_batcher
 
 __all__ = ["GroupedFp8Quantized", "quantize_grouped_fp8", "MAX_GROUPS"]
 
@@ -77,15 +77,8 @@ quantize_grouped_fp8_p = ffi_primitive(
 )
 
 
-def _batch(args, dims, **params):
-    # One primitive call per batch element: every element has its own groups.
-    size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
-    front = [jnp.broadcast_to(a, (size, *a.shape)) if d is None else jnp.moveaxis(a, d, 0) for a, d in zip(args, dims)]
-    outs = jax.lax.map(lambda xs: tuple(quantize_grouped_fp8_p.bind(*xs, **params)), tuple(front))
-    return list(outs), [0] * len(outs)
-
-
-batching.primitive_batchers[quantize_grouped_fp8_p] = _batch
+# One primitive call per batch element: every element has its own groups.
+_looped_batcher(quantize_grouped_fp8_p)
 
 
 @lru_cache(maxsize=None)
@@ -101,6 +94,7 @@ def _grouped_fn(flatten_axis: int, out_dtype, rowwise: bool, colwise: bool, curr
 
 
 def _check_group_sizes(op: str, group_sizes) -> jax.Array:
+    """group_sizes as an int32 (G,) array, 1 <= G <= MAX_GROUPS, or a ValueError naming op."""
     given_dtype = getattr(group_sizes, "dtype", None)  # checked before jnp.asarray narrows int64
     group_sizes = jnp.asarray(group_sizes)
     if ((given_dtype is not None and given_dtype != jnp.int32) or group_sizes.dtype != jnp.int32

@@ -45,16 +45,15 @@ from functools import lru_cache
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.interpreters import batching
 
 from lowbit.ops._primitive import ffi_primitive
 from lowbit.ops.quantize import check_quantize_args
-from lowbit.ops.quantize_block import (E8M0, BlockQuantized, flat_view, fp8_block_scale_shape, mxfp8_scale_shape,
-                                       quantize_fp8_block, quantize_mxfp8, transposed_shape)
+from lowbit.ops.quantize_block import (E8M0, BlockQuantized, _looped_batcher, flat_view, fp8_block_scale_shape,
+                                       mxfp8_scale_shape, quantize_fp8_block, quantize_mxfp8, transposed_shape)
+from lowbit.ops.quantize_grouped import _check_group_sizes as check_group_sizes
 
 __all__ = ["quantize_grouped_block", "grouped_block_offsets", "grouped_block_slice", "grouped_block_scale_shapes"]
 
-MAX_GROUPS = 1024  # kMaxQuantizeGroups in csrc/quantize/quantize_grouped.h
 KINDS = {("mxfp8", False): 0, ("fp8_block", False): 1, ("fp8_block", True): 2}  # GroupedBlockKind
 
 
@@ -99,15 +98,8 @@ quantize_grouped_block_p = ffi_primitive(
 )
 
 
-def _batch(args, dims, **params):
-    # One primitive call per batch element: every element has its own groups.
-    size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
-    front = [jnp.broadcast_to(a, (size, *a.shape)) if d is None else jnp.moveaxis(a, d, 0) for a, d in zip(args, dims)]
-    outs = jax.lax.map(lambda xs: tuple(quantize_grouped_block_p.bind(*xs, **params)), tuple(front))
-    return list(outs), [0] * len(outs)
-
-
-batching.primitive_batchers[quantize_grouped_block_p] = _batch
+# One primitive call per batch element: every element has its own groups.
+_looped_batcher(quantize_grouped_block_p)
 
 
 @lru_cache(maxsize=None)
@@ -121,17 +113,15 @@ def _grouped_fn(flatten_axis: int, out_dtype, kind: int, pow2: bool, rowwise: bo
 
 
 def _check_group_sizes(op: str, group_sizes, first_dim: int) -> jax.Array:
-    given_dtype = getattr(group_sizes, "dtype", None)  # checked before jnp.asarray narrows int64
-    traced = isinstance(group_sizes, jax.core.Tracer)
-    arr = group_sizes if traced else np.asarray(group_sizes if given_dtype is not None else jnp.asarray(group_sizes))
-    if ((given_dtype is not None and given_dtype != jnp.int32) or arr.dtype != np.int32
-            or arr.ndim != 1 or not 1 <= arr.shape[0] <= MAX_GROUPS):
-        raise ValueError(f"{op}: group_sizes: expected int32 of shape (G,) with 1 <= G <= {MAX_GROUPS}, "
-                         f"got {given_dtype or arr.dtype}{arr.shape}")
-    if not traced and ((arr < 0).any() or int(arr.astype(np.int64).sum()) > first_dim):
-        raise ValueError(f"{op}: group_sizes: expected non-negative sizes summing to at most x.shape[0] = "
-                         f"{first_dim}, got {arr.tolist() if arr.size <= 16 else 'sum ' + str(arr.sum())}")
-    return jnp.asarray(group_sizes)
+    """quantize_grouped_fp8's check, and for concrete sizes also their range (traced sizes are
+    clipped as documented)."""
+    checked = check_group_sizes(op, group_sizes)
+    if not isinstance(group_sizes, jax.core.Tracer):
+        arr = np.asarray(checked)
+        if (arr < 0).any() or int(arr.astype(np.int64).sum()) > first_dim:
+            raise ValueError(f"{op}: group_sizes: expected non-negative sizes summing to at most x.shape[0] = "
+                             f"{first_dim}, got {arr.tolist() if arr.size <= 16 else 'sum ' + str(arr.sum())}")
+    return checked
 
 
 def quantize_grouped_block(
