@@ -1,10 +1,11 @@
 """Seed Dense (x: 8x2048x8192 bf16 -> 32768 features) forward+backward, side by side in one
 run: bf16 Flax, Flax's FP8 (`Fp8DirectDotGeneralOp`), and lowbit per recipe (delayed,
 current, Float8BlockScaling as `lowbit_block`), both as the `dot_general` drop-in into Flax's
-Dense (`lowbit_*`) and as lowbit's own Dense module (`module_*`, same params). Prints time, speedup over bf16, the compiled
-step's peak memory (variants timed round-robin, common.time_steps), and the GEMM-only floor: the three lowbit FP8 GEMMs of the step (fwd,
-dgrad, wgrad) timed alone, beside the per-tensor FP8 GEMM ceiling and the block-scaled one
-(1x128 x 128x128, cuBLASLt on Hopper) measured at 8192^3.
+Dense (`lowbit_*`) and as lowbit's own Dense module (`module_*`, same params). Prints time
+(variants timed round-robin, common.time_steps), speedup over bf16, the compiled step's peak
+memory, and the GEMM-only floor: the three lowbit FP8 GEMMs of the step (fwd, dgrad, wgrad)
+timed alone, beside the per-tensor FP8 GEMM ceiling and the block-scaled one (1x128 x
+128x128, cuBLASLt on Hopper) measured at 8192^3.
 
     python bench/bench_dense.py            # GPU, seed shape
     python bench/bench_dense.py --small    # CPU smoke run

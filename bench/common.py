@@ -106,12 +106,19 @@ def peak_bytes(compiled) -> int | None:
                - m.alias_size_in_bytes)
 
 
+def _step_outputs(step, variables, x, dy):
+    """(the step without its passed-through variables, for time_fn; the compiled step's peak
+    device memory)."""
+    compiled = step.lower(variables, x, dy).compile()
+    return (lambda v, x, dy: step(v, x, dy)[1:]), peak_bytes(compiled)
+
+
 def time_step(step, variables, x, dy, iters: int) -> dict:
     """A training step (examples/quickstart_jax_utils.make_step) timed and measured:
     {"ms": median ms per step, "peak_bytes": the compiled step's peak device memory}."""
-    compiled = step.lower(variables, x, dy).compile()
-    t = time_fn(lambda v, x, dy: step(v, x, dy)[1:], [(variables, x, dy)], iters)
-    return {"ms": t * 1e3, "peak_bytes": peak_bytes(compiled)}
+    fn, peak = _step_outputs(step, variables, x, dy)
+    t = time_fn(fn, [(variables, x, dy)], iters)
+    return {"ms": t * 1e3, "peak_bytes": peak}
 
 
 def time_steps(cases: dict, iters: int, rounds: int = 3) -> dict:
@@ -125,12 +132,11 @@ def time_steps(cases: dict, iters: int, rounds: int = 3) -> dict:
     cases: {name: (step, variables, x, dy)}; returns {name: {"ms", "ms_rounds",
     "peak_bytes"}}."""
     fns, out = {}, {}
-    for name, (step, variables, x, dy) in cases.items():
-        compiled = step.lower(variables, x, dy).compile()
-        out[name] = {"ms_rounds": [], "peak_bytes": peak_bytes(compiled)}
-        fns[name] = (lambda step: lambda v, x, dy: step(v, x, dy)[1:])(step)
+    for name, case in cases.items():
+        fns[name], peak = _step_outputs(*case)
+        out[name] = {"ms_rounds": [], "peak_bytes": peak}
     for _ in range(rounds):
-        for name, (step, variables, x, dy) in cases.items():
+        for name, (_, variables, x, dy) in cases.items():
             t = time_fn(fns[name], [(variables, x, dy)], iters, repeats=2, warmup=2)
             out[name]["ms_rounds"].append(t * 1e3)
     for r in out.values():

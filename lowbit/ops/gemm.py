@@ -877,17 +877,15 @@ def gemm(a, b, a_scale_inv=None, b_scale_inv=None, bias=None, *, out_dtype=jnp.b
     if a_mode != GemmScaleMode.TENSOR:
         use_split_accumulator = True  # block scales have the split accumulation only
     algo = resolve_algo(algo, a.dtype, a_mode, bool(use_split_accumulator))
-    if bias is not None and out_dtype == jnp.float32:
-        # An f32 bias is one f32 add on the f32 output (the op's formula, fl(acc + bias), so
-        # the same bits), left to XLA: it fuses into whatever consumes the output (a residual
-        # add, the attention's scaling) instead of a pass of its own. cuBLASLt's FP8 bias
-        # epilogue takes no f32 bias with an f32 output, so the custom call would add it in
-        # a separate kernel (gemm_epilogue.h).
-        fn = _make_gemm(out_dtype, bool(use_split_accumulator), False, kd, len(n_shape), a_mode, b_mode, algo)
-        return fn(a, b, sa, sb) + bias
-    fn = _make_gemm(out_dtype, bool(use_split_accumulator), bias is not None, kd, len(n_shape), a_mode, b_mode,
-                    algo)
-    return fn(a, b, sa, sb, *([bias] if bias is not None else []))
+    # An f32 bias is one f32 add on the f32 output (the op's formula, fl(acc + bias), so the
+    # same bits), left to XLA: it fuses into whatever consumes the output (a residual add, the
+    # attention's scaling) instead of a pass of its own. cuBLASLt's FP8 bias epilogue takes no
+    # f32 bias with an f32 output, so the custom call would add it in a separate kernel
+    # (gemm_epilogue.h). Other biases ride in the custom call's epilogue.
+    bias_in_call = bias is not None and out_dtype != jnp.float32
+    fn = _make_gemm(out_dtype, bool(use_split_accumulator), bias_in_call, kd, len(n_shape), a_mode, b_mode, algo)
+    out = fn(a, b, sa, sb, *([bias] if bias_in_call else []))
+    return out if bias is None or bias_in_call else out + bias
 
 
 def gemm_reference(a, b, a_scale_inv=1.0, b_scale_inv=1.0, bias=None, *, out_dtype=jnp.bfloat16):
