@@ -252,7 +252,8 @@ def test_cuda_lowering_emits_one_padded_cublaslt_call(a_mode, b_mode, m, n, k, o
                                                       rng, monkeypatch):
     """Lowered for CUDA on compute capability 9.0 (no GPU needed): exactly one lowbit_gemm,
     its operands zero-padded to multiples of 16 in the order (a, b, sa, sb, bias) with the
-    scale shapes the handler checks for the padded operands, no bias (added afterwards in
+    scale shapes the handler checks for the padded operands, the bias in the call (padded to
+    N) for a 16-bit output (cuBLASLt's epilogue) and none for an fp32 one (added afterwards in
     fp32), and the modes as attributes."""
     a, b, sa, sb = operands(rng, m, n, k, a_mode, b_mode, E4M3, E5M2)
     bias = rng.normal(size=(n,)).astype(out_dtype) if with_bias else None
@@ -260,10 +261,11 @@ def test_cuda_lowering_emits_one_padded_cublaslt_call(a_mode, b_mode, m, n, k, o
     (c,) = cuda_gemm_calls(monkeypatch, f, a, b, sa, sb, bias)
     mp, np_, kp = round16(m), round16(n), round16(k)
     dims = lambda *d: "x".join(map(str, d))  # noqa: E731
-    out = "f32" if with_bias or out_dtype == F32 else "bf16"  # the empty bias has the out type
+    out = "f32" if out_dtype == F32 else "bf16"  # the empty bias has the out type
+    bias_len = np_ if with_bias and out_dtype != F32 else 0
     assert c.operand_types == [f"{dims(mp, kp)}x{f8_name(E4M3)}", f"{dims(np_, kp)}x{f8_name(E5M2)}",
                                dims(*scale_dims(a_mode, mp, kp)) + "xf32",
-                               dims(*scale_dims(b_mode, np_, kp)) + "xf32", f"0x{out}"]
+                               dims(*scale_dims(b_mode, np_, kp)) + "xf32", f"{bias_len}x{out}"]
     assert c.result_types == [f"{dims(mp, np_)}x{out}", f"{gemm_mod.GEMM_WORKSPACE_BYTES}xui8"]
     assert (c.a_scale_mode, c.b_scale_mode) == (int(a_mode), int(b_mode))
 
@@ -341,9 +343,10 @@ def test_cuda_tensor_scaled_fp8_lowering_pads_k_and_n(rng, monkeypatch):
 @pytest.mark.parametrize("with_bias", [True, False], ids=str)
 def test_cuda_wrapper_padding_on_cpu_handler_is_exact(a_mode, b_mode, m, n, k, with_bias, rng):
     """The CUDA lowering's wrapper (_block_gemm_cuda: zero padding of M, N, K (K to 128 for
-    MXFP8, its NaN scale padding zeroed) and of the 1x128 scale rows, bias split off and added
-    in fp32) run through the CPU handler equals the documented formula bit for bit: the
-    padding adds only zero terms and is sliced off."""
+    MXFP8, its NaN scale padding zeroed) and of the 1x128 scale rows, the bf16 bias padded into
+    the call (FP8 block) or split off and added in fp32 (MXFP8)) run through the CPU handler
+    equals the documented formula bit for bit: the padding adds only zero terms and is sliced
+    off."""
     a, b, sa, sb = operands(rng, m, n, k, a_mode, b_mode, E4M3, E5M2)
     bias = rng.normal(size=(n,)).astype(BF16) if with_bias else np.zeros((0,), BF16)
     f = jax.jit(lambda a, b, sa, sb, bias: gemm_mod._block_gemm_cuda(

@@ -27,8 +27,10 @@
 // _scaled_mm checks before handing the same modes to cuBLASLt, ScaledBlas.cpp). Only on
 // compute capability 9.0, for the pairs (1x128, 128x128), (128x128, 1x128) and (1x128,
 // 1x128); M, N and K must be multiples of 16 (lowbit/ops/gemm.py pads them, so that a 1x128
-// scale row is exactly the operand's row count), no bias epilogue, no fast accumulation (the
-// kernel promotes to fp32 per 128-long K block).
+// scale row is exactly the operand's row count), a bias epilogue only for 16-bit outputs
+// (the bias in the output's dtype, added in fp32 before the one rounding, as for per-tensor
+// FP8; an fp32 output's bias is lowbit.ops.gemm's, in XLA), no fast accumulation (the kernel
+// promotes to fp32 per 128-long K block).
 //
 // MXFP8 (gemm.h's kMxfp8): cuBLASLt's VEC32_UE8M0 scale mode on both operands (cuBLAS
 // 12.8+), on compute capability 10.x only (Blackwell datacenter parts; the gate is the
@@ -508,9 +510,9 @@ Status CheckBlockScaleProblem(const GemmArgs& args, int device, int capability) 
                                    "multiple of 16 too, got " + Problem(args) + modes +
                                    "; lowbit.ops.gemm pads it");
   }
-  if (args.bias != nullptr) {
-    return Status::InvalidArgument("lowbit_gemm: bias: block-scaled GEMMs take no bias on "
-                                   "cuBLASLt; lowbit.ops.gemm adds it in fp32");
+  if (args.bias != nullptr && args.out_type == DType::kF32) {
+    return Status::InvalidArgument("lowbit_gemm: bias: block-scaled GEMMs with an fp32 output "
+                                   "take no bias on cuBLASLt; lowbit.ops.gemm adds it in fp32");
   }
   if (Alignment(args.a_scale_inv) < 16 || Alignment(args.b_scale_inv) < 16) {
     return Status::InvalidArgument("lowbit_gemm: block scale arrays must be 16-byte aligned, for " +

@@ -393,20 +393,31 @@ def gemm_padded(a, b, a_scale_inv, b_scale_inv, bias, *, out_dtype, use_split_ac
     return out[:m, :n]
 
 
-def _cublaslt_block_ready(m: int, n: int, k: int, bias_len: int, mxfp8: bool = False) -> bool:
+def _block_bias_epilogue(out_dtype, mxfp8: bool) -> bool:
+    """Whether cuBLASLt adds a block-scaled GEMM's bias in its epilogue: FP8 block scaling with a
+    16-bit output (the bias in that dtype, added in fp32 before the one rounding: the formula
+    of the emulation). An fp32 output's bias, and MXFP8's, are added in fp32 afterwards."""
+    return not mxfp8 and jnp.dtype(out_dtype) != jnp.dtype(jnp.float32)
+
+
+def _cublaslt_block_ready(m: int, n: int, k: int, bias_len: int, mxfp8: bool = False,
+                          out_dtype=jnp.float32) -> bool:
     """True for the block-scaled problems the CUDA lowering hands to the custom call as they
-    are: M, N and K multiples of 16 (K of 128 for MXFP8) and no bias (what _block_gemm_cuda
-    binds)."""
+    are: M, N and K multiples of 16 (K of 128 for MXFP8) and a bias only where cuBLASLt's
+    epilogue takes it (_block_bias_epilogue; what _block_gemm_cuda binds)."""
     k_multiple = MXFP8_K_MULTIPLE if mxfp8 else FP8_DIM_MULTIPLE
-    return not (m % FP8_DIM_MULTIPLE or n % FP8_DIM_MULTIPLE or k % k_multiple or bias_len)
+    return not (m % FP8_DIM_MULTIPLE or n % FP8_DIM_MULTIPLE or k % k_multiple
+                or (bias_len and not _block_bias_epilogue(out_dtype, mxfp8)))
 
 
 def _block_gemm_cuda(a, b, a_scale_inv, b_scale_inv, bias, *, out_dtype, use_split_accumulator,
                      a_scale_mode, b_scale_mode, algo=0):
-    """FP8 block scaling on cuBLASLt: padded, and with the bias added in fp32 afterwards.
-    Every gemm_p it binds is _cublaslt_block_ready, so the CUDA lowering of those emits the
-    custom call directly (no second trip through this function)."""
-    if not bias.shape[0]:
+    """FP8 block scaling on cuBLASLt: padded, and the bias either in cuBLASLt's epilogue
+    (_block_bias_epilogue) or added in fp32 afterwards. Every gemm_p it binds is
+    _cublaslt_block_ready, so the CUDA lowering of those emits the custom call directly (no
+    second trip through this function)."""
+    mxfp8 = GemmScaleMode(int(a_scale_mode)) == GemmScaleMode.MXFP8
+    if not bias.shape[0] or _block_bias_epilogue(out_dtype, mxfp8):
         return gemm_padded(a, b, a_scale_inv, b_scale_inv, bias, out_dtype=out_dtype,
                            use_split_accumulator=use_split_accumulator,
                            a_scale_mode=a_scale_mode, b_scale_mode=b_scale_mode, algo=algo)
@@ -453,7 +464,8 @@ def _cuda_lowering(ctx, a, b, a_scale_inv, b_scale_inv, bias, *, out_dtype, use_
                          f"{_cuda_capability() or 'unknown'}; emulating it exactly (dequantize to "
                          "fp32, fp32 GEMM)")
             return lower(functools.partial(emulated_gemm, **kw))(ctx, a, b, a_scale_inv, b_scale_inv, bias)
-        if not _cublaslt_block_ready(m, n, k, ctx.avals_in[4].shape[0], modes[0] == GemmScaleMode.MXFP8):
+        if not _cublaslt_block_ready(m, n, k, ctx.avals_in[4].shape[0], modes[0] == GemmScaleMode.MXFP8,
+                                     out_dtype):
             # Padded (and bias split off) by _block_gemm_cuda, whose gemm_p binds come back
             # here ready and fall through to the custom call.
             fn = functools.partial(_block_gemm_cuda, use_split_accumulator=use_split_accumulator,
