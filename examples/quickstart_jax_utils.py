@@ -27,6 +27,11 @@ def make_step(model_apply_fn: Callable, forward_kwargs: dict, rngs=None):
             return model_apply_fn(v, inp, rngs=rngs, **forward_kwargs)
 
         y, vjp = jax.vjp(fwd, variables, x)
+        # As in training, where the output gradient comes from a loss of y, the backward
+        # starts after the forward: without this tie XLA may run backward work that needs
+        # only output_grad and the params (an output layer's dgrad) before the forward and
+        # keep its result live throughout.
+        output_grad, _ = jax.lax.optimization_barrier((output_grad, y))
         var_grads, x_grad = vjp(output_grad.astype(y.dtype))
         return y, var_grads, x_grad
 

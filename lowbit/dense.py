@@ -159,7 +159,22 @@ def dgrad_wgrad(dyq: ScaledTensor2x, x_col: ScaledTensor1x, k_row: ScaledTensor1
     n_out = len(dyq.rowwise_tensor.shape) - n_lead
     dx = _gemm(dyq.rowwise_tensor, k_row, None, x_dtype, n_out, True)
     dw = _gemm(x_col, dyq.colwise_tensor, None, k_dtype, n_lead, True, tokens_in_a=False)
+    if not _mesh_axes():
+        # Tied, so that whatever consumes dx waits for dw: the wgrad's operands (x's saved
+        # colwise copy, dy's colwise copy) are freed before the backward goes on. Left free,
+        # XLA runs the wgrads (off the critical path) last, and their FP8 operands stay live
+        # through the rest of the backward: in the seed layer, through the attention's
+        # backward, its peak (+0.25 GiB). Not under a MeshResource with axes: there the tie
+        # keeps XLA from combining the wgrads' data-parallel all-reduces (tests/test_sharding.py
+        # counts them).
+        dx, dw = jax.lax.optimization_barrier((dx, dw))
     return dx, dw
+
+
+def _mesh_axes() -> tuple[str, ...]:
+    """The axes the global MeshResource names (empty without one)."""
+    resource = get_global_mesh_resource()
+    return () if resource is None else resource.amax_reduction_axes()
 
 
 def backward_gemms(dy, x_col: ScaledTensor1x, k_row: ScaledTensor1x, dgrad_quantizer,
