@@ -23,6 +23,14 @@ their blocks down the columns, so their data and scales are transposed into the 
 operand (`gemm_operand`). Which GEMMs have a hardware path is lowbit.ops.gemm's business
 (cuBLASLt on Hopper for FP8 block; an exact emulation with a notice elsewhere).
 
+NVFP4 (NVFP4BlockScaling): the same dataflow with NVFP4 copies (packed 2-D, colwise copies
+K-major), multiplied by lowbit.ops.gemm.nvfp4_gemm on their stored data, e4m3 scales (16x16
+weight tiles are stored per row, so they need nothing) and global scale_invs: cuBLASLt on
+compute capability 10.x, the exact emulation elsewhere (the bits of emulated_nvfp4_gemm on
+Hopper; the C++ reference's k-order sums on the CPU). The wgrad GEMM of RHT copies (x and dy
+colwise, transformed with different sign vectors) is emulated_nvfp4_gemm on the dequantized,
+un-transformed copies on every device (`_nvfp4_gemm`).
+
 Accumulation: the forward GEMM uses the fast FP8 accumulation, the two backward GEMMs the
 split (more precise) one, as TransformerEngine does by default (block-scaled GEMMs have only
 the split one). With an empty quantizer set (no recipe) dense is a plain `lax.dot_general`.

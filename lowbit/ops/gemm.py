@@ -37,7 +37,10 @@ Block modes map over vmapped batches and are partitioned (below) where shards ho
 NVFP4 (`nvfp4_gemm`, its own op lowbit_gemm_nvfp4 at the end of this file): packed E2M1
 operands with e4m3 block scales and fp32 global scale_invs as lowbit.ops.quantize_nvfp4
 stores them; the exact emulation on the CPU and off 10.x, cuBLASLt on 10.x (compile-checked
-only). 2-D, no sharding or vmap rule; lowbit.dense still uses emulated_nvfp4_gemm.
+only). 2-D; vmap maps it over the batch; partitioned like the block modes (rows of a, N of b,
+K with a psum) where shards hold whole 16-blocks of unpadded scale dims, else gathered
+(_make_nvfp4_gemm). lowbit.dense multiplies its NVFP4 copies through it, except the wgrad of
+RHT copies, which stays on emulated_nvfp4_gemm (lowbit.dense.nvfp4_packed_gemm_ok).
 
 Algorithm (CUDA): `algo` picks entry `algo` of the list of algorithms cuBLASLt's
 heuristic returns (0 = its first choice; a plan-cache key in C++). `gemm(algo=None)` takes
@@ -300,10 +303,12 @@ def emulated_nvfp4_gemm(a, b, bias=None, *, out_dtype, contracting_ndim: int = 1
     """The NVFP4 GEMM emulation: a (M..., K...) . b (N..., K...)^T over the last
     contracting_ndim dims of the two dequantized operands (fp32, NVFP4Tensor1x.dequantize),
     a HIGHEST-precision fp32 dot, + bias in fp32, rounded to out_dtype, on every device (said
-    once). lowbit.dense multiplies NVFP4 through this; nvfp4_gemm below is the packed-operand
-    op with the cuBLASLt path on compute capability 10.x."""
-    _notice_once("nvfp4", "lowbit.ops.gemm: NVFP4 GEMMs run as an exact emulation (dequantize to "
-                 "fp32, fp32 GEMM) on every device for now")
+    once). lowbit.dense uses it only for the wgrad of RHT-transformed copies (their stored
+    values do not multiply to the product); its other NVFP4 GEMMs are nvfp4_gemm below, the
+    packed-operand op with the cuBLASLt path on compute capability 10.x, whose emulation
+    off 10.x gives this function's bits for the same operands."""
+    _notice_once("nvfp4", "lowbit.ops.gemm: NVFP4 GEMMs of RHT-transformed copies (lowbit.dense's "
+                 "wgrad) run as an exact emulation (dequantize to fp32, fp32 GEMM) on every device")
     kd = int(contracting_ndim)
     dims = ((tuple(range(a.ndim - kd, a.ndim)), tuple(range(b.ndim - kd, b.ndim))), ((), ()))
     acc = jax.lax.dot_general(a.astype(jnp.float32), b.astype(jnp.float32), dims,
@@ -1018,10 +1023,11 @@ def nvfp4_gemm(a, b, a_scale, b_scale, a_global_scale_inv, b_global_scale_inv, b
     dequantize_nvfp4 does, products rounded to fp32 and summed in increasing k). CUDA on
     compute capability 10.x: cuBLASLt (E2M1 x E2M1, VEC16_UE4M3 scales swizzled in the
     launcher, alpha = a_gsi * b_gsi), compile-checked only; elsewhere the emulation in jnp
-    with a one-time notice. 2-D operands only, no sharding or vmap rule (a building block:
-    lowbit.dense still multiplies NVFP4 through emulated_nvfp4_gemm). RHT-transformed copies
-    multiply as stored (T applied to both operands' K leaves the product unchanged up to
-    rounding; dequantize_nvfp4 would undo it instead)."""
+    with a one-time notice. 2-D operands (callers reshape: lowbit.dense passes its copies'
+    stored 2-D views); vmap maps over the batch; sharding as in _make_nvfp4_gemm.
+    RHT-transformed copies multiply as stored (T applied to both operands' K with the same
+    signs leaves the product unchanged up to rounding; dequantize_nvfp4 would undo it
+    instead)."""
     a, b = jnp.asarray(a), jnp.asarray(b)
     op = f"{OP} (nvfp4)"
     k = int(k)
