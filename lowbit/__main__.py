@@ -28,12 +28,11 @@ RECIPES = {
     "MXFP8BlockScaling": (10, 0),
     "NVFP4BlockScaling": (10, 0),
 }
-# Recipes whose GEMMs lowbit.dense emulates on every device: NVFP4 quantizes through CUDA
-# kernels on a GPU, but dense multiplies it through the exact emulation (the sm_100 cuBLASLt
-# op lowbit.ops.gemm.nvfp4_gemm is not wired into it). MXFP8's sm_100 cuBLASLt path is wired
-# (lowbit.ops.gemm), compiled in but never run on a Blackwell GPU.
+# MXFP8's and NVFP4's sm_100 cuBLASLt paths (lowbit.ops.gemm) are wired into lowbit.dense,
+# compiled in but never run on a Blackwell GPU. NVFP4's wgrad of RHT copies (the recipe's
+# default) stays emulated on every device (lowbit.dense.nvfp4_packed_gemm_ok says why).
 ONLY_ON = {"Float8BlockScaling": (9, 0)}
-EMULATED_ONLY = ("NVFP4BlockScaling",)
+PARTLY_EMULATED = {"NVFP4BlockScaling": "; the wgrad GEMM of RHT copies emulated exactly"}
 
 
 def _cuda_driver_version() -> str | None:
@@ -69,10 +68,8 @@ def report() -> dict:
     recipes = {}
     for name, need in RECIPES.items():
         native = cc is not None and (cc == ONLY_ON[name] if name in ONLY_ON else cc >= need)
-        if name in EMULATED_ONLY and cc is not None:
-            recipes[name] = "GEMM emulated exactly (its cuBLASLt GEMM is not wired into dense yet)"
-        elif native and info["cuda_registered"]:
-            recipes[name] = f"native (sm_{cc[0]}{cc[1]})"
+        if native and info["cuda_registered"]:
+            recipes[name] = f"native (sm_{cc[0]}{cc[1]}{PARTLY_EMULATED.get(name, '')})"
         elif cc is not None:
             recipes[name] = f"emulated exactly (needs sm_{need[0]}{need[1]}+)"
         else:

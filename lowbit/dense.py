@@ -23,6 +23,14 @@ their blocks down the columns, so their data and scales are transposed into the 
 operand (`gemm_operand`). Which GEMMs have a hardware path is lowbit.ops.gemm's business
 (cuBLASLt on Hopper for FP8 block; an exact emulation with a notice elsewhere).
 
+NVFP4 (NVFP4BlockScaling): the same dataflow with NVFP4 copies (packed 2-D, colwise copies
+K-major), multiplied by lowbit.ops.gemm.nvfp4_gemm on their stored data, e4m3 scales (16x16
+weight tiles are stored per row, so they need nothing) and global scale_invs: cuBLASLt on
+compute capability 10.x, the exact emulation elsewhere (the bits of emulated_nvfp4_gemm on
+Hopper; the C++ reference's k-order sums on the CPU). The wgrad GEMM of RHT copies (x and dy
+colwise, transformed with different sign vectors) is emulated_nvfp4_gemm on the dequantized,
+un-transformed copies on every device (`_nvfp4_gemm`).
+
 Accumulation: the forward GEMM uses the fast FP8 accumulation, the two backward GEMMs the
 split (more precise) one, as TransformerEngine does by default (block-scaled GEMMs have only
 the split one). With an empty quantizer set (no recipe) dense is a plain `lax.dot_general`.
@@ -39,7 +47,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from lowbit.ops.gemm import GemmScaleMode, emulated_nvfp4_gemm, gemm
+from lowbit.ops.gemm import GemmScaleMode, emulated_nvfp4_gemm, gemm, nvfp4_gemm
 from lowbit.quantize.helper import get_global_mesh_resource
 from lowbit.quantize.quantizer import QuantizerSet, noop_quantizer_set
 from lowbit.quantize.scaling_modes import ScalingMode
@@ -123,18 +131,53 @@ def gemm_operand(t: ScaledTensor1x):
 
 
 def _nvfp4_operand(t: ScaledTensor1x):
-    """An NVFP4 copy dequantized to fp32 as its GEMM operand (a colwise copy transposed)."""
+    """An NVFP4 copy dequantized to fp32 (RHT undone) as a K-major operand of
+    emulated_nvfp4_gemm (a colwise copy transposed)."""
     values = t.dequantize(jnp.float32)
     if t.is_colwise:
         values = jnp.transpose(values, colwise_permutation(values.ndim, t.flatten_axis))
     return values
 
 
+def _nvfp4_dims(t: ScaledTensor1x) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(free dims, contracted dims) of an NVFP4 copy as stored: its packed 2-D data is (prod
+    of the first, ceil(prod of the second / 2)), K-major (a colwise copy is x^T)."""
+    shape, f = tuple(t.shape), t.flatten_axis
+    return (shape[f:], shape[:f]) if t.is_colwise else (shape[:f], shape[f:])
+
+
+def nvfp4_packed_gemm_ok(a: ScaledTensor1x, b: ScaledTensor1x, contracting_ndim: int) -> bool:
+    """Whether lowbit.ops.gemm.nvfp4_gemm can multiply the two stored copies as they are: neither
+    RHT-transformed (nvfp4_gemm multiplies stored values, which equals the dequantized
+    product only when both operands carry the same transform, and dense's x and dy copies
+    carry different sign vectors), and each stored copy's columns exactly the contracted
+    dims. Every GEMM of dense takes this path except the wgrad of RHT copies."""
+    if a.rht_sign_bits is not None or b.rht_sign_bits is not None:
+        return False
+    (_, ka), (_, kb) = _nvfp4_dims(a), _nvfp4_dims(b)
+    return len(ka) == len(kb) == contracting_ndim and ka == kb
+
+
+def _nvfp4_gemm(a: ScaledTensor1x, b: ScaledTensor1x, bias, out_dtype, contracting_ndim):
+    """An NVFP4 GEMM of two stored copies: lowbit.ops.gemm.nvfp4_gemm on their packed data,
+    scales and global scale_invs (cuBLASLt on compute capability 10.x; elsewhere the exact
+    emulation, which gives emulated_nvfp4_gemm's bits: the same dequantized operands and
+    fp32 dot, on the CPU summed in k order by the C++ reference), the (M, N) result reshaped
+    to (M..., N...). RHT copies (the wgrad under NVFP4BlockScaling's default RHT) go through
+    emulated_nvfp4_gemm with the transform undone (nvfp4_packed_gemm_ok says why)."""
+    if not nvfp4_packed_gemm_ok(a, b, contracting_ndim):
+        return emulated_nvfp4_gemm(_nvfp4_operand(a), _nvfp4_operand(b), bias, out_dtype=out_dtype,
+                                   contracting_ndim=contracting_ndim)
+    (a_free, k_dims), (b_free, _) = _nvfp4_dims(a), _nvfp4_dims(b)
+    out = nvfp4_gemm(a.data, b.data, a.scale_inv, b.scale_inv, a.global_scale_inv, b.global_scale_inv,
+                     None if bias is None else bias.reshape(-1), k=math.prod(k_dims), out_dtype=out_dtype)
+    return out.reshape(*a_free, *b_free)
+
+
 def _gemm(a: ScaledTensor1x, b: ScaledTensor1x, bias, out_dtype, contracting_ndim, split,
           tokens_in_a=True):
     if a.scaling_mode.is_nvfp4:
-        out = emulated_nvfp4_gemm(_nvfp4_operand(a), _nvfp4_operand(b), bias, out_dtype=out_dtype,
-                                  contracting_ndim=contracting_ndim)
+        out = _nvfp4_gemm(a, b, bias, out_dtype, contracting_ndim)
         return checkpoint_name(out, GEMM_CHECKPOINT_NAME)
     a_data, a_scale, a_mode = gemm_operand(a)
     b_data, b_scale, b_mode = gemm_operand(b)

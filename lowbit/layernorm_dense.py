@@ -16,7 +16,7 @@ then lowbit.ops.norm_quantize_block block-quantizes the fp32 norm output compute
 in one pass over x (norm_forward's own elementwise formula, so the codes are those of the
 block quantizer applied to norm_forward's fp32 y), then the block-scaled GEMMs of dense; the
 backward is unchanged. NVFP4 (NVFP4BlockScaling) writes the norm output in x's dtype and its
-quantizer follows (unfused), with dense's emulated NVFP4 GEMMs; its key comes in as `sr_key`
+quantizer follows (unfused), with dense's NVFP4 GEMMs; its key comes in as `sr_key`
 (or already in the set, lowbit.dense.with_sr_key).
 """
 

@@ -19,7 +19,7 @@ statistics launch, then lowbit.ops.norm_quantize_block), `a` through
 lowbit.activation.block_quantized (lowbit.ops.act_quantize_block); that path is off by
 default because it measured slower on an H100 (lowbit/ops/fused_block.py). Either way the
 block-scaled GEMMs of dense follow. NVFP4 takes the unfused path for both (output in x's dtype, then its
-quantizer), with dense's emulated NVFP4 GEMMs (its key: `sr_key`, see layernorm_mlp). The
+quantizer), with dense's NVFP4 GEMMs (its key: `sr_key`, see layernorm_mlp). The
 backward is the same for every recipe. Saved
 for the backward: x, mu, rsigma, h (high precision, the activation's backward needs it) and
 the quantized copies ln.colwise, wi.rowwise, a.colwise and wo.rowwise. `ffn1_ckpt_name` /

@@ -90,3 +90,143 @@ def test_flax_dense_general_takes_its_key_from_the_sr_rng_stream():
     np.testing.assert_array_equal(np.asarray(k0), np.asarray(grad(variables, jax.random.PRNGKey(1))["params"]["kernel"]))
     with pytest.raises(ValueError, match="sr_rng"):
         jax.grad(lambda v: jnp.sum(layer.apply(v, x) ** 2))(variables)
+
+
+# ---------------------------------------------------------------- the packed GEMM path
+#
+# dense's NVFP4 GEMMs go through lowbit.ops.gemm.nvfp4_gemm (lowbit_gemm_nvfp4, cuBLASLt on
+# 10.x) except the wgrad of RHT copies. Before that change every GEMM was
+# emulated_nvfp4_gemm on the dequantized copies (`_old_nvfp4_gemm` below, the old code). Off
+# 10.x nvfp4_gemm lowers to the jnp emulation (nvfp4_emulation_lowering), which must give
+# the old bits; on the CPU its C++ handler sums in k order, within fp32 reordering of them.
+
+import importlib  # noqa: E402
+import re  # noqa: E402
+
+from jax.interpreters import mlir  # noqa: E402
+
+dense_mod = importlib.import_module("lowbit.dense")
+gemm_mod = importlib.import_module("lowbit.ops.gemm")
+ffi_mod = importlib.import_module("lowbit._ffi")
+
+RECIPES = {
+    "full": NVFP4BlockScaling(),  # RHT, SR, 2-D weight tiles: fwd and dgrad packed, wgrad emulated
+    "sr_no_rht": NVFP4BlockScaling(disable_rht=True),  # all three packed, SR on dy
+    "plain": NVFP4BlockScaling(disable_rht=True, disable_stochastic_rounding=True,
+                               disable_2d_quantization=True),
+}
+PROBLEMS = {  # x shape, kernel shape, contracting dims
+    "3d": ((2, 21, 48), (48, 40), ((2,), (0,))),
+    "2k2n": ((3, 4, 16, 8), (16, 8, 5, 6), ((2, 3), (0, 1))),  # two contracted, two N dims
+    "odd": ((33, 70), (70, 17), ((1,), (0,))),  # odd K: a partial 16-block, odd packed nibble
+}
+
+
+def _old_nvfp4_gemm(a, b, bias, out_dtype, contracting_ndim):
+    """dense's NVFP4 GEMM before the packed path (every GEMM dequantized and emulated)."""
+    return gemm_mod.emulated_nvfp4_gemm(dense_mod._nvfp4_operand(a), dense_mod._nvfp4_operand(b), bias,
+                                        out_dtype=out_dtype, contracting_ndim=contracting_ndim)
+
+
+def _fwd_bwd(recipe, problem, seed=0):
+    """y and (dx, dw, dbias) of dense under `recipe`, jitted afresh (a new trace each call)."""
+    xs, ks, dims = PROBLEMS[problem]
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.standard_normal(xs), jnp.float32)
+    kern = jnp.asarray(rng.standard_normal(ks) / 5, jnp.float32)
+    n_free = ks[len(dims[1]):]
+    b = jnp.asarray(rng.standard_normal(n_free), jnp.float32)
+    ct = jnp.asarray(rng.standard_normal(xs[:len(xs) - len(dims[0])] + n_free), jnp.float32)
+    qs = QuantizerFactory.create_set(RECIPES[recipe])
+    key = jax.random.PRNGKey(11)
+
+    def run(x, kern, b):
+        y, vjp = jax.vjp(lambda x, k, b: dense(x, k, b, dims, qs, sr_key=key), x, kern, b)
+        return y, vjp(ct)
+
+    return jax.tree.map(np.asarray, jax.jit(run)(x, kern, b))
+
+
+@pytest.fixture
+def jnp_emulation():
+    """gemm_nvfp4_p lowered on the CPU as the CUDA lowering does off 10.x (Hopper)."""
+    mlir.register_lowering(gemm_mod.gemm_nvfp4_p, gemm_mod.nvfp4_emulation_lowering, platform="cpu")
+    yield
+    mlir.register_lowering(gemm_mod.gemm_nvfp4_p, gemm_mod._nvfp4_cpu_lowering, platform="cpu")
+
+
+@pytest.mark.parametrize("problem", list(PROBLEMS))
+@pytest.mark.parametrize("recipe", list(RECIPES))
+def test_packed_path_gives_the_old_bits_where_nvfp4_gemm_emulates(recipe, problem, monkeypatch, jnp_emulation):
+    new = _fwd_bwd(recipe, problem)
+    with monkeypatch.context() as mp:
+        mp.setattr(dense_mod, "_nvfp4_gemm", _old_nvfp4_gemm)
+        old = _fwd_bwd(recipe, problem)
+    for got, want in zip(jax.tree.leaves(new), jax.tree.leaves(old)):
+        assert np.abs(want).max() > 0
+        np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+@pytest.mark.parametrize("problem", list(PROBLEMS))
+@pytest.mark.parametrize("recipe", ["full", "plain"])
+def test_packed_path_on_the_cpu_handler_is_the_old_path_reordered(recipe, problem, monkeypatch):
+    """The C++ handler sums in k order, XLA's dot in its own: equal within fp32 reordering
+    (K terms of at most |a||b| each, so K * 2^-23 of the largest output bounds it loosely)."""
+    new = _fwd_bwd(recipe, problem, seed=1)
+    with monkeypatch.context() as mp:
+        mp.setattr(dense_mod, "_nvfp4_gemm", _old_nvfp4_gemm)
+        old = _fwd_bwd(recipe, problem, seed=1)
+    k = max(np.prod(PROBLEMS[problem][1]), 100)
+    for got, want in zip(jax.tree.leaves(new), jax.tree.leaves(old)):
+        assert np.all(np.abs(got - want) <= k * 2.0**-23 * np.abs(want).max())
+
+
+def _nvfp4_calls(monkeypatch, recipe, capability):
+    """The lowbit_gemm_nvfp4 custom calls in dense's fwd + bwd lowered for CUDA on `capability`."""
+    monkeypatch.setattr(gemm_mod, "_cuda_capability", lambda: capability)
+    monkeypatch.setattr(ffi_mod, "require_platform", lambda op, platform: None)
+    x, k, b = _problem()
+    qs = QuantizerFactory.create_set(RECIPES[recipe])
+    loss = lambda x, k, b: jnp.sum(dense(x, k, b, ((2,), (0,)), qs, sr_key=jax.random.PRNGKey(0)) ** 2)  # noqa: E731
+    f = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+    text = f.trace(x, k, b).lower(lowering_platforms=("cuda",)).as_text()
+    return len(re.findall(r"custom_call @lowbit_gemm_nvfp4\(", text))
+
+
+@pytest.mark.parametrize("recipe,calls", [("full", 2), ("sr_no_rht", 3), ("plain", 3)])
+def test_sm100_lowering_runs_the_gemms_on_cublaslt(recipe, calls, monkeypatch):
+    """On 10.x: fwd, dgrad (and wgrad without RHT) are lowbit_gemm_nvfp4 calls; off it none."""
+    assert _nvfp4_calls(monkeypatch, recipe, "10.0") == calls
+    assert _nvfp4_calls(monkeypatch, recipe, "9.0") == 0
+
+
+def test_jaxpr_holds_gemm_nvfp4():
+    x, k, b = _problem()
+    qs = QuantizerFactory.create_set(RECIPES["full"])
+    loss = lambda x, k, b: jnp.sum(dense(x, k, b, ((2,), (0,)), qs, sr_key=jax.random.PRNGKey(0)) ** 2)  # noqa: E731
+    text = str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(x, k, b))
+    assert text.count("gemm_nvfp4[") == 2, text.count("gemm_nvfp4[")  # fwd, dgrad
+
+
+@pytest.mark.parametrize("recipe", ["full", "plain"])
+def test_dense_under_vmap_and_on_a_mesh(recipe):
+    """vmap over dense equals the per-element calls, and fwd + bwd with x rows-, kernel N- or
+    K-sharded on 2 devices equal the single-device bits (the NVFP4 quantizer gathers its
+    input, so every GEMM sees replicated copies here)."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    rng = np.random.default_rng(5)
+    x = jnp.asarray(rng.standard_normal((2, 32, 128)), jnp.float32)
+    kern = jnp.asarray(rng.standard_normal((128, 64)) / 11, jnp.float32)
+    b = jnp.asarray(rng.standard_normal(64), jnp.float32)
+    qs, key = QuantizerFactory.create_set(RECIPES[recipe]), jax.random.PRNGKey(3)
+    one = lambda x: dense(x, kern, b, ((1,), (0,)), qs, sr_key=key)  # noqa: E731
+    loop = np.stack([np.asarray(jax.jit(one)(x[i])) for i in range(2)])
+    np.testing.assert_array_equal(np.asarray(jax.jit(jax.vmap(one))(x)), loop)
+    f = jax.jit(jax.value_and_grad(lambda x, k: jnp.sum(jnp.sin(dense(x, k, b, ((2,), (0,)), qs, sr_key=key))),
+                                   argnums=(0, 1)))
+    want = jax.tree.leaves(f(x, kern))
+    mesh = Mesh(np.array(jax.devices("cpu")[:2]), ("d",))
+    for xs, ks in ((P("d"), P()), (P(), P(None, "d")), (P(None, None, "d"), P("d", None))):
+        got = jax.tree.leaves(f(jax.device_put(x, NamedSharding(mesh, xs)), jax.device_put(kern, NamedSharding(mesh, ks))))
+        for g, w in zip(got, want):
+            np.testing.assert_array_equal(np.asarray(g), np.asarray(w))

@@ -197,3 +197,78 @@ def test_cuda_matches_cpu(m, n, k, out_dtype, rng, cpu, gpu):
            + eps * (np.abs(a64 @ b64.T) + np.abs(bias.astype(np.float64))) + float(ml_dtypes.finfo(out_dtype).tiny))
     assert np.all(np.abs(g - c) <= tol), np.max(np.abs(g - c) / tol)
     assert np.linalg.norm(g - c) <= 2.0**-6 * np.linalg.norm(c) + 1e-30
+
+
+# ---------------------------------------------------------------- vmap and sharding
+
+
+def test_vmap_equals_the_loop(rng, cpu):
+    """Batched operands (with their scales and global scale_invs), b unbatched or batched,
+    the batch at axis 0 or 1 of a: bit for bit the per-element calls."""
+    m, n, k, batch = 19, 24, 80, 3
+    ops_a = [random_operand(rng, m, k) for _ in range(batch)]
+    ops_b = [random_operand(rng, n, k) for _ in range(batch)]
+    bias = rng.normal(size=(n,)).astype(np.float32)
+    a = [np.stack([o[i] for o in ops_a]) for i in range(3)]
+    b = [np.stack([o[i] for o in ops_b]) for i in range(3)]
+    f = lambda a, b, sa, sb, ga, gb: gemm_mod.nvfp4_gemm(a, b, sa, sb, ga, gb, bias, k=k, out_dtype=F32)  # noqa: E731
+    loop = np.stack([run_on(cpu, f, ops_a[i][0], ops_b[i][0], ops_a[i][1], ops_b[i][1], ops_a[i][2], ops_b[i][2])
+                     for i in range(batch)])
+    both = run_on(cpu, jax.vmap(f), a[0], b[0], a[1], b[1], a[2], b[2])
+    np.testing.assert_array_equal(both.view(np.uint32), loop.view(np.uint32))
+    moved = run_on(cpu, jax.vmap(f, in_axes=(1, 0, 0, 0, 0, 0)), np.moveaxis(a[0], 0, 1), b[0], a[1], b[1], a[2], b[2])
+    np.testing.assert_array_equal(moved.view(np.uint32), loop.view(np.uint32))
+    b0 = [x[0] for x in b]
+    only_a = run_on(cpu, jax.vmap(f, in_axes=(0, None, 0, None, 0, None)), a[0], b0[0], a[1], b0[1], a[2], b0[2])
+    loop_a = np.stack([run_on(cpu, f, ops_a[i][0], b0[0], ops_a[i][1], b0[1], ops_a[i][2], b0[2]) for i in range(batch)])
+    np.testing.assert_array_equal(only_a.view(np.uint32), loop_a.view(np.uint32))
+
+
+def _mesh2():
+    from jax.sharding import Mesh
+    return Mesh(np.array(jax.devices("cpu")[:2]), ("x",))
+
+
+def _local_call_rows(hlo: str):
+    """(a rows, b rows, packed K) of the compiled lowbit_gemm_nvfp4 custom calls."""
+    out = []
+    for line in hlo.splitlines():
+        if 'custom_call_target="lowbit_gemm_nvfp4"' in line:
+            shapes = re.findall(r"u8\[(\d+),(\d+)\]", line.split("custom-call(", 1)[1])
+            out.append((int(shapes[0][0]), int(shapes[1][0]), int(shapes[0][1])))
+    return out
+
+
+NVFP4_SHARD_CASES = {  # M, N, K, a spec, b spec, local (a rows, b rows, packed K), exact, all-reduces
+    "rows": (256, 48, 96, ("x", None), (None, None), (128, 48, 48), True, 0),
+    "n": (40, 256, 96, (None, None), ("x", None), (40, 128, 48), True, 0),
+    "k": (40, 48, 256, (None, "x"), (None, "x"), (40, 48, 64), False, 1),
+    "rows_unclean": (200, 48, 96, ("x", None), (None, None), (200, 48, 48), True, 0),  # 200 % 128: gathered
+    "k_unclean": (40, 48, 96, (None, "x"), (None, "x"), (40, 48, 48), True, 0),  # ceil(96/16) % 4: gathered
+}
+
+
+@pytest.mark.parametrize("case", list(NVFP4_SHARD_CASES))
+def test_sharded_equals_unsharded(case, rng):
+    """On a 2-device mesh: rows of a or N of b sharded give the unsharded bits (each shard
+    runs the same k-order sums on its rows); K sharded gives fp32 partial sums psum'ed
+    (within reordering); splits that would cut a scale tile or a padded scale dim gather."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    m, n, k, a_spec, b_spec, local, exact, n_reduce = NVFP4_SHARD_CASES[case]
+    a, b = random_operand(rng, m, k, nan_padding=False), random_operand(rng, n, k, nan_padding=False)
+    bias = rng.normal(size=(n,)).astype(BF16)
+    f = jax.jit(lambda *x: call(x[:3], x[3:6], x[6], out_dtype=BF16, k=k))
+    want = np.asarray(f(*a, *b, bias)).astype(np.float32)
+    mesh = _mesh2()
+    args = (jax.device_put(a[0], NamedSharding(mesh, P(*a_spec))), a[1], a[2],
+            jax.device_put(b[0], NamedSharding(mesh, P(*b_spec))), b[1], b[2], bias)
+    got = np.asarray(f(*args)).astype(np.float32)
+    if exact:
+        np.testing.assert_array_equal(got, want)
+    else:
+        a64, b64 = dequantized(*a, k).astype(np.float64), dequantized(*b, k).astype(np.float64)
+        tol = 4 * k * 2.0**-24 * (np.abs(a64) @ np.abs(b64).T) + 2.0**-7 * np.abs(want) + 1e-30
+        assert np.all(np.abs(got - want) <= tol)
+    hlo = f.lower(*args).compile().as_text()
+    assert _local_call_rows(hlo) == [local]
+    assert len(re.findall(r"\sall-reduce(?:-start)?\(", hlo)) == n_reduce

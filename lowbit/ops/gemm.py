@@ -37,7 +37,10 @@ Block modes map over vmapped batches and are partitioned (below) where shards ho
 NVFP4 (`nvfp4_gemm`, its own op lowbit_gemm_nvfp4 at the end of this file): packed E2M1
 operands with e4m3 block scales and fp32 global scale_invs as lowbit.ops.quantize_nvfp4
 stores them; the exact emulation on the CPU and off 10.x, cuBLASLt on 10.x (compile-checked
-only). 2-D, no sharding or vmap rule; lowbit.dense still uses emulated_nvfp4_gemm.
+only). 2-D; vmap maps it over the batch; partitioned like the block modes (rows of a, N of b,
+K with a psum) where shards hold whole 16-blocks of unpadded scale dims, else gathered
+(_make_nvfp4_gemm). lowbit.dense multiplies its NVFP4 copies through it, except the wgrad of
+RHT copies, which stays on emulated_nvfp4_gemm (lowbit.dense.nvfp4_packed_gemm_ok).
 
 Algorithm (CUDA): `algo` picks entry `algo` of the list of algorithms cuBLASLt's
 heuristic returns (0 = its first choice; a plan-cache key in C++). `gemm(algo=None)` takes
@@ -300,10 +303,12 @@ def emulated_nvfp4_gemm(a, b, bias=None, *, out_dtype, contracting_ndim: int = 1
     """The NVFP4 GEMM emulation: a (M..., K...) . b (N..., K...)^T over the last
     contracting_ndim dims of the two dequantized operands (fp32, NVFP4Tensor1x.dequantize),
     a HIGHEST-precision fp32 dot, + bias in fp32, rounded to out_dtype, on every device (said
-    once). lowbit.dense multiplies NVFP4 through this; nvfp4_gemm below is the packed-operand
-    op with the cuBLASLt path on compute capability 10.x."""
-    _notice_once("nvfp4", "lowbit.ops.gemm: NVFP4 GEMMs run as an exact emulation (dequantize to "
-                 "fp32, fp32 GEMM) on every device for now")
+    once). lowbit.dense uses it only for the wgrad of RHT-transformed copies (their stored
+    values do not multiply to the product); its other NVFP4 GEMMs are nvfp4_gemm below, the
+    packed-operand op with the cuBLASLt path on compute capability 10.x, whose emulation
+    off 10.x gives this function's bits for the same operands."""
+    _notice_once("nvfp4", "lowbit.ops.gemm: NVFP4 GEMMs of RHT-transformed copies (lowbit.dense's "
+                 "wgrad) run as an exact emulation (dequantize to fp32, fp32 GEMM) on every device")
     kd = int(contracting_ndim)
     dims = ((tuple(range(a.ndim - kd, a.ndim)), tuple(range(b.ndim - kd, b.ndim))), ((), ()))
     acc = jax.lax.dot_general(a.astype(jnp.float32), b.astype(jnp.float32), dims,
@@ -990,6 +995,14 @@ def _nvfp4_gemm_cuda(a, b, a_scale, b_scale, a_gsi, b_gsi, bias, *, out_dtype, k
     return out
 
 
+def nvfp4_emulation_lowering(ctx, *args, out_dtype, k, algo=0):
+    """gemm_nvfp4_p lowered to emulated_nvfp4_gemm_packed (jnp): the CUDA lowering off 10.x;
+    tests register it for the CPU too, to run that path there."""
+    del algo
+    fn = functools.partial(emulated_nvfp4_gemm_packed, out_dtype=out_dtype, k=int(k))
+    return mlir.lower_fun(fn, multiple_results=False)(ctx, *args)
+
+
 def _nvfp4_cuda_lowering(ctx, a, b, a_scale, b_scale, a_gsi, b_gsi, bias, *, out_dtype, k, algo=0):
     m, n = ctx.avals_in[0].shape[0], ctx.avals_in[1].shape[0]
     lower = functools.partial(mlir.lower_fun, multiple_results=False)
@@ -998,8 +1011,7 @@ def _nvfp4_cuda_lowering(ctx, a, b, a_scale, b_scale, a_gsi, b_gsi, bias, *, out
         _notice_once("nvfp4-cuda", f"lowbit.ops.gemm: no cuBLASLt NVFP4 path on compute capability "
                      f"{_cuda_capability() or 'unknown'} (10.x only); emulating it exactly (dequantize "
                      "to fp32, fp32 GEMM)")
-        fn = functools.partial(emulated_nvfp4_gemm_packed, out_dtype=out_dtype, k=int(k))
-        return lower(fn)(ctx, *args)
+        return nvfp4_emulation_lowering(ctx, *args, out_dtype=out_dtype, k=k)
     ready = not (m % FP8_DIM_MULTIPLE or n % FP8_DIM_MULTIPLE or k % NVFP4_K_MULTIPLE or ctx.avals_in[6].shape[0])
     if not ready:
         fn = functools.partial(_nvfp4_gemm_cuda, out_dtype=out_dtype, k=int(k), algo=int(algo))
@@ -1023,10 +1035,11 @@ def nvfp4_gemm(a, b, a_scale, b_scale, a_global_scale_inv, b_global_scale_inv, b
     dequantize_nvfp4 does, products rounded to fp32 and summed in increasing k). CUDA on
     compute capability 10.x: cuBLASLt (E2M1 x E2M1, VEC16_UE4M3 scales swizzled in the
     launcher, alpha = a_gsi * b_gsi), compile-checked only; elsewhere the emulation in jnp
-    with a one-time notice. 2-D operands only, no sharding or vmap rule (a building block:
-    lowbit.dense still multiplies NVFP4 through emulated_nvfp4_gemm). RHT-transformed copies
-    multiply as stored (T applied to both operands' K leaves the product unchanged up to
-    rounding; dequantize_nvfp4 would undo it instead)."""
+    with a one-time notice. 2-D operands (callers reshape: lowbit.dense passes its copies'
+    stored 2-D views); vmap maps over the batch; sharding as in _make_nvfp4_gemm.
+    RHT-transformed copies multiply as stored (T applied to both operands' K with the same
+    signs leaves the product unchanged up to rounding; dequantize_nvfp4 would undo it
+    instead)."""
     a, b = jnp.asarray(a), jnp.asarray(b)
     op = f"{OP} (nvfp4)"
     k = int(k)
@@ -1064,5 +1077,132 @@ def nvfp4_gemm(a, b, a_scale, b_scale, a_global_scale_inv, b_global_scale_inv, b
     if a.shape[0] == 0 or b.shape[0] == 0 or k == 0:
         base = bias if bias.shape[0] else jnp.zeros((b.shape[0],), out_dtype)
         return jnp.broadcast_to(base, (a.shape[0], b.shape[0]))
-    return gemm_nvfp4_p.bind(a, b, *scales, *globals_, bias, out_dtype=out_dtype, k=np.int64(k),
-                             algo=np.int32(algo))
+    has_bias = bool(bias.shape[0])
+    fn = _make_nvfp4_gemm(out_dtype, k, int(algo), has_bias)
+    return fn(a, b, *scales, *globals_, *([bias] if has_bias else []))
+
+
+def _nvfp4_gemm_p_batch(args, dims, **params):
+    """vmap rule of gemm_nvfp4_p: one call per batch element (the block scales cover the
+    unbatched rows, so the batch cannot fold into M)."""
+    size = next(x.shape[d] for x, d in zip(args, dims) if d is not None)
+    args = tuple(batching.bdim_at_front(x, d, size) for x, d in zip(args, dims))
+    return jax.lax.map(lambda xs: gemm_nvfp4_p.bind(*xs, **params), args), 0
+
+
+batching.primitive_batchers[gemm_nvfp4_p] = _nvfp4_gemm_p_batch
+
+# The NVFP4 operands in _sharding's terms: rows tile 1 with the scale rows padded to 128, K
+# in 16-value blocks (8 packed bytes) with the block count padded to 4.
+_NVFP4_ROW_TILE, _NVFP4_K_TILE = (1, 128), (16, 4)
+
+
+def _nvfp4_specs(mesh_shape: dict, a_spec, b_spec, m: int, n: int, k: int):
+    """a's and b's (rows, K) axes cut to what the NVFP4 GEMM runs sharded (clean_split):
+    rows that split evenly with rows % 128 == 0 (an unpadded scale dim), K that splits into
+    whole 16-blocks with ceil(K/16) % 4 == 0; the rest is gathered."""
+    shards = lambda axes: math.prod(mesh_shape[ax] for ax in axes)  # noqa: E731
+    out = []
+    for spec, rows in ((a_spec, m), (b_spec, n)):
+        r, kk = spec
+        r = r if clean_split(rows, shards(r), *_NVFP4_ROW_TILE) else ()
+        kk = kk if clean_split(k, shards(kk), *_NVFP4_K_TILE) else ()
+        out.append([r, kk])
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _make_nvfp4_gemm(out_dtype: np.dtype, k: int, algo: int, has_bias: bool):
+    """The partitioned, vmappable NVFP4 GEMM for one static configuration; args (a, b,
+    a_scale, b_scale, a_gsi, b_gsi[, bias]), a / b packed (rows, ceil(k/2)).
+
+    Sharding (custom_partitioning + Shardy rule, gemm_p's plan_sharding): a's rows sharded
+    (data parallel), b's rows (N, column-parallel, bias with them), K in both (row-parallel:
+    fp32 partial products, psum or reduce-scatter, then bias and the rounding to out_dtype),
+    the block scales sharded with their data and re-padded per shard (fit_scale), the global
+    scale_invs replicated. Only clean splits shard (_nvfp4_specs): rows with rows % 128 == 0
+    (the scale dim unpadded, so its equal slices line up with the rows'); K with K % 64 == 0
+    and whole 16-blocks per shard (the packed bytes then split evenly too). A sharded dim failing that is gathered: exact, not
+    parallel. Under vmap every call maps over the batch (lax.map)."""
+    f32 = jnp.dtype(jnp.float32)
+
+    def call(k_local, dtype, a, b, sa, sb, ga, gb, bias):
+        sa = fit_scale(sa, nvfp4_scale_shape(a.shape[0], k_local))
+        sb = fit_scale(sb, nvfp4_scale_shape(b.shape[0], k_local))
+        return gemm_nvfp4_p.bind(a, b, sa, sb, ga, gb, bias, out_dtype=dtype, k=np.int64(k_local),
+                                 algo=np.int32(algo))
+
+    def local_fn(k_local):
+        def local(a, b, sa, sb, ga, gb, *bias):
+            bias_arr = bias[0] if has_bias else jnp.zeros((0,), out_dtype)
+            return call(k_local, out_dtype, a, b, sa, sb, ga, gb, bias_arr)
+        return local
+
+    def local_k_sharded(k_local, psum_axes, scatter):
+        def lower(a, b, sa, sb, ga, gb, *bias):
+            acc = call(k_local, f32, a, b, sa, sb, ga, gb, jnp.zeros((0,), f32))
+            for axis, dim in scatter:
+                acc = jax.lax.psum_scatter(acc, axis, scatter_dimension=dim, tiled=True)
+            if psum_axes:
+                acc = jax.lax.psum(acc, psum_axes)
+            if has_bias:
+                acc = acc + bias[0].astype(f32)
+            return acc.astype(out_dtype)
+        return lower
+
+    partitioned = custom_partitioning(local_fn(k))
+
+    def partition(mesh, arg_shapes, result_shape):
+        mesh_shape = dict(mesh.shape)
+        specs = [[_spec_axes(e) for e in _padded_spec(s.sharding, 2)]
+                 for s in (arg_shapes[0], arg_shapes[1], result_shape)]
+        m, n = arg_shapes[0].shape[0], arg_shapes[1].shape[0]
+        specs[:2] = _nvfp4_specs(mesh_shape, specs[0], specs[1], m, n, k)
+        (mr,), (nr,), (kk,), scatter = plan_sharding(mesh_shape, *specs, result_shape.shape, 1)
+        out = [mr, nr]
+        for axis, dim in scatter:
+            out[dim] = out[dim] + (axis,)
+        ns = lambda *entries: NamedSharding(mesh, PartitionSpec(*[_entry(e) for e in entries]))  # noqa: E731
+        arg_shardings = [ns(mr, kk), ns(nr, kk), ns(mr, kk), ns(nr, kk), ns(()), ns(())]
+        if has_bias:
+            arg_shardings.append(ns(out[1]))
+        scattered = {axis for axis, _ in scatter}
+        psum_axes = tuple(ax for ax in kk if ax not in scattered)
+        k_local = k // math.prod(mesh_shape[ax] for ax in kk)
+        lower = local_k_sharded(k_local, psum_axes, tuple(scatter)) if kk else local_fn(k_local)
+        return mesh, lower, ns(*out), tuple(arg_shardings)
+
+    def rule(mesh, value_types, result_types):
+        del mesh, result_types
+        (m, kb), n = value_types[0].shape, value_types[1].shape[0]
+        sizes = {}
+        # K in packed bytes: a 16-value scale block is 8 bytes.
+        k_expr, k_scale, k_sizes = tiled_group_rule("k", kb, kb, [(8, 4), (8, 4)])
+        sizes.update(k_sizes)
+        exprs = []
+        for tag, rows in (("m", m), ("n", n)):
+            r_expr, (r_scale,), r_sizes = tiled_group_rule(tag, rows, rows, [_NVFP4_ROW_TILE])
+            sizes.update(r_sizes)
+            exprs.append((r_expr, r_scale or f"s{tag}0"))
+        (am, sam), (bn, sbn) = exprs
+        ka, kb_ = k_scale[0] or "ska", k_scale[1] or "skb"
+        operands = [f"{am} {k_expr}", f"{bn} {k_expr}", f"{sam} {ka}", f"{sbn} {kb_}", "ga", "gb"]
+        if has_bias:
+            operands.append(bn)
+        text = f"{', '.join(operands)} -> {am} {bn}"
+        return text, {"reduction_factors": tuple(k_expr.strip("()").split()),
+                      "need_replication_factors": ("ga", "gb"), **compound_sizes([text], sizes)}
+
+    partitioned.def_partition(partition=partition, sharding_rule=rule)
+
+    @jax.custom_batching.custom_vmap
+    def nvfp4_fn(*args):
+        return partitioned(*args)
+
+    @nvfp4_fn.def_vmap
+    def nvfp4_vmap(axis_size, in_batched, *args):
+        args = [x if batched else jnp.broadcast_to(x, (axis_size, *x.shape))
+                for x, batched in zip(args, in_batched)]
+        return jax.lax.map(lambda xs: nvfp4_fn(*xs), tuple(args)), True
+
+    return nvfp4_fn
