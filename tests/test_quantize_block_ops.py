@@ -541,7 +541,7 @@ def test_cuda_dequantize_equals_cpu(fp8, out_dtype, rng, cpu, gpu):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=ids)
-@pytest.mark.parametrize("shape,axis", GPU_SHAPES + [((16384, 4096), -1), ((8, 2048, 1024), 2)], ids=str)
+@pytest.mark.parametrize("shape,axis", GPU_SHAPES + [((8, 2048, 1024), 2)], ids=str)
 def test_cuda_dbias_equals_cpu(shape, axis, dtype, rng, cpu, gpu):
     # dbias bit for bit (the fixed order of block_dbias.h on both backends; NaN canonical) and
     # identical on two GPU runs; the copies and scales bit for bit as without dbias.
