@@ -41,7 +41,8 @@
 //     through shared memory by one thread per (block, column), which writes the byte; codes
 //     are encoded with the column's factor and stored in x's layout (no transpose).
 //   Scale padding is zeroed by a memset first, only when there is any.
-// dbias (both kernels, plain walk only; dbias_partials non-null): after the loads, each thread
+// dbias (both kernels, kDbias: plain walk only, compiled only into the kernels that compute
+//   it, so that the others keep their registers and shared memory): after the loads, each thread
 //   sums its chunk columns over its kPasses rows in pass order, the lane sums go to shared
 //   memory, and one thread per column adds the tile's lanes in lane order into workspace row
 //   r0 / tile height: the order of block_dbias.h (lanes S = kRowsPerPass = 32 / sizeof(x));
@@ -196,7 +197,7 @@ __device__ __forceinline__ void TransposeBytes8x4(const uint32_t (&w)[8], uint32
 // kVectorIO: the source's chunks are whole 16-byte loads (Src::Load) and rowwise is aligned:
 // every in-range chunk is one kVec-byte store. colwise_vec: rows % 8 == 0, colwise 8-byte
 // aligned: full 8-row transposed chunks (at rows % 8 == 0) are 8-byte stores.
-template <typename Src, typename Fmt, bool kTile2d, bool kVectorIO, typename Rows>
+template <typename Src, typename Fmt, bool kTile2d, bool kVectorIO, bool kDbias, typename Rows>
 __global__ void __launch_bounds__(kThreads, 2)
     Fp8BlockTileKernel(const Src src, const Rows row_tiles, int64_t rows, int64_t cols,
                            bool pow2, uint8_t* __restrict__ rowwise, float* __restrict__ row_scale_inv,
@@ -209,7 +210,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   __shared__ __align__(16) uint8_t codes[kTile][kCodeStride];
   __shared__ uint32_t col_part[kRowsPerPass][kTile];
   __shared__ float col_scale[kTile];
-  __shared__ __align__(16) float lane_sums[kRowsPerPass][kTile];  // dbias
+  __shared__ __align__(16) float lane_sums[kDbias ? kRowsPerPass : 1][kTile];  // dbias
 
   const int64_t tiles_c = (cols + kTile - 1) / kTile;
   const int64_t tiles = row_tiles.TileRows(kTile) * tiles_c;
@@ -247,7 +248,7 @@ __global__ void __launch_bounds__(kThreads, 2)
       }
     }
 
-    if (dbias_partials != nullptr) {  // uniform; the plain walk: tile row r0 / kTile
+    if constexpr (kDbias) {  // the plain walk: tile row r0 / kTile
       TileColumnSums<Src, kPasses, kRowsPerPass, kTile>(vals, chunk_row, chunk_col, c0, cols, r0 / kTile, lane_sums,
                                                         dbias_partials);
     }
@@ -327,7 +328,7 @@ __global__ void __launch_bounds__(kThreads, 2)
       }
     }
     if (colwise == nullptr) {  // uniform across the block
-      if (dbias_partials != nullptr) __syncthreads();  // lane_sums is rewritten by the next tile
+      if constexpr (kDbias) __syncthreads();  // lane_sums is rewritten by the next tile
       continue;
     }
 
@@ -418,7 +419,7 @@ __global__ void __launch_bounds__(kThreads, 2)
 
 // kVectorIO: the source's chunks are whole 16-byte loads (Src::Load) and rowwise / colwise
 // are 16-byte aligned: every in-range chunk is one kVec-byte store.
-template <typename Src, typename Fmt, bool kVectorIO, typename Rows>
+template <typename Src, typename Fmt, bool kVectorIO, bool kDbias, typename Rows>
 __global__ void __launch_bounds__(kThreads, 2)
     Mxfp8TileKernel(const Src src, const Rows row_tiles, int64_t rows, int64_t cols,
                         uint8_t* __restrict__ rowwise, uint8_t* __restrict__ row_scale,
@@ -431,7 +432,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   constexpr int kLanesPerBlock = kBlock / kVec;      // 4 or 8 lanes hold one rowwise block
   __shared__ uint32_t col_part[2][kRowsPerPass][kTileCols];
   __shared__ float col_factor[2][kTileCols];
-  __shared__ __align__(16) float lane_sums[kRowsPerPass][kTileCols];  // dbias
+  __shared__ __align__(16) float lane_sums[kDbias ? kRowsPerPass : 1][kTileCols];  // dbias
 
   const int64_t tiles_c = (cols + kTileCols - 1) / kTileCols;
   const int64_t tiles = row_tiles.TileRows(kTileRows) * tiles_c;
@@ -467,7 +468,7 @@ __global__ void __launch_bounds__(kThreads, 2)
       }
     }
 
-    if (dbias_partials != nullptr) {  // uniform; the plain walk: tile row r0 / kTileRows
+    if constexpr (kDbias) {  // the plain walk: tile row r0 / kTileRows
       TileColumnSums<Src, kPasses, kRowsPerPass, kTileCols>(vals, chunk_row, chunk_col, c0, cols, r0 / kTileRows,
                                                             lane_sums, dbias_partials);
     }
@@ -500,7 +501,7 @@ __global__ void __launch_bounds__(kThreads, 2)
       }
     }
     if (colwise == nullptr) {  // uniform across the block
-      if (dbias_partials != nullptr) __syncthreads();  // lane_sums is rewritten by the next tile
+      if constexpr (kDbias) __syncthreads();  // lane_sums is rewritten by the next tile
       continue;
     }
 
@@ -574,21 +575,22 @@ inline Status ZeroMxfp8ScalePadding(uint8_t* scale, int64_t rows, int64_t cols, 
 // a.x_dtype are not used: the source is the input; a.rows is x's row count, the colwise
 // copy's leading dim). src_vector_ok: the source's chunks are whole 16-byte loads.
 // Scale padding is the caller's.
-template <typename Src, typename Fmt, bool kTile2d, typename Rows>
+template <typename Src, typename Fmt, bool kTile2d, bool kDbias = false, typename Rows>
 Status LaunchFp8BlockTileKernel(const Src& src, bool src_vector_ok, const Rows& row_tiles,
                                 const QuantizeFp8BlockArgs& a, const char* op, GpuStream stream,
                                 float* dbias_partials = nullptr) {
-  if (Rows::kGrouped && dbias_partials != nullptr) return Status::Internal(std::string(op) + ": dbias: plain walk only");
+  static_assert(!(kDbias && Rows::kGrouped), "dbias: the plain walk only");
+  if (kDbias != (dbias_partials != nullptr)) return Status::Internal(std::string(op) + ": dbias: workspace mismatch");
   const int64_t tiles = row_tiles.TileRows(kTile) * CeilDivI64(a.cols, kTile);
   const int blocks = GridStrideBlocks(tiles * kThreads, kThreads, 4);
   const bool vec_io = src_vector_ok && (a.rowwise == nullptr || Aligned(a.rowwise, 16));
   const bool colwise_vec = a.colwise != nullptr && Aligned(a.colwise, 8) && a.rows % 8 == 0;
   if (vec_io) {
-    Fp8BlockTileKernel<Src, Fmt, kTile2d, true, Rows><<<blocks, kThreads, 0, stream>>>(
+    Fp8BlockTileKernel<Src, Fmt, kTile2d, true, kDbias, Rows><<<blocks, kThreads, 0, stream>>>(
         src, row_tiles, a.rows, a.cols, a.pow2_scales, a.rowwise, a.rowwise_scale_inv, a.colwise,
         a.colwise_scale_inv, colwise_vec, dbias_partials);
   } else {
-    Fp8BlockTileKernel<Src, Fmt, kTile2d, false, Rows><<<blocks, kThreads, 0, stream>>>(
+    Fp8BlockTileKernel<Src, Fmt, kTile2d, false, kDbias, Rows><<<blocks, kThreads, 0, stream>>>(
         src, row_tiles, a.rows, a.cols, a.pow2_scales, a.rowwise, a.rowwise_scale_inv, a.colwise,
         a.colwise_scale_inv, colwise_vec, dbias_partials);
   }
@@ -597,7 +599,7 @@ Status LaunchFp8BlockTileKernel(const Src& src, bool src_vector_ok, const Rows& 
 
 // Launches Fp8BlockTileKernel over a's outputs (the plain walk), zeroing scale padding first;
 // with dbias_partials (ceil(rows / 128) x cols fp32), the tile column sums of block_dbias.h.
-template <typename Src, typename Fmt, bool kTile2d>
+template <typename Src, typename Fmt, bool kTile2d, bool kDbias = false>
 Status LaunchFp8BlockTiles(const Src& src, bool src_vector_ok, const QuantizeFp8BlockArgs& a, const char* op,
                            GpuStream stream, float* dbias_partials = nullptr) {
   LOWBIT_RETURN_IF_ERROR(ZeroFp8BlockScalePadding(a.rowwise_scale_inv, a.rows, a.cols, kTile2d, op, stream));
@@ -605,23 +607,25 @@ Status LaunchFp8BlockTiles(const Src& src, bool src_vector_ok, const QuantizeFp8
   UniformRowTiles row_tiles;
   row_tiles.rows = a.rows;
   row_tiles.col2d_ld = Fp8BlockScaleDims(a.cols, a.rows, true).dim1;
-  return LaunchFp8BlockTileKernel<Src, Fmt, kTile2d>(src, src_vector_ok, row_tiles, a, op, stream, dbias_partials);
+  return LaunchFp8BlockTileKernel<Src, Fmt, kTile2d, kDbias>(src, src_vector_ok, row_tiles, a, op, stream,
+                                                             dbias_partials);
 }
 
 // Launches Mxfp8TileKernel over a's outputs with the row tiling `row_tiles`, as above.
-template <typename Src, typename Fmt, typename Rows>
+template <typename Src, typename Fmt, bool kDbias = false, typename Rows>
 Status LaunchMxfp8TileKernel(const Src& src, bool src_vector_ok, const Rows& row_tiles, const QuantizeMxfp8Args& a,
                              const char* op, GpuStream stream, float* dbias_partials = nullptr) {
-  if (Rows::kGrouped && dbias_partials != nullptr) return Status::Internal(std::string(op) + ": dbias: plain walk only");
+  static_assert(!(kDbias && Rows::kGrouped), "dbias: the plain walk only");
+  if (kDbias != (dbias_partials != nullptr)) return Status::Internal(std::string(op) + ": dbias: workspace mismatch");
   const int64_t tiles = row_tiles.TileRows(kTileRows) * CeilDivI64(a.cols, kTileCols);
   const int blocks = GridStrideBlocks(tiles * kThreads, kThreads, 4);
   const bool vec_io = src_vector_ok && (a.rowwise == nullptr || Aligned(a.rowwise, 16)) &&
                       (a.colwise == nullptr || Aligned(a.colwise, 16));
   if (vec_io) {
-    Mxfp8TileKernel<Src, Fmt, true, Rows><<<blocks, kThreads, 0, stream>>>(
+    Mxfp8TileKernel<Src, Fmt, true, kDbias, Rows><<<blocks, kThreads, 0, stream>>>(
         src, row_tiles, a.rows, a.cols, a.rowwise, a.rowwise_scale, a.colwise, a.colwise_scale, dbias_partials);
   } else {
-    Mxfp8TileKernel<Src, Fmt, false, Rows><<<blocks, kThreads, 0, stream>>>(
+    Mxfp8TileKernel<Src, Fmt, false, kDbias, Rows><<<blocks, kThreads, 0, stream>>>(
         src, row_tiles, a.rows, a.cols, a.rowwise, a.rowwise_scale, a.colwise, a.colwise_scale, dbias_partials);
   }
   return LaunchStatus(op);
@@ -629,14 +633,14 @@ Status LaunchMxfp8TileKernel(const Src& src, bool src_vector_ok, const Rows& row
 
 // Launches Mxfp8TileKernel over a's outputs (the plain walk), zeroing scale padding first;
 // with dbias_partials (ceil(rows / 64) x cols fp32), the tile column sums of block_dbias.h.
-template <typename Src, typename Fmt>
+template <typename Src, typename Fmt, bool kDbias = false>
 Status LaunchMxfp8Tiles(const Src& src, bool src_vector_ok, const QuantizeMxfp8Args& a, const char* op,
                         GpuStream stream, float* dbias_partials = nullptr) {
   LOWBIT_RETURN_IF_ERROR(ZeroMxfp8ScalePadding(a.rowwise_scale, a.rows, a.cols, false, op, stream));
   LOWBIT_RETURN_IF_ERROR(ZeroMxfp8ScalePadding(a.colwise_scale, a.rows, a.cols, true, op, stream));
   UniformRowTiles row_tiles;
   row_tiles.rows = a.rows;
-  return LaunchMxfp8TileKernel<Src, Fmt>(src, src_vector_ok, row_tiles, a, op, stream, dbias_partials);
+  return LaunchMxfp8TileKernel<Src, Fmt, kDbias>(src, src_vector_ok, row_tiles, a, op, stream, dbias_partials);
 }
 
 }  // namespace block_tiles

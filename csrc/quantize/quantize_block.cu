@@ -59,12 +59,15 @@ Status QuantizeFp8BlockCuda(const QuantizeFp8BlockArgs& a, void* workspace, GpuS
       using Fmt = decltype(fmt);
       const block_tiles::PlainSource<Tag> src{static_cast<const typename Tag::Storage*>(a.x)};
       const bool vec = src.VectorOk(a.cols);
-      float* dbias_partials = a.dbias != nullptr ? partials : nullptr;
+      using Src = decltype(src);
       const Status launched =
-          a.tile_2d
-              ? block_tiles::LaunchFp8BlockTiles<decltype(src), Fmt, true>(src, vec, a, kQuantizeOp, stream, dbias_partials)
-              : block_tiles::LaunchFp8BlockTiles<decltype(src), Fmt, false>(src, vec, a, kQuantizeOp, stream,
-                                                                            dbias_partials);
+          a.dbias != nullptr
+              ? (a.tile_2d ? block_tiles::LaunchFp8BlockTiles<Src, Fmt, true, true>(src, vec, a, kQuantizeOp, stream,
+                                                                                   partials)
+                           : block_tiles::LaunchFp8BlockTiles<Src, Fmt, false, true>(src, vec, a, kQuantizeOp, stream,
+                                                                                    partials))
+              : (a.tile_2d ? block_tiles::LaunchFp8BlockTiles<Src, Fmt, true>(src, vec, a, kQuantizeOp, stream)
+                           : block_tiles::LaunchFp8BlockTiles<Src, Fmt, false>(src, vec, a, kQuantizeOp, stream));
       LOWBIT_RETURN_IF_ERROR(launched);
       if (a.dbias == nullptr) return Status::Ok();
       return dbias_finalize::LaunchDbiasFinalize<Tag>(partials, CeilDivI64(a.rows, kFp8BlockDbiasTileRows), a.cols,

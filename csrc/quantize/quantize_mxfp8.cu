@@ -59,8 +59,14 @@ Status QuantizeMxfp8Cuda(const QuantizeMxfp8Args& a, void* workspace, GpuStream 
     }
     return DispatchFp8(a.out_dtype, kQuantizeOp, "out", [&](auto fmt) {
       const block_tiles::PlainSource<Tag> src{static_cast<const typename Tag::Storage*>(a.x)};
-      LOWBIT_RETURN_IF_ERROR((block_tiles::LaunchMxfp8Tiles<decltype(src), decltype(fmt)>(
-          src, src.VectorOk(a.cols), a, kQuantizeOp, stream, a.dbias != nullptr ? partials : nullptr)));
+      using Src = decltype(src);
+      using Fmt = decltype(fmt);
+      const bool vec = src.VectorOk(a.cols);
+      const Status launched =
+          a.dbias != nullptr
+              ? block_tiles::LaunchMxfp8Tiles<Src, Fmt, true>(src, vec, a, kQuantizeOp, stream, partials)
+              : block_tiles::LaunchMxfp8Tiles<Src, Fmt>(src, vec, a, kQuantizeOp, stream);
+      LOWBIT_RETURN_IF_ERROR(launched);
       if (a.dbias == nullptr) return Status::Ok();
       return dbias_finalize::LaunchDbiasFinalize<Tag>(partials, CeilDivI64(a.rows, kMxfp8DbiasTileRows), a.cols,
                                                       a.dbias, a.dbias_dtype, kQuantizeOp, stream);
