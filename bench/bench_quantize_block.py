@@ -1,7 +1,13 @@
 """Block-scaled quantize (lowbit.ops.quantize_fp8_block, quantize_mxfp8) per format and
 layout, beside the per-tensor FP8 quantize (lowbit.ops.quantize_fp8, the same copies) in
 the same run. Prints time, GB/s (bytes read + written, scales included), % of the measured
-device copy bandwidth and the ratio to the per-tensor kernel; writes bench/results JSON.
+device copy bandwidth and the ratio to the per-tensor kernel, and the block op's kernel time
+per call (jax.profiler trace: every kernel of the call, GPU only); writes bench/results JSON.
+"+dbias" configs also return the column sums (compute_dbias=True: fused into the block
+kernel's pass, plus a small finalize kernel; the per-tensor kernel fuses its own), and
+"+jnp dbias" is the unfused baseline: the block quantize plus XLA's jnp.sum over the rows.
+
+    python bench/bench_quantize_block.py --configs "1x128 both,1x128 both+dbias,1x128 both+jnp dbias"
 
     python bench/bench_quantize_block.py            # GPU: 16384x8192 and 8192x32768 bf16
     python bench/bench_quantize_block.py --small    # CPU smoke run at tiny sizes
@@ -23,36 +29,45 @@ import common  # noqa: E402
 from lowbit.ops import quantize_fp8, quantize_fp8_block, quantize_mxfp8  # noqa: E402
 from lowbit.ops.quantize_block import fp8_block_scale_shape, mxfp8_scale_shape  # noqa: E402
 
-CONFIGS = {  # name -> (format, rowwise, colwise)
-    "1x128 rowwise": ("1x128", True, False),
-    "1x128 colwise": ("1x128", False, True),
-    "1x128 both": ("1x128", True, True),
-    "128x128 both": ("128x128", True, True),
-    "mxfp8 rowwise": ("mxfp8", True, False),
-    "mxfp8 colwise": ("mxfp8", False, True),
-    "mxfp8 both": ("mxfp8", True, True),
+CONFIGS = {  # name -> (format, rowwise, colwise, dbias: None | "fused" | "jnp")
+    "1x128 rowwise": ("1x128", True, False, None),
+    "1x128 colwise": ("1x128", False, True, None),
+    "1x128 both": ("1x128", True, True, None),
+    "1x128 both+dbias": ("1x128", True, True, "fused"),
+    "1x128 both+jnp dbias": ("1x128", True, True, "jnp"),
+    "128x128 both": ("128x128", True, True, None),
+    "mxfp8 rowwise": ("mxfp8", True, False, None),
+    "mxfp8 colwise": ("mxfp8", False, True, None),
+    "mxfp8 both": ("mxfp8", True, True, None),
+    "mxfp8 both+dbias": ("mxfp8", True, True, "fused"),
 }
 
 
-def block_fn(fmt, rowwise, colwise):
+def block_fn(fmt, rowwise, colwise, dbias=None):
     def f(x):
+        fused = dbias == "fused"
         if fmt == "mxfp8":
-            return quantize_mxfp8(x, rowwise=rowwise, colwise=colwise)
-        return quantize_fp8_block(x, tile_2d=fmt == "128x128", rowwise=rowwise, colwise=colwise)
+            out = quantize_mxfp8(x, rowwise=rowwise, colwise=colwise, compute_dbias=fused)
+        else:
+            out = quantize_fp8_block(x, tile_2d=fmt == "128x128", rowwise=rowwise, colwise=colwise,
+                                     compute_dbias=fused)
+        if dbias == "jnp":
+            return out, jnp.sum(x.astype(jnp.float32), axis=0).astype(x.dtype)
+        return out
 
     return f
 
 
-def tensor_fn(rowwise, colwise):
+def tensor_fn(rowwise, colwise, dbias=None):
     def f(x):
-        return quantize_fp8(x, jnp.float32(0.5), rowwise=rowwise, colwise=colwise)
+        return quantize_fp8(x, jnp.float32(0.5), rowwise=rowwise, colwise=colwise, compute_dbias=dbias is not None)
 
     return f
 
 
-def moved_bytes(rows, cols, fmt, rowwise, colwise) -> int:
+def moved_bytes(rows, cols, fmt, rowwise, colwise, dbias=None) -> int:
     n = rows * cols
-    total = 2 * n  # bf16 in
+    total = 2 * n + (2 * cols if dbias else 0)  # bf16 in (and dbias out)
     for on, col in ((rowwise, False), (colwise, True)):
         if not on:
             continue
@@ -68,7 +83,12 @@ def moved_bytes(rows, cols, fmt, rowwise, colwise) -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     common.add_size_args(parser)
+    parser.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated names of CONFIGS")
     args = parser.parse_args()
+    names = [c.strip() for c in args.configs.split(",") if c.strip()]
+    unknown = [c for c in names if c not in CONFIGS]
+    if unknown:
+        parser.error(f"--configs: unknown {unknown}; expected names from {list(CONFIGS)}")
 
     shapes, iters, repeats = common.sizes(args)
     bandwidth, _ = common.copy_bandwidths(args.small)
@@ -77,21 +97,24 @@ def main() -> None:
     for rows, cols in shapes:
         keys = jax.random.split(jax.random.key(0), 2)
         sets = [(jax.random.normal(k, (rows, cols), jnp.bfloat16),) for k in keys]
-        for name, (fmt, rowwise, colwise) in CONFIGS.items():
-            nbytes = moved_bytes(rows, cols, fmt, rowwise, colwise)
-            t_block = common.time_fn(block_fn(fmt, rowwise, colwise), sets, iters, repeats)
-            t_tensor = common.time_fn(tensor_fn(rowwise, colwise), sets, iters, repeats)
+        for name in names:
+            fmt, rowwise, colwise, dbias = CONFIGS[name]
+            nbytes = moved_bytes(rows, cols, fmt, rowwise, colwise, dbias)
+            t_block = common.time_fn(block_fn(fmt, rowwise, colwise, dbias), sets, iters, repeats)
+            t_tensor = common.time_fn(tensor_fn(rowwise, colwise, dbias), sets, iters, repeats)
+            k_block = common.device_time_fn(block_fn(fmt, rowwise, colwise, dbias), sets)
             rows_out.append({
                 "shape": f"{rows}x{cols}",
                 "config": name,
                 "block_us": t_block * 1e6,
                 "block_GB/s": nbytes / t_block / 1e9,
+                "block_kernel_us": None if k_block is None else k_block * 1e6,
                 "%copy": 100.0 * nbytes / t_block / bandwidth,
                 "per_tensor_us": t_tensor * 1e6,
                 "block/per_tensor": t_block / t_tensor,
             })
         del sets
-    columns = ["shape", "config", "block_us", "block_GB/s", "%copy", "per_tensor_us", "block/per_tensor"]
+    columns = ["shape", "config", "block_us", "block_kernel_us", "block_GB/s", "%copy", "per_tensor_us", "block/per_tensor"]
     common.print_table(rows_out, columns)
     path = common.write_results(
         "quantize_block" + ("_small" if args.small else ""),

@@ -2,8 +2,10 @@
 a few-line numpy reference (every layout, input dtype, FP8 format, 1x128 and 128x128 tiles,
 fp32 and power-of-two scales, odd shapes with partial tiles, inf/NaN/zeros/near-max values,
 all-zero and subnormal blocks), the scale layouts and their zero padding, dequantize and its
-round-trip error bound, jit, vmap, sharding over virtual CPU devices, bad input, and the CUDA
-kernels against the CPU handlers (bit for bit, `gpu` marker).
+round-trip error bound, dbias (bit for bit against a numpy reference of the summation order of
+csrc/quantize/block_dbias.h, and close to a float64 sum), jit, vmap, sharding over virtual CPU
+devices, bad input, and the CUDA kernels against the CPU handlers (bit for bit, dbias included,
+and run-to-run identical; `gpu` marker).
 
 The references are numpy, not jnp: XLA:CPU flushes subnormals (FTZ/DAZ), and the MXFP8 factor
 2^(127 - e) is an fp32 subnormal for e > 253; numpy's fp32 arithmetic is plain IEEE, as the
@@ -106,6 +108,46 @@ def quantize_mxfp8_ref(x, fp8, flatten_axis=-1):
     return row.reshape(x.shape), row_s, col.reshape(x.shape), col_s
 
 
+def dbias_ref(x, kind, flatten_axis=-1):
+    """dbias in the order of csrc/quantize/block_dbias.h: tiles of H rows (128; MXFP8 64),
+    lane g of a tile sums rows g, g + S, ... (S = 32 / itemsize), the tile sums its lanes in
+    order, then workspace rows t = y, y + 8, ... are summed per y and the 8 sums in order;
+    every sum one fp32 add at a time from +0; a NaN result is the canonical quiet NaN."""
+    f = flatten_axis % x.ndim
+    rows, cols = int(np.prod(x.shape[:f])), int(np.prod(x.shape[f:]))
+    height, lanes = (64 if kind == "mxfp8" else 128), 32 // np.dtype(x.dtype).itemsize
+    tiles = -(-rows // height)
+    v = np.zeros((tiles * height, cols), F32)
+    v[:rows] = np.asarray(x, F32).reshape(rows, cols)
+
+    def ordered(terms):  # ((0 + terms[0]) + terms[1]) + ...
+        total = np.zeros(terms.shape[1:], F32)
+        for t in terms:
+            total = total + t
+        return total
+
+    lane = ordered(v.reshape(tiles, height // lanes, lanes, cols).transpose(1, 0, 2, 3))  # [t, g, c]
+    tile = ordered(lane.transpose(1, 0, 2))  # [t, c]
+    padded = np.zeros((-(-tiles // 8) * 8, cols), F32)
+    padded[:tiles] = tile
+    total = ordered(ordered(padded.reshape(-1, 8, cols)))
+    total[np.isnan(total)] = F32(np.nan)
+    return total.astype(x.dtype).reshape(x.shape[f:])
+
+
+def assert_dbias_near_exact_sum(got, x, flatten_axis=-1):
+    """Where the float64 sum is finite: |got - sum| <= rows * 2^-24 * sum|x| (fp32 summation)
+    plus one ulp of the output dtype."""
+    f = flatten_axis % x.ndim
+    x2 = np.asarray(x, np.float64).reshape(int(np.prod(x.shape[:f])), int(np.prod(x.shape[f:])))
+    exact, mag = x2.sum(0), np.abs(x2).sum(0)
+    g = np.asarray(got, np.float64).reshape(-1)
+    ok = np.isfinite(mag) & (mag < float(ml_dtypes.finfo(x.dtype).max))
+    ulp = np.abs(exact) * float(ml_dtypes.finfo(x.dtype).eps) + float(ml_dtypes.finfo(x.dtype).smallest_subnormal)
+    bound = x2.shape[0] * 2.0**-24 * mag + ulp
+    assert np.all(np.abs(g - exact)[ok] <= bound[ok]), np.max((np.abs(g - exact) - bound)[ok])
+
+
 def assert_fp8_equal(got, want):
     """Same NaN positions, same bits everywhere else (NaN signs are checked CPU vs CUDA);
     for fp8 codes and for dequantized floats alike."""
@@ -172,6 +214,48 @@ def test_mxfp8_equals_reference(shape, axis, dtype, rng):
         assert_bits_equal(got.rowwise_scale, want[1])
         assert_fp8_equal(got.colwise, want[2])
         assert_bits_equal(got.colwise_scale, want[3])
+
+
+def _quantize_with_dbias(kind, rowwise, colwise, axis, fp8=jnp.float8_e4m3fn, pow2=False):
+    def f(v):
+        if kind == "mxfp8":
+            return quantize_mxfp8(v, out_dtype=fp8, rowwise=rowwise, colwise=colwise, flatten_axis=axis,
+                                  compute_dbias=True)
+        return quantize_fp8_block(v, out_dtype=fp8, tile_2d=kind == "128x128", pow2_scales=pow2, rowwise=rowwise,
+                                  colwise=colwise, flatten_axis=axis, compute_dbias=True)
+    return f
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=ids)
+@pytest.mark.parametrize("shape,axis", SHAPES + [((300, 3, 257), 1), ((1100, 131), -1)], ids=str)
+@pytest.mark.parametrize("kind", ["1x128", "128x128", "mxfp8"])
+def test_dbias_equals_reference(shape, axis, kind, dtype, rng):
+    x = with_block_specials(rng, shape, dtype)
+    both = jax.jit(_quantize_with_dbias(kind, True, True, axis))(x)
+    assert both.dbias.dtype == x.dtype and both.dbias.shape == x.shape[axis % len(shape):]
+    assert_bits_equal(both.dbias, dbias_ref(x, kind, axis))
+    # The copies are those of the call without dbias; one copy alone gives the same dbias.
+    for a, b in zip(both[:4], (quantize_mxfp8(x, rowwise=True, colwise=True, flatten_axis=axis) if kind == "mxfp8" else
+                               quantize_fp8_block(x, tile_2d=kind == "128x128", rowwise=True, colwise=True,
+                                                  flatten_axis=axis))[:4]):
+        assert_bits_equal(a, b)
+    for rowwise, colwise in ((True, False), (False, True)):
+        assert_bits_equal(_quantize_with_dbias(kind, rowwise, colwise, axis)(x).dbias, both.dbias)
+    finite = np.where(np.isfinite(np.asarray(x, F32)), x, 0).astype(dtype)
+    got = _quantize_with_dbias(kind, True, True, axis)(finite).dbias
+    assert_bits_equal(got, dbias_ref(finite, kind, axis))
+    assert_dbias_near_exact_sum(got, finite, axis)
+
+
+def test_dbias_order_is_not_row_order():
+    # f32 column: 2^24 then 1.0 in rows 1 and 9 (lane 1 of the first tile): the lane adds
+    # 1 + 1 first, so dbias = 2^24 + 2, where a row-order sum rounds each 1.0 away.
+    x = np.zeros((1200, 2), F32)
+    x[0], x[1], x[9] = 2.0**24, 1.0, 1.0
+    for kind in ("1x128", "mxfp8"):
+        got = np.asarray(_quantize_with_dbias(kind, True, True, -1)(x).dbias)
+        np.testing.assert_array_equal(got, [2.0**24 + 2] * 2)
+        assert_bits_equal(got, dbias_ref(x, kind))
 
 
 def test_single_copies_match_both(rng):
@@ -267,6 +351,10 @@ def test_jit_and_vmap(rng):
         assert_bits_equal(mgot.rowwise_scale[b], mwant[1])
     d = jax.vmap(lambda q, s: dequantize_fp8_block(q, s, out_dtype=F32))(got.rowwise, got.rowwise_scale)
     assert d.shape == x.shape
+    for kind in ("1x128", "mxfp8"):
+        dgot = jax.jit(jax.vmap(_quantize_with_dbias(kind, True, True, -1)))(x)
+        for b in range(3):
+            assert_bits_equal(dgot.dbias[b], dbias_ref(x[b], kind))
 
 
 SHARDINGS = [  # (shape, flatten_axis, spec, stays sharded)
@@ -283,18 +371,21 @@ def test_sharded_equals_unsharded(shape, axis, spec, sharded, kind, rng):
     mesh = jax.make_mesh((2,), ("a",), devices=jax.devices("cpu")[:2])
     x = with_block_specials(rng, shape, ml_dtypes.bfloat16)
 
-    def f(v):
-        if kind == "mxfp8":
-            return quantize_mxfp8(v, rowwise=True, colwise=True, flatten_axis=axis)
-        return quantize_fp8_block(v, tile_2d=kind == "128x128", rowwise=True, colwise=True, flatten_axis=axis)
-
+    f = _quantize_with_dbias(kind, True, True, axis)
     cpu0 = jax.devices("cpu")[0]
     with jax.default_device(cpu0):
         want = jax.jit(f)(jax.device_put(x, cpu0))
     xs = jax.device_put(x, NamedSharding(mesh, spec))
     got = jax.jit(f)(xs)
-    for g, w in zip(got, want):
+    for g, w in zip(got[:4], want[:4]):
         assert_bits_equal(g, w)
+    # dbias: the shards' fp32 sums psum'ed when the rows stay sharded (another fp32 order).
+    finite = np.where(np.isfinite(np.asarray(x, F32)), x, 0).astype(x.dtype)
+    dbias = jax.jit(f)(jax.device_put(finite, NamedSharding(mesh, spec))).dbias
+    assert dbias.shape == want.dbias.shape and dbias.dtype == want.dbias.dtype
+    assert_dbias_near_exact_sum(dbias, finite, axis)
+    if not (sharded and spec[0] is not None):
+        assert_bits_equal(got.dbias, want.dbias)
     if sharded and not (kind == "128x128" and np.prod(shape[:axis % len(shape)]) // 2 % 512):
         assert not got.rowwise.sharding.is_fully_replicated
 
@@ -332,14 +423,18 @@ def test_handler_validation():
     e4, f32, e8 = jnp.float8_e4m3fn, jnp.float32, jnp.float8_e8m0fnu
     sd = jax.ShapeDtypeStruct
     attrs = dict(flatten_axis=np.int32(1), tile_2d=np.bool_(False), pow2_scales=np.bool_(False))
-    good = [sd((4, 300), e4), sd((3, 4), f32), sd((300, 4), e4), sd((1, 300), f32)]
+    good = [sd((4, 300), e4), sd((3, 4), f32), sd((300, 4), e4), sd((1, 300), f32), sd((0,), jnp.bfloat16)]
     call = lambda res, xa=x, **kw: jax.block_until_ready(  # noqa: E731
         jax.ffi.ffi_call("lowbit_quantize_fp8_block", res)(xa, **{**attrs, **kw}))
-    call(good)  # sanity: the well-formed call runs
+    call(good)  # sanity: the well-formed calls run (dbias not requested, f32, x's dtype)
+    call(good[:4] + [sd((300,), f32)])
+    call(good[:4] + [sd((300,), jnp.bfloat16)])
     cases = [
         ((good[:1] + [sd((3, 8), f32)] + good[2:],), {}, r"lowbit_quantize_fp8_block: rowwise_scale_inv: expected f32 of shape \(3, 4\)"),
-        ((good[:3] + [sd((1, 300), e8)],), {}, r"lowbit_quantize_fp8_block: colwise_scale_inv: expected f32"),
-        ((good[:2] + [sd((0,), e4), sd((1, 300), f32)],), {}, r"lowbit_quantize_fp8_block: colwise_scale_inv: expected an empty result"),
+        ((good[:3] + [sd((1, 300), e8)] + good[4:],), {}, r"lowbit_quantize_fp8_block: colwise_scale_inv: expected f32"),
+        ((good[:2] + [sd((0,), e4), sd((1, 300), f32)] + good[4:],), {}, r"lowbit_quantize_fp8_block: colwise_scale_inv: expected an empty result"),
+        ((good[:4] + [sd((4,), jnp.bfloat16)],), {}, r"lowbit_quantize_fp8_block: dbias: expected bf16 or f32 of shape \(300,\)"),
+        ((good[:4] + [sd((300,), jnp.float16)],), {}, r"lowbit_quantize_fp8_block: dbias: expected bf16 or f32"),
         ((good[:2] + [sd((300, 4), jnp.float8_e5m2)] + good[3:],), {}, r"colwise: expected the rowwise dtype"),
         ((good,), dict(flatten_axis=np.int32(2)), r"lowbit_quantize_fp8_block: flatten_axis: expected a value in \[0, 1\]"),
         ((good,), dict(xa=x.astype(jnp.int32)), r"lowbit_quantize_fp8_block: x: expected f32, f16 or bf16"),
@@ -347,12 +442,14 @@ def test_handler_validation():
     for (res,), kw, msg in cases:
         with pytest.raises(Exception, match=msg):
             call(res, **kw)
-    mgood = [sd((4, 300), e4), sd((128, 12), e8), sd((4, 300), e4), sd((4, 384), e8)]
+    mgood = [sd((4, 300), e4), sd((128, 12), e8), sd((4, 300), e4), sd((4, 384), e8), sd((0,), jnp.bfloat16)]
     mcall = lambda res: jax.block_until_ready(  # noqa: E731
         jax.ffi.ffi_call("lowbit_quantize_mxfp8", res)(x, flatten_axis=np.int32(1)))
     mcall(mgood)
     with pytest.raises(Exception, match=r"lowbit_quantize_mxfp8: colwise_scale: expected f8e8m0fnu of shape \(4, 384\)"):
-        mcall(mgood[:3] + [sd((4, 300), e8)])
+        mcall(mgood[:3] + [sd((4, 300), e8)] + mgood[4:])
+    with pytest.raises(Exception, match=r"lowbit_quantize_mxfp8: dbias: expected bf16 or f32 of shape \(300,\)"):
+        mcall(mgood[:4] + [sd((300, 1), f32)])
     with pytest.raises(Exception, match=r"lowbit_dequantize_mxfp8: out: expected f32, f16 or bf16 of shape \(4, 300\)"):
         jax.block_until_ready(jax.ffi.ffi_call("lowbit_dequantize_mxfp8", sd((4, 30), f32))(
             jnp.ones((4, 300), e4), jnp.ones((128, 12), e8), flatten_axis=np.int32(1), colwise=np.bool_(False)))
@@ -440,3 +537,53 @@ def test_cuda_dequantize_equals_cpu(fp8, out_dtype, rng, cpu, gpu):
            (lambda d, s: dequantize_mxfp8(d, s, colwise=True, out_dtype=out_dtype), s_mx_col)]
     for fn, s in fns:
         np.testing.assert_array_equal(_bits(run_on(gpu, fn, codes, s)), _bits(run_on(cpu, fn, codes, s)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=ids)
+@pytest.mark.parametrize("shape,axis", GPU_SHAPES + [((8, 2048, 1024), 2)], ids=str)
+def test_cuda_dbias_equals_cpu(shape, axis, dtype, rng, cpu, gpu):
+    # dbias bit for bit (the fixed order of block_dbias.h on both backends; NaN canonical) and
+    # identical on two GPU runs; the copies and scales bit for bit as without dbias.
+    x = with_block_specials(rng, shape, dtype)
+    configs = [("1x128", True, True), ("1x128", True, False), ("1x128", False, True),
+               ("128x128", True, True), ("mxfp8", True, True), ("mxfp8", True, False), ("mxfp8", False, True)]
+    for i, (kind, rowwise, colwise) in enumerate(configs):
+        f = _quantize_with_dbias(kind, rowwise, colwise, axis, FP8[i % 2], bool(i % 3 == 0))
+        g, g2, c = run_on(gpu, f, x), run_on(gpu, f, x), run_on(cpu, f, x)
+        for a, a2, b in zip(g, g2, c):
+            assert (a is None) == (b is None)
+            if b is not None:
+                np.testing.assert_array_equal(_bits(a), _bits(b), err_msg=f"{kind} {rowwise} {colwise}")
+                np.testing.assert_array_equal(_bits(a), _bits(a2), err_msg=f"rerun {kind} {rowwise} {colwise}")
+    # Integers: exact in any order, so equal to numpy's sum as well.
+    ints = rng.integers(-8, 9, shape).astype(dtype)
+    for kind in ("1x128", "mxfp8"):
+        got = run_on(gpu, _quantize_with_dbias(kind, True, True, axis), ints).dbias
+        want = np.asarray(ints, np.float64).reshape(int(np.prod(shape[:axis % len(shape)])), -1).sum(0)
+        np.testing.assert_array_equal(np.asarray(got, np.float64).reshape(-1), np.asarray(want.astype(dtype), np.float64))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=ids)
+def test_cuda_dbias_f32_and_misaligned_equal_cpu(dtype, rng, cpu, gpu):
+    # The f32 dbias result (what the sharded rule asks for) through the handler, and the
+    # unvectorized paths (a slice starting one element in, odd cols).
+    lowbit._ffi.load()
+    x = with_block_specials(rng, (1537, 1030), dtype)
+    sd, e4, f32 = jax.ShapeDtypeStruct, jnp.float8_e4m3fn, jnp.float32
+    r, c = x.shape
+
+    def f(v):
+        w = v.reshape(-1)[1 : 1 + 1535 * 1033].reshape(1535, 1033)
+        block = jax.ffi.ffi_call("lowbit_quantize_fp8_block", [sd((r, c), e4), sd((9, r + 3), f32), sd((0,), e4),
+                                                               sd((0,), f32), sd((c,), f32)])(
+            v, flatten_axis=np.int32(1), tile_2d=np.bool_(False), pow2_scales=np.bool_(False))
+        mx = jax.ffi.ffi_call("lowbit_quantize_mxfp8", [sd((0,), e4), sd((0,), jnp.float8_e8m0fnu), sd((r, c), e4),
+                                                        sd((52, 1152), jnp.float8_e8m0fnu), sd((c,), f32)])(
+            v, flatten_axis=np.int32(1))
+        return (block, mx, _quantize_with_dbias("1x128", True, True, -1)(w),
+                _quantize_with_dbias("mxfp8", True, True, -1)(w))
+
+    for a, b in zip(jax.tree.leaves(run_on(gpu, f, x)), jax.tree.leaves(run_on(cpu, f, x))):
+        np.testing.assert_array_equal(_bits(a), _bits(b))

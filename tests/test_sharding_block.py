@@ -108,19 +108,25 @@ def test_block_quantize_sharded_bit_exact(case):
     x = jnp.asarray(rng.standard_normal(shape) * np.exp(rng.uniform(-4, 4, shape)), jnp.float32)
     x = x.at[0, 0].set(0.0)
     if kind == "mxfp8":
-        fn = lambda x: tuple(quantize_mxfp8(x, rowwise=True, colwise=True, flatten_axis=f))  # noqa: E731
+        fn = lambda x: tuple(quantize_mxfp8(x, rowwise=True, colwise=True, flatten_axis=f,  # noqa: E731
+                                            compute_dbias=True))
     else:
         fn = lambda x: tuple(quantize_fp8_block(x, tile_2d=tile_2d, rowwise=True, colwise=True,  # noqa: E731
-                                                flatten_axis=f))
+                                                flatten_axis=f, compute_dbias=True))
     want = jax.jit(fn)(x)
     xs = jax.device_put(x, NamedSharding(mesh22(), spec))
     got = jax.jit(fn)(xs)
-    for g, w in zip(got, want):
+    for g, w in zip(got[:4], want[:4]):
         np.testing.assert_array_equal(bits(g), bits(w))
+    # dbias (shape[f:]): rows sharded -> the shards' fp32 sums psum'ed (another fp32 order).
+    assert got[4].shape == want[4].shape == x.shape[f:]
+    x2 = np.asarray(x, np.float64).reshape(int(np.prod(shape[:f])), -1)
+    bound = x2.shape[0] * 2.0**-23 * np.abs(x2).sum(0) + 1e-30
+    np.testing.assert_array_less(np.abs(np.asarray(got[4], np.float64).reshape(-1) - x2.sum(0)), bound)
     text = jax.jit(fn).lower(xs).compile().as_text()
     n_gather = collectives(text)["all-gather"]
     assert (n_gather == 0) if sharded else (n_gather >= 1), text.count("all-gather")
-    assert all(not g.sharding.is_fully_replicated for g in got) == sharded
+    assert all(not g.sharding.is_fully_replicated for g in got[:4]) == sharded
 
 
 def _block_operands(rng, rows, k, mode):

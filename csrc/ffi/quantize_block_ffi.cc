@@ -6,10 +6,13 @@
 //
 // x (rank >= 1) is viewed as rows x cols, rows = prod(shape[:flatten_axis]). Scale arrays
 // are 2-D in the layouts of the headers. A data result with 0 elements is "not requested"
-// (its scale result must then be empty too); for an empty x every result is empty.
+// (its scale result must then be empty too); for an empty x every result is empty. dbias
+// (the column sums, quantize/block_dbias.h) is f32 or x's dtype of shape shape[fa:], or (0,)
+// when not requested; the CUDA handlers take its per-tile-row workspace from XLA's scratch.
 #include <string>
 
 #include "ffi/ffi_util.h"
+#include "quantize/block_dbias.h"
 #include "quantize/quantize_block.h"
 #include "quantize/quantize_mxfp8.h"
 
@@ -40,13 +43,31 @@ Status CheckCopy(const char* op, const char* data_arg, const char* scale_arg,
                                     Describe(scale->element_type(), DimsOf(*scale)));
 }
 
-// The buffers of one block-scaled quantization: both copies with their scale arrays.
+// The buffers of one block-scaled quantization: both copies with their scale arrays, dbias.
 struct Copies {
   ffi::Result<ffi::AnyBuffer>& rowwise;
   ffi::Result<ffi::AnyBuffer>& rowwise_scale;
   ffi::Result<ffi::AnyBuffer>& colwise;
   ffi::Result<ffi::AnyBuffer>& colwise_scale;
+  ffi::Result<ffi::AnyBuffer>& dbias;
 };
+
+// dbias: empty (not requested; *out = null) or f32 / x's dtype of shape shape[fa:].
+Status CheckDbias(const char* op, const ffi::AnyBuffer& x, const ffi::Result<ffi::AnyBuffer>& dbias,
+                  const Dims& shape, int32_t flatten_axis, void** out, DType* dtype) {
+  *out = nullptr;
+  *dtype = ToDType(dbias->element_type());
+  if (dbias->element_count() == 0 && DimsOf(*dbias) == Dims{0}) return Status::Ok();
+  const Dims col_dims(shape.begin() + flatten_axis, shape.end());
+  const ffi::DataType t = dbias->element_type();
+  if ((t != x.element_type() && t != ffi::DataType::F32) || DimsOf(*dbias) != col_dims) {
+    return Invalid(op, "dbias", std::string("expected ") + DTypeName(ToDType(x.element_type())) + " or f32 of shape " +
+                                    ShapeString(col_dims) + " or an empty result, got " +
+                                    Describe(t, DimsOf(*dbias)));
+  }
+  *out = dbias->untyped_data();
+  return Status::Ok();
+}
 
 // What both quantizers check after x's flat view: each copy requested or empty, the
 // colwise copy in `colwise_shape`, one fp8 type, and at least one copy for a non-empty x.
@@ -93,7 +114,7 @@ Status QuantizeBlockArgs(const ffi::AnyBuffer& x, const Copies& c, int32_t flatt
   a->rowwise_scale_inv = want_row ? static_cast<float*>(c.rowwise_scale->untyped_data()) : nullptr;
   a->colwise = want_col ? static_cast<uint8_t*>(c.colwise->untyped_data()) : nullptr;
   a->colwise_scale_inv = want_col ? static_cast<float*>(c.colwise_scale->untyped_data()) : nullptr;
-  return Status::Ok();
+  return CheckDbias(op, x, c.dbias, shape, flatten_axis, &a->dbias, &a->dbias_dtype);
 }
 
 Status QuantizeMxArgs(const ffi::AnyBuffer& x, const Copies& c, int32_t flatten_axis,
@@ -114,7 +135,7 @@ Status QuantizeMxArgs(const ffi::AnyBuffer& x, const Copies& c, int32_t flatten_
   a->rowwise_scale = want_row ? static_cast<uint8_t*>(c.rowwise_scale->untyped_data()) : nullptr;
   a->colwise = want_col ? static_cast<uint8_t*>(c.colwise->untyped_data()) : nullptr;
   a->colwise_scale = want_col ? static_cast<uint8_t*>(c.colwise_scale->untyped_data()) : nullptr;
-  return Status::Ok();
+  return CheckDbias(op, x, c.dbias, shape, flatten_axis, &a->dbias, &a->dbias_dtype);
 }
 
 // Shared dequantize validation: data fp8 of any rank >= 1 viewed at flatten_axis, the scale
@@ -148,10 +169,10 @@ Status DequantizeMxArgs(const ffi::AnyBuffer& data, const ffi::AnyBuffer& scale,
 ffi::Error QuantizeBlockCpu(ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> rowwise,
                             ffi::Result<ffi::AnyBuffer> rowwise_scale_inv,
                             ffi::Result<ffi::AnyBuffer> colwise,
-                            ffi::Result<ffi::AnyBuffer> colwise_scale_inv, int32_t flatten_axis,
-                            bool tile_2d, bool pow2_scales) {
+                            ffi::Result<ffi::AnyBuffer> colwise_scale_inv, ffi::Result<ffi::AnyBuffer> dbias,
+                            int32_t flatten_axis, bool tile_2d, bool pow2_scales) {
   QuantizeFp8BlockArgs a;
-  Status s = QuantizeBlockArgs(x, {rowwise, rowwise_scale_inv, colwise, colwise_scale_inv},
+  Status s = QuantizeBlockArgs(x, {rowwise, rowwise_scale_inv, colwise, colwise_scale_inv, dbias},
                                flatten_axis, tile_2d, pow2_scales, &a);
   if (s.ok()) s = QuantizeFp8BlockRef(a);
   return ToFfiError(s);
@@ -172,9 +193,10 @@ ffi::Error DequantizeBlockCpu(ffi::AnyBuffer data, ffi::AnyBuffer scale_inv,
 
 ffi::Error QuantizeMxCpu(ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> rowwise,
                          ffi::Result<ffi::AnyBuffer> rowwise_scale, ffi::Result<ffi::AnyBuffer> colwise,
-                         ffi::Result<ffi::AnyBuffer> colwise_scale, int32_t flatten_axis) {
+                         ffi::Result<ffi::AnyBuffer> colwise_scale, ffi::Result<ffi::AnyBuffer> dbias,
+                         int32_t flatten_axis) {
   QuantizeMxfp8Args a;
-  Status s = QuantizeMxArgs(x, {rowwise, rowwise_scale, colwise, colwise_scale}, flatten_axis, &a);
+  Status s = QuantizeMxArgs(x, {rowwise, rowwise_scale, colwise, colwise_scale, dbias}, flatten_axis, &a);
   if (s.ok()) s = QuantizeMxfp8Ref(a);
   return ToFfiError(s);
 }
@@ -194,15 +216,20 @@ ffi::Error DequantizeMxCpu(ffi::AnyBuffer data, ffi::AnyBuffer scale, ffi::Resul
 
 #else
 
-ffi::Error QuantizeBlockGpu(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> rowwise,
-                            ffi::Result<ffi::AnyBuffer> rowwise_scale_inv,
+ffi::Error QuantizeBlockGpu(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer x,
+                            ffi::Result<ffi::AnyBuffer> rowwise, ffi::Result<ffi::AnyBuffer> rowwise_scale_inv,
                             ffi::Result<ffi::AnyBuffer> colwise,
-                            ffi::Result<ffi::AnyBuffer> colwise_scale_inv, int32_t flatten_axis,
-                            bool tile_2d, bool pow2_scales) {
+                            ffi::Result<ffi::AnyBuffer> colwise_scale_inv, ffi::Result<ffi::AnyBuffer> dbias,
+                            int32_t flatten_axis, bool tile_2d, bool pow2_scales) {
   QuantizeFp8BlockArgs a;
-  Status s = QuantizeBlockArgs(x, {rowwise, rowwise_scale_inv, colwise, colwise_scale_inv},
+  Status s = QuantizeBlockArgs(x, {rowwise, rowwise_scale_inv, colwise, colwise_scale_inv, dbias},
                                flatten_axis, tile_2d, pow2_scales, &a);
-  if (s.ok()) s = QuantizeFp8BlockCuda(a, stream);
+  void* workspace = nullptr;
+  if (s.ok()) {
+    s = AllocateScratch(scratch, BlockDbiasWorkspaceBytes(a.rows, a.cols, kFp8BlockDbiasTileRows, a.dbias != nullptr),
+                        std::string(kQuantizeBlockOp) + ": dbias", &workspace);
+  }
+  if (s.ok()) s = QuantizeFp8BlockCuda(a, workspace, stream);
   return ToFfiError(s);
 }
 
@@ -219,12 +246,18 @@ ffi::Error DequantizeBlockGpu(cudaStream_t stream, ffi::AnyBuffer data, ffi::Any
   return ToFfiError(s);
 }
 
-ffi::Error QuantizeMxGpu(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> rowwise,
-                         ffi::Result<ffi::AnyBuffer> rowwise_scale, ffi::Result<ffi::AnyBuffer> colwise,
-                         ffi::Result<ffi::AnyBuffer> colwise_scale, int32_t flatten_axis) {
+ffi::Error QuantizeMxGpu(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer x,
+                         ffi::Result<ffi::AnyBuffer> rowwise, ffi::Result<ffi::AnyBuffer> rowwise_scale,
+                         ffi::Result<ffi::AnyBuffer> colwise, ffi::Result<ffi::AnyBuffer> colwise_scale,
+                         ffi::Result<ffi::AnyBuffer> dbias, int32_t flatten_axis) {
   QuantizeMxfp8Args a;
-  Status s = QuantizeMxArgs(x, {rowwise, rowwise_scale, colwise, colwise_scale}, flatten_axis, &a);
-  if (s.ok()) s = QuantizeMxfp8Cuda(a, stream);
+  Status s = QuantizeMxArgs(x, {rowwise, rowwise_scale, colwise, colwise_scale, dbias}, flatten_axis, &a);
+  void* workspace = nullptr;
+  if (s.ok()) {
+    s = AllocateScratch(scratch, BlockDbiasWorkspaceBytes(a.rows, a.cols, kMxfp8DbiasTileRows, a.dbias != nullptr),
+                        std::string(kQuantizeMxOp) + ": dbias", &workspace);
+  }
+  if (s.ok()) s = QuantizeMxfp8Cuda(a, workspace, stream);
   return ToFfiError(s);
 }
 
@@ -256,6 +289,7 @@ LOWBIT_FFI_HANDLER(LowbitQuantizeFp8BlockCpu, lowbit::QuantizeBlockCpu,
                        .Ret<xffi::AnyBuffer>()   // rowwise_scale_inv: f32 Fp8BlockScaleDims(rows, cols), or (0,)
                        .Ret<xffi::AnyBuffer>()   // colwise: fp8, shape[fa:] + shape[:fa], or (0,)
                        .Ret<xffi::AnyBuffer>()   // colwise_scale_inv: f32 Fp8BlockScaleDims(cols, rows), or (0,)
+                       .Ret<xffi::AnyBuffer>()   // dbias: f32 or x's dtype, shape[fa:], or (0,)
                        .Attr<int32_t>("flatten_axis")
                        .Attr<bool>("tile_2d")    // 128x128 tiles, else 1x128
                        .Attr<bool>("pow2_scales"));
@@ -273,6 +307,7 @@ LOWBIT_FFI_HANDLER(LowbitQuantizeMxfp8Cpu, lowbit::QuantizeMxCpu,
                        .Ret<xffi::AnyBuffer>()   // rowwise_scale: e8m0 Mxfp8ScaleDims(rows, cols, false), or (0,)
                        .Ret<xffi::AnyBuffer>()   // colwise: fp8, x's shape, or (0,)
                        .Ret<xffi::AnyBuffer>()   // colwise_scale: e8m0 Mxfp8ScaleDims(rows, cols, true), or (0,)
+                       .Ret<xffi::AnyBuffer>()   // dbias: f32 or x's dtype, shape[fa:], or (0,)
                        .Attr<int32_t>("flatten_axis"));
 LOWBIT_FFI_HANDLER(LowbitDequantizeMxfp8Cpu, lowbit::DequantizeMxCpu,
                    xffi::Ffi::Bind()
@@ -285,11 +320,13 @@ LOWBIT_FFI_HANDLER(LowbitDequantizeMxfp8Cpu, lowbit::DequantizeMxCpu,
 LOWBIT_FFI_HANDLER(LowbitQuantizeFp8BlockCuda, lowbit::QuantizeBlockGpu,
                    xffi::Ffi::Bind()
                        .Ctx<xffi::PlatformStream<cudaStream_t>>()  // stream
+                       .Ctx<xffi::ScratchAllocator>()  // dbias workspace
                        .Arg<xffi::AnyBuffer>()   // x: f32/f16/bf16, rank >= 1
                        .Ret<xffi::AnyBuffer>()   // rowwise: fp8, x's shape, or (0,)
                        .Ret<xffi::AnyBuffer>()   // rowwise_scale_inv: f32 Fp8BlockScaleDims(rows, cols), or (0,)
                        .Ret<xffi::AnyBuffer>()   // colwise: fp8, shape[fa:] + shape[:fa], or (0,)
                        .Ret<xffi::AnyBuffer>()   // colwise_scale_inv: f32 Fp8BlockScaleDims(cols, rows), or (0,)
+                       .Ret<xffi::AnyBuffer>()   // dbias: f32 or x's dtype, shape[fa:], or (0,)
                        .Attr<int32_t>("flatten_axis")
                        .Attr<bool>("tile_2d")    // 128x128 tiles, else 1x128
                        .Attr<bool>("pow2_scales"));
@@ -304,11 +341,13 @@ LOWBIT_FFI_HANDLER(LowbitDequantizeFp8BlockCuda, lowbit::DequantizeBlockGpu,
 LOWBIT_FFI_HANDLER(LowbitQuantizeMxfp8Cuda, lowbit::QuantizeMxGpu,
                    xffi::Ffi::Bind()
                        .Ctx<xffi::PlatformStream<cudaStream_t>>()  // stream
+                       .Ctx<xffi::ScratchAllocator>()  // dbias workspace
                        .Arg<xffi::AnyBuffer>()   // x: f32/f16/bf16, rank >= 1
                        .Ret<xffi::AnyBuffer>()   // rowwise: fp8, x's shape, or (0,)
                        .Ret<xffi::AnyBuffer>()   // rowwise_scale: e8m0 Mxfp8ScaleDims(rows, cols, false), or (0,)
                        .Ret<xffi::AnyBuffer>()   // colwise: fp8, x's shape, or (0,)
                        .Ret<xffi::AnyBuffer>()   // colwise_scale: e8m0 Mxfp8ScaleDims(rows, cols, true), or (0,)
+                       .Ret<xffi::AnyBuffer>()   // dbias: f32 or x's dtype, shape[fa:], or (0,)
                        .Attr<int32_t>("flatten_axis"));
 LOWBIT_FFI_HANDLER(LowbitDequantizeMxfp8Cuda, lowbit::DequantizeMxGpu,
                    xffi::Ffi::Bind()

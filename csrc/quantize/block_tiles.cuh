@@ -41,6 +41,12 @@
 //     through shared memory by one thread per (block, column), which writes the byte; codes
 //     are encoded with the column's factor and stored in x's layout (no transpose).
 //   Scale padding is zeroed by a memset first, only when there is any.
+// dbias (both kernels, kDbias: plain walk only, compiled only into the kernels that compute
+//   it, so that the others keep their registers and shared memory): after the loads, each thread
+//   sums its chunk columns over its kPasses rows in pass order, the lane sums go to shared
+//   memory, and one thread per column adds the tile's lanes in lane order into workspace row
+//   r0 / tile height: the order of block_dbias.h (lanes S = kRowsPerPass = 32 / sizeof(x));
+//   the finalize kernel (dbias_finalize.cuh) runs after the tile kernel.
 // Encoding: fp8_cvt.cuh (hardware cvt where bit-identical, else the formats.h codec). Partial
 // tiles and unaligned tensors take bounds-checked scalar paths: nothing outside the tensors
 // is read or written.
@@ -50,11 +56,13 @@
 
 #include <cstdint>
 #include <cstring>
+#include <string>
 
 #include "common/cuda_check.h"
 #include "common/element.h"
 #include "common/reduce.cuh"
 #include "quantize/block_codec.h"
+#include "quantize/block_dbias.h"
 #include "quantize/fp8_cvt.cuh"
 #include "quantize/quantize_block.h"
 #include "quantize/quantize_mxfp8.h"
@@ -73,6 +81,7 @@ static_assert(kColItems % kThreads == 0, "whole transpose items per thread");
 constexpr int kBlock = int(kMxfp8BlockLen);
 constexpr int kTileRows = 2 * kBlock;
 constexpr int kTileCols = 128;
+static_assert(kTile == kFp8BlockDbiasTileRows && kTileRows == kMxfp8DbiasTileRows, "block_dbias.h's tile heights");
 
 inline bool Aligned(const void* p, uintptr_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
 
@@ -137,6 +146,37 @@ struct PlainSource {
   __device__ __forceinline__ static float Value(const Chunk& chunk, int j) { return LoadAsFloatFast(Tag{}, chunk.v[j]); }
 };
 
+// dbias of one tile (block_dbias.h): my kVec columns summed over my kPasses rows in pass
+// order, then (one thread per column) the kRowsPerPass lanes of a column in lane order, written
+// to workspace row `tile_row`. lane_sums is kRowsPerPass x kCols; the caller syncs before it
+// is written again.
+template <typename Src, int kPasses, int kRowsPerPass, int kCols>
+__device__ __forceinline__ void TileColumnSums(const typename Src::Chunk (&vals)[kPasses], int chunk_row,
+                                               int chunk_col, int64_t c0, int64_t cols, int64_t tile_row,
+                                               float (*lane_sums)[kCols], float* __restrict__ partials) {
+  constexpr int kVec = Src::kVec;
+  // The plain source's kVec is 16 / sizeof(x): kRowsPerPass = 2 * kVec = block_dbias.h's S.
+  static_assert(kVec % 4 == 0 && kRowsPerPass == 2 * kVec, "lanes of block_dbias.h: 32 / sizeof(x element)");
+  float s[kVec];
+#pragma unroll
+  for (int j = 0; j < kVec; ++j) {
+    s[j] = 0.0f;
+#pragma unroll
+    for (int p = 0; p < kPasses; ++p) s[j] += Src::Value(vals[p], j);
+  }
+#pragma unroll
+  for (int j = 0; j < kVec; j += 4) {
+    *reinterpret_cast<float4*>(&lane_sums[chunk_row][chunk_col + j]) = make_float4(s[j], s[j + 1], s[j + 2], s[j + 3]);
+  }
+  __syncthreads();
+  if (threadIdx.x < kCols && c0 + threadIdx.x < cols) {
+    float total = 0.0f;
+#pragma unroll
+    for (int g = 0; g < kRowsPerPass; ++g) total += lane_sums[g][threadIdx.x];
+    partials[tile_row * cols + c0 + threadIdx.x] = total;
+  }
+}
+
 // Byte transpose of 8 rows x 4 bytes (w[k]: row k): lo[j] holds column j of rows 0..3, hi[j]
 // of rows 4..7 (little-endian: row k in byte k % 4).
 __device__ __forceinline__ void TransposeBytes8x4(const uint32_t (&w)[8], uint32_t (&lo)[4], uint32_t (&hi)[4]) {
@@ -157,12 +197,12 @@ __device__ __forceinline__ void TransposeBytes8x4(const uint32_t (&w)[8], uint32
 // kVectorIO: the source's chunks are whole 16-byte loads (Src::Load) and rowwise is aligned:
 // every in-range chunk is one kVec-byte store. colwise_vec: rows % 8 == 0, colwise 8-byte
 // aligned: full 8-row transposed chunks (at rows % 8 == 0) are 8-byte stores.
-template <typename Src, typename Fmt, bool kTile2d, bool kVectorIO, typename Rows>
+template <typename Src, typename Fmt, bool kTile2d, bool kVectorIO, bool kDbias, typename Rows>
 __global__ void __launch_bounds__(kThreads, 2)
     Fp8BlockTileKernel(const Src src, const Rows row_tiles, int64_t rows, int64_t cols,
                            bool pow2, uint8_t* __restrict__ rowwise, float* __restrict__ row_scale_inv,
                            uint8_t* __restrict__ colwise, float* __restrict__ col_scale_inv,
-                           bool colwise_vec) {
+                           bool colwise_vec, float* __restrict__ dbias_partials) {
   constexpr int kVec = Src::kVec;                      // elements per chunk (16 input bytes)
   constexpr int kThreadsPerRow = kTile / kVec;         // 16 (16-bit x) or 32 (f32)
   constexpr int kRowsPerPass = kThreads / kThreadsPerRow;
@@ -170,6 +210,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   __shared__ __align__(16) uint8_t codes[kTile][kCodeStride];
   __shared__ uint32_t col_part[kRowsPerPass][kTile];
   __shared__ float col_scale[kTile];
+  __shared__ __align__(16) float lane_sums[kDbias ? kRowsPerPass : 1][kTile];  // dbias
 
   const int64_t tiles_c = (cols + kTile - 1) / kTile;
   const int64_t tiles = row_tiles.TileRows(kTile) * tiles_c;
@@ -205,6 +246,11 @@ __global__ void __launch_bounds__(kThreads, 2)
         chunk_max[p] = max(chunk_max[p], b);
         col_max[j] = max(col_max[j], b);
       }
+    }
+
+    if constexpr (kDbias) {  // the plain walk: tile row r0 / kTile
+      TileColumnSums<Src, kPasses, kRowsPerPass, kTile>(vals, chunk_row, chunk_col, c0, cols, r0 / kTile, lane_sums,
+                                                        dbias_partials);
     }
 
     float row_scale[kPasses];  // the scale of each of my rows' tile (all equal for 128x128)
@@ -281,7 +327,10 @@ __global__ void __launch_bounds__(kThreads, 2)
         }
       }
     }
-    if (colwise == nullptr) continue;  // uniform across the block
+    if (colwise == nullptr) {  // uniform across the block
+      if constexpr (kDbias) __syncthreads();  // lane_sums is rewritten by the next tile
+      continue;
+    }
 
     // 4. 1x128 colwise codes: each value with its column's scale.
     if constexpr (!kTile2d) {
@@ -370,11 +419,12 @@ __global__ void __launch_bounds__(kThreads, 2)
 
 // kVectorIO: the source's chunks are whole 16-byte loads (Src::Load) and rowwise / colwise
 // are 16-byte aligned: every in-range chunk is one kVec-byte store.
-template <typename Src, typename Fmt, bool kVectorIO, typename Rows>
+template <typename Src, typename Fmt, bool kVectorIO, bool kDbias, typename Rows>
 __global__ void __launch_bounds__(kThreads, 2)
     Mxfp8TileKernel(const Src src, const Rows row_tiles, int64_t rows, int64_t cols,
                         uint8_t* __restrict__ rowwise, uint8_t* __restrict__ row_scale,
-                        uint8_t* __restrict__ colwise, uint8_t* __restrict__ col_scale) {
+                        uint8_t* __restrict__ colwise, uint8_t* __restrict__ col_scale,
+                        float* __restrict__ dbias_partials) {
   constexpr int kVec = Src::kVec;  // elements per chunk (16 input bytes)
   constexpr int kThreadsPerRow = kTileCols / kVec;
   constexpr int kRowsPerPass = kThreads / kThreadsPerRow;
@@ -382,6 +432,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   constexpr int kLanesPerBlock = kBlock / kVec;      // 4 or 8 lanes hold one rowwise block
   __shared__ uint32_t col_part[2][kRowsPerPass][kTileCols];
   __shared__ float col_factor[2][kTileCols];
+  __shared__ __align__(16) float lane_sums[kDbias ? kRowsPerPass : 1][kTileCols];  // dbias
 
   const int64_t tiles_c = (cols + kTileCols - 1) / kTileCols;
   const int64_t tiles = row_tiles.TileRows(kTileRows) * tiles_c;
@@ -417,6 +468,11 @@ __global__ void __launch_bounds__(kThreads, 2)
       }
     }
 
+    if constexpr (kDbias) {  // the plain walk: tile row r0 / kTileRows
+      TileColumnSums<Src, kPasses, kRowsPerPass, kTileCols>(vals, chunk_row, chunk_col, c0, cols, r0 / kTileRows,
+                                                            lane_sums, dbias_partials);
+    }
+
     if (rowwise != nullptr) {
 #pragma unroll
       for (int p = 0; p < kPasses; ++p) {
@@ -444,7 +500,10 @@ __global__ void __launch_bounds__(kThreads, 2)
         }
       }
     }
-    if (colwise == nullptr) continue;  // uniform across the block
+    if (colwise == nullptr) {  // uniform across the block
+      if constexpr (kDbias) __syncthreads();  // lane_sums is rewritten by the next tile
+      continue;
+    }
 
 #pragma unroll
     for (int j = 0; j < kVec; ++j) {
@@ -516,64 +575,72 @@ inline Status ZeroMxfp8ScalePadding(uint8_t* scale, int64_t rows, int64_t cols, 
 // a.x_dtype are not used: the source is the input; a.rows is x's row count, the colwise
 // copy's leading dim). src_vector_ok: the source's chunks are whole 16-byte loads.
 // Scale padding is the caller's.
-template <typename Src, typename Fmt, bool kTile2d, typename Rows>
+template <typename Src, typename Fmt, bool kTile2d, bool kDbias = false, typename Rows>
 Status LaunchFp8BlockTileKernel(const Src& src, bool src_vector_ok, const Rows& row_tiles,
-                                const QuantizeFp8BlockArgs& a, const char* op, GpuStream stream) {
+                                const QuantizeFp8BlockArgs& a, const char* op, GpuStream stream,
+                                float* dbias_partials = nullptr) {
+  static_assert(!(kDbias && Rows::kGrouped), "dbias: the plain walk only");
+  if (kDbias != (dbias_partials != nullptr)) return Status::Internal(std::string(op) + ": dbias: workspace mismatch");
   const int64_t tiles = row_tiles.TileRows(kTile) * CeilDivI64(a.cols, kTile);
   const int blocks = GridStrideBlocks(tiles * kThreads, kThreads, 4);
   const bool vec_io = src_vector_ok && (a.rowwise == nullptr || Aligned(a.rowwise, 16));
   const bool colwise_vec = a.colwise != nullptr && Aligned(a.colwise, 8) && a.rows % 8 == 0;
   if (vec_io) {
-    Fp8BlockTileKernel<Src, Fmt, kTile2d, true, Rows><<<blocks, kThreads, 0, stream>>>(
+    Fp8BlockTileKernel<Src, Fmt, kTile2d, true, kDbias, Rows><<<blocks, kThreads, 0, stream>>>(
         src, row_tiles, a.rows, a.cols, a.pow2_scales, a.rowwise, a.rowwise_scale_inv, a.colwise,
-        a.colwise_scale_inv, colwise_vec);
+        a.colwise_scale_inv, colwise_vec, dbias_partials);
   } else {
-    Fp8BlockTileKernel<Src, Fmt, kTile2d, false, Rows><<<blocks, kThreads, 0, stream>>>(
+    Fp8BlockTileKernel<Src, Fmt, kTile2d, false, kDbias, Rows><<<blocks, kThreads, 0, stream>>>(
         src, row_tiles, a.rows, a.cols, a.pow2_scales, a.rowwise, a.rowwise_scale_inv, a.colwise,
-        a.colwise_scale_inv, colwise_vec);
+        a.colwise_scale_inv, colwise_vec, dbias_partials);
   }
   return LaunchStatus(op);
 }
 
-// Launches Fp8BlockTileKernel over a's outputs (the plain walk), zeroing scale padding first.
-template <typename Src, typename Fmt, bool kTile2d>
+// Launches Fp8BlockTileKernel over a's outputs (the plain walk), zeroing scale padding first;
+// with dbias_partials (ceil(rows / 128) x cols fp32), the tile column sums of block_dbias.h.
+template <typename Src, typename Fmt, bool kTile2d, bool kDbias = false>
 Status LaunchFp8BlockTiles(const Src& src, bool src_vector_ok, const QuantizeFp8BlockArgs& a, const char* op,
-                           GpuStream stream) {
+                           GpuStream stream, float* dbias_partials = nullptr) {
   LOWBIT_RETURN_IF_ERROR(ZeroFp8BlockScalePadding(a.rowwise_scale_inv, a.rows, a.cols, kTile2d, op, stream));
   LOWBIT_RETURN_IF_ERROR(ZeroFp8BlockScalePadding(a.colwise_scale_inv, a.cols, a.rows, kTile2d, op, stream));
   UniformRowTiles row_tiles;
   row_tiles.rows = a.rows;
   row_tiles.col2d_ld = Fp8BlockScaleDims(a.cols, a.rows, true).dim1;
-  return LaunchFp8BlockTileKernel<Src, Fmt, kTile2d>(src, src_vector_ok, row_tiles, a, op, stream);
+  return LaunchFp8BlockTileKernel<Src, Fmt, kTile2d, kDbias>(src, src_vector_ok, row_tiles, a, op, stream,
+                                                             dbias_partials);
 }
 
 // Launches Mxfp8TileKernel over a's outputs with the row tiling `row_tiles`, as above.
-template <typename Src, typename Fmt, typename Rows>
+template <typename Src, typename Fmt, bool kDbias = false, typename Rows>
 Status LaunchMxfp8TileKernel(const Src& src, bool src_vector_ok, const Rows& row_tiles, const QuantizeMxfp8Args& a,
-                             const char* op, GpuStream stream) {
+                             const char* op, GpuStream stream, float* dbias_partials = nullptr) {
+  static_assert(!(kDbias && Rows::kGrouped), "dbias: the plain walk only");
+  if (kDbias != (dbias_partials != nullptr)) return Status::Internal(std::string(op) + ": dbias: workspace mismatch");
   const int64_t tiles = row_tiles.TileRows(kTileRows) * CeilDivI64(a.cols, kTileCols);
   const int blocks = GridStrideBlocks(tiles * kThreads, kThreads, 4);
   const bool vec_io = src_vector_ok && (a.rowwise == nullptr || Aligned(a.rowwise, 16)) &&
                       (a.colwise == nullptr || Aligned(a.colwise, 16));
   if (vec_io) {
-    Mxfp8TileKernel<Src, Fmt, true, Rows><<<blocks, kThreads, 0, stream>>>(
-        src, row_tiles, a.rows, a.cols, a.rowwise, a.rowwise_scale, a.colwise, a.colwise_scale);
+    Mxfp8TileKernel<Src, Fmt, true, kDbias, Rows><<<blocks, kThreads, 0, stream>>>(
+        src, row_tiles, a.rows, a.cols, a.rowwise, a.rowwise_scale, a.colwise, a.colwise_scale, dbias_partials);
   } else {
-    Mxfp8TileKernel<Src, Fmt, false, Rows><<<blocks, kThreads, 0, stream>>>(
-        src, row_tiles, a.rows, a.cols, a.rowwise, a.rowwise_scale, a.colwise, a.colwise_scale);
+    Mxfp8TileKernel<Src, Fmt, false, kDbias, Rows><<<blocks, kThreads, 0, stream>>>(
+        src, row_tiles, a.rows, a.cols, a.rowwise, a.rowwise_scale, a.colwise, a.colwise_scale, dbias_partials);
   }
   return LaunchStatus(op);
 }
 
-// Launches Mxfp8TileKernel over a's outputs (the plain walk), zeroing scale padding first.
-template <typename Src, typename Fmt>
+// Launches Mxfp8TileKernel over a's outputs (the plain walk), zeroing scale padding first;
+// with dbias_partials (ceil(rows / 64) x cols fp32), the tile column sums of block_dbias.h.
+template <typename Src, typename Fmt, bool kDbias = false>
 Status LaunchMxfp8Tiles(const Src& src, bool src_vector_ok, const QuantizeMxfp8Args& a, const char* op,
-                        GpuStream stream) {
+                        GpuStream stream, float* dbias_partials = nullptr) {
   LOWBIT_RETURN_IF_ERROR(ZeroMxfp8ScalePadding(a.rowwise_scale, a.rows, a.cols, false, op, stream));
   LOWBIT_RETURN_IF_ERROR(ZeroMxfp8ScalePadding(a.colwise_scale, a.rows, a.cols, true, op, stream));
   UniformRowTiles row_tiles;
   row_tiles.rows = a.rows;
-  return LaunchMxfp8TileKernel<Src, Fmt>(src, src_vector_ok, row_tiles, a, op, stream);
+  return LaunchMxfp8TileKernel<Src, Fmt, kDbias>(src, src_vector_ok, row_tiles, a, op, stream, dbias_partials);
 }
 
 }  // namespace block_tiles

@@ -14,7 +14,8 @@
 //   empty -> 0), as lowbit_amax does; dbias = column sums accumulated in fp32, rounded
 //   once to its dtype (the reference sums rows in order; the kernel sums groups of 16
 //   rows (32 for f32 x) in order, then a tile's groups, then the tiles: deterministic for
-//   a given tile variant, equal to the reference within fp32 rounding); dequantize: out = round(decode(q) * scale_inv) to out's dtype, a NaN
+//   a given tile variant, equal to the reference within fp32 rounding; a NaN sum comes out as
+//   the canonical NaN, dbias_finalize.cuh); dequantize: out = round(decode(q) * scale_inv) to out's dtype, a NaN
 //   result being the canonical quiet NaN with the sign MulNanDefined gives it.
 #pragma once
 

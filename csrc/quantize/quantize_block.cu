@@ -14,6 +14,7 @@
 #include "common/element.h"
 #include "quantize/block_codec.h"
 #include "quantize/block_tiles.cuh"
+#include "quantize/dbias_finalize.cuh"
 #include "quantize/fp8_cvt.cuh"
 #include "quantize/quantize_block.h"
 
@@ -43,16 +44,34 @@ __global__ void __launch_bounds__(kThreads)
 
 }  // namespace
 
-Status QuantizeFp8BlockCuda(const QuantizeFp8BlockArgs& a, GpuStream stream) {
+Status QuantizeFp8BlockCuda(const QuantizeFp8BlockArgs& a, void* workspace, GpuStream stream) {
   return DispatchHighPrecision(a.x_dtype, kQuantizeOp, "x", [&](auto tag) {
-    if (a.rows == 0 || a.cols == 0) return Status::Ok();  // every output is empty
+    using Tag = decltype(tag);
+    if (a.dbias != nullptr) LOWBIT_RETURN_IF_ERROR(CheckBlockDbiasDType(kQuantizeOp, a.x_dtype, a.dbias_dtype));
+    if (a.rows == 0 || a.cols == 0) {  // every output is empty but dbias: the sums of no rows
+      return dbias_finalize::ZeroDbias<Tag>(a.dbias, a.cols, a.dbias_dtype, kQuantizeOp, stream);
+    }
+    auto* partials = static_cast<float*>(workspace);
+    if (a.dbias != nullptr && partials == nullptr) {
+      return Status::Internal(std::string(kQuantizeOp) + ": dbias: no workspace");
+    }
     return DispatchFp8(a.out_dtype, kQuantizeOp, "out", [&](auto fmt) {
-      using Tag = decltype(tag);
       using Fmt = decltype(fmt);
       const block_tiles::PlainSource<Tag> src{static_cast<const typename Tag::Storage*>(a.x)};
       const bool vec = src.VectorOk(a.cols);
-      return a.tile_2d ? block_tiles::LaunchFp8BlockTiles<decltype(src), Fmt, true>(src, vec, a, kQuantizeOp, stream)
-                       : block_tiles::LaunchFp8BlockTiles<decltype(src), Fmt, false>(src, vec, a, kQuantizeOp, stream);
+      using Src = decltype(src);
+      const Status launched =
+          a.dbias != nullptr
+              ? (a.tile_2d ? block_tiles::LaunchFp8BlockTiles<Src, Fmt, true, true>(src, vec, a, kQuantizeOp, stream,
+                                                                                   partials)
+                           : block_tiles::LaunchFp8BlockTiles<Src, Fmt, false, true>(src, vec, a, kQuantizeOp, stream,
+                                                                                    partials))
+              : (a.tile_2d ? block_tiles::LaunchFp8BlockTiles<Src, Fmt, true>(src, vec, a, kQuantizeOp, stream)
+                           : block_tiles::LaunchFp8BlockTiles<Src, Fmt, false>(src, vec, a, kQuantizeOp, stream));
+      LOWBIT_RETURN_IF_ERROR(launched);
+      if (a.dbias == nullptr) return Status::Ok();
+      return dbias_finalize::LaunchDbiasFinalize<Tag>(partials, CeilDivI64(a.rows, kFp8BlockDbiasTileRows), a.cols,
+                                                      a.dbias, a.dbias_dtype, kQuantizeOp, stream);
     });
   });
 }

@@ -22,6 +22,8 @@
 //            tile (i, j).
 //   The padding entries (the roundup to 4 fp32 = 16 bytes of every scale row) are 0.0f.
 // For 128x128 the colwise data and scales are exactly the transposes of the rowwise ones.
+// dbias (optional): the column sums of x (cols values, f32 or x's dtype), summed in fp32 in
+// the order of block_dbias.h (tile height kFp8BlockDbiasTileRows) in the same pass.
 // dequantize: out = round(decode(q) * scale_inv[tile of q]) to out's dtype, NaN results as
 // MulNanDefined.
 #pragma once
@@ -71,6 +73,8 @@ struct QuantizeFp8BlockArgs {
   float* rowwise_scale_inv = nullptr;    // Fp8BlockScaleDims(rows, cols), with rowwise
   uint8_t* colwise = nullptr;            // cols x rows, or null when not requested
   float* colwise_scale_inv = nullptr;    // Fp8BlockScaleDims(cols, rows), with colwise
+  void* dbias = nullptr;                 // cols values, or null when not requested
+  DType dbias_dtype = DType::kInvalid;   // f32 or x_dtype
 };
 
 // CPU reference (quantize_block_ref.cc).
@@ -80,7 +84,9 @@ Status DequantizeFp8BlockRef(const uint8_t* data, DType data_dtype, int64_t rows
                              bool tile_2d, const float* scale_inv, void* out, DType out_dtype);
 
 // CUDA launchers (quantize_block.cu): device pointers, enqueued on `stream`, no host sync.
-Status QuantizeFp8BlockCuda(const QuantizeFp8BlockArgs& args, GpuStream stream);
+// `workspace`: BlockDbiasWorkspaceBytes(rows, cols, kFp8BlockDbiasTileRows, dbias) bytes
+// (may be null when that is 0).
+Status QuantizeFp8BlockCuda(const QuantizeFp8BlockArgs& args, void* workspace, GpuStream stream);
 Status DequantizeFp8BlockCuda(const uint8_t* data, DType data_dtype, int64_t rows, int64_t cols,
                               bool tile_2d, const float* scale_inv, void* out, DType out_dtype,
                               GpuStream stream);

@@ -1,11 +1,13 @@
 // CPU reference for FP8 block quantize / dequantize (layouts and numerics: quantize_block.h).
-// Straightforward loops over the tiles of each stored copy, quantized from x.
+// Straightforward loops over the tiles of each stored copy, quantized from x; dbias:
+// block_dbias_ref.cc.
 #include <cstring>
 #include <string>
 
 #include "common/element.h"
 #include "common/ieee_denormals.h"
 #include "quantize/block_codec.h"
+#include "quantize/block_dbias.h"
 #include "quantize/dequantize_scaled_ref.h"
 #include "quantize/quantize_block.h"
 
@@ -59,7 +61,9 @@ Status QuantizeFp8BlockRef(const QuantizeFp8BlockArgs& a) {
         auto at = [&](int64_t r, int64_t c) { return LoadAsFloat(tag, x[c * cols + r]); };
         QuantizeCopy(fmt, at, a.cols, a.rows, a.tile_2d, a.pow2_scales, a.colwise, a.colwise_scale_inv);
       }
-      return Status::Ok();
+      if (a.dbias == nullptr) return Status::Ok();
+      return BlockDbiasRef(kQuantizeOp, a.x, a.x_dtype, a.rows, a.cols, kFp8BlockDbiasTileRows, a.dbias,
+                           a.dbias_dtype);
     });
   });
 }

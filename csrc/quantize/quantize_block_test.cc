@@ -1,6 +1,7 @@
 // GoogleTest checks of the FP8 block and MXFP8 CPU references on chosen values: the per-tile
 // scale rules (amax 0 / inf / NaN, power-of-two scales, the E8M0 round-up), partial tiles,
-// the GEMM-ready scale layouts with their zero padding, and dequantize.
+// the GEMM-ready scale layouts with their zero padding, dequantize, and the dbias summation
+// order of block_dbias.h (lane sums, then tile sums, then the finalize's interleave).
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -8,6 +9,7 @@
 #include <vector>
 
 #include "common/formats.h"
+#include "quantize/block_dbias.h"
 #include "quantize/quantize_block.h"
 #include "quantize/quantize_mxfp8.h"
 
@@ -132,6 +134,62 @@ TEST(QuantizeMxfp8Ref, ScaleByteRuleAndLayouts) {
   EXPECT_EQ(qc[32 * cols + 5], FloatToE4m3(448.0f));
   EXPECT_EQ(sc[0 * 128 + 0], 128);  // column 0 rows 0..31 hold 448 and 449
   EXPECT_EQ(sc[2 * 128 + 0], 0);    // padding block rows
+}
+
+// f32 x, one column: lanes are rows g, g + 8, ... of a 128-row tile. 2^24 + 1 rounds to
+// 2^24 (tie to even), so the sum depends on which 1.0s meet first.
+float DbiasOfColumn(const std::vector<float>& x, int64_t tile_rows) {
+  float out = 0.0f;
+  EXPECT_TRUE(BlockDbiasRef("op", x.data(), DType::kF32, int64_t(x.size()), 1, tile_rows, &out, DType::kF32).ok());
+  return out;
+}
+
+TEST(BlockDbiasRef, SummationOrder) {
+  const float big = 16777216.0f;  // 2^24
+  std::vector<float> x(1200, 0.0f);
+  x[0] = big;
+  x[1] = x[9] = 1.0f;  // one lane: 1 + 1 = 2 first, then 2^24 + 2 (a row-order sum gives 2^24)
+  EXPECT_EQ(DbiasOfColumn(x, kFp8BlockDbiasTileRows), big + 2.0f);
+  x[1] = x[9] = 0.0f;
+  x[8] = x[16] = 1.0f;  // lane 0 with 2^24: each 1.0 is rounded away
+  EXPECT_EQ(DbiasOfColumn(x, kFp8BlockDbiasTileRows), big);
+  x[8] = x[16] = 0.0f;
+  x[128] = x[1152] = 1.0f;  // tiles 1 and 9: the same finalize row, summed before 2^24 joins
+  EXPECT_EQ(DbiasOfColumn(x, kFp8BlockDbiasTileRows), big + 2.0f);
+  x[1152] = 0.0f;
+  x[256] = 1.0f;  // tiles 1 and 2: finalize rows 1 and 2, each added to 2^24 alone
+  EXPECT_EQ(DbiasOfColumn(x, kFp8BlockDbiasTileRows), big);
+  // MXFP8's 64-row tiles: rows 64 and 576 are tiles 1 and 9.
+  x[128] = x[256] = 0.0f;
+  x[64] = x[576] = 1.0f;
+  EXPECT_EQ(DbiasOfColumn(x, kMxfp8DbiasTileRows), big + 2.0f);
+}
+
+TEST(BlockDbiasRef, SpecialsDtypesAndErrors) {
+  // 3 columns of bf16 x, 130 rows (a partial second tile): integers (exact in any order),
+  // inf + -inf (NaN: canonical), and +0/-0 only (+0).
+  const int64_t rows = 130, cols = 3;
+  std::vector<uint16_t> x(size_t(rows * cols));
+  for (int64_t r = 0; r < rows; ++r) {
+    x[size_t(r * cols + 0)] = FloatToBf16(float(r % 7) - 3.0f);
+    x[size_t(r * cols + 1)] = FloatToBf16(r == 3 ? kInf : r == 129 ? -kInf : 1.0f);
+    x[size_t(r * cols + 2)] = FloatToBf16(r % 2 ? -0.0f : 0.0f);
+  }
+  float want0 = 0.0f;
+  for (int64_t r = 0; r < rows; ++r) want0 += float(r % 7) - 3.0f;
+  std::vector<float> f(cols);
+  ASSERT_TRUE(BlockDbiasRef("op", x.data(), DType::kBF16, rows, cols, 128, f.data(), DType::kF32).ok());
+  EXPECT_EQ(f[0], want0);
+  EXPECT_EQ(FloatBits(f[1]), 0x7FC00000u);
+  EXPECT_EQ(FloatBits(f[2]), 0u);
+  std::vector<uint16_t> b(cols);
+  ASSERT_TRUE(BlockDbiasRef("op", x.data(), DType::kBF16, rows, cols, 64, b.data(), DType::kBF16).ok());
+  EXPECT_EQ(b[0], FloatToBf16(want0));
+  EXPECT_EQ(b[1], 0x7FC0u);
+  const Status bad = BlockDbiasRef("lowbit_quantize_mxfp8", x.data(), DType::kBF16, rows, cols, 64, b.data(),
+                                   DType::kF16);
+  EXPECT_FALSE(bad.ok());
+  EXPECT_NE(bad.message().find("lowbit_quantize_mxfp8: dbias: expected f32 or bf16"), std::string::npos);
 }
 
 }  // namespace

@@ -14,7 +14,8 @@
 //                          row) and its dbias row-group sums added into a workspace row.
 //                          Shared-memory layouts are XOR-swizzled: no bank conflicts. Tile
 //                          height, stages and tile order: LOWBIT_QUANTIZE_TILE_VARIANT.
-//   DbiasFinalizeKernel    sums the workspace rows in a fixed order (deterministic).
+//   DbiasFinalizeKernel    (dbias_finalize.cuh) sums the workspace rows in a fixed order
+//                          (deterministic; a NaN sum made the canonical NaN).
 //   DequantizeKernel       flat, 8 codes per thread step.
 // Encoding: sm_89+ converts two values per cvt.rn.satfinite instruction, bit-identical to
 // the formats.h codecs except for NaN; chunks that may hold a NaN product use the codecs
@@ -33,6 +34,7 @@
 #include "common/cuda_check.h"
 #include "common/element.h"
 #include "common/reduce.cuh"
+#include "quantize/dbias_finalize.cuh"
 #include "quantize/fp8_codec.h"
 #include "quantize/fp8_cvt.cuh"
 #include "quantize/quantize.h"
@@ -90,35 +92,6 @@ __global__ void __launch_bounds__(kThreads)
   }
   best = BlockMaxU32(best);
   if (threadIdx.x == 0 && best != 0) atomicMax(amax, best);
-}
-
-// blockDim (32, 8): warp y sums tile rows y, y+8, ... of 32 columns; the 8 partial sums
-// are then added in order y = 0..7. Fixed order: the same bits on every run.
-constexpr int kFinalizeRows = 8;
-
-template <typename Tag, typename OutT>
-__global__ void DbiasFinalizeKernel(const float* __restrict__ partials, int64_t tile_rows,
-                                    int64_t cols, OutT* __restrict__ dbias) {
-  __shared__ float sums[kFinalizeRows][32];
-  const int64_t c = int64_t(blockIdx.x) * 32 + threadIdx.x;
-  float s = 0.0f;
-  if (c < cols) {
-    // Unrolled so that several loads are in flight; the additions stay in order.
-#pragma unroll 8
-    for (int64_t t = threadIdx.y; t < tile_rows; t += kFinalizeRows) s += partials[t * cols + c];
-  }
-  sums[threadIdx.y][threadIdx.x] = s;
-  __syncthreads();
-  if (threadIdx.y == 0 && c < cols) {
-    float total = 0.0f;
-#pragma unroll
-    for (int y = 0; y < kFinalizeRows; ++y) total += sums[y][threadIdx.x];
-    if constexpr (sizeof(OutT) == sizeof(float)) {
-      dbias[c] = total;
-    } else {
-      dbias[c] = StoreFromFloat(Tag{}, total);
-    }
-  }
 }
 
 // LOWBIT_QUANTIZE_ROWWISE_KERNEL (quantize.h): 16-byte chunks per thread step of the flat
@@ -184,20 +157,9 @@ Status LaunchQuantize(const QuantizeFp8Args& a, void* workspace, GpuStream strea
   LOWBIT_RETURN_IF_ERROR(launched);
   if (a.dbias == nullptr) return Status::Ok();
 
-  const dim3 finalize_block(32, kFinalizeRows);
   const int64_t tile_rows = (a.rows + tile_height - 1) / tile_height;
-  const int64_t finalize_blocks = (a.cols + 31) / 32;
-  if (finalize_blocks > 0x7FFFFFFF) {
-    return Status::InvalidArgument(std::string(kQuantizeOp) + ": x: too many columns");
-  }
-  if (a.dbias_dtype == DType::kF32) {
-    DbiasFinalizeKernel<Tag, float><<<unsigned(finalize_blocks), finalize_block, 0, stream>>>(
-        partials, tile_rows, a.cols, static_cast<float*>(a.dbias));
-  } else {
-    DbiasFinalizeKernel<Tag, T><<<unsigned(finalize_blocks), finalize_block, 0, stream>>>(
-        partials, tile_rows, a.cols, static_cast<T*>(a.dbias));
-  }
-  return LaunchStatus(kQuantizeOp);
+  return dbias_finalize::LaunchDbiasFinalize<Tag>(partials, tile_rows, a.cols, a.dbias, a.dbias_dtype, kQuantizeOp,
+                                                  stream);
 }
 
 template <typename Tag, typename Fmt, bool kVector>
@@ -244,11 +206,7 @@ Status QuantizeFp8Cuda(const QuantizeFp8Args& a, void* workspace, GpuStream stre
                                      DTypeName(a.x_dtype) + ", got " + DTypeName(a.dbias_dtype));
     }
     if (a.rows == 0 || a.cols == 0) {
-      // Nothing to encode; the column sums of zero rows are zeros (0 bits in every dtype).
-      if (a.dbias == nullptr || a.cols == 0) return Status::Ok();
-      const size_t bytes = size_t(a.cols) * (a.dbias_dtype == DType::kF32 ? sizeof(float)
-                                                                             : sizeof(typename Tag::Storage));
-      return CudaStatus(cudaMemsetAsync(a.dbias, 0, bytes, stream), kQuantizeOp, "cudaMemsetAsync");
+      return dbias_finalize::ZeroDbias<Tag>(a.dbias, a.cols, a.dbias_dtype, kQuantizeOp, stream);
     }
     return DispatchFp8(a.out_dtype, kQuantizeOp, "out", [&](auto fmt) {
       return LaunchQuantize<Tag, decltype(fmt)>(a, workspace, stream);

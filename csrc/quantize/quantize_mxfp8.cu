@@ -2,7 +2,9 @@
 // Numerics and layouts: quantize_mxfp8.h.
 //
 // Quantize: block_tiles.cuh's Mxfp8TileKernel over x itself (PlainSource): 64 x 128 tiles,
-//   rowwise block maxima by lane shuffles, colwise ones through shared memory (see there).
+//   rowwise block maxima by lane shuffles, colwise ones through shared memory (see there);
+//   with dbias, per-tile column sums into the workspace, then dbias_finalize.cuh (order:
+//   block_dbias.h).
 // DequantizeMxfp8Kernel: grid-stride over 8-code groups within a row.
 // Encoding: fp8_cvt.cuh (hardware cvt unless a NaN value or a NaN factor is involved).
 #include <cuda_runtime.h>
@@ -14,6 +16,7 @@
 #include "common/element.h"
 #include "quantize/block_codec.h"
 #include "quantize/block_tiles.cuh"
+#include "quantize/dbias_finalize.cuh"
 #include "quantize/fp8_cvt.cuh"
 #include "quantize/quantize_mxfp8.h"
 
@@ -43,14 +46,30 @@ __global__ void __launch_bounds__(kThreads)
 
 }  // namespace
 
-Status QuantizeMxfp8Cuda(const QuantizeMxfp8Args& a, GpuStream stream) {
+Status QuantizeMxfp8Cuda(const QuantizeMxfp8Args& a, void* workspace, GpuStream stream) {
   return DispatchHighPrecision(a.x_dtype, kQuantizeOp, "x", [&](auto tag) {
-    if (a.rows == 0 || a.cols == 0) return Status::Ok();  // every output is empty
+    using Tag = decltype(tag);
+    if (a.dbias != nullptr) LOWBIT_RETURN_IF_ERROR(CheckBlockDbiasDType(kQuantizeOp, a.x_dtype, a.dbias_dtype));
+    if (a.rows == 0 || a.cols == 0) {  // every output is empty but dbias: the sums of no rows
+      return dbias_finalize::ZeroDbias<Tag>(a.dbias, a.cols, a.dbias_dtype, kQuantizeOp, stream);
+    }
+    auto* partials = static_cast<float*>(workspace);
+    if (a.dbias != nullptr && partials == nullptr) {
+      return Status::Internal(std::string(kQuantizeOp) + ": dbias: no workspace");
+    }
     return DispatchFp8(a.out_dtype, kQuantizeOp, "out", [&](auto fmt) {
-      using Tag = decltype(tag);
       const block_tiles::PlainSource<Tag> src{static_cast<const typename Tag::Storage*>(a.x)};
-      return block_tiles::LaunchMxfp8Tiles<decltype(src), decltype(fmt)>(src, src.VectorOk(a.cols), a, kQuantizeOp,
-                                                                         stream);
+      using Src = decltype(src);
+      using Fmt = decltype(fmt);
+      const bool vec = src.VectorOk(a.cols);
+      const Status launched =
+          a.dbias != nullptr
+              ? block_tiles::LaunchMxfp8Tiles<Src, Fmt, true>(src, vec, a, kQuantizeOp, stream, partials)
+              : block_tiles::LaunchMxfp8Tiles<Src, Fmt>(src, vec, a, kQuantizeOp, stream);
+      LOWBIT_RETURN_IF_ERROR(launched);
+      if (a.dbias == nullptr) return Status::Ok();
+      return dbias_finalize::LaunchDbiasFinalize<Tag>(partials, CeilDivI64(a.rows, kMxfp8DbiasTileRows), a.cols,
+                                                      a.dbias, a.dbias_dtype, kQuantizeOp, stream);
     });
   });
 }

@@ -20,6 +20,8 @@
 //   rowwise: roundup(rows, 128) x roundup(ceil(cols/32), 4), entry [r][j];
 //   colwise: roundup(ceil(rows/32), 4) x roundup(cols, 128), entry [i][c].
 //   Padding entries are 0x00.
+// dbias (optional): the column sums of x (cols values, f32 or x's dtype), summed in fp32 in
+// the order of block_dbias.h (tile height kMxfp8DbiasTileRows) in the same pass.
 // dequantize: out = round(decode(q) * 2^(e - 127)) to out's dtype (E8m0ToFloat; 0xFF ->
 // NaN), NaN results as MulNanDefined.
 #pragma once
@@ -58,6 +60,8 @@ struct QuantizeMxfp8Args {
   uint8_t* rowwise_scale = nullptr;   // Mxfp8ScaleDims(rows, cols, false) E8M0 bytes
   uint8_t* colwise = nullptr;         // rows x cols, or null when not requested
   uint8_t* colwise_scale = nullptr;   // Mxfp8ScaleDims(rows, cols, true) E8M0 bytes
+  void* dbias = nullptr;              // cols values, or null when not requested
+  DType dbias_dtype = DType::kInvalid;  // f32 or x_dtype
 };
 
 // CPU reference (quantize_mxfp8_ref.cc).
@@ -66,8 +70,9 @@ Status QuantizeMxfp8Ref(const QuantizeMxfp8Args& args);
 Status DequantizeMxfp8Ref(const uint8_t* data, DType data_dtype, int64_t rows, int64_t cols,
                           bool colwise, const uint8_t* scale, void* out, DType out_dtype);
 
-// CUDA launchers (quantize_mxfp8.cu).
-Status QuantizeMxfp8Cuda(const QuantizeMxfp8Args& args, GpuStream stream);
+// CUDA launchers (quantize_mxfp8.cu). `workspace`: BlockDbiasWorkspaceBytes(rows, cols,
+// kMxfp8DbiasTileRows, dbias) bytes (may be null when that is 0).
+Status QuantizeMxfp8Cuda(const QuantizeMxfp8Args& args, void* workspace, GpuStream stream);
 Status DequantizeMxfp8Cuda(const uint8_t* data, DType data_dtype, int64_t rows, int64_t cols,
                            bool colwise, const uint8_t* scale, void* out, DType out_dtype,
                            GpuStream stream);

@@ -1,11 +1,13 @@
 // CPU reference for MXFP8 quantize / dequantize (layouts and numerics: quantize_mxfp8.h).
-// Straightforward loops over the 32-value blocks of each copy, each quantized from x.
+// Straightforward loops over the 32-value blocks of each copy, each quantized from x; dbias:
+// block_dbias_ref.cc.
 #include <cstring>
 #include <string>
 
 #include "common/element.h"
 #include "common/ieee_denormals.h"
 #include "quantize/block_codec.h"
+#include "quantize/block_dbias.h"
 #include "quantize/dequantize_scaled_ref.h"
 #include "quantize/quantize_mxfp8.h"
 
@@ -55,7 +57,8 @@ Status QuantizeMxfp8Ref(const QuantizeMxfp8Args& a) {
       const T* x = static_cast<const T*>(a.x);
       if (a.rowwise != nullptr) QuantizeCopy(fmt, tag, x, a.rows, a.cols, false, a.rowwise, a.rowwise_scale);
       if (a.colwise != nullptr) QuantizeCopy(fmt, tag, x, a.rows, a.cols, true, a.colwise, a.colwise_scale);
-      return Status::Ok();
+      if (a.dbias == nullptr) return Status::Ok();
+      return BlockDbiasRef(kQuantizeOp, a.x, a.x_dtype, a.rows, a.cols, kMxfp8DbiasTileRows, a.dbias, a.dbias_dtype);
     });
   });
 }

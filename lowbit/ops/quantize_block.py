@@ -18,6 +18,11 @@ MXFP8: blocks of 32 along the rows (rowwise) or down the columns (colwise), both
   rowwise (roundup(R, 128), roundup(ceil(C/32), 4)), colwise (roundup(ceil(R/32), 4),
   roundup(C, 128)); padding bytes 0.
 Tiles and blocks at the edges are partial (as if x were zero-padded); data is never padded.
+compute_dbias: also the column sums of x (shape[f:], x's dtype), computed in the kernel's
+  pass over x: fp32 sums in the fixed order of csrc/quantize/block_dbias.h (per tile row of
+  128 (FP8 block) or 64 (MXFP8) rows, then a finalize over the tile rows), rounded once to
+  x's dtype; deterministic and the same bits on CPU and CUDA, it differs from
+  jnp.sum(x.astype(f32), rows) only by fp32 summation order.
 
 jit: yes. vmap: each batch element is quantized on its own (a loop over the batch, as the
 scales of a 3-D view would otherwise mix elements). Sharded jit (Shardy custom partitioning):
@@ -27,7 +32,10 @@ unpadded (lowbit.ops._sharding.clean_split; e.g. 1x128: R % 4 == 0 for the rowwi
 whole 128-row tiles for the colwise ones; 128x128: whole 128-tiles and a 128-block count
 that is a multiple of 4 on the K side); the scales are then sharded with their data (each
 shard's kernel output cut to its slice of the unpadded dim). Any other sharded dim is
-gathered first (exact, just not parallel). The dequantize ops are not partitioned.
+gathered first (exact, just not parallel). dbias is sharded like x's dims from flatten_axis
+on; with R's first dim sharded, each shard returns its fp32 column sums, psum'ed over those
+mesh axes and rounded to x's dtype once (so it differs from the unsharded dbias only by fp32
+summation order). The dequantize ops are not partitioned.
 """
 
 from __future__ import annotations
@@ -57,6 +65,7 @@ class BlockQuantized(NamedTuple):
     rowwise_scale: jax.Array | None  # 2-D: fp32 scale_inv (FP8 block) or e8m0 bytes (MXFP8)
     colwise: jax.Array | None  # fp8: transposed (FP8 block) or x's shape (MXFP8)
     colwise_scale: jax.Array | None
+    dbias: jax.Array | None = None  # x's dtype, shape[f:] (compute_dbias=True)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -93,7 +102,13 @@ def _empty(dtype):
     return jax.core.ShapedArray((0,), dtype)
 
 
-def _block_abstract(x, *, flatten_axis, tile_2d, pow2_scales, out_dtype, rowwise, colwise):
+def _dbias_abstract(x, flatten_axis, dbias_dtype):
+    if dbias_dtype is None:
+        return _empty(x.dtype)
+    return jax.core.ShapedArray(tuple(x.shape[int(flatten_axis):]), dbias_dtype)
+
+
+def _block_abstract(x, *, flatten_axis, tile_2d, pow2_scales, out_dtype, rowwise, colwise, dbias_dtype=None):
     del pow2_scales
     f = int(flatten_axis)
     r, c = flat_view(x.shape, f)
@@ -102,20 +117,23 @@ def _block_abstract(x, *, flatten_axis, tile_2d, pow2_scales, out_dtype, rowwise
         jax.core.ShapedArray(fp8_block_scale_shape(r, c, tile_2d), jnp.float32) if rowwise else _empty(jnp.float32),
         jax.core.ShapedArray(transposed_shape(x.shape, f), out_dtype) if colwise else _empty(out_dtype),
         jax.core.ShapedArray(fp8_block_scale_shape(c, r, tile_2d), jnp.float32) if colwise else _empty(jnp.float32),
+        _dbias_abstract(x, f, dbias_dtype),
     )
 
 
-def _mx_abstract(x, *, flatten_axis, out_dtype, rowwise, colwise):
+def _mx_abstract(x, *, flatten_axis, out_dtype, rowwise, colwise, dbias_dtype=None):
     r, c = flat_view(x.shape, int(flatten_axis))
     return (
         jax.core.ShapedArray(x.shape, out_dtype) if rowwise else _empty(out_dtype),
         jax.core.ShapedArray(mxfp8_scale_shape(r, c, False), E8M0) if rowwise else _empty(E8M0),
         jax.core.ShapedArray(x.shape, out_dtype) if colwise else _empty(out_dtype),
         jax.core.ShapedArray(mxfp8_scale_shape(r, c, True), E8M0) if colwise else _empty(E8M0),
+        _dbias_abstract(x, flatten_axis, dbias_dtype),
     )
 
 
-# x -> (rowwise | (0,), rowwise_scale_inv | (0,), colwise | (0,), colwise_scale_inv | (0,)).
+# x -> (rowwise | (0,), rowwise_scale_inv | (0,), colwise | (0,), colwise_scale_inv | (0,),
+#       dbias (shape[f:], dbias_dtype) | (0,)).
 quantize_fp8_block_p = ffi_primitive(
     "lowbit_quantize_fp8_block", "lowbit_quantize_fp8_block", _block_abstract,
     multiple_results=True, attrs=("flatten_axis", "tile_2d", "pow2_scales"),
@@ -126,7 +144,7 @@ dequantize_fp8_block_p = ffi_primitive(
     lambda data, scale_inv, *, flatten_axis, tile_2d, out_dtype: jax.core.ShapedArray(data.shape, out_dtype),
     attrs=("flatten_axis", "tile_2d"),
 )
-# x -> (rowwise | (0,), rowwise_scale | (0,), colwise | (0,), colwise_scale | (0,)).
+# x -> (rowwise | (0,), rowwise_scale | (0,), colwise | (0,), colwise_scale | (0,), dbias | (0,)).
 quantize_mxfp8_p = ffi_primitive(
     "lowbit_quantize_mxfp8", "lowbit_quantize_mxfp8", _mx_abstract,
     multiple_results=True, attrs=("flatten_axis",),
@@ -175,18 +193,22 @@ def _copy_layout(kind: str, tile_2d: bool, colwise: bool):
 
 @lru_cache(maxsize=None)
 def _quantize_fn(kind: str, flatten_axis: int, out_dtype, rowwise: bool, colwise: bool,
-                 tile_2d: bool = False, pow2_scales: bool = False):
-    """x -> tuple of the requested (data, scale) pairs, partitioned and batchable."""
+                 tile_2d: bool = False, pow2_scales: bool = False, dbias: bool = False):
+    """x -> tuple of the requested (data, scale) pairs (then dbias), partitioned and batchable."""
 
-    def local(x):
+    def call(x, dbias_dtype):
         if kind == "mxfp8":
             outs = quantize_mxfp8_p.bind(x, flatten_axis=np.int32(flatten_axis), out_dtype=out_dtype,
-                                         rowwise=rowwise, colwise=colwise)
+                                         rowwise=rowwise, colwise=colwise, dbias_dtype=dbias_dtype)
         else:
             outs = quantize_fp8_block_p.bind(
                 x, flatten_axis=np.int32(flatten_axis), tile_2d=np.bool_(tile_2d),
-                pow2_scales=np.bool_(pow2_scales), out_dtype=out_dtype, rowwise=rowwise, colwise=colwise)
-        return tuple(outs[:2]) * rowwise + tuple(outs[2:]) * colwise
+                pow2_scales=np.bool_(pow2_scales), out_dtype=out_dtype, rowwise=rowwise, colwise=colwise,
+                dbias_dtype=dbias_dtype)
+        return tuple(outs[:2]) * rowwise + tuple(outs[2:4]) * colwise + tuple(outs[4:]) * dbias
+
+    def local(x):
+        return call(x, x.dtype if dbias else None)
 
     copies = [False] * rowwise + [True] * colwise  # is_colwise of each returned pair
     layouts = [_copy_layout(kind, tile_2d, cw) for cw in copies]
@@ -218,7 +240,7 @@ def _quantize_fn(kind: str, flatten_axis: int, out_dtype, rowwise: bool, colwise
             results.append(named(*[keep[g] for g, _, _ in layout]))
         # Each shard's kernel writes its own padded layout; a sharded scale dim keeps the
         # shard's slice of the global (unpadded) dim: the padding is cut off.
-        global_scales = [r.shape for r in list(result_shape)[1::2]]
+        global_scales = [r.shape for r in list(result_shape)[1:2 * len(copies):2]]
         for i, layout in enumerate(layouts):
             local_shape = []
             for d, (g, _, _) in enumerate(layout):
@@ -227,10 +249,17 @@ def _quantize_fn(kind: str, flatten_axis: int, out_dtype, rowwise: bool, colwise
                 local_shape.append(global_scales[i][d] // shards)
             scale_shapes.append(tuple(local_shape))
 
+        row_axes = mesh_axes((keep[0],))  # the row dims' mesh axes: dbias is summed over them
+        if dbias:
+            results.append(named(*x_spec[flatten_axis:]))
+
         def lower(x):
-            outs = list(local(x))
+            fp32_dbias = dbias and bool(row_axes)
+            outs = list(call(x, jnp.dtype(jnp.float32)) if fp32_dbias else local(x))
             for i, want in enumerate(scale_shapes):
                 outs[2 * i + 1] = fit_scale(outs[2 * i + 1], want)
+            if fp32_dbias:
+                outs[-1] = jax.lax.psum(outs[-1], row_axes).astype(x.dtype)
             return tuple(outs)
         return mesh, lower, tuple(results), (named(*x_spec),)
 
@@ -258,6 +287,8 @@ def _quantize_fn(kind: str, flatten_axis: int, out_dtype, rowwise: bool, colwise
             # Scale dims not tied to x's (padded, or tiles split across x's dims) get
             # factors of their own.
             out.append(" ".join(e if e is not None else f"s{i}_{d}" for d, e in enumerate(scale_exprs[i])))
+        if dbias:
+            out.append(" ".join(dims[flatten_axis:]))
         text = f"{' '.join(dims)} -> {', '.join(out)}"
         return text, compound_sizes([text], sizes)
 
@@ -273,31 +304,33 @@ def _quantize_fn(kind: str, flatten_axis: int, out_dtype, rowwise: bool, colwise
     return fn
 
 
-def _pack(outs, rowwise: bool, colwise: bool) -> BlockQuantized:
+def _pack(outs, rowwise: bool, colwise: bool, dbias: bool = False) -> BlockQuantized:
     outs = list(outs)
     row = (outs.pop(0), outs.pop(0)) if rowwise else (None, None)
     col = (outs.pop(0), outs.pop(0)) if colwise else (None, None)
-    return BlockQuantized(row[0], row[1], col[0], col[1])
+    return BlockQuantized(row[0], row[1], col[0], col[1], outs.pop(0) if dbias else None)
 
 
 def quantize_fp8_block(x, *, out_dtype=jnp.float8_e4m3fn, tile_2d: bool = False,
                        pow2_scales: bool = False, rowwise: bool = True, colwise: bool = False,
-                       flatten_axis: int = -1) -> BlockQuantized:
-    """FP8 block quantization, 1x128 tiles (tile_2d=False) or 128x128 (see the module doc)."""
+                       flatten_axis: int = -1, compute_dbias: bool = False) -> BlockQuantized:
+    """FP8 block quantization, 1x128 tiles (tile_2d=False) or 128x128, and optionally dbias
+    (see the module doc)."""
     x, out_dtype, axis = check_quantize_args("lowbit.ops.quantize_fp8_block", x, out_dtype,
                                               rowwise, colwise, flatten_axis)
     fn = _quantize_fn("fp8_block", axis, out_dtype, bool(rowwise), bool(colwise), bool(tile_2d),
-                      bool(pow2_scales))
-    return _pack(fn(x), rowwise, colwise)
+                      bool(pow2_scales), bool(compute_dbias))
+    return _pack(fn(x), rowwise, colwise, bool(compute_dbias))
 
 
 def quantize_mxfp8(x, *, out_dtype=jnp.float8_e4m3fn, rowwise: bool = True, colwise: bool = False,
-                   flatten_axis: int = -1) -> BlockQuantized:
-    """MXFP8 quantization, 32-value blocks with E8M0 scales (see the module doc)."""
+                   flatten_axis: int = -1, compute_dbias: bool = False) -> BlockQuantized:
+    """MXFP8 quantization, 32-value blocks with E8M0 scales, and optionally dbias (see the
+    module doc)."""
     x, out_dtype, axis = check_quantize_args("lowbit.ops.quantize_mxfp8", x, out_dtype,
                                               rowwise, colwise, flatten_axis)
-    fn = _quantize_fn("mxfp8", axis, out_dtype, bool(rowwise), bool(colwise))
-    return _pack(fn(x), rowwise, colwise)
+    fn = _quantize_fn("mxfp8", axis, out_dtype, bool(rowwise), bool(colwise), dbias=bool(compute_dbias))
+    return _pack(fn(x), rowwise, colwise, bool(compute_dbias))
 
 
 def _check_dequantize_args(op: str, data, scale, scale_dtype, out_dtype, flatten_axis: int):

@@ -294,16 +294,19 @@ class BlockScaleQuantizer(Quantizer):
         compute_dbias: bool = False,
     ) -> tuple[ScaledTensor, jax.Array | None]:
         """Returns (ScaledTensor1x, or ScaledTensor2x for both copies; dbias, the sums of x
-        over its rows in fp32 rounded to x's dtype (plain XLA, not fused yet), or None)."""
+        over its rows, or None). dbias comes out of the quantize kernel's pass over x (fp32
+        sums in the fixed per-tile order of csrc/quantize/block_dbias.h, rounded once to x's
+        dtype): it differs from jnp.sum(x.astype(f32), rows) only by fp32 summation order,
+        deterministic and the same bits on CPU and CUDA."""
         _, x, axis, dq_dtype = self._checked_input(x, is_rowwise, is_colwise, flatten_axis, dq_dtype)
         if self.mode == ScalingMode.MXFP8_1D_SCALING:
             out = quantize_mxfp8(x, out_dtype=self.q_dtype, rowwise=is_rowwise, colwise=is_colwise,
-                                 flatten_axis=axis)
+                                 flatten_axis=axis, compute_dbias=compute_dbias)
         else:
             out = quantize_fp8_block(x, out_dtype=self.q_dtype,
                                      tile_2d=self.mode == ScalingMode.FP8_BLOCK_128x128,
                                      pow2_scales=self.use_power_2_scales, rowwise=is_rowwise,
-                                     colwise=is_colwise, flatten_axis=axis)
+                                     colwise=is_colwise, flatten_axis=axis, compute_dbias=compute_dbias)
 
         def copy(data, scale, colwise: bool) -> ScaledTensor1x:
             return ScaledTensor1x(data=data, scale_inv=scale, amax=None, scaling_mode=self.mode,
@@ -316,10 +319,7 @@ class BlockScaleQuantizer(Quantizer):
             tensor = copy(out.colwise, out.colwise_scale, True)
         else:
             tensor = copy(out.rowwise, out.rowwise_scale, False)
-        dbias = None
-        if compute_dbias:
-            dbias = jnp.sum(x.astype(jnp.float32), axis=tuple(range(axis))).astype(x.dtype)
-        return tensor, dbias
+        return tensor, (out.dbias if compute_dbias else None)
 
 
 @dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
