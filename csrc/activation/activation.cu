@@ -17,6 +17,10 @@
 // the transposed store (4 x 4 byte transposes, 8-byte column pieces), and writes per-tile
 // column sums for dbias to a workspace row per tile row; DbiasFinalizeKernel then adds
 // those rows in a fixed order.
+// bias (optional): per tile, its column tile's values (both halves when gated) go to a
+// shared fp32 row (double-buffered by tile parity: one barrier per tile), and each pass
+// reads its chunk's columns there and adds them to the widened x (rows past the end keep
+// their 0: no bias, so they still map to 0); no extra pass over global memory.
 // NaN: values are computed without the reference's CanonicalNan; a chunk's max.NaN of |v|
 // (its amax, one instruction per element) flags the rare chunk holding a NaN, which is
 // then canonicalized and takes the codecs, so every output has the reference's bits.
@@ -80,6 +84,7 @@ struct ActKernelArgs {
   int64_t rows, hidden, out_cols, in_cols;
   const T* x;
   const T* dz;
+  const T* bias;     // in_cols values (activation.h: ActArgs::bias), or null
   const float* scale;
   T* out;
   uint8_t* q_rowwise;
@@ -250,11 +255,16 @@ __global__ void LOWBIT_ACT_LAUNCH_BOUNDS(kBackward, kGated, kChunkRows) ActTiled
   constexpr int kPartialRows = !kBackward ? 1 : kFoldWarpRows ? kThreads / 32 : kThreadRows;
   __shared__ __align__(16) uint8_t codes[kPlanes][kTileRows][kCodeStride];
   __shared__ float col_partial[kPlanes][kPartialRows][kTileCols];
+  constexpr int kInPlanes = kGated ? 2 : 1;  // x's halves: the bias's rows
+  static_assert(kInPlanes * kTileCols <= kThreads, "one bias value per thread");
+  __shared__ __align__(16) float bias_tile[2][kInPlanes][kTileCols];  // by tile parity
 
   const bool quantize = p.q_rowwise != nullptr || p.q_colwise != nullptr;
   const float scale = quantize ? __ldg(p.scale) : 1.0f;
   const bool scale_ok = ScaleKeepsFinite(scale);
   const bool dbias = kBackward && p.partials != nullptr;
+  const bool has_bias = p.bias != nullptr;
+  int parity = 0;  // bias_tile's buffer of this tile
   const uint32_t tiles_c = uint32_t((p.hidden + kTileCols - 1) / kTileCols);  // < 2^30: Launch
   const uint32_t tile_rows = uint32_t((p.rows + kTileRows - 1) / kTileRows);
   const int chunk_col = (threadIdx.x % kThreadsPerRow) * kVec;
@@ -295,6 +305,18 @@ __global__ void LOWBIT_ACT_LAUNCH_BOUNDS(kBackward, kGated, kChunkRows) ActTiled
     }
     const int64_t r0 = int64_t(tile_row) * kTileRows;
     const int64_t c0 = int64_t(tile_col) * kTileCols;
+    if (has_bias) {
+      // This tile's bias columns (0 past the end). The other buffer may still be read by
+      // the previous tile's last passes; this one was last read two tiles ago, before the
+      // previous tile's barrier.
+      parity ^= 1;
+      if (threadIdx.x < kInPlanes * kTileCols) {
+        const int k = int(threadIdx.x) / kTileCols, col = int(threadIdx.x) % kTileCols;
+        bias_tile[parity][k][col] =
+            c0 + col < p.hidden ? LoadElement(Tag{}, __ldg(p.bias + k * p.hidden + c0 + col)) : 0.0f;
+      }
+      __syncthreads();
+    }
     int64_t out_off = (r0 + chunk_row) * p.out_cols + c0 + chunk_col;  // plane 0, pass 0
     uint32_t next_row = tile_row + step_rows, next_col = tile_col + step_cols;
     if (next_col >= tiles_c) next_col -= tiles_c, ++next_row;
@@ -327,11 +349,27 @@ __global__ void LOWBIT_ACT_LAUNCH_BOUNDS(kBackward, kGated, kChunkRows) ActTiled
                                                            n_rows, n_cols, nxa, nxg, ng);
         loaded = true;
       }
+      // The bias of this thread's kVec columns (both halves when gated); 0 without one.
+      float bias_a[kVec], bias_g[kVec];
+#pragma unroll
+      for (int j = 0; j < kVec; j += 4) {
+        float4 ba = make_float4(0.0f, 0.0f, 0.0f, 0.0f), bg = ba;
+        if (has_bias) {
+          ba = *reinterpret_cast<const float4*>(&bias_tile[parity][0][chunk_col + j]);
+          if constexpr (kGated) bg = *reinterpret_cast<const float4*>(&bias_tile[parity][kInPlanes - 1][chunk_col + j]);
+        }
+        bias_a[j] = ba.x, bias_a[j + 1] = ba.y, bias_a[j + 2] = ba.z, bias_a[j + 3] = ba.w;
+        bias_g[j] = bg.x, bias_g[j + 1] = bg.y, bias_g[j + 2] = bg.z, bias_g[j + 3] = bg.w;
+      }
       float v[kPlanes][kElems];
 #pragma unroll
       for (int j = 0; j < kElems; ++j) {
-        const float a = LoadElement(Tag{}, xa[j]);
-        const float gate = kGated ? LoadElement(Tag{}, xg[j]) : 0.0f;
+        float a = LoadElement(Tag{}, xa[j]);
+        float gate = kGated ? LoadElement(Tag{}, xg[j]) : 0.0f;
+        if (has_bias && row_ok[j / kVec]) {  // one fp32 add, as the reference (x + bias)
+          a = __fadd_rn(a, bias_a[j % kVec]);
+          if constexpr (kGated) gate = __fadd_rn(gate, bias_g[j % kVec]);
+        }
         if constexpr (kBackward) {
           float da, dg;
           ActBackwardValueRaw(act, LoadElement(Tag{}, g[j]), a, gate, &da, &dg);
@@ -651,6 +689,7 @@ Status Launch(const ActArgs& a, void* workspace, GpuStream stream, const char* o
   p.in_cols = kGated ? 2 * a.hidden : a.hidden;
   p.x = static_cast<const T*>(a.x);
   p.dz = static_cast<const T*>(a.dz);
+  p.bias = static_cast<const T*>(a.bias);
   p.scale = a.scale;
   p.out = static_cast<T*>(a.out);
   p.q_rowwise = a.q_rowwise;
