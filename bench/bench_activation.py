@@ -189,7 +189,8 @@ def main():
         print("VARIANT_RESULT " + json.dumps(dict(copy_GBps=copy_bw / 1e9, results=rows_out)))
         return
     print(f"copy bandwidth {copy_bw / 1e9:.1f} GB/s; activations {shapes} {args.dtype}"
-          f"{' (no y)' if args.no_y else ''}{' (no dx)' if args.no_dx else ''}{' (bias)' if args.bias else ''}, softmax {sm_shape} bf16")
+          f"{' (no y)' if args.no_y else ''}{' (no dx)' if args.no_dx else ''}"
+          f"{' (bias)' if args.bias else ''}, softmax {sm_shape} bf16")
     if copy_dev:
         print(f"copy bandwidth from kernel time {copy_dev / 1e9:.1f} GB/s")
     common.print_table(rows_out, ["op", "lowbit_us", "xla_us", "GBps", "pct_copy", "speedup"]

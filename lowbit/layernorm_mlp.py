@@ -4,11 +4,12 @@ Forward, with x viewed as (M, H), wi as (H, n_act*F) and wo as (F, H):
     ln  = norm(x), quantized (rowwise + colwise) in the norm's pass      (delayed scaling)
     h   = gemm(ln, wi) + wi_bias                                          checkpoint "ffn1"
     a   = act(h) (gated: act(h[:, 0]) * h[:, 1]), quantized in the act's pass
-    (fp32 h, i.e. fp32 x, but for the fused block path: h = gemm(ln, wi) without the bias,
-    checkpoint "ffn1" on that, and the activation kernels add wi_bias in their own pass,
-    forward and backward: the same single fp32 add the GEMM's f32 bias was, so the same
-    bits, without XLA's separate read + write of h. bf16/f16 h keeps the bias in the GEMM's
-    epilogue, which rounds once: an add after that rounding would change the numerics.)
+    With fp32 h (fp32 x), except on the fused block path (LOWBIT_FUSED_BLOCK=1, below):
+    h = gemm(ln, wi) without the bias, checkpoint "ffn1" on that pre-bias h, and the
+    activation kernels add wi_bias in their own pass, forward and backward: the same single
+    fp32 add the GEMM's f32 bias was (an XLA add after the custom call), so the same bits,
+    without XLA's separate read + write of h. bf16/f16 h keeps the bias in the GEMM's
+    epilogue, which rounds once: an add after that rounding would change the numerics.
     out = gemm(a, wo) + wo_bias                                           checkpoint "ffn2"
 Backward:
     da          = dgrad of GEMM2; dwo and dwo_bias from dy's quantize pass

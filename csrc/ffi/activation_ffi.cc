@@ -130,9 +130,10 @@ Status CheckQuantized(const char* op, const ffi::AnyBuffer& scale, ffi::Result<f
 constexpr const char* kFwd = "lowbit_act_forward";
 constexpr const char* kBwd = "lowbit_act_backward";
 
-Status ForwardArgs(const ffi::AnyBuffer& x, const ffi::AnyBuffer& bias, const ffi::AnyBuffer& scale, ffi::Result<ffi::AnyBuffer>& y,
-                   ffi::Result<ffi::AnyBuffer>& q_row, ffi::Result<ffi::AnyBuffer>& q_col,
-                   ffi::Result<ffi::AnyBuffer>& amax, const Attrs& at, ActArgs* a) {
+Status ForwardArgs(const ffi::AnyBuffer& x, const ffi::AnyBuffer& bias, const ffi::AnyBuffer& scale,
+                   ffi::Result<ffi::AnyBuffer>& y, ffi::Result<ffi::AnyBuffer>& q_row,
+                   ffi::Result<ffi::AnyBuffer>& q_col, ffi::Result<ffi::AnyBuffer>& amax, const Attrs& at,
+                   ActArgs* a) {
   LOWBIT_RETURN_IF_ERROR(CheckAttrs(kFwd, at, &a->params));
   Dims lead;
   LOWBIT_RETURN_IF_ERROR(XLayout(kFwd, x, at.gated, &a->rows, &a->hidden, &lead));
