@@ -9,6 +9,8 @@ bandwidth, and the speedup over XLA; writes bench/results/activation_<device>.js
     python bench/bench_activation.py --variants 0,3 --ops gelu_fwd,softmax_fwd  # a subset
     python bench/bench_activation.py --dtype float32 --shapes 8192x16384 --no-y --ops gelu_fwd,gelu_bwd
                                                 # the seed layer's fp32 MLP activation
+    python bench/bench_activation.py --dtype float32 --shapes 8192x16384 --no-y --ops gelu_fwd,gelu_bwd --bias
+                                                # the same with layernorm_mlp's wi_bias in the kernel
 
 --variants [LIST] times the lowbit ops once per value (default 0,1,2) of the tuning knobs
 LOWBIT_ACT_VARIANT (activation.cu: grid blocks per SM 0 = resident (occupancy), 1 = 4,
@@ -27,6 +29,9 @@ bandwidth) to the --variants table.
 (x is ROWS x H, gated ROWS x 2 x H; softmax stays bf16); --no-y / --no-dx leave out the
 high-precision y / dx (only the FP8 copies, amax and dbias are written, as the fused
 lowbit.layernorm_mlp path asks for them), and the GB/s count what is written.
+--bias adds a bias of x's trailing shape to x before the activation: lowbit's `bias` operand
+(added in the kernels), XLA's jnp add of the widened values (fused into its kernels); the
+bias's own bytes (H or 2H values) are not counted.
 """
 
 from __future__ import annotations
@@ -58,16 +63,21 @@ def _act(a, act):
     return a * jax.nn.sigmoid(a)
 
 
-def xla_forward(x, scale, act, gated, return_y=True):
+def _biased(x, bias):
+    return x if bias is None else x.astype(jnp.float32) + bias.astype(jnp.float32)
+
+
+def xla_forward(x, scale, act, gated, return_y=True, bias=None):
     """What XLA fuses from jnp: y (if return_y), rowwise + transposed fp8 copies, amax."""
+    dtype, x = x.dtype, _biased(x, bias)
     y = _act(x[..., 0, :], act) * x[..., 1, :].astype(jnp.float32) if gated else _act(x, act)
     q = (y * scale).clip(-448, 448).astype(E4M3)
-    return (y.astype(x.dtype) if return_y else None), q, q.T, jnp.max(jnp.abs(y))
+    return (y.astype(dtype) if return_y else None), q, q.T, jnp.max(jnp.abs(y))
 
 
-def xla_backward(dz, x, scale, act, gated, return_dx=True):
+def xla_backward(dz, x, scale, act, gated, return_dx=True, bias=None):
     f = (lambda v: _act(v[..., 0, :], act) * v[..., 1, :]) if gated else (lambda v: _act(v, act))
-    _, vjp = jax.vjp(f, x.astype(jnp.float32))
+    _, vjp = jax.vjp(f, _biased(x, bias).astype(jnp.float32))
     (dx,) = vjp(dz.astype(jnp.float32))
     dx2 = dx.reshape(dx.shape[0], -1)
     q = (dx2 * scale).clip(-57344, 57344).astype(E5M2)
@@ -75,15 +85,15 @@ def xla_backward(dz, x, scale, act, gated, return_dx=True):
             jnp.sum(dx2, 0).astype(x.dtype))
 
 
-def lowbit_forward(x, scale, act, gated, return_y=True):
+def lowbit_forward(x, scale, act, gated, return_y=True, bias=None):
     return lowbit.ops.act_forward(x, "silu" if act == "swiglu" else act, gated=gated, quant_scale=scale,
-                                  rowwise=True, colwise=True, return_y=return_y)
+                                  rowwise=True, colwise=True, return_y=return_y, bias=bias)
 
 
-def lowbit_backward(dz, x, scale, act, gated, return_dx=True):
+def lowbit_backward(dz, x, scale, act, gated, return_dx=True, bias=None):
     return lowbit.ops.act_backward(dz, x, "silu" if act == "swiglu" else act, gated=gated,
                                    quant_scale=scale, rowwise=True, colwise=True, compute_dbias=True,
-                                   return_dx=return_dx)
+                                   return_dx=return_dx, bias=bias)
 
 
 def main():
@@ -93,6 +103,7 @@ def main():
                         help="the activations' input dtype")
     parser.add_argument("--no-y", action="store_true", help="forward: no high-precision y")
     parser.add_argument("--no-dx", action="store_true", help="backward: no high-precision dx")
+    parser.add_argument("--bias", action="store_true", help="a bias added to x before the activation")
     parser.add_argument("--dev-time", action="store_true",
                         help="--variants: also the kernel time per variant (a profiler trace per op)")
     parser.add_argument("--variants", nargs="?", const="0,1,2", default=None,
@@ -138,21 +149,23 @@ def main():
         if not ops & {f"{act}_fwd", f"{act}_bwd"}:
             continue
         suffix = f" {args.dtype} {rows}x{hidden}" if args.shapes or args.dtype != "bfloat16" else ""
+        suffix += " +bias" if args.bias else ""
         in_shape = (rows, 2, hidden) if gated else (rows, hidden)
-        sets = [(normal(in_shape, dtype), scale) for _ in range(2)]
+        sets = [(normal(in_shape, dtype), scale, normal(in_shape[1:], dtype) if args.bias else None)
+                for _ in range(2)]
         a = "silu" if act == "swiglu" else act
         n_in, n_out = int(np.prod(in_shape)), rows * hidden
         if f"{act}_fwd" in ops:
-            fn = lambda x, s: lowbit_forward(x, s, act, gated, not args.no_y)  # noqa: E731
+            fn = lambda x, s, b: lowbit_forward(x, s, act, gated, not args.no_y, b)  # noqa: E731
             t_l = common.time_fn(fn, sets, iters=iters)
-            t_x = time_xla(lambda x, s: xla_forward(x, s, a, gated, not args.no_y), sets)
+            t_x = time_xla(lambda x, s, b: xla_forward(x, s, a, gated, not args.no_y, b), sets)
             nbytes = esize * n_in + (0 if args.no_y else esize * n_out) + 2 * n_out
             record(f"{act} fwd+q{suffix}", nbytes, t_l, t_x, fn, sets)
         if f"{act}_bwd" in ops:
-            dsets = [(normal((rows, hidden), dtype), x, s) for x, s in sets]
-            fn = lambda d, x, s: lowbit_backward(d, x, s, act, gated, not args.no_dx)  # noqa: E731
+            dsets = [(normal((rows, hidden), dtype), x, s, b) for x, s, b in sets]
+            fn = lambda d, x, s, b: lowbit_backward(d, x, s, act, gated, not args.no_dx, b)  # noqa: E731
             t_l = common.time_fn(fn, dsets, iters=iters)
-            t_x = time_xla(lambda d, x, s: xla_backward(d, x, s, a, gated, not args.no_dx), dsets)
+            t_x = time_xla(lambda d, x, s, b: xla_backward(d, x, s, a, gated, not args.no_dx, b), dsets)
             nbytes = esize * n_out + esize * n_in + (0 if args.no_dx else esize * n_in) + 2 * n_in
             record(f"d{act}+dbias+q{suffix}", nbytes, t_l, t_x, fn, dsets)
         del sets
@@ -176,7 +189,8 @@ def main():
         print("VARIANT_RESULT " + json.dumps(dict(copy_GBps=copy_bw / 1e9, results=rows_out)))
         return
     print(f"copy bandwidth {copy_bw / 1e9:.1f} GB/s; activations {shapes} {args.dtype}"
-          f"{' (no y)' if args.no_y else ''}{' (no dx)' if args.no_dx else ''}, softmax {sm_shape} bf16")
+          f"{' (no y)' if args.no_y else ''}{' (no dx)' if args.no_dx else ''}"
+          f"{' (bias)' if args.bias else ''}, softmax {sm_shape} bf16")
     if copy_dev:
         print(f"copy bandwidth from kernel time {copy_dev / 1e9:.1f} GB/s")
     common.print_table(rows_out, ["op", "lowbit_us", "xla_us", "GBps", "pct_copy", "speedup"]
@@ -184,7 +198,7 @@ def main():
     path = common.write_results("activation", dict(copy_GBps=copy_bw / 1e9,
                                                    copy_kernel_time_GBps=copy_dev / 1e9 if copy_dev else None,
                                                    shapes=[list(sh) for sh in shapes], dtype=args.dtype,
-                                                   no_y=args.no_y, no_dx=args.no_dx,
+                                                   no_y=args.no_y, no_dx=args.no_dx, bias=args.bias,
                                                    softmax_shape=list(sm_shape), results=rows_out))
     print(f"wrote {path}")
 
@@ -199,7 +213,7 @@ def run_variants(args):
         cmd += ["--iters", str(args.iters)] if args.iters else []
         cmd += ["--shapes", *args.shapes] if args.shapes else []
         cmd += [f for f, on in (("--small", args.small), ("--no-y", args.no_y), ("--no-dx", args.no_dx),
-                                ("--dev-time", args.dev_time)) if on]
+                                ("--dev-time", args.dev_time), ("--bias", args.bias)) if on]
         out = subprocess.run(cmd, env=env, capture_output=True, text=True)
         line = [ln for ln in out.stdout.splitlines() if ln.startswith("VARIANT_RESULT ")]
         if out.returncode != 0 or not line:

@@ -120,19 +120,25 @@ def _quantized(op, x, act_type, gated, limit, alpha, quantizer):
     return one(out.q_colwise, True) if layout.has_colwise else one(out.q_rowwise, False)
 
 
+def block_quantizes(quantizer) -> bool:
+    """Whether block_quantized fuses the activation with this quantizer (else it gives None)."""
+    from lowbit.quantize.quantizer import BlockScaleQuantizer
+    from lowbit.quantize.scaling_modes import ScalingMode
+
+    modes = (ScalingMode.MXFP8_1D_SCALING, ScalingMode.FP8_BLOCK_1x128)
+    return (isinstance(quantizer, BlockScaleQuantizer) and quantizer.mode in modes
+            and fused_block_enabled())
+
+
 def block_quantized(x, act_type, gated, limit, alpha, quantizer, rowwise: bool, colwise: bool):
     """The activation of x quantized by a BlockScaleQuantizer of MXFP8 or FP8 block 1x128
     tiles in one fused pass (the fp32 activation quantized directly), as the ScaledTensor
     quantizer.quantize() of the activation would be (flatten_axis: the activation's lead
     dims); None for any other quantizer (the caller quantizes the activation itself)."""
-    from lowbit.quantize.quantizer import BlockScaleQuantizer
     from lowbit.quantize.scaling_modes import ScalingMode
     from lowbit.quantize.tensor import ScaledTensor1x, ScaledTensor2x
 
-    modes = (ScalingMode.MXFP8_1D_SCALING, ScalingMode.FP8_BLOCK_1x128)
-    if not isinstance(quantizer, BlockScaleQuantizer) or quantizer.mode not in modes:
-        return None
-    if not fused_block_enabled():
+    if not block_quantizes(quantizer):
         return None
     mxfp8 = quantizer.mode == ScalingMode.MXFP8_1D_SCALING
     out = act_quantize_block(x, act_type, gated=gated, limit=limit, alpha=alpha, mxfp8=mxfp8,

@@ -4,6 +4,12 @@ Forward, with x viewed as (M, H), wi as (H, n_act*F) and wo as (F, H):
     ln  = norm(x), quantized (rowwise + colwise) in the norm's pass      (delayed scaling)
     h   = gemm(ln, wi) + wi_bias                                          checkpoint "ffn1"
     a   = act(h) (gated: act(h[:, 0]) * h[:, 1]), quantized in the act's pass
+    With fp32 h (fp32 x), except on the fused block path (LOWBIT_FUSED_BLOCK=1, below):
+    h = gemm(ln, wi) without the bias, checkpoint "ffn1" on that pre-bias h, and the
+    activation kernels add wi_bias in their own pass, forward and backward: the same single
+    fp32 add the GEMM's f32 bias was (an XLA add after the custom call), so the same bits,
+    without XLA's separate read + write of h. bf16/f16 h keeps the bias in the GEMM's
+    epilogue, which rounds once: an add after that rounding would change the numerics.
     out = gemm(a, wo) + wo_bias                                           checkpoint "ffn2"
 Backward:
     da          = dgrad of GEMM2; dwo and dwo_bias from dy's quantize pass
@@ -21,7 +27,8 @@ default because it measured slower on an H100 (lowbit/ops/fused_block.py). Eithe
 block-scaled GEMMs of dense follow. NVFP4 takes the unfused path for both (output in x's dtype, then its
 quantizer), with dense's NVFP4 GEMMs (its key: `sr_key`, see layernorm_mlp). The
 backward is the same for every recipe. Saved
-for the backward: x, mu, rsigma, h (high precision, the activation's backward needs it) and
+for the backward: x, mu, rsigma, h (high precision, the activation's backward needs it;
+pre-bias when the activation adds the bias, which is then saved too) and
 the quantized copies ln.colwise, wi.rowwise, a.colwise and wo.rowwise. `ffn1_ckpt_name` /
 `ffn2_ckpt_name` name h and out for remat policies.
 """
@@ -35,7 +42,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from lowbit.activation import block_quantized, parse_activation_type
+from lowbit.activation import block_quantized, block_quantizes, parse_activation_type
 from lowbit.dense import (backward_gemms, check_quantizer_set, dense, dgrad_wgrad, forward_gemm, quantize_2x,
                           with_sr_key)
 from lowbit.layernorm import NormConfig, fused_2x, layernorm, norm_quantize
@@ -141,6 +148,16 @@ def _layernorm_mlp(x, gamma, beta, wi, wo, wi_bias, wo_bias, qs1, qs2, static):
     return _fwd(x, gamma, beta, wi, wo, wi_bias, wo_bias, qs1, qs2, static)[0]
 
 
+# The activation kernels take wi_bias where h is fp32 (the module docstring); False: the GEMM
+# adds it (the previous formula, kept for the tests that check both give the same bits).
+BIAS_IN_ACTIVATION = True
+
+
+def _bias_in_activation(wi_bias, h_dtype, act_quantizer) -> bool:
+    return (BIAS_IN_ACTIVATION and wi_bias is not None and jnp.dtype(h_dtype) == jnp.float32
+            and not block_quantizes(act_quantizer))
+
+
 def _fwd(x, gamma, beta, wi, wo, wi_bias, wo_bias, qs1, qs2, static):
     # Nothing is flattened: tokens keep their (batch, seq) dims and the gated kernel its
     # (H, 2, F) layout, so every dim keeps its sharding (no gather of a TP-sharded F).
@@ -151,30 +168,31 @@ def _fwd(x, gamma, beta, wi, wo, wi_bias, wo_bias, qs1, qs2, static):
     wi = wi.reshape(hidden, 2, -1) if static.gated else wi.reshape(hidden, -1)      # (H, [2,] F)
     wiq = quantize_2x(qs1.kernel, wi, 1)
     wi_bias = None if wi_bias is None else wi_bias.reshape(wi.shape[1:])
-    h = forward_gemm(lnq, wiq, wi_bias, x.dtype)                                    # (M..., [2,] F)
+    act_bias = wi_bias if _bias_in_activation(wi_bias, x.dtype, qs2.x) else None
+    h = forward_gemm(lnq, wiq, None if act_bias is not None else wi_bias, x.dtype)  # (M..., [2,] F)
     h = checkpoint_name(h, static.ffn1_ckpt_name)
     if isinstance(qs2.x, DelayedScaleQuantizer):
         a = act_forward(h, static.act_type, gated=static.gated, quant_scale=qs2.x.scale.reshape(1),
                         quant_dtype=qs2.x.q_dtype, rowwise=True, colwise=True, return_y=False,
-                        keep_dims=True)
+                        keep_dims=True, bias=act_bias)
         aq = fused_2x(qs2.x, a.q_rowwise, a.q_colwise, a.amax, x.dtype, n_lead)
     else:
         # Block recipes: fused (None for the others); act_forward's default limit / alpha.
         aq = block_quantized(h, static.act_type, static.gated, 7.0, 1.702, qs2.x, True, True)
         if aq is None:
-            a = act_forward(h, static.act_type, gated=static.gated)
+            a = act_forward(h, static.act_type, gated=static.gated, bias=act_bias)
             aq = quantize_2x(qs2.x, a.y, n_lead)                                     # (M..., F)
     woq = quantize_2x(qs2.kernel, wo, 1)
     out = forward_gemm(aq, woq, wo_bias, x.dtype)                                   # (M..., H)
     out = checkpoint_name(out, static.ffn2_ckpt_name)
-    residuals = (x, mu, rsigma, gamma, lnq.colwise_tensor, wiq.rowwise_tensor, h,
+    residuals = (x, mu, rsigma, gamma, lnq.colwise_tensor, wiq.rowwise_tensor, h, act_bias,
                  aq.colwise_tensor, woq.rowwise_tensor, qs1, qs2,
                  (lnq.amax, wiq.amax, aq.amax, woq.amax))
     return out, residuals
 
 
 def _bwd(static, residuals, dy):
-    (x, mu, rsigma, gamma, ln_col, wi_row, h, a_col, wo_row, qs1, qs2, amaxes) = residuals
+    (x, mu, rsigma, gamma, ln_col, wi_row, h, act_bias, a_col, wo_row, qs1, qs2, amaxes) = residuals
     ln_amax, wi_amax, a_amax, wo_amax = amaxes
     n_lead = x.ndim - 1
     has_wi_bias = static.wi_bias_shape is not None
@@ -184,11 +202,11 @@ def _bwd(static, residuals, dy):
         g = act_backward(da, h, static.act_type, gated=static.gated,
                          quant_scale=qs1.dgrad.scale.reshape(1), quant_dtype=qs1.dgrad.q_dtype,
                          rowwise=True, colwise=True, compute_dbias=has_wi_bias, keep_dims=True,
-                         return_dx=False)  # only the FP8 copies are used: no dx to write
+                         return_dx=False, bias=act_bias)  # only the FP8 copies are used: no dx
         dhq = fused_2x(qs1.dgrad, g.q_rowwise, g.q_colwise, g.amax, x.dtype, n_lead)
         dwi_bias, dh_amax = g.dbias, g.amax
     else:
-        g = act_backward(da, h, static.act_type, gated=static.gated)
+        g = act_backward(da, h, static.act_type, gated=static.gated, bias=act_bias)
         dhq, dwi_bias = qs1.dgrad.quantize(g.dx, is_rowwise=True, is_colwise=True,
                                            flatten_axis=n_lead, compute_dbias=has_wi_bias)
         dh_amax = dhq.amax

@@ -17,6 +17,10 @@
 // the transposed store (4 x 4 byte transposes, 8-byte column pieces), and writes per-tile
 // column sums for dbias to a workspace row per tile row; DbiasFinalizeKernel then adds
 // those rows in a fixed order.
+// bias (optional): per tile, its column tile's values (both halves when gated) go to a
+// shared fp32 row (double-buffered by tile: one barrier per tile), and each pass
+// reads its chunk's columns there and adds them to the widened x (rows past the end keep
+// their 0: no bias, so they still map to 0); no extra pass over global memory.
 // NaN: values are computed without the reference's CanonicalNan; a chunk's max.NaN of |v|
 // (its amax, one instruction per element) flags the rare chunk holding a NaN, which is
 // then canonicalized and takes the codecs, so every output has the reference's bits.
@@ -61,6 +65,8 @@ constexpr int kCodeStride = kTileCols + 4;  // bytes per shared row of codes (4-
 // plain backward, 5 (48) for the plain forward; no spills. fp32 chunk rows (kChunkRows 2
 // or 4: twice or four times the loaded registers) take one block less per step of
 // kChunkRows on either architecture (fp32 kChunkRows 2: sm_90a 4 / 3 / 3 / 2), at least 2.
+// With a bias (kMayBias) the sm_90a fp32 gated backward of 1 chunk row spills 8-12 bytes
+// (gelu, silu, quick_gelu, clamped swiglu); its kernels without a bias do not.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1000
 #define LOWBIT_ACT_MIN_BLOCKS(backward, gated) ((backward) && (gated) ? 2 : 3)
 #else
@@ -169,6 +175,16 @@ __device__ __forceinline__ void StoreGlobal16(void* dst, uint4 v) {
   asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(dst), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w));
 }
 
+// One float of shared memory, read where it is used. volatile: not hoisted out of the pass
+// loop and held in registers (the gated kernels' bias: hoisted, its 2 kVec values held
+// through the loop made the sm_90a bf16/f16 gated backward spill). A volatile asm counts as
+// a memory access, so it stays after the barrier that publishes the value.
+__device__ __forceinline__ float LoadSharedFloat(const float* p) {
+  float v;
+  asm volatile("ld.shared.f32 %0, [%1];" : "=f"(v) : "r"(static_cast<uint32_t>(__cvta_generic_to_shared(p))));
+  return v;
+}
+
 // q = a / b, r = a % b for b >= 1.
 __device__ __forceinline__ void DivMod32(uint32_t a, uint32_t b, uint32_t* q, uint32_t* r) {
   *q = a / b, *r = a % b;
@@ -226,8 +242,13 @@ __device__ __forceinline__ void LoadPass(const ActKernelArgs<typename Tag::Stora
 // kChunkRows * kVec elements (fp32: 8 or 16 instead of 4, as bf16's 8) and keeps twice or
 // four times the bytes in flight; the rows a thread visits, and their order, are those of
 // kChunkRows = 1 (so dbias has the same bits), only fewer passes per tile.
-template <typename Tag, bool kBackward, bool kGated, ActType kType, int kTileRows, int kChunkRows>
-__global__ void LOWBIT_ACT_LAUNCH_BOUNDS(kBackward, kGated, kChunkRows) ActTiledKernel(ActKernelArgs<typename Tag::Storage> p) {
+// bias: in_cols values (activation.h: ActArgs::bias), or null; a kernel argument of its own
+// (in ActKernelArgs, the kernels without a bias spilled: the gated backward at its sm_90a
+// register cap). kMayBias false compiles the bias out (bias ignored): the gated backward has
+// a kernel without it, the code before the bias, and one with it.
+template <typename Tag, bool kBackward, bool kGated, ActType kType, int kTileRows, int kChunkRows, bool kMayBias>
+__global__ void LOWBIT_ACT_LAUNCH_BOUNDS(kBackward, kGated, kChunkRows) ActTiledKernel(ActKernelArgs<typename Tag::Storage> p,
+                                                                                 const typename Tag::Storage* bias) {
   using T = typename Tag::Storage;
   ActParams act = p.act;  // type and gating as compile-time constants: the math folds
   act.type = kType;
@@ -250,11 +271,16 @@ __global__ void LOWBIT_ACT_LAUNCH_BOUNDS(kBackward, kGated, kChunkRows) ActTiled
   constexpr int kPartialRows = !kBackward ? 1 : kFoldWarpRows ? kThreads / 32 : kThreadRows;
   __shared__ __align__(16) uint8_t codes[kPlanes][kTileRows][kCodeStride];
   __shared__ float col_partial[kPlanes][kPartialRows][kTileCols];
+  constexpr int kInPlanes = kGated ? 2 : 1;  // x's halves: the bias's rows
+  static_assert(kInPlanes * kTileCols <= kThreads, "one bias value per thread");
+  __shared__ __align__(16) float bias_tile[2][kInPlanes][kTileCols];  // every other tile
 
   const bool quantize = p.q_rowwise != nullptr || p.q_colwise != nullptr;
   const float scale = quantize ? __ldg(p.scale) : 1.0f;
   const bool scale_ok = ScaleKeepsFinite(scale);
   const bool dbias = kBackward && p.partials != nullptr;
+  const bool has_bias = kMayBias && bias != nullptr;
+  int parity = 0;  // bias_tile's buffer of this tile
   const uint32_t tiles_c = uint32_t((p.hidden + kTileCols - 1) / kTileCols);  // < 2^30: Launch
   const uint32_t tile_rows = uint32_t((p.rows + kTileRows - 1) / kTileRows);
   const int chunk_col = (threadIdx.x % kThreadsPerRow) * kVec;
@@ -295,6 +321,18 @@ __global__ void LOWBIT_ACT_LAUNCH_BOUNDS(kBackward, kGated, kChunkRows) ActTiled
     }
     const int64_t r0 = int64_t(tile_row) * kTileRows;
     const int64_t c0 = int64_t(tile_col) * kTileCols;
+    if (has_bias) {
+      // This tile's bias columns (0 past the end). The other buffer may still be read by
+      // the previous tile's last passes; this one was last read two tiles ago, before the
+      // previous tile's barrier.
+      parity ^= 1;
+      if (threadIdx.x < kInPlanes * kTileCols) {
+        const int k = int(threadIdx.x) / kTileCols, col = int(threadIdx.x) % kTileCols;
+        bias_tile[parity][k][col] =
+            c0 + col < p.hidden ? LoadElement(Tag{}, __ldg(bias + k * p.hidden + c0 + col)) : 0.0f;
+      }
+      __syncthreads();
+    }
     int64_t out_off = (r0 + chunk_row) * p.out_cols + c0 + chunk_col;  // plane 0, pass 0
     uint32_t next_row = tile_row + step_rows, next_col = tile_col + step_cols;
     if (next_col >= tiles_c) next_col -= tiles_c, ++next_row;
@@ -327,11 +365,30 @@ __global__ void LOWBIT_ACT_LAUNCH_BOUNDS(kBackward, kGated, kChunkRows) ActTiled
                                                            n_rows, n_cols, nxa, nxg, ng);
         loaded = true;
       }
+      // The bias of this thread's kVec columns: plain kernels hold it for the pass (16-byte
+      // shared loads, no spills); gated ones read each value where it is added.
+      float bias_a[kVec];
+      if constexpr (!kGated) {
+#pragma unroll
+        for (int j = 0; j < kVec; j += 4) {
+          float4 b = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+          if (has_bias) b = *reinterpret_cast<const float4*>(&bias_tile[parity][0][chunk_col + j]);
+          bias_a[j] = b.x, bias_a[j + 1] = b.y, bias_a[j + 2] = b.z, bias_a[j + 3] = b.w;
+        }
+      }
       float v[kPlanes][kElems];
 #pragma unroll
       for (int j = 0; j < kElems; ++j) {
-        const float a = LoadElement(Tag{}, xa[j]);
-        const float gate = kGated ? LoadElement(Tag{}, xg[j]) : 0.0f;
+        float a = LoadElement(Tag{}, xa[j]);
+        float gate = kGated ? LoadElement(Tag{}, xg[j]) : 0.0f;
+        if (has_bias && row_ok[j / kVec]) {  // one fp32 add, as the reference (x + bias)
+          if constexpr (kGated) {
+            a = __fadd_rn(a, LoadSharedFloat(&bias_tile[parity][0][chunk_col + j % kVec]));
+            gate = __fadd_rn(gate, LoadSharedFloat(&bias_tile[parity][1][chunk_col + j % kVec]));
+          } else {
+            a = __fadd_rn(a, bias_a[j % kVec]);
+          }
+        }
         if constexpr (kBackward) {
           float da, dg;
           ActBackwardValueRaw(act, LoadElement(Tag{}, g[j]), a, gate, &da, &dg);
@@ -341,8 +398,9 @@ __global__ void LOWBIT_ACT_LAUNCH_BOUNDS(kBackward, kGated, kChunkRows) ActTiled
           v[0][j] = ActForwardValueRaw(act, a, gate);
         }
       }
-      // Elements outside the tensor were loaded as 0, and every activation and gradient
-      // maps 0 inputs to 0, so they cannot raise the amax; dbias sums only in-range rows
+      // Elements outside the tensor were loaded as 0 (no bias added: rows by row_ok,
+      // columns by the bias row's 0s), and every activation and gradient maps 0 inputs
+      // to 0, so they cannot raise the amax; dbias sums only in-range rows
       // (columns past the end are never written).
 #pragma unroll
       for (int k = 0; k < kPlanes; ++k) {
@@ -584,15 +642,16 @@ bool ReadActVariant(ActVariant* v) {
 }
 
 // Resident blocks per SM of ActTiledKernel<Tag, kBackward, kGated, kType, kTileRows,
-// kChunkRows> (kThreads threads, static shared memory), asked once per instantiation; 1 if
+// kChunkRows, kMayBias> (kThreads threads, static shared memory), asked once per instantiation; 1 if
 // the runtime cannot tell.
-template <typename Tag, bool kBackward, bool kGated, ActType kType, int kTileRows, int kChunkRows>
+template <typename Tag, bool kBackward, bool kGated, ActType kType, int kTileRows, int kChunkRows, bool kMayBias>
 int ResidentBlocksPerSm() {
   static std::atomic<int> cached{0};
   int n = cached.load(std::memory_order_relaxed);
   if (n == 0) {
     if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-            &n, ActTiledKernel<Tag, kBackward, kGated, kType, kTileRows, kChunkRows>, kThreads, 0) != cudaSuccess ||
+            &n, ActTiledKernel<Tag, kBackward, kGated, kType, kTileRows, kChunkRows, kMayBias>, kThreads, 0) !=
+            cudaSuccess ||
         n < 1) {
       n = 1;
     }
@@ -603,8 +662,9 @@ int ResidentBlocksPerSm() {
 
 // The tiled kernel with kTileRows-row tiles, then (dbias) the finalize kernel over its
 // tile_rows workspace rows (ActBackwardWorkspaceBytes sizes for 64-row tiles: enough).
-template <typename Tag, bool kBackward, bool kGated, ActType kType, int kTileRows, int kChunkRows>
-Status LaunchTiles(const ActKernelArgs<typename Tag::Storage>& p, const ActVariant& variant, GpuStream stream,
+template <typename Tag, bool kBackward, bool kGated, ActType kType, int kTileRows, int kChunkRows, bool kMayBias>
+Status LaunchTiles(const ActKernelArgs<typename Tag::Storage>& p, const typename Tag::Storage* bias,
+                   const ActVariant& variant, GpuStream stream,
                    const char* op) {
   using T = typename Tag::Storage;
   const int64_t tile_rows = (p.rows + kTileRows - 1) / kTileRows;
@@ -615,9 +675,9 @@ Status LaunchTiles(const ActKernelArgs<typename Tag::Storage>& p, const ActVaria
   const int64_t tiles = tile_rows * tile_cols;
   const int per_sm = variant.blocks_per_sm > 0
                          ? variant.blocks_per_sm
-                         : ResidentBlocksPerSm<Tag, kBackward, kGated, kType, kTileRows, kChunkRows>();
+                         : ResidentBlocksPerSm<Tag, kBackward, kGated, kType, kTileRows, kChunkRows, kMayBias>();
   const int blocks = GridStrideBlocks(tiles * kThreads, kThreads, per_sm);
-  ActTiledKernel<Tag, kBackward, kGated, kType, kTileRows, kChunkRows><<<blocks, kThreads, 0, stream>>>(p);
+  ActTiledKernel<Tag, kBackward, kGated, kType, kTileRows, kChunkRows, kMayBias><<<blocks, kThreads, 0, stream>>>(p, bias);
   LOWBIT_RETURN_IF_ERROR(LaunchStatus(op));
   if (p.partials == nullptr) return Status::Ok();
   const int64_t finalize_blocks = (p.out_cols + 31) / 32;
@@ -628,15 +688,35 @@ Status LaunchTiles(const ActKernelArgs<typename Tag::Storage>& p, const ActVaria
 }
 
 // The tall tiles (128 or 256 rows; the gated backward: 128) with kChunkRows chunk rows.
-template <typename Tag, bool kBackward, bool kGated, ActType kType, int kChunkRows>
-Status LaunchTall(const ActKernelArgs<typename Tag::Storage>& p, const ActVariant& variant, GpuStream stream,
+template <typename Tag, bool kBackward, bool kGated, ActType kType, int kChunkRows, bool kMayBias>
+Status LaunchTall(const ActKernelArgs<typename Tag::Storage>& p, const typename Tag::Storage* bias,
+                  const ActVariant& variant, GpuStream stream,
                   const char* op) {
   if (variant.tile_rows == kTallerTileRows) {
     if constexpr (!(kBackward && kGated)) {
-      return LaunchTiles<Tag, kBackward, kGated, kType, kTallerTileRows, kChunkRows>(p, variant, stream, op);
+      return LaunchTiles<Tag, kBackward, kGated, kType, kTallerTileRows, kChunkRows, kMayBias>(p, bias, variant, stream, op);
     }
   }
-  return LaunchTiles<Tag, kBackward, kGated, kType, kTallTileRows, kChunkRows>(p, variant, stream, op);
+  return LaunchTiles<Tag, kBackward, kGated, kType, kTallTileRows, kChunkRows, kMayBias>(p, bias, variant, stream, op);
+}
+
+// The kernel of this tile height and chunk rows, with or without the bias code.
+template <typename Tag, bool kBackward, bool kGated, ActType kType, bool kMayBias>
+Status LaunchVariant(const ActKernelArgs<typename Tag::Storage>& p, const typename Tag::Storage* bias,
+                     const ActVariant& variant, GpuStream stream,
+                     const char* op) {
+  if constexpr (std::is_same_v<Tag, F32>) {
+    // fp32 chunk rows (tall tiles only); the gated backward takes at most 2 (4 would hold
+    // 2 x 48 loaded values per thread).
+    if (variant.f32_chunk_rows == 4) {
+      if constexpr (!(kBackward && kGated)) {
+        return LaunchTall<Tag, kBackward, kGated, kType, 4, kMayBias>(p, bias, variant, stream, op);
+      }
+    }
+    if (variant.f32_chunk_rows != 1) return LaunchTall<Tag, kBackward, kGated, kType, 2, kMayBias>(p, bias, variant, stream, op);
+  }
+  if (variant.tile_rows != kShortTileRows) return LaunchTall<Tag, kBackward, kGated, kType, 1, kMayBias>(p, bias, variant, stream, op);
+  return LaunchTiles<Tag, kBackward, kGated, kType, kShortTileRows, 1, kMayBias>(p, bias, variant, stream, op);
 }
 
 template <typename Tag, bool kBackward, bool kGated, ActType kType>
@@ -644,6 +724,7 @@ Status Launch(const ActArgs& a, void* workspace, GpuStream stream, const char* o
   using T = typename Tag::Storage;
   constexpr int kVec = 16 / int(sizeof(T));
   ActKernelArgs<T> p;
+  const T* bias = static_cast<const T*>(a.bias);
   p.act = a.params;
   p.rows = a.rows;
   p.hidden = a.hidden;
@@ -678,16 +759,10 @@ Status Launch(const ActArgs& a, void* workspace, GpuStream stream, const char* o
       variant.f32_chunk_rows = kBackward ? kF32DefaultChunkRowsBackward : kF32DefaultChunkRowsForward;
     }
   }
-  if constexpr (std::is_same_v<Tag, F32>) {
-    // fp32 chunk rows (tall tiles only); the gated backward takes at most 2 (4 would hold
-    // 2 x 48 loaded values per thread).
-    if (variant.f32_chunk_rows == 4) {
-      if constexpr (!(kBackward && kGated)) return LaunchTall<Tag, kBackward, kGated, kType, 4>(p, variant, stream, op);
-    }
-    if (variant.f32_chunk_rows != 1) return LaunchTall<Tag, kBackward, kGated, kType, 2>(p, variant, stream, op);
+  if constexpr (kBackward && kGated) {
+    if (bias == nullptr) return LaunchVariant<Tag, kBackward, kGated, kType, false>(p, bias, variant, stream, op);
   }
-  if (variant.tile_rows != kShortTileRows) return LaunchTall<Tag, kBackward, kGated, kType, 1>(p, variant, stream, op);
-  return LaunchTiles<Tag, kBackward, kGated, kType, kShortTileRows, 1>(p, variant, stream, op);
+  return LaunchVariant<Tag, kBackward, kGated, kType, true>(p, bias, variant, stream, op);
 }
 
 // Calls f(std::integral_constant<ActType, type>{}): one kernel per activation type.

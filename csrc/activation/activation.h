@@ -3,7 +3,11 @@
 //
 // Forward: x is rows x H (or rows x 2 x H when gated: the activation input x[r, 0, :] and
 // the gate x[r, 1, :], TE's layout); y = act(x_a) (* gate(x_g)) in fp32 (formulas:
-// activation_math.h; act_type values: ActType). Outputs, each optional (null = skip):
+// activation_math.h; act_type values: ActType). Optional bias (forward and backward): H
+// values (gated: 2H, [bias_a | bias_g]) in x's dtype, added to every row of x before the
+// activation as one IEEE fp32 add of the widened values (x_a = float(x) + float(bias), no
+// rounding back to x's dtype; denormals kept), so the result is the op's on that sum
+// (bit for bit the op on x + bias for fp32 x). Outputs, each optional (null = skip):
 //   y          rows x H, x's dtype (RNE from the fp32 y)
 //   q_rowwise  rows x H, E4M3/E5M2 of y * scale (FloatToE4m3/E5m2: RNE, saturating, NaN kept)
 //   q_colwise  H x rows, the same codes transposed
@@ -37,6 +41,7 @@ struct ActArgs {
   DType q_dtype = DType::kInvalid;  // kE4M3 / kE5M2 when q_rowwise or q_colwise is set
   const void* dz = nullptr;         // backward only
   const void* x = nullptr;
+  const void* bias = nullptr;       // optional: in_cols values (H, or 2H when gated), x's dtype
   const float* scale = nullptr;     // (1,); host for the reference, device for CUDA
   void* out = nullptr;              // y (forward) or dx (backward), optional
   uint8_t* q_rowwise = nullptr;

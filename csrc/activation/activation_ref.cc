@@ -31,6 +31,20 @@ struct OutputSink {
   }
 };
 
+// x[r, c] of a rows x cols view as fp32, plus bias[c] (one fp32 add) when there is a bias.
+template <typename Tag>
+struct BiasedLoad {
+  using T = typename Tag::Storage;
+  const T* x;
+  const T* bias;  // null: none
+  int64_t cols;
+
+  float At(int64_t r, int64_t c) const {
+    const float v = LoadAsFloat(Tag{}, x[r * cols + c]);
+    return bias == nullptr ? v : v + LoadAsFloat(Tag{}, bias[c]);
+  }
+};
+
 template <typename Fn>
 Status Dispatch(const ActArgs& a, const char* op, Fn&& fn) {
   if (a.amax == nullptr) return Status::InvalidArgument(std::string(op) + ": amax: missing");
@@ -54,11 +68,12 @@ Status ActForwardRef(const ActArgs& a) {
     using T = typename Tag::Storage;
     const T* x = static_cast<const T*>(a.x);
     const int64_t h = a.hidden, in_cols = a.params.gated ? 2 * h : h;
+    const BiasedLoad<Tag> in{x, static_cast<const T*>(a.bias), in_cols};
     OutputSink<Tag, decltype(fmt)> sink{a, a.rows, h, a.scale ? *a.scale : 1.0f};
     for (int64_t r = 0; r < a.rows; ++r) {
       for (int64_t c = 0; c < h; ++c) {
-        const float xa = LoadAsFloat(tag, x[r * in_cols + c]);
-        const float xg = a.params.gated ? LoadAsFloat(tag, x[r * in_cols + h + c]) : 0.0f;
+        const float xa = in.At(r, c);
+        const float xg = a.params.gated ? in.At(r, h + c) : 0.0f;
         sink.Put(r, c, ActForwardValue(a.params, xa, xg));
       }
     }
@@ -74,13 +89,14 @@ Status ActBackwardRef(const ActArgs& a) {
     const T* x = static_cast<const T*>(a.x);
     const T* dz = static_cast<const T*>(a.dz);
     const int64_t h = a.hidden, cols = ActOutCols(a, true);
+    const BiasedLoad<Tag> in{x, static_cast<const T*>(a.bias), cols};
     OutputSink<Tag, decltype(fmt)> sink{a, a.rows, cols, a.scale ? *a.scale : 1.0f};
     std::vector<float> sums(a.dbias != nullptr ? size_t(cols) : 0, 0.0f);
     for (int64_t r = 0; r < a.rows; ++r) {
       for (int64_t c = 0; c < h; ++c) {
         const float g = LoadAsFloat(tag, dz[r * h + c]);
-        const float xa = LoadAsFloat(tag, x[r * cols + c]);
-        const float xg = a.params.gated ? LoadAsFloat(tag, x[r * cols + h + c]) : 0.0f;
+        const float xa = in.At(r, c);
+        const float xg = a.params.gated ? in.At(r, h + c) : 0.0f;
         float da = 0.0f, dg = 0.0f;
         ActBackwardValue(a.params, g, xa, xg, &da, &dg);
         sink.Put(r, c, da);

@@ -230,6 +230,45 @@ TEST(ActRef, GatedBackwardDbias) {
   EXPECT_EQ(amax, 16.0f);
 }
 
+// The bias: every output of x with a bias is that of x + bias (the fp32 sum) without one,
+// forward and backward, gated, bf16 (the widened add, not rounded back to bf16).
+TEST(ActRef, BiasIsTheFp32SumOfTheWidenedValues) {
+  const int64_t rows = 3, h = 5;
+  std::vector<uint16_t> x(rows * 2 * h), dz(rows * h), bias(2 * h);
+  for (size_t i = 0; i < x.size(); ++i) x[i] = FloatToBf16(0.37f * float(int(i % 11) - 5) + 0.01f * float(i));
+  for (size_t i = 0; i < dz.size(); ++i) dz[i] = FloatToBf16(0.5f - 0.13f * float(i));
+  for (size_t i = 0; i < bias.size(); ++i) bias[i] = FloatToBf16(0.003f * float(i) - 0.7f);
+  std::vector<float> xb(x.size()), dzf(dz.size());  // the widened sum, and dz, as fp32
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < 2 * h; ++c) xb[r * 2 * h + c] = Bf16ToFloat(x[r * 2 * h + c]) + Bf16ToFloat(bias[c]);
+  }
+  for (size_t i = 0; i < dz.size(); ++i) dzf[i] = Bf16ToFloat(dz[i]);
+  for (const bool backward : {false, true}) {
+    const int64_t cols = backward ? 2 * h : h;
+    std::vector<uint16_t> out(rows * cols), dbias(2 * h);
+    std::vector<float> out_f32(rows * cols), dbias_f32(2 * h);
+    float amax = 0, amax_f32 = 0, scale = 4.0f;
+    std::vector<uint8_t> qc(rows * cols), qc_f32(rows * cols);
+    ActArgs a;
+    a.params.type = ActType::kGelu;
+    a.params.gated = true;
+    a.rows = rows, a.hidden = h, a.dtype = DType::kBF16, a.q_dtype = DType::kE4M3;
+    a.x = x.data(), a.bias = bias.data(), a.dz = dz.data(), a.scale = &scale, a.amax = &amax;
+    a.out = out.data(), a.q_colwise = qc.data(), a.dbias = backward ? dbias.data() : nullptr;
+    ActArgs f = a;  // fp32 x = the sum, no bias
+    f.dtype = DType::kF32, f.x = xb.data(), f.bias = nullptr, f.dz = dzf.data(), f.amax = &amax_f32;
+    f.out = out_f32.data(), f.q_colwise = qc_f32.data(), f.dbias = backward ? dbias_f32.data() : nullptr;
+    ASSERT_TRUE((backward ? ActBackwardRef(a) : ActForwardRef(a)).ok());
+    ASSERT_TRUE((backward ? ActBackwardRef(f) : ActForwardRef(f)).ok());
+    EXPECT_EQ(FloatBits(amax), FloatBits(amax_f32)) << backward;
+    EXPECT_EQ(qc, qc_f32) << backward;
+    for (size_t i = 0; i < out.size(); ++i) EXPECT_EQ(out[i], FloatToBf16(out_f32[i])) << backward << " " << i;
+    if (backward) {
+      for (size_t i = 0; i < dbias.size(); ++i) EXPECT_EQ(dbias[i], FloatToBf16(dbias_f32[i])) << i;
+    }
+  }
+}
+
 TEST(ActRef, RejectsBadDtypes) {
   float amax;
   ActArgs a;

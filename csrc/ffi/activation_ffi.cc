@@ -7,6 +7,7 @@
 // result with 0 elements is "not requested" (y/dx, q_rowwise, q_colwise, dbias); amax is
 // always written. q_rowwise has the output's shape or its 2-D view (rows, C). q_colwise is (C, rows), C = the output's columns, or the output's
 // trailing dims followed by the leading ones ((H, ...) or, gated backward, (2, H, ...)).
+// bias: x's dtype and trailing dims ((H,) or (2, H)), or an empty (0,) array for none.
 #include <string>
 #include <vector>
 
@@ -55,6 +56,22 @@ Status XLayout(const char* op, const ffi::AnyBuffer& x, bool gated, int64_t* row
   lead->assign(d.begin(), d.end() - trailing);
   *rows = 1;
   for (int64_t v : *lead) *rows *= v;
+  return Status::Ok();
+}
+
+// The optional bias operand: empty (none), or x's dtype with x's trailing dims.
+Status CheckBias(const char* op, const ffi::AnyBuffer& bias, const ffi::AnyBuffer& x, bool gated,
+                 ActArgs* a) {
+  const Dims d = DimsOf(bias), xd = DimsOf(x);
+  if (d.size() == 1 && d[0] == 0) return Status::Ok();  // none (x's H = 0 also lands here: no adds)
+  const size_t trailing = gated ? 2 : 1;
+  const Dims want(xd.end() - int64_t(trailing), xd.end());
+  if (bias.element_type() != x.element_type() || d != want) {
+    return Invalid(op, "bias", std::string("expected ") + DTypeName(a->dtype) + " of shape " +
+                                   ShapeString(want) + " (x's dtype and trailing dims) or an empty (0,) array, got " +
+                                   Describe(bias.element_type(), d));
+  }
+  a->bias = bias.untyped_data();
   return Status::Ok();
 }
 
@@ -113,15 +130,17 @@ Status CheckQuantized(const char* op, const ffi::AnyBuffer& scale, ffi::Result<f
 constexpr const char* kFwd = "lowbit_act_forward";
 constexpr const char* kBwd = "lowbit_act_backward";
 
-Status ForwardArgs(const ffi::AnyBuffer& x, const ffi::AnyBuffer& scale, ffi::Result<ffi::AnyBuffer>& y,
-                   ffi::Result<ffi::AnyBuffer>& q_row, ffi::Result<ffi::AnyBuffer>& q_col,
-                   ffi::Result<ffi::AnyBuffer>& amax, const Attrs& at, ActArgs* a) {
+Status ForwardArgs(const ffi::AnyBuffer& x, const ffi::AnyBuffer& bias, const ffi::AnyBuffer& scale,
+                   ffi::Result<ffi::AnyBuffer>& y, ffi::Result<ffi::AnyBuffer>& q_row,
+                   ffi::Result<ffi::AnyBuffer>& q_col, ffi::Result<ffi::AnyBuffer>& amax, const Attrs& at,
+                   ActArgs* a) {
   LOWBIT_RETURN_IF_ERROR(CheckAttrs(kFwd, at, &a->params));
   Dims lead;
   LOWBIT_RETURN_IF_ERROR(XLayout(kFwd, x, at.gated, &a->rows, &a->hidden, &lead));
   Dims out_dims = lead;
   out_dims.push_back(a->hidden);
   a->dtype = ToDType(x.element_type());
+  LOWBIT_RETURN_IF_ERROR(CheckBias(kFwd, bias, x, at.gated, a));
   bool want_y = false;
   LOWBIT_RETURN_IF_ERROR(CheckOptional(kFwd, "y", y, a->dtype, out_dims, &want_y));
   a->x = x.untyped_data();
@@ -129,7 +148,8 @@ Status ForwardArgs(const ffi::AnyBuffer& x, const ffi::AnyBuffer& scale, ffi::Re
   return CheckQuantized(kFwd, scale, q_row, q_col, out_dims, a->hidden, a->rows, lead, amax, a);
 }
 
-Status BackwardArgs(const ffi::AnyBuffer& dz, const ffi::AnyBuffer& x, const ffi::AnyBuffer& scale,
+Status BackwardArgs(const ffi::AnyBuffer& dz, const ffi::AnyBuffer& x, const ffi::AnyBuffer& bias,
+                    const ffi::AnyBuffer& scale,
                     ffi::Result<ffi::AnyBuffer>& dx, ffi::Result<ffi::AnyBuffer>& q_row,
                     ffi::Result<ffi::AnyBuffer>& q_col, ffi::Result<ffi::AnyBuffer>& amax,
                     ffi::Result<ffi::AnyBuffer>& dbias, const Attrs& at, bool compute_dbias, ActArgs* a) {
@@ -144,6 +164,7 @@ Status BackwardArgs(const ffi::AnyBuffer& dz, const ffi::AnyBuffer& x, const ffi
                                    ShapeString(dz_dims) + " (x's dtype and leading dims), got " +
                                    Describe(dz.element_type(), DimsOf(dz)));
   }
+  LOWBIT_RETURN_IF_ERROR(CheckBias(kBwd, bias, x, at.gated, a));
   const Dims x_dims = DimsOf(x);
   const int64_t cols = ActOutCols(*a, true);
   bool want_dx = false, want_dbias = false;
@@ -176,23 +197,23 @@ Status CheckWorkspace(const ffi::Result<ffi::AnyBuffer>& workspace, const ActArg
 
 #if !defined(LOWBIT_CUDA_HANDLERS)
 
-ffi::Error ForwardCpu(ffi::AnyBuffer x, ffi::AnyBuffer scale, ffi::Result<ffi::AnyBuffer> y,
+ffi::Error ForwardCpu(ffi::AnyBuffer x, ffi::AnyBuffer bias, ffi::AnyBuffer scale, ffi::Result<ffi::AnyBuffer> y,
                       ffi::Result<ffi::AnyBuffer> q_row, ffi::Result<ffi::AnyBuffer> q_col,
                       ffi::Result<ffi::AnyBuffer> amax, int32_t act_type, bool gated, float limit,
                       float alpha) {
   ActArgs a;
-  Status s = ForwardArgs(x, scale, y, q_row, q_col, amax, Attrs{act_type, gated, limit, alpha}, &a);
+  Status s = ForwardArgs(x, bias, scale, y, q_row, q_col, amax, Attrs{act_type, gated, limit, alpha}, &a);
   if (s.ok()) s = ActForwardRef(a);
   return ToFfiError(s);
 }
 
-ffi::Error BackwardCpu(ffi::AnyBuffer dz, ffi::AnyBuffer x, ffi::AnyBuffer scale,
+ffi::Error BackwardCpu(ffi::AnyBuffer dz, ffi::AnyBuffer x, ffi::AnyBuffer bias, ffi::AnyBuffer scale,
                        ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::AnyBuffer> q_row,
                        ffi::Result<ffi::AnyBuffer> q_col, ffi::Result<ffi::AnyBuffer> amax,
                        ffi::Result<ffi::AnyBuffer> dbias, ffi::Result<ffi::AnyBuffer> workspace,
                        int32_t act_type, bool gated, float limit, float alpha, bool compute_dbias) {
   ActArgs a;
-  Status s = BackwardArgs(dz, x, scale, dx, q_row, q_col, amax, dbias,
+  Status s = BackwardArgs(dz, x, bias, scale, dx, q_row, q_col, amax, dbias,
                           Attrs{act_type, gated, limit, alpha}, compute_dbias, &a);
   if (s.ok()) s = CheckWorkspace(workspace, a, nullptr);  // validated, not used
   if (s.ok()) s = ActBackwardRef(a);
@@ -201,24 +222,24 @@ ffi::Error BackwardCpu(ffi::AnyBuffer dz, ffi::AnyBuffer x, ffi::AnyBuffer scale
 
 #else
 
-ffi::Error ForwardGpu(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer scale,
+ffi::Error ForwardGpu(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer bias, ffi::AnyBuffer scale,
                       ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> q_row,
                       ffi::Result<ffi::AnyBuffer> q_col, ffi::Result<ffi::AnyBuffer> amax,
                       int32_t act_type, bool gated, float limit, float alpha) {
   ActArgs a;
-  Status s = ForwardArgs(x, scale, y, q_row, q_col, amax, Attrs{act_type, gated, limit, alpha}, &a);
+  Status s = ForwardArgs(x, bias, scale, y, q_row, q_col, amax, Attrs{act_type, gated, limit, alpha}, &a);
   if (s.ok()) s = ActForwardCuda(a, stream);
   return ToFfiError(s);
 }
 
 ffi::Error BackwardGpu(cudaStream_t stream, ffi::AnyBuffer dz, ffi::AnyBuffer x,
-                       ffi::AnyBuffer scale, ffi::Result<ffi::AnyBuffer> dx,
+                       ffi::AnyBuffer bias, ffi::AnyBuffer scale, ffi::Result<ffi::AnyBuffer> dx,
                        ffi::Result<ffi::AnyBuffer> q_row, ffi::Result<ffi::AnyBuffer> q_col,
                        ffi::Result<ffi::AnyBuffer> amax, ffi::Result<ffi::AnyBuffer> dbias,
                        ffi::Result<ffi::AnyBuffer> workspace, int32_t act_type, bool gated,
                        float limit, float alpha, bool compute_dbias) {
   ActArgs a;
-  Status s = BackwardArgs(dz, x, scale, dx, q_row, q_col, amax, dbias,
+  Status s = BackwardArgs(dz, x, bias, scale, dx, q_row, q_col, amax, dbias,
                           Attrs{act_type, gated, limit, alpha}, compute_dbias, &a);
   void* ws = nullptr;
   if (s.ok()) s = CheckWorkspace(workspace, a, &ws);
@@ -252,6 +273,7 @@ namespace xffi = ::xla::ffi;
 LOWBIT_FFI_HANDLER(LOWBIT_ACT_FWD_SYMBOL, LOWBIT_ACT_FWD_IMPL,
                    LOWBIT_ACT_CTX(xffi::Ffi::Bind())  // (CUDA) stream
                        .Arg<xffi::AnyBuffer>()         // x: f32/f16/bf16 (..., H) or (..., 2, H)
+                       .Arg<xffi::AnyBuffer>()         // bias: x's dtype (H,) or (2, H), or (0,)
                        .Arg<xffi::AnyBuffer>()         // scale: f32 (1,)
                        .Ret<xffi::AnyBuffer>()         // y: x's dtype (..., H), or (0,)
                        .Ret<xffi::AnyBuffer>()         // q_rowwise: fp8 (..., H), or (0,)
@@ -265,6 +287,7 @@ LOWBIT_FFI_HANDLER(LOWBIT_ACT_BWD_SYMBOL, LOWBIT_ACT_BWD_IMPL,
                    LOWBIT_ACT_BWD_CTX(xffi::Ffi::Bind())  // (CUDA) stream
                        .Arg<xffi::AnyBuffer>()         // dz: x's dtype (..., H)
                        .Arg<xffi::AnyBuffer>()         // x: forward input (..., H) or (..., 2, H)
+                       .Arg<xffi::AnyBuffer>()         // bias: x's dtype (H,) or (2, H), or (0,)
                        .Arg<xffi::AnyBuffer>()         // scale: f32 (1,)
                        .Ret<xffi::AnyBuffer>()         // dx: x's dtype and shape, or (0,)
                        .Ret<xffi::AnyBuffer>()         // q_rowwise: fp8, x's shape, or (0,)

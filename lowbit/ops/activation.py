@@ -11,6 +11,15 @@ All math is fp32; sigmoid is lowbit's own, from FMAs only (common/fp32_math.h: e
 ulp, sigmoid within 3 ulp), so the CPU and CUDA kernels agree bit for bit; a jnp reference
 differs by a few fp32 ulps.
 
+bias (optional, both ops): x's trailing shape ((H,), or (2, H) when gated) and dtype, added
+to every row of x inside the kernel before the activation: x_b = float32(x) + float32(bias),
+one IEEE fp32 add (denormals kept) of the widened values, not rounded back to x's dtype.
+Every output (y / dx, the quantized copies, amax, dbias) is then the op's on x_b: for fp32 x
+bit for bit act_forward(x + bias) / act_backward(dz, x + bias) (XLA's f32 add is the same
+single add), and dbias is d/d x_b, which is also the bias's gradient. For bf16/f16 x it is
+the op on the unrounded fp32 sum, which no x of that dtype may equal. The bias costs no
+pass over memory of its own (the CUDA kernel keeps a column tile's values in shared memory).
+
 Quantized outputs (with quant_scale): encode_rne(clip(v * scale)) of the fp32 v (y or dx).
 Forward: q_rowwise (..., H), q_colwise (H, rows). Backward, on dx's 2-D view (rows, C) with
 C = H, or 2H when gated ([d x_a | d x_g]): q_rowwise (rows, C), q_colwise (C, rows). amax =
@@ -18,7 +27,8 @@ max |v| as f32 (1,) (NaN wins). dbias = column sums of dx over the rows, (C,), x
 
 Sharding (custom_partitioning + Shardy rule): leading (row) dims and H pass through; the 2
 axis of a gated input stays whole; amax is pmax'ed over every mesh axis that shards the
-input, dbias psum'ed over the axes that shard the rows. The 2-D views of the quantized
+input, dbias psum'ed over the axes that shard the rows; a bias is sharded as x's trailing
+dims. The 2-D views of the quantized
 outputs split cleanly only where just the first leading dim (and, gated backward, no H) is
 sharded, so other shardings are gathered; with keep_dims=True (layernorm_mlp uses it)
 nothing is flattened (q_colwise (H, ...) or (2, H, ...), the handler takes both layouts) and
@@ -78,6 +88,7 @@ class _Cfg(NamedTuple):
     colwise: bool
     dbias: bool          # backward only
     keep_dims: bool = False  # quantized copies unflattened: x's dims (rowwise), tail + lead (colwise)
+    bias: bool = False       # a bias operand (else an empty (0,) array in its place)
 
     def params(self, backward: bool):
         p = dict(act_type=np.int32(self.act_type), gated=np.bool_(self.gated),
@@ -111,8 +122,8 @@ def _outputs(cfg, lead, tail, dtype, backward):
     ]
 
 
-def _fwd_abstract(x, scale, *, act_type, gated, limit, alpha, cfg):
-    del scale, act_type, gated, limit, alpha
+def _fwd_abstract(x, bias, scale, *, act_type, gated, limit, alpha, cfg):
+    del bias, scale, act_type, gated, limit, alpha
     return tuple(_outputs(cfg, _lead(x, cfg), x.shape[-1:], x.dtype, False))
 
 
@@ -128,10 +139,10 @@ def _workspace_bytes(rows, cols, dbias):
     return -(-rows // _TILE_ROWS) * cols * 4
 
 
-def _bwd_abstract(dz, x, scale, *, act_type, gated, limit, alpha, compute_dbias, cfg):
+def _bwd_abstract(dz, x, bias, scale, *, act_type, gated, limit, alpha, compute_dbias, cfg):
     """(dx, q_rowwise, q_colwise, amax, dbias, workspace): the last is a u8 scratch result
     for the CUDA dbias partials (XLA-allocated; dropped by _bwd_local)."""
-    del dz, scale, act_type, gated, limit, alpha, compute_dbias
+    del dz, bias, scale, act_type, gated, limit, alpha, compute_dbias
     tail = x.shape[-2:] if cfg.gated else x.shape[-1:]
     dbias = jax.core.ShapedArray((math.prod(tail),), x.dtype) if cfg.dbias else _empty(x.dtype)
     ws = _workspace_bytes(math.prod(_lead(x, cfg)), math.prod(tail), cfg.dbias)
@@ -190,11 +201,12 @@ def _rule_parts(cfg, nlead, backward):
     results = [b + tail if cfg.out else one(),
                (rows + cols if backward else b + tail) if q and cfg.rowwise else one(),
                cols + rows if q and cfg.colwise else one(), one()]
+    bias = (["t", "h"] if cfg.gated else ["h"]) if cfg.bias else one()
     if backward:
         results.append(cols if cfg.dbias else one())
-        operands = [b + ["h"], x, one()]
+        operands = [b + ["h"], x, bias, one()]
     else:
-        operands = [x, one()]
+        operands = [x, bias, one()]
     kinds = {"need_replication_factors": ("t",)} if cfg.gated else {}
     return f"{_fmt(operands)} -> {_fmt(results)}", kinds
 
@@ -226,11 +238,12 @@ def _partition(cfg, backward, mesh, arg_shapes):
         col_sh, dbias_sh = ns(cols, rows), ns(cols)
     outs = [out_sh if cfg.out else ns(None), row_sh if q and cfg.rowwise else ns(None),
             col_sh if q and cfg.colwise else ns(None), ns(None)]
+    bias_sh = ns(*entries[nlead:]) if cfg.bias else ns(None)  # x's trailing dims
     if backward:
         outs.append(dbias_sh if cfg.dbias else ns(None))
-        args = (ns(*lead, h), x_sh, ns(None))
+        args = (ns(*lead, h), x_sh, bias_sh, ns(None))
     else:
-        args = (x_sh, ns(None))
+        args = (x_sh, bias_sh, ns(None))
 
     def lower(*operands):
         prim = act_bwd_p if backward else act_fwd_p
@@ -246,8 +259,8 @@ def _partition(cfg, backward, mesh, arg_shapes):
     return mesh, lower, tuple(outs), args
 
 
-def _fwd_local(x, scale, cfg):
-    return tuple(act_fwd_p.bind(x, scale, **cfg.params(False)))
+def _fwd_local(x, bias, scale, cfg):
+    return tuple(act_fwd_p.bind(x, bias, scale, **cfg.params(False)))
 
 
 def _dbias_shape(dbias, x, cfg):
@@ -255,18 +268,18 @@ def _dbias_shape(dbias, x, cfg):
     return dbias.reshape(x.shape[-2:]) if cfg.keep_dims and cfg.gated and cfg.dbias else dbias
 
 
-def _bwd_local(dz, x, scale, cfg):
-    out = list(act_bwd_p.bind(dz, x, scale, **cfg.params(True)))[:5]  # without the workspace
+def _bwd_local(dz, x, bias, scale, cfg):
+    out = list(act_bwd_p.bind(dz, x, bias, scale, **cfg.params(True)))[:5]  # without the workspace
     out[4] = _dbias_shape(out[4], x, cfg)
     return tuple(out)
 
 
-_fwd_partitioned = custom_partitioning(_fwd_local, static_argnums=(2,))
+_fwd_partitioned = custom_partitioning(_fwd_local, static_argnums=(3,))
 _fwd_partitioned.def_partition(
     partition=lambda cfg, mesh, arg_shapes, result_shape: _partition(cfg, False, mesh, arg_shapes),
     sharding_rule=lambda cfg, mesh, vt, rt: _rule_parts(
         cfg, len(vt[0].shape) - (2 if cfg.gated else 1), False))
-_bwd_partitioned = custom_partitioning(_bwd_local, static_argnums=(3,))
+_bwd_partitioned = custom_partitioning(_bwd_local, static_argnums=(4,))
 _bwd_partitioned.def_partition(
     partition=lambda cfg, mesh, arg_shapes, result_shape: _partition(cfg, True, mesh, arg_shapes),
     sharding_rule=lambda cfg, mesh, vt, rt: _rule_parts(cfg, len(vt[0].shape) - 1, True))
@@ -304,7 +317,7 @@ def check_act_args(op, x, act_type, gated, limit):
 
 
 def _config(op, x, act_type, gated, limit, alpha, quant_scale, quant_dtype, rowwise, colwise,
-            out, dbias=False, keep_dims=False):
+            out, dbias=False, keep_dims=False, bias=None):
     check_act_args(op, x, act_type, gated, limit)
     q_dtype = None
     if quant_scale is not None:
@@ -315,7 +328,19 @@ def _config(op, x, act_type, gated, limit, alpha, quant_scale, quant_dtype, roww
             raise ValueError(f"{op}: rowwise/colwise: quant_scale given but no copy requested")
         q_dtype = jnp.dtype(quant_dtype).name
     return _Cfg(ACT_TYPES[act_type], bool(gated), float(limit), float(alpha), q_dtype, bool(out),
-                bool(rowwise), bool(colwise), bool(dbias), bool(keep_dims))
+                bool(rowwise), bool(colwise), bool(dbias), bool(keep_dims), bias is not None)
+
+
+def _bias_arg(op, x, gated, bias):
+    """The bias operand: x's trailing shape and dtype, or an empty (0,) array for none."""
+    if bias is None:
+        return jnp.zeros((0,), x.dtype)
+    bias = jnp.asarray(bias)
+    want = x.shape[-2:] if gated else x.shape[-1:]
+    if bias.shape != want or bias.dtype != x.dtype:
+        raise ValueError(f"{op}: bias: expected {x.dtype} of shape {want} (x's dtype and trailing "
+                         f"dims), got {bias.dtype} {bias.shape}")
+    return bias
 
 
 def _scale_arg(op, quant_scale):
@@ -330,14 +355,16 @@ def _scale_arg(op, quant_scale):
 
 def act_forward(x, act_type: str, *, gated=False, limit=7.0, alpha=1.702, quant_scale=None,
                 quant_dtype=jnp.float8_e4m3fn, rowwise=True, colwise=False,
-                return_y=True, keep_dims=False) -> ActForwardOut:
+                return_y=True, keep_dims=False, bias=None) -> ActForwardOut:
     """y = act(x) (gated: act(x[..., 0, :]) * gate(x[..., 1, :])), optionally fused with an
     FP8 quantization of the fp32 y with `quant_scale` (q_rowwise if `rowwise`, q_colwise
-    (H, rows) if `colwise`, (H, ...) with keep_dims, and amax; fields not asked for are None)."""
+    (H, rows) if `colwise`, (H, ...) with keep_dims, and amax; fields not asked for are None).
+    bias: (H,) or, gated, (2, H) in x's dtype, added to x in fp32 first (the module docstring)."""
     x = jnp.asarray(x)
     cfg = _config(_FWD, x, act_type, gated, limit, alpha, quant_scale, quant_dtype, rowwise,
-                  colwise, return_y, keep_dims=keep_dims)
-    y, qr, qc, amax = _op(cfg, False)(x, _scale_arg(_FWD, quant_scale))
+                  colwise, return_y, keep_dims=keep_dims, bias=bias)
+    b = _bias_arg(_FWD, x, gated, bias)
+    y, qr, qc, amax = _op(cfg, False)(x, b, _scale_arg(_FWD, quant_scale))
     q = cfg.q_dtype is not None
     return ActForwardOut(y if cfg.out else None, qr if q and cfg.rowwise else None,
                          qc if q and cfg.colwise else None, amax if q else None)
@@ -345,20 +372,22 @@ def act_forward(x, act_type: str, *, gated=False, limit=7.0, alpha=1.702, quant_
 
 def act_backward(dz, x, act_type: str, *, gated=False, limit=7.0, alpha=1.702, quant_scale=None,
                  quant_dtype=jnp.float8_e5m2, rowwise=True, colwise=False, compute_dbias=False,
-                 return_dx=True, keep_dims=False) -> ActBackwardOut:
+                 return_dx=True, keep_dims=False, bias=None) -> ActBackwardOut:
     """dx = dz * d act(x) / dx (gated: the gradients of both halves, x's shape), fused with
     dbias (column sums of dx over the rows) and an optional FP8 quantization of the fp32 dx
     (q_rowwise (rows, C), q_colwise (C, rows)); fields not asked for are None.
     keep_dims: nothing flattened, so sharded dims stay sharded: q_rowwise in x's shape,
-    q_colwise x's trailing dims ((H,) or (2, H)) then its leading ones, dbias (H,) or (2, H)."""
+    q_colwise x's trailing dims ((H,) or (2, H)) then its leading ones, dbias (H,) or (2, H).
+    bias: the forward's, added to x in fp32 first: the gradients are those at x + bias."""
     x, dz = jnp.asarray(x), jnp.asarray(dz)
     cfg = _config(_BWD, x, act_type, gated, limit, alpha, quant_scale, quant_dtype, rowwise,
-                  colwise, return_dx, compute_dbias, keep_dims)
+                  colwise, return_dx, compute_dbias, keep_dims, bias)
+    b = _bias_arg(_BWD, x, gated, bias)
     want = (*_lead(x, cfg), x.shape[-1])
     if dz.shape != want or dz.dtype != x.dtype:
         raise ValueError(f"{_BWD}: dz: expected {x.dtype} of shape {want}, got {dz.dtype} "
                          f"{dz.shape}")
-    dx, qr, qc, amax, dbias = _op(cfg, True)(dz, x, _scale_arg(_BWD, quant_scale))
+    dx, qr, qc, amax, dbias = _op(cfg, True)(dz, x, b, _scale_arg(_BWD, quant_scale))
     q = cfg.q_dtype is not None
     return ActBackwardOut(dx if cfg.out else None, qr if q and cfg.rowwise else None,
                           qc if q and cfg.colwise else None, amax if q else None,
