@@ -19,6 +19,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 
 #include "common/dtype.h"
 #include "common/formats.h"
@@ -39,8 +40,13 @@ inline int64_t BlockDbiasWorkspaceBytes(int64_t rows, int64_t cols, int64_t tile
   return (rows + tile_rows - 1) / tile_rows * cols * int64_t(sizeof(float));
 }
 
-// "<op>: dbias: expected f32 or <x's dtype>" unless dbias_dtype is one of them.
-Status CheckBlockDbiasDType(const char* op, DType x_dtype, DType dbias_dtype);
+// "<op>: dbias: expected f32 or <x's dtype>" unless dbias_dtype is one of them. Inline: the
+// CPU reference and the CUDA launchers (a library without the reference) both call it.
+inline Status CheckBlockDbiasDType(const char* op, DType x_dtype, DType dbias_dtype) {
+  if (dbias_dtype == DType::kF32 || dbias_dtype == x_dtype) return Status::Ok();
+  return Status::InvalidArgument(std::string(op) + ": dbias: expected f32 or " + DTypeName(x_dtype) +
+                                 ", got " + DTypeName(dbias_dtype));
+}
 
 // CPU reference of the order above (block_dbias_ref.cc): x rows x cols (f32/f16/bf16),
 // dbias cols values of dbias_dtype.

@@ -9,12 +9,6 @@
 
 namespace lowbit {
 
-Status CheckBlockDbiasDType(const char* op, DType x_dtype, DType dbias_dtype) {
-  if (dbias_dtype == DType::kF32 || dbias_dtype == x_dtype) return Status::Ok();
-  return Status::InvalidArgument(std::string(op) + ": dbias: expected f32 or " + DTypeName(x_dtype) + ", got " +
-                                 DTypeName(dbias_dtype));
-}
-
 Status BlockDbiasRef(const char* op, const void* x, DType x_dtype, int64_t rows, int64_t cols,
                      int64_t tile_rows, void* dbias, DType dbias_dtype) {
   const ScopedIeeeDenormals ieee;  // as the GPU (see ieee_denormals.h)
