@@ -19,7 +19,7 @@ import numpy as np
 
 import lowbit
 from lowbit import _ffi
-from lowbit.ops import gemm
+from lowbit.ops.gemm import GemmScaleMode, block_on_cublaslt, mxfp8_on_cublaslt
 
 
 def _tensor_fp8_native(capability: str) -> bool:
@@ -29,8 +29,7 @@ def _tensor_fp8_native(capability: str) -> bool:
 
 
 def _fp8_block_native(capability: str) -> bool:
-    return gemm.block_on_cublaslt((gemm.GemmScaleMode.BLOCK_1x128, gemm.GemmScaleMode.BLOCK_128x128),
-                                  capability)
+    return block_on_cublaslt((GemmScaleMode.BLOCK_1x128, GemmScaleMode.BLOCK_128x128), capability)
 
 
 # Each recipe's hardware-GEMM gate on a CUDA device of compute capability "major.minor" (for
@@ -43,8 +42,8 @@ RECIPES = {
     "DelayedScaling": (_tensor_fp8_native, "sm_89+"),
     "Float8CurrentScaling": (_tensor_fp8_native, "sm_89+"),
     "Float8BlockScaling": (_fp8_block_native, "sm_90"),
-    "MXFP8BlockScaling": (gemm.mxfp8_on_cublaslt, "sm_100 (compute capability 10.x)"),
-    "NVFP4BlockScaling": (gemm.mxfp8_on_cublaslt, "sm_100 (compute capability 10.x)"),
+    "MXFP8BlockScaling": (mxfp8_on_cublaslt, "sm_100 (compute capability 10.x)"),
+    "NVFP4BlockScaling": (mxfp8_on_cublaslt, "sm_100 (compute capability 10.x)"),
 }
 
 
