@@ -31,7 +31,7 @@ from lowbit.layernorm_mlp import layernorm_mlp
 from lowbit.ops.quantize_nvfp4 import rht_sign_bits
 from lowbit.quantize import QuantizerFactory
 from lowbit.recipe import NVFP4BlockScaling
-from conftest import rel_err
+from conftest import rel_err, run_on
 
 warnings.filterwarnings("ignore", message="lowbit.ops.gemm: NVFP4")
 warnings.filterwarnings("ignore", message="lowbit.ops.gemm: no cuBLASLt NVFP4")
@@ -160,14 +160,16 @@ def _packed_wgrad(x_col, dy_col):
 
 
 @pytest.mark.parametrize("m", [42, 64, 7])  # a partial 16-group of tokens (not transformed), none, only one
-def test_wgrad_is_the_product_of_the_stored_values(m, jnp_emulation):
+def test_wgrad_is_the_product_of_the_stored_values(m, cpu, jnp_emulation):
+    """Where nvfp4_gemm is the jnp emulation (Hopper's lowering, run on the CPU device here on
+    every machine, so both sides take XLA:CPU's dot), the bits of the stored values' fp32 dot."""
     qs = with_sr_key(QuantizerFactory.create_set(FULL), jax.random.PRNGKey(m))
     x_col, dy_col = _wgrad_copies(qs, *_data(m, m=m))
     a, b = stored(x_col), stored(dy_col)
-    want = np.asarray(jax.jit(lambda a, b: jnp.dot(a, b.T, precision="highest",
-                                                   preferred_element_type=jnp.float32))(a, b))
+    want = run_on(cpu, lambda a, b: jnp.dot(a, b.T, precision="highest", preferred_element_type=jnp.float32), a, b)
+    got = run_on(cpu, lambda a, b: dense_mod._nvfp4_gemm(a, b, None, jnp.float32, 1), x_col, dy_col)
     assert np.abs(want).max() > 0
-    np.testing.assert_array_equal(_packed_wgrad(x_col, dy_col).view(np.uint32), want.view(np.uint32))
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
 
 
 @pytest.mark.parametrize("m", [42, 64, 7])
