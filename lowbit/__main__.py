@@ -19,20 +19,32 @@ import numpy as np
 
 import lowbit
 from lowbit import _ffi
+from lowbit.ops.gemm import GemmScaleMode, block_on_cublaslt, mxfp8_on_cublaslt
 
-# Minimum compute capability of each recipe's hardware GEMM path (DESIGN.md §4).
+
+def _tensor_fp8_native(capability: str) -> bool:
+    """Per-tensor FP8 GEMMs: cuBLASLt on compute capability 8.9 and up (DESIGN.md §4)."""
+    major, minor = (int(v) for v in capability.split("."))
+    return (major, minor) >= (8, 9)
+
+
+def _fp8_block_native(capability: str) -> bool:
+    return block_on_cublaslt((GemmScaleMode.BLOCK_1x128, GemmScaleMode.BLOCK_128x128), capability)
+
+
+# Each recipe's hardware-GEMM gate on a CUDA device of compute capability "major.minor" (for
+# the block recipes the very predicates lowbit.ops.gemm's CUDA lowerings apply) and the
+# devices it names. MXFP8's and
+# NVFP4's cuBLASLt paths (10.x only: mxfp8_on_cublaslt, which nvfp4_gemm shares) are wired
+# into lowbit.dense, all three GEMMs (NVFP4's RHT wgrad included), compiled in but never run
+# on a Blackwell GPU.
 RECIPES = {
-    "DelayedScaling": (8, 9),
-    "Float8CurrentScaling": (8, 9),
-    "Float8BlockScaling": (9, 0),
-    "MXFP8BlockScaling": (10, 0),
-    "NVFP4BlockScaling": (10, 0),
+    "DelayedScaling": (_tensor_fp8_native, "sm_89+"),
+    "Float8CurrentScaling": (_tensor_fp8_native, "sm_89+"),
+    "Float8BlockScaling": (_fp8_block_native, "sm_90"),
+    "MXFP8BlockScaling": (mxfp8_on_cublaslt, "sm_100 (compute capability 10.x)"),
+    "NVFP4BlockScaling": (mxfp8_on_cublaslt, "sm_100 (compute capability 10.x)"),
 }
-# MXFP8's and NVFP4's sm_100 cuBLASLt paths (lowbit.ops.gemm) are wired into lowbit.dense,
-# compiled in but never run on a Blackwell GPU. NVFP4's wgrad of RHT copies (the recipe's
-# default) stays emulated on every device (lowbit.dense.nvfp4_packed_gemm_ok says why).
-ONLY_ON = {"Float8BlockScaling": (9, 0)}
-PARTLY_EMULATED = {"NVFP4BlockScaling": "; the wgrad GEMM of RHT copies emulated exactly"}
 
 
 def _cuda_driver_version() -> str | None:
@@ -61,19 +73,24 @@ def _capability(device) -> tuple[int, int] | None:
     return int(major), int(minor)
 
 
+def recipe_support(cc: tuple[int, int] | None, cuda_registered: bool) -> dict[str, str]:
+    """How each recipe's GEMMs run on a GPU of compute capability `cc` (None: no GPU)."""
+    recipes = {}
+    for name, (native_on, needs) in RECIPES.items():
+        if cc is not None and native_on(f"{cc[0]}.{cc[1]}") and cuda_registered:
+            recipes[name] = f"native (sm_{cc[0]}{cc[1]})"
+        elif cc is not None:
+            recipes[name] = f"emulated exactly (needs {needs})"
+        else:
+            recipes[name] = "emulated exactly (CPU reference)"
+    return recipes
+
+
 def report() -> dict:
     info = _ffi.info()
     gpus = _gpus()
     cc = _capability(gpus[0]) if gpus else None
-    recipes = {}
-    for name, need in RECIPES.items():
-        native = cc is not None and (cc == ONLY_ON[name] if name in ONLY_ON else cc >= need)
-        if native and info["cuda_registered"]:
-            recipes[name] = f"native (sm_{cc[0]}{cc[1]}{PARTLY_EMULATED.get(name, '')})"
-        elif cc is not None:
-            recipes[name] = f"emulated exactly (needs sm_{need[0]}{need[1]}+)"
-        else:
-            recipes[name] = "emulated exactly (CPU reference)"
+    recipes = recipe_support(cc, info["cuda_registered"])
     return {
         "lowbit": lowbit.__version__,
         "jax": jax.__version__,

@@ -26,10 +26,18 @@ operand (`gemm_operand`). Which GEMMs have a hardware path is lowbit.ops.gemm's 
 NVFP4 (NVFP4BlockScaling): the same dataflow with NVFP4 copies (packed 2-D, colwise copies
 K-major), multiplied by lowbit.ops.gemm.nvfp4_gemm on their stored data, e4m3 scales (16x16
 weight tiles are stored per row, so they need nothing) and global scale_invs: cuBLASLt on
-compute capability 10.x, the exact emulation elsewhere (the bits of emulated_nvfp4_gemm on
-Hopper; the C++ reference's k-order sums on the CPU). The wgrad GEMM of RHT copies (x and dy
-colwise, transformed with different sign vectors) is emulated_nvfp4_gemm on the dequantized,
-un-transformed copies on every device (`_nvfp4_gemm`).
+compute capability 10.x, the exact emulation elsewhere (on other GPUs a dequantize-and-fp32-dot
+in jnp; the C++ reference's k-order sums on the CPU). All three GEMMs, the wgrad of the RHT
+copies included: the RHT T = D H D / 4 runs along the wgrad's contraction dim (tokens) in
+16-blocks, x' = T x and dy' = T' dy, so x'^T dy' = x^T T^T T' dy is x^T dy exactly when the two
+sign matrices D, D' are equal (T^T T = I). with_sr_key gives the x and dgrad quantizers of
+one call ONE RHT sign key, fold_in(key, RHT_KEY_TAG), and their own SR keys (x fold_in(key,
+0), kernel 1, dgrad 2; the quantizer derives signs from fold_in(rht_key, 0), SR words from
+fold_in(key, 1)); without a key both are the plain Hadamard transform (signs all +). So the
+packed product of the two transformed copies is the wgrad up to their quantization, as on
+Blackwell hardware. emulated_nvfp4_gemm (dequantize, transform undone, fp32 dot) is left only
+for a GEMM with exactly one transformed operand, which only a hand-built quantizer set mixing
+use_rht makes (`nvfp4_packed_gemm_ok`).
 
 Accumulation: the forward GEMM uses the fast FP8 accumulation, the two backward GEMMs the
 split (more precise) one, as TransformerEngine does by default (block-scaled GEMMs have only
@@ -39,6 +47,7 @@ the split one). With an empty quantizer set (no recipe) dense is a plain `lax.do
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from functools import partial
 from typing import NamedTuple, Sequence
@@ -49,14 +58,14 @@ from jax.ad_checkpoint import checkpoint_name
 
 from lowbit.ops.gemm import GemmScaleMode, emulated_nvfp4_gemm, gemm, nvfp4_gemm
 from lowbit.quantize.helper import get_global_mesh_resource
-from lowbit.quantize.quantizer import QuantizerSet, noop_quantizer_set
+from lowbit.quantize.quantizer import NVFP4Quantizer, QuantizerSet, noop_quantizer_set
 from lowbit.quantize.scaling_modes import ScalingMode
 from lowbit.quantize.tensor import ScaledTensor1x, ScaledTensor2x, colwise_permutation
 
 # Names under which the GEMM outputs are visible to remat policies (checkpoint_policies.py).
 GEMM_CHECKPOINT_NAME = "lowbit_gemm"
 
-__all__ = ["dense", "GEMM_CHECKPOINT_NAME"]
+__all__ = ["dense", "GEMM_CHECKPOINT_NAME", "RHT_KEY_TAG", "with_sr_key"]
 
 
 def _normalize_dims(op: str, arg: str, dims: Sequence[int], ndim: int) -> tuple[int, ...]:
@@ -147,12 +156,16 @@ def _nvfp4_dims(t: ScaledTensor1x) -> tuple[tuple[int, ...], tuple[int, ...]]:
 
 
 def nvfp4_packed_gemm_ok(a: ScaledTensor1x, b: ScaledTensor1x, contracting_ndim: int) -> bool:
-    """Whether lowbit.ops.gemm.nvfp4_gemm can multiply the two stored copies as they are: neither
-    RHT-transformed (nvfp4_gemm multiplies stored values, which equals the dequantized
-    product only when both operands carry the same transform, and dense's x and dy copies
-    carry different sign vectors), and each stored copy's columns exactly the contracted
-    dims. Every GEMM of dense takes this path except the wgrad of RHT copies."""
-    if a.rht_sign_bits is not None or b.rht_sign_bits is not None:
+    """Whether lowbit.ops.gemm.nvfp4_gemm can multiply the two stored copies as they are: both
+    RHT-transformed or neither (nvfp4_gemm multiplies stored values: with the same transform
+    on both operands' K they multiply to the product, T^T T = I; with it on one only they do
+    not), and each stored copy's columns exactly the contracted dims. Only colwise copies are
+    transformed, so two transformed operands are the wgrad's x and dy copies, whose sign
+    vectors are one by construction: every entry point (dense, layernorm_dense,
+    layernorm_mlp) passes its sets through with_sr_key, which gives the x and dgrad
+    quantizers the same rht_key. One transformed operand comes only from a hand-built set
+    mixing use_rht (e.g. a kernel quantizer with use_rht): emulated_nvfp4_gemm then."""
+    if (a.rht_sign_bits is None) != (b.rht_sign_bits is None):
         return False
     (_, ka), (_, kb) = _nvfp4_dims(a), _nvfp4_dims(b)
     return len(ka) == len(kb) == contracting_ndim and ka == kb
@@ -163,8 +176,9 @@ def _nvfp4_gemm(a: ScaledTensor1x, b: ScaledTensor1x, bias, out_dtype, contracti
     scales and global scale_invs (cuBLASLt on compute capability 10.x; elsewhere the exact
     emulation, which gives emulated_nvfp4_gemm's bits: the same dequantized operands and
     fp32 dot, on the CPU summed in k order by the C++ reference), the (M, N) result reshaped
-    to (M..., N...). RHT copies (the wgrad under NVFP4BlockScaling's default RHT) go through
-    emulated_nvfp4_gemm with the transform undone (nvfp4_packed_gemm_ok says why)."""
+    to (M..., N...); the wgrad of RHT copies (one sign vector) as well. A GEMM with one
+    transformed operand goes through emulated_nvfp4_gemm with the transform undone
+    (nvfp4_packed_gemm_ok says when)."""
     if not nvfp4_packed_gemm_ok(a, b, contracting_ndim):
         return emulated_nvfp4_gemm(_nvfp4_operand(a), _nvfp4_operand(b), bias, out_dtype=out_dtype,
                                    contracting_ndim=contracting_ndim)
@@ -243,13 +257,27 @@ def check_quantizer_set(op: str, quantizer_set: QuantizerSet) -> bool:
     return True
 
 
+# fold_in tag of the RHT sign key of one GEMM's quantizer set (0, 1, 2 are the SR keys).
+RHT_KEY_TAG = 3
+
+
 def with_sr_key(quantizer_set: QuantizerSet, key) -> QuantizerSet:
-    """The set with `key` given to its NVFP4 quantizers (x: fold_in 0, kernel 1, dgrad 2);
-    other quantizers, and key None, leave it unchanged."""
-    if key is None:
+    """The set with `key` given to its NVFP4 quantizers: SR keys of their own (x: fold_in(key,
+    0), kernel 1, dgrad 2) and one RHT sign key for all three, fold_in(key, RHT_KEY_TAG);
+    then (also for key None) the kernel and dgrad quantizers take the x quantizer's rht_key,
+    so that the wgrad's two RHT copies share one sign vector whatever keys a hand-built set
+    carried (signs all + when x's is None). Sets of other quantizers come back unchanged."""
+    if not isinstance(quantizer_set.x, NVFP4Quantizer):
         return quantizer_set
-    return QuantizerSet(*(q.with_key(jax.random.fold_in(key, i)) if hasattr(q, "with_key") else q
-                          for i, q in enumerate(quantizer_set)))
+    if key is not None:
+        rht_key = jax.random.fold_in(key, RHT_KEY_TAG)
+        quantizer_set = QuantizerSet(*(
+            q.with_key(jax.random.fold_in(key, i), rht_key=rht_key) if isinstance(q, NVFP4Quantizer) else q
+            for i, q in enumerate(quantizer_set)))
+    shared = quantizer_set.x.rht_key
+    return QuantizerSet(*(
+        dataclasses.replace(q, rht_key=shared) if isinstance(q, NVFP4Quantizer) and q.rht_key is not shared else q
+        for q in quantizer_set))
 
 
 def dense(
@@ -263,7 +291,8 @@ def dense(
     """x . kernel over `contracting_dims` (+ bias over the kernel's free dims), quantized by
     `quantizer_set` (see the module docstring). The output has x's free dims then the
     kernel's free dims, in x's dtype. sr_key: the PRNG key of NVFP4's stochastic rounding
-    and RHT signs (with_sr_key)."""
+    (a stream per quantizer) and of the RHT sign vector x's and dy's colwise copies share
+    (with_sr_key)."""
     quantizer_set = with_sr_key(quantizer_set, sr_key)
     x, kernel = jnp.asarray(x), jnp.asarray(kernel)
     x, kernel, n_contract = _canonical(x, kernel, contracting_dims)

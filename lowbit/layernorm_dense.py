@@ -64,7 +64,8 @@ def layernorm_dense(
 ):
     """norm(x) . kernel (+ bias): x (..., H), kernel (H, N...), output (..., N...) in x's
     dtype; with return_layernorm_output, (output, norm(x)). sr_key: the PRNG key of NVFP4's
-    stochastic rounding and RHT signs, given to the set as lowbit.dense does (with_sr_key)."""
+    stochastic rounding and RHT signs, given to the set as lowbit.dense does (with_sr_key: SR
+    streams per quantizer, one sign vector for ln's and dy's colwise copies)."""
     del layernorm_input_axes, dot_input_axes, kernel_axes  # sharding hints: see lowbit.sharding
     op = "lowbit.layernorm_dense"
     quantizer_set = with_sr_key(quantizer_set, sr_key)

@@ -92,7 +92,8 @@ def layernorm_mlp(
     """The MLP block of a transformer layer: x (..., H), kernels (wi (H, n_act, F) or (H, F),
     wo (F, H)), biases (wi_bias (n_act, F) or (F,), wo_bias (H,); None for none). sr_key: the
     PRNG key of NVFP4's stochastic rounding and RHT signs; GEMM i's set gets
-    with_sr_key(quantizer_sets[i], fold_in(sr_key, i)) (lowbit.dense.with_sr_key)."""
+    with_sr_key(quantizer_sets[i], fold_in(sr_key, i)) (lowbit.dense.with_sr_key): SR streams
+    per quantizer, one RHT sign vector per GEMM, shared by the copies its wgrad multiplies."""
     del norm_input_axes, dot_1_input_axes, dot_2_input_axes, kernel_1_axes, kernel_2_axes
     op = "lowbit.layernorm_mlp"
     x, gamma = jnp.asarray(x), jnp.asarray(gamma)
@@ -112,9 +113,9 @@ def layernorm_mlp(
         raise ValueError(f"{op}: biases[0]: expected {n_act * ffn} values, got shape {tuple(wi_bias.shape)}")
     if wo_bias is not None and tuple(wo_bias.shape) != (hidden,):
         raise ValueError(f"{op}: biases[1]: expected shape ({hidden},), got {tuple(wo_bias.shape)}")
-    qs1, qs2 = quantizer_sets
-    if sr_key is not None:
-        qs1, qs2 = (with_sr_key(qs, jax.random.fold_in(sr_key, i)) for i, qs in enumerate((qs1, qs2)))
+    # Also without a key: with_sr_key ties each set's RHT signs (x's and dy's colwise copies).
+    qs1, qs2 = (with_sr_key(qs, None if sr_key is None else jax.random.fold_in(sr_key, i))
+                for i, qs in enumerate(quantizer_sets))
     quantized = check_quantizer_set(op, qs1)
     if quantized != check_quantizer_set(op, qs2):
         raise ValueError(f"{op}: quantizer_sets: quantize both GEMMs or neither")

@@ -94,13 +94,18 @@ def test_flax_dense_general_takes_its_key_from_the_sr_rng_stream():
 
 # ---------------------------------------------------------------- the packed GEMM path
 #
-# dense's NVFP4 GEMMs go through lowbit.ops.gemm.nvfp4_gemm (lowbit_gemm_nvfp4, cuBLASLt on
-# 10.x) except the wgrad of RHT copies. Before that change every GEMM was
-# emulated_nvfp4_gemm on the dequantized copies (`_old_nvfp4_gemm` below, the old code). Off
-# 10.x nvfp4_gemm lowers to the jnp emulation (nvfp4_emulation_lowering), which must give
-# the old bits; on the CPU its C++ handler sums in k order, within fp32 reordering of them.
+# dense's NVFP4 GEMMs, the wgrad of the RHT copies included (x's and dy's colwise copies
+# share one sign vector), go through lowbit.ops.gemm.nvfp4_gemm (lowbit_gemm_nvfp4, cuBLASLt
+# on 10.x) on the stored values. Off 10.x nvfp4_gemm lowers to the jnp emulation
+# (nvfp4_emulation_lowering), which must give the bits of `_stored_values_gemm` below (the
+# stored E2M1 codes times their e4m3 scales times the global scale_inv, an fp32 HIGHEST dot:
+# the RHT copies NOT transformed back). Before the packed path every GEMM was
+# emulated_nvfp4_gemm on the dequantized copies, the transform undone (`_old_nvfp4_gemm`):
+# the C++ handler's k-order sums equal it within fp32 rounding (for the RHT wgrad because
+# T^T T = I with one sign vector).
 
 import importlib  # noqa: E402
+import math  # noqa: E402
 import re  # noqa: E402
 
 from jax.interpreters import mlir  # noqa: E402
@@ -110,7 +115,7 @@ gemm_mod = importlib.import_module("lowbit.ops.gemm")
 ffi_mod = importlib.import_module("lowbit._ffi")
 
 RECIPES = {
-    "full": NVFP4BlockScaling(),  # RHT, SR, 2-D weight tiles: fwd and dgrad packed, wgrad emulated
+    "full": NVFP4BlockScaling(),  # RHT, SR, 2-D weight tiles: all three packed
     "sr_no_rht": NVFP4BlockScaling(disable_rht=True),  # all three packed, SR on dy
     "plain": NVFP4BlockScaling(disable_rht=True, disable_stochastic_rounding=True,
                                disable_2d_quantization=True),
@@ -120,6 +125,27 @@ PROBLEMS = {  # x shape, kernel shape, contracting dims
     "2k2n": ((3, 4, 16, 8), (16, 8, 5, 6), ((2, 3), (0, 1))),  # two contracted, two N dims
     "odd": ((33, 70), (70, 17), ((1,), (0,))),  # odd K: a partial 16-block, odd packed nibble
 }
+
+
+_E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float32)
+
+
+def stored_values(t):
+    """A copy's stored (rows, K) values in fp32, (e2m1 * e4m3) * global_scale_inv, an RHT
+    copy left transformed."""
+    rows, k = t.data.shape[0], math.prod(dense_mod._nvfp4_dims(t)[1])
+    codes = jnp.stack([t.data & 15, t.data >> 4], axis=-1).reshape(rows, -1)[:, :k].astype(jnp.int32)
+    scales = jnp.repeat(t.scale_inv.astype(jnp.float32)[:rows, :-(-k // 16)], 16, axis=1)[:, :k]
+    return jnp.asarray(_E2M1)[codes] * scales * t.global_scale_inv.reshape(())
+
+
+def _stored_values_gemm(a, b, bias, out_dtype, contracting_ndim):
+    """The jnp reference of dense's packed NVFP4 GEMM: stored values, fp32 HIGHEST dot, bias in fp32."""
+    acc = jnp.dot(stored_values(a), stored_values(b).T, precision="highest", preferred_element_type=jnp.float32)
+    if bias is not None:
+        acc = acc + bias.reshape(-1).astype(jnp.float32)
+    (a_free, _), (b_free, _) = dense_mod._nvfp4_dims(a), dense_mod._nvfp4_dims(b)
+    return acc.astype(out_dtype).reshape(*a_free, *b_free)
 
 
 def _old_nvfp4_gemm(a, b, bias, out_dtype, contracting_ndim):
@@ -157,12 +183,15 @@ def jnp_emulation():
 
 @pytest.mark.parametrize("problem", list(PROBLEMS))
 @pytest.mark.parametrize("recipe", list(RECIPES))
-def test_packed_path_gives_the_old_bits_where_nvfp4_gemm_emulates(recipe, problem, monkeypatch, jnp_emulation):
+def test_packed_path_gives_the_stored_values_bits_where_nvfp4_gemm_emulates(recipe, problem, monkeypatch,
+                                                                            jnp_emulation):
+    """y, dx, dw, dbias bit for bit those of _stored_values_gemm (for copies without RHT, the
+    old path's bits: nothing to undo)."""
     new = _fwd_bwd(recipe, problem)
     with monkeypatch.context() as mp:
-        mp.setattr(dense_mod, "_nvfp4_gemm", _old_nvfp4_gemm)
-        old = _fwd_bwd(recipe, problem)
-    for got, want in zip(jax.tree.leaves(new), jax.tree.leaves(old)):
+        mp.setattr(dense_mod, "_nvfp4_gemm", _stored_values_gemm)
+        ref = _fwd_bwd(recipe, problem)
+    for got, want in zip(jax.tree.leaves(new), jax.tree.leaves(ref)):
         assert np.abs(want).max() > 0
         np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
 
@@ -171,7 +200,8 @@ def test_packed_path_gives_the_old_bits_where_nvfp4_gemm_emulates(recipe, proble
 @pytest.mark.parametrize("recipe", ["full", "plain"])
 def test_packed_path_on_the_cpu_handler_is_the_old_path_reordered(recipe, problem, monkeypatch):
     """The C++ handler sums in k order, XLA's dot in its own: equal within fp32 reordering
-    (K terms of at most |a||b| each, so K * 2^-23 of the largest output bounds it loosely)."""
+    (K terms of at most |a||b| each, so K * 2^-23 of the largest output bounds it loosely);
+    the full recipe's wgrad also within the old path's fp32 rounding of T (T^T T = I)."""
     new = _fwd_bwd(recipe, problem, seed=1)
     with monkeypatch.context() as mp:
         mp.setattr(dense_mod, "_nvfp4_gemm", _old_nvfp4_gemm)
@@ -193,9 +223,9 @@ def _nvfp4_calls(monkeypatch, recipe, capability):
     return len(re.findall(r"custom_call @lowbit_gemm_nvfp4\(", text))
 
 
-@pytest.mark.parametrize("recipe,calls", [("full", 2), ("sr_no_rht", 3), ("plain", 3)])
+@pytest.mark.parametrize("recipe,calls", [("full", 3), ("sr_no_rht", 3), ("plain", 3)])
 def test_sm100_lowering_runs_the_gemms_on_cublaslt(recipe, calls, monkeypatch):
-    """On 10.x: fwd, dgrad (and wgrad without RHT) are lowbit_gemm_nvfp4 calls; off it none."""
+    """On 10.x: fwd, dgrad and wgrad (RHT or not) are lowbit_gemm_nvfp4 calls; off it none."""
     assert _nvfp4_calls(monkeypatch, recipe, "10.0") == calls
     assert _nvfp4_calls(monkeypatch, recipe, "9.0") == 0
 
@@ -205,7 +235,7 @@ def test_jaxpr_holds_gemm_nvfp4():
     qs = QuantizerFactory.create_set(RECIPES["full"])
     loss = lambda x, k, b: jnp.sum(dense(x, k, b, ((2,), (0,)), qs, sr_key=jax.random.PRNGKey(0)) ** 2)  # noqa: E731
     text = str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(x, k, b))
-    assert text.count("gemm_nvfp4[") == 2, text.count("gemm_nvfp4[")  # fwd, dgrad
+    assert text.count("gemm_nvfp4[") == 3, text.count("gemm_nvfp4[")  # fwd, dgrad, wgrad
 
 
 @pytest.mark.parametrize("recipe", ["full", "plain"])

@@ -214,3 +214,22 @@ def test_nvfp4_layernorm_mlp_takes_two_keys_from_one():
     g1 = nnx.grad(loss)(model, x, jax.random.PRNGKey(9))
     np.testing.assert_array_equal(np.asarray(g0["wi_kernel"][...]), np.asarray(g0_again["wi_kernel"][...]))
     assert not np.array_equal(np.asarray(g0["wi_kernel"][...]), np.asarray(g1["wi_kernel"][...]))
+
+
+def test_nvfp4_layernorm_mlp_keys_equal_the_functional_ones():
+    """NNX LayerNormMLP(sr_key=key) keys its two GEMMs as lowbit.layernorm_mlp(sr_key=key) does
+    (with_sr_key(set_i, fold_in(key, i)): SR keys per quantizer, one RHT sign key per GEMM)."""
+    from lowbit.recipe import NVFP4BlockScaling
+
+    recipe = NVFP4BlockScaling()
+    model = lnnx.LayerNormMLP(H, F, return_layernorm_output=False, quantization_recipe=recipe, rngs=nnx.Rngs(0))
+    x, key = x_in(7), jax.random.PRNGKey(10)
+    qs = (QuantizerFactory.create_set(recipe), QuantizerFactory.create_set(recipe))
+    got = nnx.grad(lambda m: jnp.sum(out0(m(x, deterministic=True, sr_key=key)) ** 2))(model)
+    scale, ln_bias = model.scale[...], model.ln_bias[...]
+    want = jax.grad(lambda wi, wo: jnp.sum(lowbit.layernorm_mlp(
+        x, scale, ln_bias, (wi, wo), activation_type=("relu",), quantizer_sets=qs, sr_key=key) ** 2),
+        argnums=(0, 1))(model.wi_kernel[...], model.wo_kernel[...])
+    for name, w in zip(("wi_kernel", "wo_kernel"), want):
+        assert np.abs(np.asarray(w)).max() > 0
+        np.testing.assert_array_equal(np.asarray(got[name][...]), np.asarray(w))

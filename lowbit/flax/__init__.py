@@ -12,8 +12,10 @@ NVFP4 (NVFP4BlockScaling) keeps no state but needs randomness: its stochastic ro
 the gradients) and random Hadamard transform signs take a key from the Flax RNG stream
 "sr_rng", which the caller passes like dropout's, e.g.
 `model.apply(variables, x, rngs={"dropout": k1, "sr_rng": k2})` (a new key per training
-step). Each module that quantizes draws its own key from the stream; a forward without it
-runs (no SR there), a gradient without it raises an error naming "sr_rng". This holds for
+step). Each module that quantizes draws its own key from the stream (lowbit.dense.with_sr_key
+makes of it an SR key per quantizer and one RHT sign key per GEMM, shared by the copies its
+wgrad multiplies); a forward without it runs (no SR there; RHT signs all +), a gradient
+without it raises an error naming "sr_rng". This holds for
 make_dot_general_cls, wrap_function_in_state_module and the modules of module.py alike.
 """
 

@@ -25,8 +25,11 @@ Call each module once per step (two calls would add their two updated states).
 NVFP4 (NVFP4BlockScaling) draws its stochastic-rounding / RHT key, like nnx.Dropout, from
 the "sr_rng" stream of the `rngs` the module was built with (`rngs=nnx.Rngs(0, sr_rng=1)`:
 a fresh key per call, the stream's count kept in the module's state), or takes one per call
-(`module(x, sr_key=key)`, which wins over the stream). Without either, the forward runs
-(it needs no key) and a gradient raises an error naming "sr_rng".
+(`module(x, sr_key=key)`, which wins over the stream); LayerNormMLP gives GEMM i
+fold_in(key, i). Each GEMM's key goes through lowbit.dense.with_sr_key (an SR key per
+quantizer, one RHT sign key shared by the copies the wgrad multiplies), as in the Linen
+modules. Without either, the forward runs (it needs no key) and a gradient raises an error
+naming "sr_rng".
 """
 
 from __future__ import annotations

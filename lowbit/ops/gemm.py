@@ -39,8 +39,10 @@ operands with e4m3 block scales and fp32 global scale_invs as lowbit.ops.quantiz
 stores them; the exact emulation on the CPU and off 10.x, cuBLASLt on 10.x (compile-checked
 only). 2-D; vmap maps it over the batch; partitioned like the block modes (rows of a, N of b,
 K with a psum) where shards hold whole 16-blocks of unpadded scale dims, else gathered
-(_make_nvfp4_gemm). lowbit.dense multiplies its NVFP4 copies through it, except the wgrad of
-RHT copies, which stays on emulated_nvfp4_gemm (lowbit.dense.nvfp4_packed_gemm_ok).
+(_make_nvfp4_gemm). lowbit.dense multiplies its NVFP4 copies through it, the wgrad of RHT
+copies included (x's and dy's colwise copies share one sign vector, so their stored values
+multiply to the product); emulated_nvfp4_gemm is left for a GEMM with one transformed operand
+(lowbit.dense.nvfp4_packed_gemm_ok).
 
 Algorithm (CUDA): `algo` picks entry `algo` of the list of algorithms cuBLASLt's
 heuristic returns (0 = its first choice; a plan-cache key in C++). `gemm(algo=None)` takes
@@ -303,12 +305,14 @@ def emulated_nvfp4_gemm(a, b, bias=None, *, out_dtype, contracting_ndim: int = 1
     """The NVFP4 GEMM emulation: a (M..., K...) . b (N..., K...)^T over the last
     contracting_ndim dims of the two dequantized operands (fp32, NVFP4Tensor1x.dequantize),
     a HIGHEST-precision fp32 dot, + bias in fp32, rounded to out_dtype, on every device (said
-    once). lowbit.dense uses it only for the wgrad of RHT-transformed copies (their stored
-    values do not multiply to the product); its other NVFP4 GEMMs are nvfp4_gemm below, the
-    packed-operand op with the cuBLASLt path on compute capability 10.x, whose emulation
-    off 10.x gives this function's bits for the same operands."""
-    _notice_once("nvfp4", "lowbit.ops.gemm: NVFP4 GEMMs of RHT-transformed copies (lowbit.dense's "
-                 "wgrad) run as an exact emulation (dequantize to fp32, fp32 GEMM) on every device")
+    once). lowbit.dense uses it only for a GEMM with exactly one RHT-transformed operand (its
+    stored values do not multiply to the product), which only a hand-built quantizer set
+    mixing use_rht makes; its GEMMs are otherwise nvfp4_gemm below, the packed-operand op with
+    the cuBLASLt path on compute capability 10.x, whose emulation off 10.x gives this
+    function's bits for the same (dequantized) operands."""
+    _notice_once("nvfp4", "lowbit.ops.gemm: NVFP4 GEMMs through emulated_nvfp4_gemm (in lowbit.dense: "
+                 "one RHT-transformed operand, from a quantizer set mixing use_rht) run as an exact "
+                 "emulation (dequantize, fp32 GEMM) on every device")
     kd = int(contracting_ndim)
     dims = ((tuple(range(a.ndim - kd, a.ndim)), tuple(range(b.ndim - kd, b.ndim))), ((), ()))
     acc = jax.lax.dot_general(a.astype(jnp.float32), b.astype(jnp.float32), dims,

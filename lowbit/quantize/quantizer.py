@@ -326,23 +326,41 @@ class BlockScaleQuantizer(Quantizer):
 class NVFP4Quantizer(Quantizer):
     """NVFP4 (lowbit.ops.quantize_nvfp4): 16-value blocks (or 16x16 tiles for weights) with
     E4M3 scales under a per-copy fp32 global scale; stochastic rounding and the RHT of the
-    colwise copy as configured. `key` (a PRNG key leaf, or None) feeds both: the RHT sign
-    vector comes from fold_in(key, 0) (signs all + without a key: a plain Hadamard
-    transform), the SR words from fold_in(key, 1) (SR without a key is an error). Stateless:
-    every scale comes from the tensor itself; the ScaledTensors carry no amax."""
+    colwise copy as configured. Stateless: every scale comes from the tensor itself; the
+    ScaledTensors carry no amax.
+
+    Two PRNG key leaves (or None): `key` feeds the SR words, sr_random_bits(fold_in(key, 1))
+    (SR without a key is an error); `rht_key` the RHT sign vector,
+    rht_sign_bits(fold_in(rht_key, 0)) (signs all + without one: a plain Hadamard transform).
+    `with_key(key)` sets both to `key` (a quantizer on its own: signs from fold_in(key, 0), SR
+    words from fold_in(key, 1)); `with_key(key, rht_key=r)` keeps them apart. lowbit.dense
+    (with_sr_key) gives the x, kernel and dgrad quantizers of one GEMM their own SR keys and
+    ONE rht_key, so that the wgrad's two RHT copies (x's and dy's colwise) carry the same
+    sign vector and their stored values multiply to the wanted product."""
 
     q_dtype: np.dtype = jnp.float4_e2m1fn
     mode: ScalingMode = ScalingMode.NVFP4_1D_SCALING
     stochastic_rounding: bool = False
     use_rht: bool = False
     key: jax.Array | None = None
+    rht_key: jax.Array | None = None
 
     @property
     def scaling_mode(self) -> ScalingMode:
         return self.mode
 
-    def with_key(self, key) -> NVFP4Quantizer:
-        return dataclasses.replace(self, key=key)
+    def with_key(self, key, rht_key=None) -> NVFP4Quantizer:
+        """The quantizer with SR key `key` and RHT sign key `rht_key` (`key` when None)."""
+        return dataclasses.replace(self, key=key, rht_key=key if rht_key is None else rht_key)
+
+    def rht_signs(self) -> jax.Array:
+        """The RHT sign vector of this quantizer's colwise copies, uint32 (1,) (low 16 bits;
+        0 = all +, the plain Hadamard transform, without an rht_key)."""
+        from lowbit.ops.quantize_nvfp4 import rht_sign_bits
+
+        if self.rht_key is None:
+            return jnp.zeros((1,), jnp.uint32)
+        return rht_sign_bits(jax.random.fold_in(self.rht_key, 0))
 
     def quantize(
         self,
@@ -355,17 +373,14 @@ class NVFP4Quantizer(Quantizer):
         compute_dbias: bool = False,
     ) -> tuple[ScaledTensor, jax.Array | None]:
         """Returns (NVFP4Tensor1x, or ScaledTensor2x of two; dbias or None)."""
-        from lowbit.ops.quantize_nvfp4 import quantize_nvfp4, rht_sign_bits, sr_random_bits
+        from lowbit.ops.quantize_nvfp4 import quantize_nvfp4, sr_random_bits
 
         op, x, axis, dq_dtype = self._checked_input(x, is_rowwise, is_colwise, flatten_axis, dq_dtype)
         if self.stochastic_rounding and self.key is None:
             raise ValueError(f"{op}: key: stochastic rounding needs a PRNG key (with_key, the dense "
                              "functions' sr_key, or the Flax RNG stream 'sr_rng')")
         random = sr_random_bits(jax.random.fold_in(self.key, 1), x.shape) if self.stochastic_rounding else None
-        signs = None
-        if self.use_rht and is_colwise:
-            signs = (rht_sign_bits(jax.random.fold_in(self.key, 0)) if self.key is not None
-                     else jnp.zeros((1,), jnp.uint32))
+        signs = self.rht_signs() if self.use_rht and is_colwise else None
         out = quantize_nvfp4(x, random=random, rht_sign_bits=signs,
                              tile_2d=self.mode == ScalingMode.NVFP4_2D_SCALING,
                              rowwise=is_rowwise, colwise=is_colwise, flatten_axis=axis)
@@ -389,7 +404,7 @@ for _cls, _leaves in (
     (DelayedScaleQuantizer, ["scale", "amax_history"]),
     (CurrentScaleQuantizer, []),
     (BlockScaleQuantizer, []),
-    (NVFP4Quantizer, ["key"]),
+    (NVFP4Quantizer, ["key", "rht_key"]),
 ):
     _static = [f.name for f in dataclasses.fields(_cls) if f.name not in _leaves]
     jax.tree_util.register_dataclass(_cls, data_fields=_leaves, meta_fields=_static)
