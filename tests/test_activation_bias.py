@@ -315,6 +315,12 @@ def test_cuda_bias_equals_cpu(shape, act, gated, dtype, variant, rng, cpu, gpu, 
         np.testing.assert_array_equal(bits(getattr(g[1], name)), bits(getattr(c[1], name)),
                                       err_msg=f"backward {name}")
     a, b = g[1].dbias.astype(np.float32), c[1].dbias.astype(np.float32)  # summation order
+    # Where the column's finite |dx| add up past fp32's max, whether a partial sum overflows
+    # (and then meets an opposite inf: NaN) depends on the order: compare only the others.
+    dx = c[1].dx.astype(np.float64).reshape(shape[0], -1)
+    safe = np.sum(np.where(np.isfinite(dx), np.abs(dx), 0.0), axis=0) < float(np.finfo(np.float32).max)
+    assert safe.mean() > 0.5  # the specials leave most columns comparable
+    a, b = a.reshape(-1)[safe], b.reshape(-1)[safe]
     np.testing.assert_array_equal(np.isnan(a), np.isnan(b))
     fin = np.isfinite(a) & np.isfinite(b)
     eps = float(jnp.finfo(dtype).eps)

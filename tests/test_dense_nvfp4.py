@@ -254,8 +254,10 @@ def test_dense_under_vmap_and_on_a_mesh(recipe):
     np.testing.assert_array_equal(np.asarray(jax.jit(jax.vmap(one))(x)), loop)
     f = jax.jit(jax.value_and_grad(lambda x, k: jnp.sum(jnp.sin(dense(x, k, b, ((2,), (0,)), qs, sr_key=key))),
                                    argnums=(0, 1)))
-    want = jax.tree.leaves(f(x, kern))
-    mesh = Mesh(np.array(jax.devices("cpu")[:2]), ("d",))
+    cpu = jax.devices("cpu")
+    with jax.default_device(cpu[0]):  # the mesh is of CPU devices: the reference too
+        want = jax.tree.leaves(f(x, kern))
+    mesh = Mesh(np.array(cpu[:2]), ("d",))
     for xs, ks in ((P("d"), P()), (P(), P(None, "d")), (P(None, None, "d"), P("d", None))):
         got = jax.tree.leaves(f(jax.device_put(x, NamedSharding(mesh, xs)), jax.device_put(kern, NamedSharding(mesh, ks))))
         for g, w in zip(got, want):

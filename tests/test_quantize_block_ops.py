@@ -503,7 +503,9 @@ def test_cuda_every_input_bit_pattern_equals_cpu(fp8, rng, cpu, gpu):
                    lambda v: quantize_fp8_block(v, out_dtype=fp8, tile_2d=True, pow2_scales=True, rowwise=True, colwise=True),
                    lambda v: quantize_mxfp8(v, out_dtype=fp8, rowwise=True, colwise=True)):
             for a, b in zip(run_on(gpu, fn, x), run_on(cpu, fn, x)):
-                np.testing.assert_array_equal(_bits(a), _bits(b))
+                assert (a is None) == (b is None)  # fields not asked for (dbias)
+                if a is not None:
+                    np.testing.assert_array_equal(_bits(a), _bits(b))
 
 
 @pytest.mark.gpu
@@ -570,7 +572,7 @@ def test_cuda_dbias_f32_and_misaligned_equal_cpu(dtype, rng, cpu, gpu):
     # The f32 dbias result (what the sharded rule asks for) through the handler, and the
     # unvectorized paths (a slice starting one element in, odd cols).
     lowbit._ffi.load()
-    x = with_block_specials(rng, (1537, 1030), dtype)
+    x = with_block_specials(rng, (1537, 1033), dtype)  # holds the 1535 x 1033 slice one element in
     sd, e4, f32 = jax.ShapeDtypeStruct, jnp.float8_e4m3fn, jnp.float32
     r, c = x.shape
 
