@@ -383,6 +383,26 @@ def test_cuda_odd_shapes_are_padded(m, n, k, rng, cpu, gpu):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("a_dtype,b_dtype", [(E4M3, E5M2), (BF16, BF16)], ids=str)
+@pytest.mark.parametrize("m,n,k", [(37, 200, 256), (130, 33, 1000)], ids=str)
+def test_cuda_f32_bias_bound_on_gemm_p_directly(a_dtype, b_dtype, m, n, k, rng, cpu, gpu):
+    """lowbit.ops.gemm adds an fp32 output's bias in XLA, so only a direct binder of gemm_p
+    hands it to the custom call, whose CUDA handler adds it after cuBLASLt
+    (GemmBiasAddF32Cuda): that path against the CPU handler."""
+    a, b, sa, sb, bias = operands(rng, m, n, k, a_dtype, b_dtype, F32)
+    f = lambda a, b, sa, sb, bias: gemm_mod.gemm_padded(  # noqa: E731
+        a, b, sa.reshape(1), sb.reshape(1), bias, out_dtype=jnp.dtype(F32),
+        use_split_accumulator=np.bool_(True))
+    g, c = run_on(gpu, f, a, b, sa, sb, bias), run_on(cpu, f, a, b, sa, sb, bias)
+    model = "fp8_split" if jnp.dtype(a_dtype) in gemm_mod.FP8 else "gpu"
+    assert_close_gemm(g, c, gemm_atol(a, b, sa, sb, F32, model=model, bias=bias),
+                      max_rel_frobenius=FROBENIUS[model])
+    # The bias is there: without it the output moves by |bias| (4 sigma of normal draws).
+    assert np.abs(np.asarray(g, np.float64) - np.asarray(run_on(gpu, f, a, b, sa, sb, 0 * bias),
+                                                          np.float64)).max() > 1.0
+
+
+@pytest.mark.gpu
 def test_cuda_plan_cache_takes_new_pointers_and_scales(rng, cpu, gpu):
     """Calls of one cached plan with other buffers, scales and bias must not reuse old ones."""
     f = jax.jit(lambda *x: lowbit.ops.gemm(*x, out_dtype=BF16))
