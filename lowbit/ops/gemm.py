@@ -785,11 +785,17 @@ def _make_gemm(out_dtype: np.dtype, use_split_accumulator: bool, has_bias: bool,
     def gemm_vmap(axis_size, in_batched, *args):
         if not block and in_batched[0] and not any(in_batched[1:]):
             return gemm_fn(*args), True
-        args = [x if batched else jnp.broadcast_to(x, (axis_size, *x.shape))
-                for x, batched in zip(args, in_batched)]
-        return jax.lax.map(lambda xs: gemm_fn(*xs), tuple(args)), True
+        return _mapped_over_batch(gemm_fn, axis_size, in_batched, args), True
 
     return gemm_fn
+
+
+def _mapped_over_batch(fn, axis_size: int, in_batched, args):
+    """A custom_vmap rule's fallback: fn once per batch element (lax.map), the unbatched
+    operands broadcast along the batch (custom_vmap puts batched ones at axis 0)."""
+    args = [x if batched else jnp.broadcast_to(x, (axis_size, *x.shape))
+            for x, batched in zip(args, in_batched)]
+    return jax.lax.map(lambda xs: fn(*xs), tuple(args))
 
 
 def _scale_arg(name: str, x, mode: GemmScaleMode = GemmScaleMode.TENSOR, rows: int = 1, k: int = 1):
@@ -1205,8 +1211,6 @@ def _make_nvfp4_gemm(out_dtype: np.dtype, k: int, algo: int, has_bias: bool):
 
     @nvfp4_fn.def_vmap
     def nvfp4_vmap(axis_size, in_batched, *args):
-        args = [x if batched else jnp.broadcast_to(x, (axis_size, *x.shape))
-                for x, batched in zip(args, in_batched)]
-        return jax.lax.map(lambda xs: nvfp4_fn(*xs), tuple(args)), True
+        return _mapped_over_batch(nvfp4_fn, axis_size, in_batched, args), True
 
     return nvfp4_fn
