@@ -375,15 +375,23 @@ def block_tolerance(a, b, a_mode, sa, b_mode, sb, out_dtype):
     return gamma * abs_dot + eps_out * np.abs(a64 @ b64.T) + float(ml_dtypes.finfo(out_dtype).tiny)
 
 
-GPU_SHAPES = [(128, 256, 512), (1, 16, 128), (7, 17, 200), (130, 33, 1000), (256, 384, 4096)]
+GPU_SHAPES = [(128, 256, 512), (1, 16, 128), (7, 17, 200), (130, 33, 1000), (256, 384, 4096),
+              (300, 400, 2000), (520, 1040, 4096)]
+# LOWBIT_BLOCK_GEMM: cuBLASLt's block scaling (the default) or lowbit's own wgmma kernel
+# (csrc/gemm/block_gemm_sm90.h); both follow the same per-block order and tolerance.
+BLOCK_PATHS = ["cublaslt", "wgmma"]
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("path", BLOCK_PATHS)
 @pytest.mark.parametrize("a_mode,b_mode", PAIRS[:3], ids=PAIR_IDS[:3])
 @pytest.mark.parametrize("m,n,k", GPU_SHAPES, ids=str)
 @pytest.mark.parametrize("out_dtype", [BF16, F32], ids=str)
-def test_cuda_block_gemm_matches_cpu_emulation(a_mode, b_mode, m, n, k, out_dtype, rng, cpu, gpu):
-    a, b, sa, sb = operands(rng, m, n, k, a_mode, b_mode, E4M3, E5M2)
+@pytest.mark.parametrize("types", [(E4M3, E5M2), (E5M2, E4M3), (E4M3, E4M3)], ids=["e4m3-e5m2", "e5m2-e4m3", "e4m3-e4m3"])
+def test_cuda_block_gemm_matches_cpu_emulation(a_mode, b_mode, m, n, k, out_dtype, types, path, rng, cpu,
+                                               gpu, monkeypatch):
+    monkeypatch.setenv("LOWBIT_BLOCK_GEMM", path)
+    a, b, sa, sb = operands(rng, m, n, k, a_mode, b_mode, *types)
     bias = rng.normal(size=(n,)).astype(out_dtype)
     f = lambda a, b, sa, sb, bias: call(a, b, sa, sb, a_mode, b_mode, bias, out_dtype)  # noqa: E731
     g = np.asarray(run_on(gpu, f, a, b, sa, sb, bias), np.float64)
@@ -392,6 +400,30 @@ def test_cuda_block_gemm_matches_cpu_emulation(a_mode, b_mode, m, n, k, out_dtyp
     assert np.all(np.abs(g - c) <= tol), np.max(np.abs(g - c) / tol)
     # A wrong scale layout would be off by factors of 2^16 (the scales span 2^-12..2^4).
     assert np.linalg.norm(g - c) <= 2.0**-6 * np.linalg.norm(c) + 1e-30
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("path,kernel", [("wgmma", "BlockGemmKernel"), ("cublaslt", "nvjet")])
+def test_cuda_block_gemm_path_runs_its_kernel(path, kernel, rng, gpu, monkeypatch, tmp_path):
+    """LOWBIT_BLOCK_GEMM picks the kernel that runs on Hopper: the profiler's kernel names show
+    lowbit's BlockGemmKernel for "wgmma" and cuBLASLt's (not lowbit's) for the default."""
+    import glob
+    import gzip
+
+    if capability_of(gpu) != "9.0":
+        pytest.skip("the block GEMM paths are Hopper's")
+    monkeypatch.setenv("LOWBIT_BLOCK_GEMM", path)
+    a, b, sa, sb = operands(rng, 256, 256, 1024, Mode.BLOCK_1x128, Mode.BLOCK_1x128)
+    args = jax.device_put((a, b, sa, sb), gpu)
+    f = jax.jit(lambda a, b, sa, sb: call(a, b, sa, sb, Mode.BLOCK_1x128, Mode.BLOCK_1x128))
+    jax.block_until_ready(f(*args))
+    with jax.profiler.trace(str(tmp_path), create_perfetto_trace=True):
+        jax.block_until_ready(f(*args))
+    trace = glob.glob(str(tmp_path / "plugins" / "profile" / "*" / "perfetto_trace.json.gz"))
+    assert trace
+    text = "".join(gzip.open(t, "rt").read() for t in trace)
+    assert ("BlockGemmKernel" in text) == (path == "wgmma")
+    assert kernel in text
 
 
 @pytest.mark.gpu

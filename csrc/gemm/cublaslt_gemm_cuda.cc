@@ -62,6 +62,7 @@
 #include <unordered_map>
 
 #include "common/cuda_check.h"
+#include "gemm/block_gemm_sm90.h"
 #include "gemm/gemm.h"
 #include "gemm/gemm_epilogue.h"
 #include "gemm/scale_swizzle.h"
@@ -542,6 +543,10 @@ Status GemmCuda(const GemmArgs& args, int device_ordinal, void* workspace, GpuSt
   const bool fp8 = IsFp8(args.a_type);
   const bool block = IsBlockScaleMode(args.a_scale_mode);
   if (fp8) LOWBIT_RETURN_IF_ERROR(CheckFp8Problem(args, device_ordinal, device->capability));
+  // FP8 block scaling on Hopper: lowbit's own wgmma kernel where LOWBIT_BLOCK_GEMM asks for it.
+  if (block && BlockGemmSm90Requested() && BlockGemmSm90Applies(args, device->capability)) {
+    return BlockGemmSm90Cuda(args, device_ordinal, stream);
+  }
   if (block) LOWBIT_RETURN_IF_ERROR(CheckBlockScaleProblem(args, device_ordinal, device->capability));
 
   // f32 outputs take their bias from GemmBiasAddF32Cuda (see gemm_epilogue.h).

@@ -1,0 +1,442 @@
+// block_gemm_sm90: the FP8 block-scaled GEMM of block_gemm_sm90.h on Hopper's wgmma and TMA.
+//
+// One persistent CTA per SM walks 128x128 output tiles (grouped 8 tile rows at a time, so the
+// CTAs running together share operand tiles in L2). Warpgroup 0 is the producer: one thread
+// streams each 128-long K block of the a and b tiles (128 x 128 bytes each, 128B-swizzled)
+// and, for 1x128 operands, the block's 128 scales into a 6-stage shared-memory ring with
+// TMA, signalling a "full" mbarrier per stage. Warpgroups 1 and 2 each own 64 rows of the
+// tile: per K block they run four m64n128k32 wgmmas into a fresh fp32 partial sum, wait for
+// them, multiply the partial by the block's two scales into the running fp32 total (the
+// "promotion" of block_gemm_sm90.h's numerics), and release the stage ("empty" mbarrier,
+// one arrival per consumer warp). While one warpgroup promotes, the other's wgmmas keep the
+// tensor cores busy. 128x128 operands have one scale per tile and K block, read from global
+// memory one K block ahead. The epilogue adds the bias in fp32 and stores pairs of outputs
+// straight from the accumulator registers, while the producer already loads the next tile.
+//
+// Device code exists for sm_90a only (wgmma needs the arch-specific target); other targets
+// compile an empty kernel that the host side never launches (BlockGemmSm90Applies).
+#include <cuda.h>
+#include <cudaTypedefs.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+
+#include "common/cuda_check.h"
+#include "gemm/block_gemm_sm90.h"
+
+namespace lowbit {
+namespace {
+
+constexpr int kTileM = 128, kTileN = 128, kTileK = 128;  // kTileK = the scales' block
+constexpr int kStages = 6;
+constexpr int kThreads = 384;  // producer warpgroup + 2 consumer warpgroups
+constexpr int kATileBytes = kTileM * kTileK;
+constexpr int kBTileBytes = kTileN * kTileK;
+constexpr int kScaleAOffset = kATileBytes + kBTileBytes;
+constexpr int kScaleBOffset = kScaleAOffset + kTileM * 4;
+constexpr int kStageBytes = kScaleBOffset + kTileN * 4;  // 33 KiB: every stage 1024-aligned
+constexpr int kSmemBytes = kStages * kStageBytes + 2 * kStages * 8 + 1024;  // + barriers, alignment
+static_assert(kStageBytes % 1024 == 0, "128B-swizzled TMA tiles need 1024-byte aligned stages");
+
+struct E4m3Tag {};
+struct E5m2Tag {};
+
+struct Params {
+  const float* a_scale;  // 128x128 operands: the scale array (gemm.h), else unused
+  const float* b_scale;
+  int64_t a_scale_ld, b_scale_ld;  // its row length (K blocks rounded up to 4)
+  const void* bias;                // n values of the out type, or null
+  void* out;                       // (m, n) row-major
+  int m, n, k_blocks, m_tiles, n_tiles;
+};
+
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define LOWBIT_SM90A_DEVICE 1
+
+constexpr int kConsumerWarps = 8;
+constexpr int kGroupRows = 8;  // tile rows per raster group
+
+__device__ __forceinline__ uint32_t SmemAddr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void MbarInit(uint64_t* bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(SmemAddr(bar)), "r"(count));
+}
+__device__ __forceinline__ void MbarExpectTx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(SmemAddr(bar)),
+               "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void MbarArrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(SmemAddr(bar)) : "memory");
+}
+__device__ __forceinline__ void MbarWait(uint64_t* bar, uint32_t parity) {
+  uint32_t done = 0;
+  do {
+    asm volatile(
+        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+        "selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done) : "r"(SmemAddr(bar)), "r"(parity) : "memory");
+  } while (!done);
+}
+__device__ __forceinline__ void TmaLoad2d(void* dst, const CUtensorMap* map, uint64_t* bar, int c0,
+                                          int c1) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, "
+      "%4}], [%2];" ::"r"(SmemAddr(dst)), "l"(reinterpret_cast<uint64_t>(map)), "r"(SmemAddr(bar)),
+      "r"(c0), "r"(c1) : "memory");
+}
+__device__ __forceinline__ void TmaPrefetchDescriptor(const CUtensorMap* map) {
+  asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
+}
+
+// wgmma's shared-memory matrix descriptor of a K-major tile of 8-row groups, 128 bytes per
+// row, 128B swizzle (what the TMA above writes): start address >> 4, leading byte offset
+// (unused for this swizzle; 1), stride byte offset 1024 (one 8-row group) >> 4, swizzle
+// mode 1 = 128B in bits 62-63. Moving 32 bytes along K adds 2 to the start address.
+__device__ __forceinline__ uint64_t SmemDesc(const void* tile) {
+  const uint64_t addr = SmemAddr(tile);
+  return ((addr & 0x3FFFF) >> 4) | (uint64_t(1) << 16) | (uint64_t(1024 >> 4) << 32) |
+         (uint64_t(1) << 62);
+}
+
+__device__ __forceinline__ void WgmmaFence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void WgmmaCommit() {
+  asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+}
+__device__ __forceinline__ void WgmmaWaitAll() {
+  asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+}
+
+// d (64 rows x 128 columns over the warpgroup's 128 threads) = a (64 x 32) * b (128 x 32)^T
+// (+ d when accumulate != 0). Thread t of the warpgroup holds d[4i + {0,1}] at row
+// 16*(t/32) + (t%32)/4, columns 8i + 2*(t%4) + {0,1}, and d[4i + {2,3}] eight rows lower.
+#define LOWBIT_DEFINE_WGMMA_M64N128K32(ATAG, BTAG, TYPES)                                      \
+  __device__ __forceinline__ void Wgmma(float(&d)[64], uint64_t desc_a, uint64_t desc_b,          \
+                                        int accumulate, ATAG, BTAG) {                             \
+    asm volatile(                                                                            \
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"                                         \
+        "wgmma.mma_async.sync.aligned.m64n128k32.f32." TYPES " {"                           \
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "  \
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "  \
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "  \
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"  \
+        "}, %64, %65, p, 1, 1;\n}\n"                                                       \
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),  \
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),  \
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),  \
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),  \
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),  \
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),  \
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),  \
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])  \
+        : "l"(desc_a), "l"(desc_b), "r"(accumulate));                                       \
+  }
+LOWBIT_DEFINE_WGMMA_M64N128K32(E4m3Tag, E4m3Tag, "e4m3.e4m3")
+LOWBIT_DEFINE_WGMMA_M64N128K32(E4m3Tag, E5m2Tag, "e4m3.e5m2")
+LOWBIT_DEFINE_WGMMA_M64N128K32(E5m2Tag, E4m3Tag, "e5m2.e4m3")
+
+__device__ __forceinline__ void TileCoords(int tile, int m_tiles, int n_tiles, int* mt, int* nt) {
+  const int per_group = kGroupRows * n_tiles;
+  const int group = tile / per_group;
+  const int first = group * kGroupRows;
+  const int rows = min(m_tiles - first, kGroupRows);
+  const int in_group = tile - group * per_group;
+  *mt = first + in_group % rows;
+  *nt = in_group / rows;
+}
+
+__device__ __forceinline__ float ToFloat(float v) { return v; }
+__device__ __forceinline__ float ToFloat(__nv_bfloat16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ float ToFloat(__half v) { return __half2float(v); }
+__device__ __forceinline__ void StorePair(float* p, float x, float y) {
+  *reinterpret_cast<float2*>(p) = make_float2(x, y);
+}
+__device__ __forceinline__ void StorePair(__nv_bfloat16* p, float x, float y) {
+  *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(x, y);
+}
+__device__ __forceinline__ void StorePair(__half* p, float x, float y) {
+  *reinterpret_cast<__half2*>(p) = __floats2half2_rn(x, y);
+}
+#endif  // sm_90a device code
+
+template <typename OutT, bool kAVec, bool kBVec, typename ATag, typename BTag>
+__global__ void __launch_bounds__(kThreads, 1)
+    BlockGemmKernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
+                    const __grid_constant__ CUtensorMap map_sa,
+                    const __grid_constant__ CUtensorMap map_sb, const Params p) {
+#if defined(LOWBIT_SM90A_DEVICE)
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = reinterpret_cast<uint8_t*>(
+      (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + kStages * kStageBytes);
+  uint64_t* empty = full + kStages;
+  const int num_tiles = p.m_tiles * p.n_tiles;
+
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      MbarInit(&full[s], 1);
+      MbarInit(&empty[s], kConsumerWarps);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    TmaPrefetchDescriptor(&map_a);
+    TmaPrefetchDescriptor(&map_b);
+  }
+  __syncthreads();
+
+  if (threadIdx.x < 128) {  // producer warpgroup: one thread issues every copy
+    if (threadIdx.x != 0) return;
+    constexpr uint32_t kTxBytes =
+        kATileBytes + kBTileBytes + (kAVec ? kTileM * 4 : 0) + (kBVec ? kTileN * 4 : 0);
+    uint32_t it = 0;
+    for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
+      int mt, nt;
+      TileCoords(tile, p.m_tiles, p.n_tiles, &mt, &nt);
+      for (int kb = 0; kb < p.k_blocks; ++kb, ++it) {
+        const int s = it % kStages;
+        MbarWait(&empty[s], ((it / kStages) & 1) ^ 1);
+        uint8_t* stage = smem + s * kStageBytes;
+        MbarExpectTx(&full[s], kTxBytes);
+        TmaLoad2d(stage, &map_a, &full[s], kb * kTileK, mt * kTileM);
+        TmaLoad2d(stage + kATileBytes, &map_b, &full[s], kb * kTileK, nt * kTileN);
+        if (kAVec) TmaLoad2d(stage + kScaleAOffset, &map_sa, &full[s], mt * kTileM, kb);
+        if (kBVec) TmaLoad2d(stage + kScaleBOffset, &map_sb, &full[s], nt * kTileN, kb);
+      }
+    }
+    return;
+  }
+
+  // Consumer warpgroups.
+  const int wg = threadIdx.x / 128 - 1;
+  const int t = threadIdx.x % 128;
+  const int lane = t % 32;
+  const int row0 = wg * 64 + (t / 32) * 16 + lane / 4;  // and row0 + 8, within the tile
+  const int col0 = 2 * (lane % 4);                      // + 8i and + 8i + 1
+  uint32_t it = 0;
+  for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
+    int mt, nt;
+    TileCoords(tile, p.m_tiles, p.n_tiles, &mt, &nt);
+    const float* a_scale_row = kAVec ? nullptr : p.a_scale + int64_t(mt) * p.a_scale_ld;
+    const float* b_scale_row = kBVec ? nullptr : p.b_scale + int64_t(nt) * p.b_scale_ld;
+    float a_tile_scale = kAVec ? 0.0f : __ldg(a_scale_row);
+    float b_tile_scale = kBVec ? 0.0f : __ldg(b_scale_row);
+    float acc[64];
+#pragma unroll
+    for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
+    for (int kb = 0; kb < p.k_blocks; ++kb, ++it) {
+      const bool more = kb + 1 < p.k_blocks;
+      const float a_next = (!kAVec && more) ? __ldg(a_scale_row + kb + 1) : 0.0f;
+      const float b_next = (!kBVec && more) ? __ldg(b_scale_row + kb + 1) : 0.0f;
+      const int s = it % kStages;
+      MbarWait(&full[s], (it / kStages) & 1);
+      const uint8_t* stage = smem + s * kStageBytes;
+      const uint64_t desc_a = SmemDesc(stage + wg * 64 * kTileK);
+      const uint64_t desc_b = SmemDesc(stage + kATileBytes);
+      float part[64];
+      WgmmaFence();
+#pragma unroll
+      for (int kk = 0; kk < kTileK / 32; ++kk) {
+        Wgmma(part, desc_a + 2 * kk, desc_b + 2 * kk, kk, ATag{}, BTag{});
+      }
+      WgmmaCommit();
+      WgmmaWaitAll();
+      const float* sa = reinterpret_cast<const float*>(stage + kScaleAOffset);
+      const float* sb = reinterpret_cast<const float*>(stage + kScaleBOffset);
+      const float sa0 = kAVec ? sa[row0] : a_tile_scale;
+      const float sa1 = kAVec ? sa[row0 + 8] : a_tile_scale;
+#pragma unroll
+      for (int i = 0; i < 16; ++i) {
+        float sb0 = b_tile_scale, sb1 = b_tile_scale;
+        if (kBVec) {
+          const float2 v = *reinterpret_cast<const float2*>(sb + 8 * i + col0);
+          sb0 = v.x;
+          sb1 = v.y;
+        }
+        acc[4 * i + 0] = __fmaf_rn(part[4 * i + 0], __fmul_rn(sa0, sb0), acc[4 * i + 0]);
+        acc[4 * i + 1] = __fmaf_rn(part[4 * i + 1], __fmul_rn(sa0, sb1), acc[4 * i + 1]);
+        acc[4 * i + 2] = __fmaf_rn(part[4 * i + 2], __fmul_rn(sa1, sb0), acc[4 * i + 2]);
+        acc[4 * i + 3] = __fmaf_rn(part[4 * i + 3], __fmul_rn(sa1, sb1), acc[4 * i + 3]);
+      }
+      __syncwarp();
+      if (lane == 0) MbarArrive(&empty[s]);
+      a_tile_scale = a_next;
+      b_tile_scale = b_next;
+    }
+    // Epilogue: bias in fp32, one rounding to OutT. n is a multiple of 16, so a pair that
+    // starts inside the row ends inside it.
+    const OutT* bias = static_cast<const OutT*>(p.bias);
+    OutT* out = static_cast<OutT*>(p.out);
+    const int row_a = mt * kTileM + row0, row_b = row_a + 8;
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      const int col = nt * kTileN + 8 * i + col0;
+      if (col >= p.n) continue;
+      float y0 = acc[4 * i + 0], y1 = acc[4 * i + 1], y2 = acc[4 * i + 2], y3 = acc[4 * i + 3];
+      if (bias != nullptr) {
+        const float b0 = ToFloat(bias[col]), b1 = ToFloat(bias[col + 1]);
+        y0 = __fadd_rn(y0, b0);
+        y1 = __fadd_rn(y1, b1);
+        y2 = __fadd_rn(y2, b0);
+        y3 = __fadd_rn(y3, b1);
+      }
+      if (row_a < p.m) StorePair(out + int64_t(row_a) * p.n + col, y0, y1);
+      if (row_b < p.m) StorePair(out + int64_t(row_b) * p.n + col, y2, y3);
+    }
+  }
+#endif
+}
+
+// ---------------------------------------------------------------- host side
+
+PFN_cuTensorMapEncodeTiled_v12000 TensorMapEncoder() {
+  static PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault,
+                                         &found) != cudaSuccess ||
+        found != cudaDriverEntryPointSuccess) {
+      fn = nullptr;
+    }
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
+  }();
+  return encode;
+}
+
+// A 2-D TMA descriptor: `rows` x `cols` elements of `elem_bytes`, rows `ld` elements apart,
+// copied in boxes of box_rows x box_cols.
+Status EncodeMap(CUtensorMap* map, const void* base, CUtensorMapDataType type, int elem_bytes,
+                 int64_t rows, int64_t cols, int64_t ld, int box_rows, int box_cols,
+                 CUtensorMapSwizzle swizzle, const char* what) {
+  PFN_cuTensorMapEncodeTiled_v12000 encode = TensorMapEncoder();
+  if (encode == nullptr) {
+    return Status::Internal("lowbit_gemm: the driver has no cuTensorMapEncodeTiled (block GEMM)");
+  }
+  const cuuint64_t dims[2] = {cuuint64_t(cols), cuuint64_t(rows)};
+  const cuuint64_t strides[1] = {cuuint64_t(ld) * elem_bytes};
+  const cuuint32_t box[2] = {cuuint32_t(box_cols), cuuint32_t(box_rows)};
+  const cuuint32_t elem_strides[2] = {1, 1};
+  const CUresult r = encode(map, type, 2, const_cast<void*>(base), dims, strides, box, elem_strides,
+                            CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle,
+                            CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS) {
+    return Status::Internal(std::string("lowbit_gemm: cuTensorMapEncodeTiled failed for ") + what +
+                            " (CUresult " + std::to_string(int(r)) + ")");
+  }
+  return Status::Ok();
+}
+
+template <typename OutT, bool kAVec, bool kBVec, typename ATag, typename BTag>
+Status Launch(const CUtensorMap& ma, const CUtensorMap& mb, const CUtensorMap& msa,
+              const CUtensorMap& msb, const Params& p, int device, GpuStream stream) {
+  auto kernel = BlockGemmKernel<OutT, kAVec, kBVec, ATag, BTag>;
+  LOWBIT_RETURN_IF_ERROR(CudaStatus(
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes),
+      "lowbit_gemm", "cudaFuncSetAttribute (block GEMM shared memory)"));
+  int sms = 0;
+  LOWBIT_RETURN_IF_ERROR(CudaStatus(
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "lowbit_gemm",
+      "cudaDeviceGetAttribute"));
+  const int tiles = p.m_tiles * p.n_tiles;
+  const int grid = tiles < sms ? tiles : sms;
+  kernel<<<grid, kThreads, kSmemBytes, stream>>>(ma, mb, msa, msb, p);
+  return LaunchStatus("lowbit_gemm (block GEMM sm90)");
+}
+
+template <typename OutT, bool kAVec, bool kBVec>
+Status DispatchTypes(const GemmArgs& args, const CUtensorMap& ma, const CUtensorMap& mb,
+                     const CUtensorMap& msa, const CUtensorMap& msb, const Params& p, int device,
+                     GpuStream stream) {
+  const bool a4 = args.a_type == DType::kE4M3, b4 = args.b_type == DType::kE4M3;
+  if (a4 && b4) return Launch<OutT, kAVec, kBVec, E4m3Tag, E4m3Tag>(ma, mb, msa, msb, p, device, stream);
+  if (a4) return Launch<OutT, kAVec, kBVec, E4m3Tag, E5m2Tag>(ma, mb, msa, msb, p, device, stream);
+  if (b4) return Launch<OutT, kAVec, kBVec, E5m2Tag, E4m3Tag>(ma, mb, msa, msb, p, device, stream);
+  return Status::InvalidArgument("lowbit_gemm: E5M2 x E5M2 has no FP8 tensor-core path");
+}
+
+template <typename OutT>
+Status DispatchModes(const GemmArgs& args, const CUtensorMap& ma, const CUtensorMap& mb,
+                     const CUtensorMap& msa, const CUtensorMap& msb, const Params& p, int device,
+                     GpuStream stream) {
+  const bool av = args.a_scale_mode == GemmScaleMode::kBlock1x128;
+  const bool bv = args.b_scale_mode == GemmScaleMode::kBlock1x128;
+  if (av && bv) return DispatchTypes<OutT, true, true>(args, ma, mb, msa, msb, p, device, stream);
+  if (av) return DispatchTypes<OutT, true, false>(args, ma, mb, msa, msb, p, device, stream);
+  return DispatchTypes<OutT, false, true>(args, ma, mb, msa, msb, p, device, stream);
+}
+
+bool Aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
+
+}  // namespace
+
+bool BlockGemmSm90Requested() {
+  const char* v = std::getenv("LOWBIT_BLOCK_GEMM");
+  return v != nullptr && std::strcmp(v, "wgmma") == 0;
+}
+
+bool BlockGemmSm90Applies(const GemmArgs& args, int capability) {
+  const bool a_block = args.a_scale_mode == GemmScaleMode::kBlock1x128 ||
+                       args.a_scale_mode == GemmScaleMode::kBlock128x128;
+  const bool b_block = args.b_scale_mode == GemmScaleMode::kBlock1x128 ||
+                       args.b_scale_mode == GemmScaleMode::kBlock128x128;
+  const bool both_128x128 = args.a_scale_mode == GemmScaleMode::kBlock128x128 &&
+                            args.b_scale_mode == GemmScaleMode::kBlock128x128;
+  return capability == 90 && a_block && b_block && !both_128x128 && IsFp8(args.a_type) &&
+         IsFp8(args.b_type) && !(args.a_type == DType::kE5M2 && args.b_type == DType::kE5M2) &&
+         args.k % 16 == 0 && args.n % 16 == 0 && args.k > 0 && args.m > 0 &&
+         args.m < (int64_t(1) << 31) && args.n < (int64_t(1) << 31) && args.k < (int64_t(1) << 31) &&
+         Aligned16(args.a) && Aligned16(args.b) && Aligned16(args.a_scale_inv) &&
+         Aligned16(args.b_scale_inv) && Aligned16(args.out) &&
+         !(args.bias != nullptr && args.out_type == DType::kF32);
+}
+
+Status BlockGemmSm90Cuda(const GemmArgs& args, int device_ordinal, GpuStream stream) {
+  const int64_t k_blocks = (args.k + kTileK - 1) / kTileK;
+  CUtensorMap ma{}, mb{}, msa{}, msb{};
+  LOWBIT_RETURN_IF_ERROR(EncodeMap(&ma, args.a, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, args.m, args.k,
+                                   args.k, kTileM, kTileK, CU_TENSOR_MAP_SWIZZLE_128B, "a"));
+  LOWBIT_RETURN_IF_ERROR(EncodeMap(&mb, args.b, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, args.n, args.k,
+                                   args.k, kTileN, kTileK, CU_TENSOR_MAP_SWIZZLE_128B, "b"));
+  Params p{};
+  const GemmScaleShape sa = GemmScaleDims(args.a_scale_mode, args.m, args.k);
+  const GemmScaleShape sb = GemmScaleDims(args.b_scale_mode, args.n, args.k);
+  if (args.a_scale_mode == GemmScaleMode::kBlock1x128) {  // (k_blocks, roundup(m, 4))
+    LOWBIT_RETURN_IF_ERROR(EncodeMap(&msa, args.a_scale_inv, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4,
+                                     sa.dim0, sa.dim1, sa.dim1, 1, kTileM,
+                                     CU_TENSOR_MAP_SWIZZLE_NONE, "a_scale_inv"));
+  } else {
+    p.a_scale = static_cast<const float*>(args.a_scale_inv);
+    p.a_scale_ld = sa.dim1;
+  }
+  if (args.b_scale_mode == GemmScaleMode::kBlock1x128) {
+    LOWBIT_RETURN_IF_ERROR(EncodeMap(&msb, args.b_scale_inv, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4,
+                                     sb.dim0, sb.dim1, sb.dim1, 1, kTileN,
+                                     CU_TENSOR_MAP_SWIZZLE_NONE, "b_scale_inv"));
+  } else {
+    p.b_scale = static_cast<const float*>(args.b_scale_inv);
+    p.b_scale_ld = sb.dim1;
+  }
+  p.bias = args.bias;
+  p.out = args.out;
+  p.m = int(args.m);
+  p.n = int(args.n);
+  p.k_blocks = int(k_blocks);
+  p.m_tiles = int((args.m + kTileM - 1) / kTileM);
+  p.n_tiles = int((args.n + kTileN - 1) / kTileN);
+  switch (args.out_type) {
+    case DType::kBF16:
+      return DispatchModes<__nv_bfloat16>(args, ma, mb, msa, msb, p, device_ordinal, stream);
+    case DType::kF16:
+      return DispatchModes<__half>(args, ma, mb, msa, msb, p, device_ordinal, stream);
+    case DType::kF32:
+      return DispatchModes<float>(args, ma, mb, msa, msb, p, device_ordinal, stream);
+    default:
+      return Status::InvalidArgument(std::string("lowbit_gemm: out: the block GEMM writes bf16, "
+                                                 "f16 or f32, got ") + DTypeName(args.out_type));
+  }
+}
+
+}  // namespace lowbit
