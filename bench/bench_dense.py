@@ -93,6 +93,28 @@ def gemm_floor(m, k, n, iters):
     return t_fwd, t_dgrad, t_wgrad
 
 
+def block_gemm_floor(m, k, n, iters):
+    """Seconds of Float8BlockScaling's three GEMMs alone at the step's shapes: fwd and dgrad
+    1x128 x 128x128 (activation/gradient tiles x weight tiles), wgrad 1x128 x 1x128."""
+    key = jax.random.PRNGKey(4)
+    f8 = jnp.float8_e4m3fn
+    B1, B2 = GemmScaleMode.BLOCK_1x128, GemmScaleMode.BLOCK_128x128
+
+    def operand(rows, cols, mode):
+        data = jax.random.normal(key, (rows, cols)).astype(f8)
+        return data, jnp.ones(scale_shape(mode, rows, cols), jnp.float32)
+
+    def time_pair(a, b, ma, mb):
+        return common.time_fn(lambda a, b, sa, sb: lowbit.ops.gemm(
+            a, b, sa, sb, out_dtype=jnp.bfloat16, a_scale_mode=ma, b_scale_mode=mb),
+            [(a[0], b[0], a[1], b[1])], iters)
+
+    t_fwd = time_pair(operand(m, k, B1), operand(n, k, B2), B1, B2)      # x rowwise, kernel colwise
+    t_dgrad = time_pair(operand(m, n, B1), operand(k, n, B2), B1, B2)    # dy rowwise, kernel rowwise
+    t_wgrad = time_pair(operand(k, m, B1), operand(n, m, B1), B1, B1)    # x colwise, dy colwise
+    return t_fwd, t_dgrad, t_wgrad
+
+
 def fp8_ceiling(size, iters):
     a = jax.random.normal(jax.random.PRNGKey(0), (size, size)).astype(jnp.float8_e4m3fn)
     one = jnp.ones((1,), jnp.float32)
@@ -147,12 +169,16 @@ def main(argv=None):
         row["TFLOP/s"] = results[row["variant"]]["tflops"]
     t_fwd, t_dgrad, t_wgrad = gemm_floor(b * s, h, f, iters)
     floor_ms = (t_fwd + t_dgrad + t_wgrad) * 1e3
+    b_fwd, b_dgrad, b_wgrad = block_gemm_floor(b * s, h, f, iters)
+    block_floor_ms = (b_fwd + b_dgrad + b_wgrad) * 1e3
     size = 1024 if args.small else 8192
     ceiling = fp8_ceiling(size, iters)
     block_ceiling = fp8_block_ceiling(size, iters)
     common.print_table(rows, ["variant", "ms", "TFLOP/s", "x bf16", "peak GiB"])
     print(f"FP8 GEMM-only floor of the step: {floor_ms:.3f} ms (fwd {t_fwd*1e3:.3f}, dgrad "
           f"{t_dgrad*1e3:.3f}, wgrad {t_wgrad*1e3:.3f}) = {flops / (floor_ms / 1e3) / 1e12:.0f} TFLOP/s")
+    print(f"Float8BlockScaling GEMM-only floor: {block_floor_ms:.3f} ms (fwd {b_fwd*1e3:.3f}, dgrad "
+          f"{b_dgrad*1e3:.3f}, wgrad {b_wgrad*1e3:.3f}) = {flops / (block_floor_ms / 1e3) / 1e12:.0f} TFLOP/s")
     common.print_table([
         {"GEMM at %d^3" % size: "FP8 per-tensor (fast accum)", "TFLOP/s": ceiling, "x per-tensor": 1.0},
         {"GEMM at %d^3" % size: "FP8 block 1x128 x 128x128", "TFLOP/s": block_ceiling,
@@ -162,6 +188,8 @@ def main(argv=None):
         "shape": {"batch": b, "seq": s, "hidden": h, "features": f},
         "variants": results, "gemm_floor_ms": floor_ms,
         "gemm_ms": {"fwd": t_fwd * 1e3, "dgrad": t_dgrad * 1e3, "wgrad": t_wgrad * 1e3},
+        "block_gemm_floor_ms": block_floor_ms,
+        "block_gemm_ms": {"fwd": b_fwd * 1e3, "dgrad": b_dgrad * 1e3, "wgrad": b_wgrad * 1e3},
         "fp8_gemm_ceiling_tflops": ceiling,
         "fp8_block_gemm_ceiling_tflops": block_ceiling,
         "gemm_ceiling_size": size,
