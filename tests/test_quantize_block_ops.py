@@ -26,7 +26,9 @@ from lowbit.ops.quantize_block import (
     dequantize_fp8_block,
     dequantize_mxfp8,
     quantize_fp8_block,
+    quantize_fp8_block_p,
     quantize_mxfp8,
+    quantize_mxfp8_p,
 )
 
 F32 = np.float32
@@ -564,6 +566,39 @@ def test_cuda_dbias_equals_cpu(shape, axis, dtype, rng, cpu, gpu):
         got = run_on(gpu, _quantize_with_dbias(kind, True, True, axis), ints).dbias
         want = np.asarray(ints, np.float64).reshape(int(np.prod(shape[:axis % len(shape)])), -1).sum(0)
         np.testing.assert_array_equal(np.asarray(got, np.float64).reshape(-1), np.asarray(want.astype(dtype), np.float64))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=ids)
+def test_cuda_dbias_of_empty_x_is_zero(dtype, rng, cpu, gpu):
+    # No rows: dbias (cols values, in x's dtype and in f32) is the only output, zeroed by the
+    # launchers' preamble (dbias_finalize.cuh: PrepareDbias); all bits 0, as on the CPU. A
+    # first call on real data leaves nonzero bytes in freed device memory for the outputs
+    # to reuse, so a dbias left unwritten would show.
+    x = with_block_specials(rng, (300, 1033), dtype)
+    run_on(gpu, _quantize_with_dbias("mxfp8", True, True, -1), x)
+    e4 = jnp.float8_e4m3fn
+
+    def f(v):
+        outs = []
+        for shape, axis in (((0, 1033), 1), ((2, 0, 1033), 2)):
+            e = v[:0].reshape(shape)
+            for kind in ("1x128", "128x128", "mxfp8"):
+                outs.append(_quantize_with_dbias(kind, True, True, axis)(e).dbias)
+            block = quantize_fp8_block_p.bind(e, flatten_axis=np.int32(axis), tile_2d=np.bool_(False),
+                                              pow2_scales=np.bool_(False), out_dtype=e4, rowwise=True,
+                                              colwise=True, dbias_dtype=jnp.dtype(jnp.float32))
+            mx = quantize_mxfp8_p.bind(e, flatten_axis=np.int32(axis), out_dtype=e4, rowwise=True, colwise=True,
+                                       dbias_dtype=jnp.dtype(jnp.float32))
+            outs += [block[4], mx[4]]
+        return outs
+
+    got, want = run_on(gpu, f, x), run_on(cpu, f, x)
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert a.shape == (1033,) and a.dtype == b.dtype, i
+        assert a.dtype == (dtype if i % 5 < 3 else np.float32), i
+        np.testing.assert_array_equal(_bits(a), np.zeros_like(_bits(a)), err_msg=str(i))
+        np.testing.assert_array_equal(_bits(a), _bits(b), err_msg=str(i))
 
 
 @pytest.mark.gpu

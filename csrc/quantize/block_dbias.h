@@ -41,7 +41,8 @@ inline int64_t BlockDbiasWorkspaceBytes(int64_t rows, int64_t cols, int64_t tile
 }
 
 // "<op>: dbias: expected f32 or <x's dtype>" unless dbias_dtype is one of them. Inline: the
-// CPU reference and the CUDA launchers (a library without the reference) both call it.
+// CPU references and the CUDA launchers (a library without the references; through
+// dbias_finalize.cuh's PrepareDbias) all call it, the per-tensor FP8 quantizer's too.
 inline Status CheckBlockDbiasDType(const char* op, DType x_dtype, DType dbias_dtype) {
   if (dbias_dtype == DType::kF32 || dbias_dtype == x_dtype) return Status::Ok();
   return Status::InvalidArgument(std::string(op) + ": dbias: expected f32 or " + DTypeName(x_dtype) +

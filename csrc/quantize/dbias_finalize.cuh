@@ -1,7 +1,8 @@
-// The dbias finalize of the quantizers that sum x's columns in their tile pass (per-tensor
-// FP8: quantize_fp8.cu; block: quantize_block.cu, quantize_mxfp8.cu): one workspace row of
-// fp32 column sums per tile row, summed here in a fixed order (block_dbias.h states it),
-// so the result has the same bits on every run.
+// The dbias steps around the tile pass of the quantizers that sum x's columns in it
+// (per-tensor FP8: quantize_fp8.cu; block: quantize_block.cu, quantize_mxfp8.cu): the
+// launchers' shared preamble (PrepareDbias: dbias dtype, empty x, workspace) and the
+// finalize: one workspace row of fp32 column sums per tile row, summed here in a fixed
+// order (block_dbias.h states it), so the result has the same bits on every run.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -68,6 +69,21 @@ Status ZeroDbias(void* dbias, int64_t cols, DType dbias_dtype, const char* op, G
   if (dbias == nullptr || cols == 0) return Status::Ok();
   const size_t bytes = size_t(cols) * (dbias_dtype == DType::kF32 ? sizeof(float) : sizeof(typename Tag::Storage));
   return CudaStatus(cudaMemsetAsync(dbias, 0, bytes, stream), op, "cudaMemsetAsync");
+}
+
+// The quantize launchers' preamble, before any kernel. Args: the launcher's arguments
+// (x_dtype, rows, cols, dbias, dbias_dtype; null dbias: not requested). A requested dbias
+// must be f32 or x's dtype (CheckBlockDbiasDType's InvalidArgument). An empty x (rows or
+// cols 0) leaves nothing to write but dbias: it is zeroed here and *x_empty set, so the
+// launcher returns at once. Otherwise a requested dbias needs the workspace of tile sums
+// (an Internal error without it: the FFI handlers always allocate it).
+template <typename Tag, typename Args>
+Status PrepareDbias(const char* op, const Args& a, const void* workspace, GpuStream stream, bool* x_empty) {
+  *x_empty = a.rows == 0 || a.cols == 0;
+  if (a.dbias != nullptr) LOWBIT_RETURN_IF_ERROR(CheckBlockDbiasDType(op, a.x_dtype, a.dbias_dtype));
+  if (*x_empty) return ZeroDbias<Tag>(a.dbias, a.cols, a.dbias_dtype, op, stream);
+  if (a.dbias != nullptr && workspace == nullptr) return Status::Internal(std::string(op) + ": dbias: no workspace");
+  return Status::Ok();
 }
 
 }  // namespace dbias_finalize

@@ -146,10 +146,7 @@ Status LaunchQuantize(const QuantizeFp8Args& a, void* workspace, GpuStream strea
   TileVariant variant;
   LOWBIT_RETURN_IF_ERROR(ParseTileVariant(kQuantizeOp, &variant));
   const bool vec_io = aligned(x, 16) && a.cols % kVec == 0;
-  float* partials = a.dbias != nullptr ? static_cast<float*>(workspace) : nullptr;
-  if (a.dbias != nullptr && partials == nullptr) {
-    return Status::Internal(std::string(kQuantizeOp) + ": dbias: no workspace");
-  }
+  float* partials = a.dbias != nullptr ? static_cast<float*>(workspace) : nullptr;  // checked by PrepareDbias
   int tile_height = 0;
   const Status launched =
       vec_io ? LaunchTiledVariant<Tag, Fmt, true>(kQuantizeOp, a, partials, OneTensor{}, variant, stream, &tile_height)
@@ -201,13 +198,9 @@ Status QuantizeFp8Cuda(const QuantizeFp8Args& a, void* workspace, GpuStream stre
                                     "cudaMemsetAsync"));
   return DispatchHighPrecision(a.x_dtype, kQuantizeOp, "x", [&](auto tag) {
     using Tag = decltype(tag);
-    if (a.dbias != nullptr && a.dbias_dtype != DType::kF32 && a.dbias_dtype != a.x_dtype) {
-      return Status::InvalidArgument(std::string(kQuantizeOp) + ": dbias: expected f32 or " +
-                                     DTypeName(a.x_dtype) + ", got " + DTypeName(a.dbias_dtype));
-    }
-    if (a.rows == 0 || a.cols == 0) {
-      return dbias_finalize::ZeroDbias<Tag>(a.dbias, a.cols, a.dbias_dtype, kQuantizeOp, stream);
-    }
+    bool x_empty = false;
+    LOWBIT_RETURN_IF_ERROR(dbias_finalize::PrepareDbias<Tag>(kQuantizeOp, a, workspace, stream, &x_empty));
+    if (x_empty) return Status::Ok();  // amax and dbias zeroed, every other output empty
     return DispatchFp8(a.out_dtype, kQuantizeOp, "out", [&](auto fmt) {
       return LaunchQuantize<Tag, decltype(fmt)>(a, workspace, stream);
     });

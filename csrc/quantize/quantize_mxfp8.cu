@@ -49,14 +49,10 @@ __global__ void __launch_bounds__(kThreads)
 Status QuantizeMxfp8Cuda(const QuantizeMxfp8Args& a, void* workspace, GpuStream stream) {
   return DispatchHighPrecision(a.x_dtype, kQuantizeOp, "x", [&](auto tag) {
     using Tag = decltype(tag);
-    if (a.dbias != nullptr) LOWBIT_RETURN_IF_ERROR(CheckBlockDbiasDType(kQuantizeOp, a.x_dtype, a.dbias_dtype));
-    if (a.rows == 0 || a.cols == 0) {  // every output is empty but dbias: the sums of no rows
-      return dbias_finalize::ZeroDbias<Tag>(a.dbias, a.cols, a.dbias_dtype, kQuantizeOp, stream);
-    }
+    bool x_empty = false;
+    LOWBIT_RETURN_IF_ERROR(dbias_finalize::PrepareDbias<Tag>(kQuantizeOp, a, workspace, stream, &x_empty));
+    if (x_empty) return Status::Ok();  // every output is empty but dbias, zeroed: the sums of no rows
     auto* partials = static_cast<float*>(workspace);
-    if (a.dbias != nullptr && partials == nullptr) {
-      return Status::Internal(std::string(kQuantizeOp) + ": dbias: no workspace");
-    }
     return DispatchFp8(a.out_dtype, kQuantizeOp, "out", [&](auto fmt) {
       const block_tiles::PlainSource<Tag> src{static_cast<const typename Tag::Storage*>(a.x)};
       using Src = decltype(src);

@@ -5,6 +5,7 @@
 
 #include "common/element.h"
 #include "common/ieee_denormals.h"
+#include "quantize/block_dbias.h"
 #include "quantize/fp8_codec.h"
 #include "quantize/quantize.h"
 
@@ -30,10 +31,7 @@ void StoreDbias(Tag tag, const std::vector<float>& sums, void* out, DType dtype)
 
 Status QuantizeFp8Ref(const QuantizeFp8Args& a) {
   const ScopedIeeeDenormals ieee;  // as the GPU (see ieee_denormals.h)
-  if (a.dbias != nullptr && a.dbias_dtype != DType::kF32 && a.dbias_dtype != a.x_dtype) {
-    return Status::InvalidArgument(std::string(kQuantizeOp) + ": dbias: expected f32 or " +
-                                   DTypeName(a.x_dtype) + ", got " + DTypeName(a.dbias_dtype));
-  }
+  if (a.dbias != nullptr) LOWBIT_RETURN_IF_ERROR(CheckBlockDbiasDType(kQuantizeOp, a.x_dtype, a.dbias_dtype));
   return DispatchHighPrecision(a.x_dtype, kQuantizeOp, "x", [&](auto tag) {
     return DispatchFp8(a.out_dtype, kQuantizeOp, "out", [&](auto fmt) {
       using T = typename decltype(tag)::Storage;
