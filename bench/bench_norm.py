@@ -85,11 +85,9 @@ def make_lowbit_bwd(x, gamma, beta):
 # SM), 16-row column segments without a cluster (colspan=16; with l1keep=1 the 164 KB
 # carveout leaves 92 KB of L1 to the 64 KB of gamma/beta, and no cluster wait invalidates
 # it; colorder=0 is the control whose sector halves are written a tile apart; colspan=0 is
-# 32 at 4096 and 16 at 8192), L2 evict-first hints on the data touched once (stream), and
-# the three together.
+# 32 at 4096 and 16 at 8192).
 VARIANTS = ["", "stages=3", "parkeep=1", "parkeep=1,stages=3", "colspan=16", "colspan=16,stages=3",
-            "colspan=16,l1keep=1", "colspan=16,colorder=0", "colspan=0", "stream=1",
-            "colspan=16,stream=1", "colspan=0,stages=3,stream=1"]
+            "colspan=16,l1keep=1", "colspan=16,colorder=0", "colspan=0"]
 
 
 def run(rows: int, hidden: int, dtype, copy_bw: float, iters: int,

@@ -545,14 +545,13 @@ def test_cuda_forward_tuning_variants(variant, norm_type, dtype, shape, rng, cpu
 # registers by the colwise kernel (parkeep: blocks of <= 512 threads, one or more row
 # groups, with or without a cluster; 16384 falls back to per-row loads), 16-row column
 # segments (colspan=16: no cluster at 8192; colspan=0: 32 at 4096 and 2048, 16 at 8192,
-# 16 with a cluster at 16384), L2 evict-first hints (stream: bf16/f16 x; f32 x ignores
-# it). Each kernel's outputs (colwise, rowwise only, plain) must equal the default launch's
+# 16 with a cluster at 16384). Each kernel's outputs (colwise, rowwise only, plain) must equal the default launch's
 # bit for bit, and the CPU reference within its tolerances.
 EXACT_FWD_VARIANTS = ["parkeep=0,parsmem=1", "parkeep=0,colbar=1", "parkeep=0,parsmem=1,colbar=1,colsplit=0",
                       "parkeep=0,parsmem=1,colblock=1024", "parkeep=0,colblock=1024,coltile=16,colbar=1",
                       "parkeep=0,parsmem=1,coltile=4,colspan=64,colbar=1,block=1024",
-                      "parkeep=1,coltile=4,colspan=64,colsplit=0", "parkeep=0,colspan=16,stream=1",
-                      "colspan=0,stream=1,parkeep=1,stages=3", "parkeep=0", "parkeep=0,stages=3",
+                      "parkeep=1,coltile=4,colspan=64,colsplit=0", "parkeep=0,colspan=16",
+                      "colspan=0,parkeep=1,stages=3", "parkeep=0", "parkeep=0,stages=3",
                       "parstages=2"]
 
 
@@ -587,7 +586,7 @@ def test_cuda_forward_variants_bit_identical(variant, norm_type, dtype, gamma_li
                                + ("q_colwise",) * bool(kw.get("colwise")))
 
 
-# The parkeep / colspan=16|0 / stream settings in more combinations (one or more row
+# The parkeep / colspan=16|0 settings in more combinations (one or more row
 # groups, clusters of 1 to 16 blocks, contiguous or interleaved tiles) on special values:
 # inf, NaN, zeros, subnormals and near-max x planted at random (random_with_specials), plus
 # a zero row, a constant row and a row whose sums overflow; odd row counts. Every output
@@ -599,8 +598,8 @@ SPECIAL_FWD_VARIANTS = ["parkeep=1", "parkeep=1,coltile=16,stages=3",
                         "parkeep=1,coltile=4,colspan=64,colsplit=0",
                         "parkeep=1,colblock=256,colbar=0", "parkeep=0,colspan=16",
                         "parkeep=0,colspan=16,colorder=0,stages=3", "parkeep=1,colspan=16,stages=4",
-                        "parkeep=0,colspan=0", "parkeep=0,colspan=0,parsmem=1", "parkeep=0,stream=1",
-                        "stream=1,parkeep=1,colspan=16"]
+                        "parkeep=0,colspan=0", "parkeep=0,colspan=0,parsmem=1",
+                        "parkeep=1,colspan=16"]
 
 
 @pytest.mark.gpu
