@@ -38,10 +38,7 @@
 // kernel for vectorized rows of <= 512 threads: a separate kernel bounded to 512 threads,
 // 3 row stages, 88.1% / 85.7% of copy at hidden 4096 / 8192 on an H100), else loaded per
 // row through L1 (at 8192 L1 keeps 28 KB of the 64 KB of f32 gamma + beta) or (parsmem,
-// vectorized rows) staged once per block as fp32 in shared memory. colspan=16 (a tuning
-// knob, measured 2x slower; 0: 16 only where a 32-row tile needs a cluster): 16-row column
-// segments, half sectors, which at 8192 need no cluster; with interleaved tiles
-// neighbouring blocks write the two halves in the same round.
+// vectorized rows) staged once per block as fp32 in shared memory.
 // Tuning (items per thread, stages, block sizes): NormFwdTuning in norm_plan.h, overridable
 // through LOWBIT_NORM_FWD_VARIANT for benchmarks.
 #include <cooperative_groups.h>
@@ -681,7 +678,7 @@ Status Launch(const NormForwardArgs& a, const NormFwdTuning& tune, GpuStream str
   // doubled the kernel's time on H100). A block stages tile_rows rows of codes; a cluster
   // of span / tile_rows blocks (sm_90+, at most 16) writes a span-row tile. Auto: the
   // largest block tile (up to span) that lets two blocks share an SM, else the largest that
-  // fits. Without clusters tiles are min(span, 32) rows where they fit (else 16 and down).
+  // fits. Without clusters tiles are 32 rows where they fit (else 16 and down).
   // l1keep: the colwise kernel reloads gamma (and beta) per row through L1, which is what
   // the shared memory leaves of the unified L1/shared storage (sm_smem + 28 KB on sm_80..
   // sm_100); two blocks of the largest tile left too little (28 KB at 8192, whose f32
@@ -695,15 +692,13 @@ Status Launch(const NormForwardArgs& a, const NormFwdTuning& tune, GpuStream str
   const bool l1keep = colwise && tune.l1keep == 1;
   // parsmem only where it fits beside the stages and a 4-row tile (else per-row loads).
   if (parsmem && smem_for(colwise ? 4 : groups) > max_dynamic) parsmem = false;
-  // colspan=0: 32-row segments where one block's 32-row tile fits (no cluster needed),
-  // else 16-row ones (8192 at 1024 threads: no cluster either).
-  const int span = tune.colspan != 0 ? tune.colspan : smem_for(32) <= max_dynamic ? 32 : 16;
+  const int span = tune.colspan;
   // Two blocks per SM only where their threads fit (64 registers per thread: 1024 threads;
   // the parkeep kernel takes more than 64).
   const bool pair_ok = 2 * groups * tpr <= 1024 && !param_regs;
   int tile_rows = groups;
   if (colwise) {
-    tile_rows = clusters ? span : (span < kMaxTileRows ? span : kMaxTileRows);
+    tile_rows = clusters ? span : kMaxTileRows;  // span >= 32
     if (tune.coltile != 0 && clusters) {
       tile_rows = tune.coltile;
     } else if (clusters) {

@@ -89,14 +89,10 @@ inline RowGeometry ChooseRowGeometry(int64_t hidden, int elem_bytes, bool pointe
 //   colspan:  colwise: rows per transposed column segment (32, 64 or 128 bytes per column
 //             store): a cluster of colspan / coltile blocks (sm_90+, at most 16) reads each
 //             other's codes. Where the cluster does not fit the GPU the launcher halves it.
-//             16 (measured 2x slower at 4096 and 8192, 288 / 640 us: L2 does not merge the halves
-//             in time; bench/results/norm_variants_parkeep_*): half-sector column stores, so at
-//             8192 (16-row tiles) no cluster, no distributed shared memory and no cluster barrier;
-//             with colorder=1 blocks b and b + 1 write the two halves of each 32-byte sector in the
-//             same round, which L2 has to merge before evicting the line (the 16-row tiles of
-//             ce4972a, contiguous per block, wrote the halves a tile apart and were 2x slower). 0:
-//             32 where one block's 32-row tile fits its shared memory (no cluster: 4096 at
-//             colblock=1024), else 16 (8192).
+//             16-row segments (half-sector column stores, whose halves L2 does not merge in
+//             time) measured 2x slower at 4096 and 8192, 288 / 640 us, even with neighbouring
+//             blocks writing the two halves in the same round (bench/results/
+//             norm_variants_parkeep_*); that knob (colspan=16, and 0: 32 or 16 by fit) is gone.
 //   colorder: colwise: cluster tiles per cluster contiguous (0) or interleaved over the
 //             clusters (1: the clusters write neighbouring column segments at the same time,
 //             so a 128-byte line of q_colwise is completed in L2 before it is evicted).
@@ -177,8 +173,7 @@ inline bool ParseNormFwdTuning(const char* text, NormFwdTuning* t, std::string* 
     } else if (ok && key == "coltile" && (value == 0 || value == 4 || value == 8 ||
                                            value == 16 || value == 32)) {
       t->coltile = value;
-    } else if (ok && key == "colspan" &&
-               (value == 0 || value == 16 || value == 32 || value == 64 || value == 128)) {
+    } else if (ok && key == "colspan" && (value == 32 || value == 64 || value == 128)) {
       t->colspan = value;
     } else if (ok && (key == "colorder" || key == "colsplit" || key == "l1keep" ||
                       key == "parsmem" || key == "colbar" || key == "parkeep") &&
@@ -195,7 +190,7 @@ inline bool ParseNormFwdTuning(const char* text, NormFwdTuning* t, std::string* 
     } else {
       *error = "bad entry '" + item + "' (expected items=8|16, stages=1..4, block=32..1024, "
                "colblock=32..1024, blocks multiples of 32, coltile=0|4|8|16|32, "
-               "colspan=0|16|32|64|128, colorder=0|1, colsplit=0|1, l1keep=0|1, parsmem=0|1, "
+               "colspan=32|64|128, colorder=0|1, colsplit=0|1, l1keep=0|1, parsmem=0|1, "
                "colbar=0|1, parkeep=0|1, parstages=0..4)";
       return false;
     }
