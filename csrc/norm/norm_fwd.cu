@@ -127,13 +127,13 @@ __device__ __forceinline__ const uint8_t* CodeRow(const FwdParams& p, const uint
   return tile + rr * p.tile_stride;
 }
 
-// Arrive at the cluster barrier. Default (colbar=0): release semantics at cluster scope,
-// which on sm_90 waits for every earlier global store of the thread (MEMBAR.ALL.GPU: the y,
-// rowwise and transposed stores in flight). colbar=1: only shared memory is ordered, by a
-// fence restricted to it (PTX 8.6) and a relaxed arrive: `after_reads` (the barrier that
-// keeps a block from restaging codes its peers still read) orders this thread's reads of
-// the cluster's shared memory (acquire fence), else (codes staged) its shared memory writes
-// (release fence), before the arrive.
+// Arrive at the cluster barrier. colbar=0: release semantics at cluster scope, which on
+// sm_90 waits for every earlier global store of the thread (MEMBAR.ALL.GPU: the y, rowwise
+// and transposed stores in flight). colbar=1 (the default): only shared memory is ordered,
+// by a fence restricted to it (PTX 8.6) and a relaxed arrive: `after_reads` (the barrier
+// that keeps a block from restaging codes its peers still read) orders this thread's reads
+// of the cluster's shared memory (acquire fence), else (codes staged) its shared memory
+// writes (release fence), before the arrive.
 __device__ __forceinline__ void ClusterArrive(const FwdParams& p, bool after_reads) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   if (!p.shared_fences) {
