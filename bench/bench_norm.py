@@ -79,17 +79,14 @@ def make_lowbit_bwd(x, gamma, beta):
 # sweep of 35efbbb ruled out colspan 64/128, colorder=0, l1keep=1, stages=3, items=8 and
 # coltile=8 at the then-defaults; the next (bench/results/norm_variants_*) made the
 # shared-memory-only cluster barriers (colbar=1) and one block of 1024 threads per SM
-# (colblock=1024) the defaults and found parsmem no faster. This list times the
-# candidates for 8192 (82.4% of copy in kernel time against 86.0% at 4096):
-# more cp.async row stages, gamma/beta in registers (parkeep: 512-thread blocks, one per
-# SM), 16-row column segments without a cluster (colspan=16; with l1keep=1 the 164 KB
-# carveout leaves 92 KB of L1 to the 64 KB of gamma/beta, and no cluster wait invalidates
-# it; colorder=0 is the control whose sector halves are written a tile apart; colspan=0 is
-# 32 at 4096 and 16 at 8192), L2 evict-first hints on the data touched once (stream), and
-# the three together.
-VARIANTS = ["", "stages=3", "parkeep=1", "parkeep=1,stages=3", "colspan=16", "colspan=16,stages=3",
-            "colspan=16,l1keep=1", "colspan=16,colorder=0", "colspan=0", "stream=1",
-            "colspan=16,stream=1", "colspan=0,stages=3,stream=1"]
+# (colblock=1024) the defaults and found parsmem no faster; the next
+# (bench/results/norm_variants_parkeep_*) made gamma/beta in registers with 3 row stages
+# (parkeep=1, parstages=3) the default, and removed 16-row column segments (colspan=16|0,
+# 2x slower) and L2 evict-first hints (stream, no faster). This list re-times the
+# neighbours of the parkeep defaults: its row stages, the per-row gamma/beta kernel, the
+# block tile / cluster shape, tile order, barrier split and fences.
+VARIANTS = ["", "parstages=2", "parstages=4", "parkeep=0", "parkeep=0,stages=3", "coltile=16",
+            "coltile=8", "colspan=64", "colorder=0", "colsplit=0", "colbar=0", "colblock=256"]
 
 
 def run(rows: int, hidden: int, dtype, copy_bw: float, iters: int,

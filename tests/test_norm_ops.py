@@ -512,8 +512,7 @@ FWD_VARIANTS = ["parkeep=0,items=8", "parkeep=0,items=8,stages=2", "parkeep=0,it
                 "parkeep=0,colspan=64,colorder=0,coltile=16",
                 "parkeep=0,colspan=128,colsplit=0,coltile=4", "parkeep=0,colsplit=0,colblock=1024",
                 "parkeep=0,l1keep=0,colorder=0", "items=8,parkeep=1",
-                "parkeep=1,colspan=16,items=8", "parkeep=0,colspan=16,coltile=8", "parstages=2",
-                "parstages=1,coltile=8", "parstages=4,colblock=256", "parstages=0"]
+                "parstages=2", "parstages=1,coltile=8", "parstages=4,colblock=256", "parstages=0"]
 FWD_VARIANT_SHAPES = [(3, 200), (272, 128), (257, 1000), (1040, 4096), (333, 8192), (80, 8192),
                       (65, 16384)]
 
@@ -543,16 +542,13 @@ def test_cuda_forward_tuning_variants(variant, norm_type, dtype, shape, rng, cpu
 # shared memory only (colbar, split or whole), one block of 1024 threads per SM
 # (colblock=1024: 4096 takes one 32-row tile without a cluster), gamma/beta held in
 # registers by the colwise kernel (parkeep: blocks of <= 512 threads, one or more row
-# groups, with or without a cluster; 16384 falls back to per-row loads), 16-row column
-# segments (colspan=16: no cluster at 8192; colspan=0: 32 at 4096 and 2048, 16 at 8192,
-# 16 with a cluster at 16384), L2 evict-first hints (stream: bf16/f16 x; f32 x ignores
-# it). Each kernel's outputs (colwise, rowwise only, plain) must equal the default launch's
-# bit for bit, and the CPU reference within its tolerances.
+# groups, with or without a cluster; 16384 falls back to per-row loads). Each kernel's
+# outputs (colwise, rowwise only, plain) must equal the default launch's bit for bit, and
+# the CPU reference within its tolerances.
 EXACT_FWD_VARIANTS = ["parkeep=0,parsmem=1", "parkeep=0,colbar=1", "parkeep=0,parsmem=1,colbar=1,colsplit=0",
                       "parkeep=0,parsmem=1,colblock=1024", "parkeep=0,colblock=1024,coltile=16,colbar=1",
                       "parkeep=0,parsmem=1,coltile=4,colspan=64,colbar=1,block=1024",
-                      "parkeep=1,coltile=4,colspan=64,colsplit=0", "parkeep=0,colspan=16,stream=1",
-                      "colspan=0,stream=1,parkeep=1,stages=3", "parkeep=0", "parkeep=0,stages=3",
+                      "parkeep=1,coltile=4,colspan=64,colsplit=0", "parkeep=0", "parkeep=0,stages=3",
                       "parstages=2"]
 
 
@@ -587,20 +583,19 @@ def test_cuda_forward_variants_bit_identical(variant, norm_type, dtype, gamma_li
                                + ("q_colwise",) * bool(kw.get("colwise")))
 
 
-# The parkeep / colspan=16|0 / stream settings in more combinations (one or more row
-# groups, clusters of 1 to 16 blocks, contiguous or interleaved tiles) on special values:
-# inf, NaN, zeros, subnormals and near-max x planted at random (random_with_specials), plus
-# a zero row, a constant row and a row whose sums overflow; odd row counts. Every output
-# must equal the default launch's bit for bit (the same elementwise code and sum order: NaN
-# chunks take the same codec path); against the CPU reference the NaN pattern of y and the
-# y of the rows without planted values agree. Not named *variants*: tools/gpu_check.sh's
-# memcheck selection takes only the three of them in EXACT_FWD_VARIANTS.
+# The parkeep=1 and parkeep=0 kernels in more combinations (one or more row groups,
+# clusters of 1 to 16 blocks, contiguous or interleaved tiles, row stages, gamma/beta in
+# shared memory) on special values: inf, NaN, zeros, subnormals and near-max x planted at
+# random (random_with_specials), plus a zero row, a constant row and a row whose sums
+# overflow; odd row counts. Every output must equal the default launch's bit for bit (the
+# same elementwise code and sum order: NaN chunks take the same codec path); against the
+# CPU reference the NaN pattern of y and the y of the rows without planted values agree.
+# Not named *variants*: tools/gpu_check.sh's memcheck selection takes only the three of
+# them in EXACT_FWD_VARIANTS.
 SPECIAL_FWD_VARIANTS = ["parkeep=1", "parkeep=1,coltile=16,stages=3",
                         "parkeep=1,coltile=4,colspan=64,colsplit=0",
-                        "parkeep=1,colblock=256,colbar=0", "parkeep=0,colspan=16",
-                        "parkeep=0,colspan=16,colorder=0,stages=3", "parkeep=1,colspan=16,stages=4",
-                        "parkeep=0,colspan=0", "parkeep=0,colspan=0,parsmem=1", "parkeep=0,stream=1",
-                        "stream=1,parkeep=1,colspan=16"]
+                        "parkeep=1,colblock=256,colbar=0", "parkeep=1,parstages=4", "parkeep=0",
+                        "parkeep=0,colorder=0,stages=3", "parkeep=0,parsmem=1"]
 
 
 @pytest.mark.gpu

@@ -135,29 +135,6 @@ __device__ __forceinline__ void CpAsync16(uint32_t smem_dst, const void* gmem_sr
 #endif
 }
 
-// An L2 evict-first cache policy (createpolicy, sm_80+; 0 before) for CpAsync16EvictFirst:
-// data read once, so that it leaves L2 before lines still being completed (the forward's
-// transposed codes).
-__device__ __forceinline__ uint64_t L2EvictFirstPolicy() {
-  uint64_t policy = 0;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
-#endif
-  return policy;
-}
-
-// CpAsync16 with an L2 cache policy (L2EvictFirstPolicy).
-__device__ __forceinline__ void CpAsync16EvictFirst(uint32_t smem_dst, const void* gmem_src,
-                                                    uint64_t policy) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;" ::"r"(smem_dst),
-               "l"(gmem_src), "l"(policy) : "memory");
-#else
-  (void)policy;
-  CpAsync16(smem_dst, gmem_src);
-#endif
-}
-
 __device__ __forceinline__ uint4 LoadShared16(uint32_t smem_src) {
   uint4 v;
   asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"

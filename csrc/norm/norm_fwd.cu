@@ -38,10 +38,7 @@
 // kernel for vectorized rows of <= 512 threads: a separate kernel bounded to 512 threads,
 // 3 row stages, 88.1% / 85.7% of copy at hidden 4096 / 8192 on an H100), else loaded per
 // row through L1 (at 8192 L1 keeps 28 KB of the 64 KB of f32 gamma + beta) or (parsmem,
-// vectorized rows) staged once per block as fp32 in shared memory. colspan=16 (a tuning
-// knob, measured 2x slower; 0: 16 only where a 32-row tile needs a cluster): 16-row column
-// segments, half sectors, which at 8192 need no cluster; with interleaved tiles
-// neighbouring blocks write the two halves in the same round.
+// vectorized rows) staged once per block as fp32 in shared memory.
 // Tuning (items per thread, stages, block sizes): NormFwdTuning in norm_plan.h, overridable
 // through LOWBIT_NORM_FWD_VARIANT for benchmarks.
 #include <cooperative_groups.h>
@@ -130,13 +127,13 @@ __device__ __forceinline__ const uint8_t* CodeRow(const FwdParams& p, const uint
   return tile + rr * p.tile_stride;
 }
 
-// Arrive at the cluster barrier. Default (colbar=0): release semantics at cluster scope,
-// which on sm_90 waits for every earlier global store of the thread (MEMBAR.ALL.GPU: the y,
-// rowwise and transposed stores in flight). colbar=1: only shared memory is ordered, by a
-// fence restricted to it (PTX 8.6) and a relaxed arrive: `after_reads` (the barrier that
-// keeps a block from restaging codes its peers still read) orders this thread's reads of
-// the cluster's shared memory (acquire fence), else (codes staged) its shared memory writes
-// (release fence), before the arrive.
+// Arrive at the cluster barrier. colbar=0: release semantics at cluster scope, which on
+// sm_90 waits for every earlier global store of the thread (MEMBAR.ALL.GPU: the y, rowwise
+// and transposed stores in flight). colbar=1 (the default): only shared memory is ordered,
+// by a fence restricted to it (PTX 8.6) and a relaxed arrive: `after_reads` (the barrier
+// that keeps a block from restaging codes its peers still read) orders this thread's reads
+// of the cluster's shared memory (acquire fence), else (codes staged) its shared memory
+// writes (release fence), before the arrive.
 __device__ __forceinline__ void ClusterArrive(const FwdParams& p, bool after_reads) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   if (!p.shared_fences) {
@@ -303,26 +300,14 @@ __device__ __forceinline__ void EncodeFp8Words(const float (&y)[kVec], float sca
 // added: the parameters are private registers, read from global memory (never written by
 // the kernel) before the first barrier; the shared-memory protocol (row stages, code tile,
 // cluster or block barriers) is the kParamRegs = false kernel's.
-// colspan=16 adds none either: where a block's 16-row tile is the whole segment (cluster
-// 1), TileSync/TileWait are __syncthreads and only the block reads its staged codes, as on
-// the 32-row path at 4096; with coltile < 16 it is a cluster of 16 / coltile blocks with
-// the usual cluster barriers.
-//
-// kStream (stream=1; colwise, vectorized 2-byte x only): the data touched once, x (its
-// cp.async copies) and the y and rowwise-code stores, take the L2 evict-first policy
-// (createpolicy + L2::cache_hint, st.global.cs), so L2 keeps the transposed codes' lines,
-// written 32 bytes at a time by neighbouring clusters, and gamma/beta longer. Cache hints
-// only: same results, same synchronization.
 template <typename Tag, int kChunks, bool kVectorized, bool kQuant, bool kColwise,
-          bool kParamRegs = false, bool kStream = false>
+          bool kParamRegs = false>
 __global__ void __launch_bounds__(kParamRegs ? kParamRegsThreads : 1024) NormForwardKernel(FwdParams p) {
   using T = typename Tag::Storage;
   constexpr int kVec = kVectorized ? 16 / int(sizeof(T)) : 1;
   using Raw = RawChunk<T, kVec>;
   using Words = typename Raw::Words;
   static_assert(!kParamRegs || (kColwise && kVectorized), "parkeep: colwise vectorized rows");
-  static_assert(!kStream || (kColwise && kVectorized && sizeof(T) == 2),
-                "stream: colwise vectorized rows of 2-byte x");
   // gamma/beta as fp32 in registers (2 x 8 of them at most, not beside the colwise
   // staging: spills; all of them with kParamRegs, see above); else loaded per row (L1),
   // vectorized rows with the gamma dtype and beta as uniform branches around the output
@@ -408,8 +393,6 @@ __global__ void __launch_bounds__(kParamRegs ? kParamRegsThreads : 1024) NormFor
   // Copies the row of iteration k (if any) into the next stage slot; one commit group per
   // call, empty past the end, so that CpAsyncWait(stages - 1) always means "row k is here".
   int slot_in = 0, slot_out = 0;
-  uint64_t policy = 0;
-  if constexpr (kStream) policy = L2EvictFirstPolicy();
   auto issue = [&](int k) {
     if (k < iters) {
       const int r = row_of(k);
@@ -418,13 +401,7 @@ __global__ void __launch_bounds__(kParamRegs ? kParamRegsThreads : 1024) NormFor
         const uint32_t dst = my_stage + slot_in * slot_bytes;
 #pragma unroll
         for (int j = 0; j < kChunks; ++j) {
-          if (first_elem(j) < h) {
-            if constexpr (kStream) {
-              CpAsync16EvictFirst(dst + j * chunk_bytes, src + j * tpr * kVec, policy);
-            } else {
-              CpAsync16(dst + j * chunk_bytes, src + j * tpr * kVec);
-            }
-          }
+          if (first_elem(j) < h) CpAsync16(dst + j * chunk_bytes, src + j * tpr * kVec);
         }
       }
     }
@@ -552,22 +529,12 @@ __global__ void __launch_bounds__(kParamRegs ? kParamRegsThreads : 1024) NormFor
         amax_bits = max(amax_bits, chunk_max);
         const bool no_nan = chunk_max <= 0x7F800000u;
         const int64_t off = int64_t(r) * h + e;
-        if constexpr (kStream) {  // 8 elements of 2 bytes
-          if (p.y != nullptr) {
-            __stcs(reinterpret_cast<uint4*>(static_cast<T*>(p.y) + off), PackChunk<Tag, kVec>(y, no_nan));
-          }
-        } else if (p.y != nullptr) {
-          StoreChunkFast<Tag, kVec>(static_cast<T*>(p.y) + off, y, no_nan);
-        }
+        if (p.y != nullptr) StoreChunkFast<Tag, kVec>(static_cast<T*>(p.y) + off, y, no_nan);
         if constexpr (kQuant) {
           if constexpr (kCodeWords) {
             Pack<uint32_t, kVec / 4> q;
             EncodeFp8Words<kVec>(y, scale, p.e5m2, scale_ok && no_nan, q.v);
-            if constexpr (kStream) {  // 8 codes
-              if (p.q_row != nullptr) __stcs(reinterpret_cast<uint2*>(p.q_row + off), make_uint2(q.v[0], q.v[1]));
-            } else if (p.q_row != nullptr) {
-              *reinterpret_cast<Pack<uint32_t, kVec / 4>*>(p.q_row + off) = q;
-            }
+            if (p.q_row != nullptr) *reinterpret_cast<Pack<uint32_t, kVec / 4>*>(p.q_row + off) = q;
             if constexpr (kColwise) {  // staged rows are only 4-byte aligned
               uint32_t* dst = reinterpret_cast<uint32_t*>(tile + rr * p.tile_stride + e);
 #pragma unroll
@@ -674,8 +641,6 @@ Status Launch(const NormForwardArgs& a, const NormFwdTuning& tune, GpuStream str
   // vectorized rows of at most kParamRegsThreads threads, in blocks of at most that many.
   const bool param_regs =
       colwise && g.vectorized && tune.parkeep == 1 && tpr <= kParamRegsThreads;
-  // stream: the colwise kernel with evict-first cache hints (kStream), 2-byte x.
-  const bool stream_hints = colwise && g.vectorized && sizeof(T) == 2 && tune.stream == 1;
   const int target = !colwise  ? tune.block
                      : param_regs ? (tune.colblock < kParamRegsThreads ? tune.colblock
                                                                        : kParamRegsThreads)
@@ -713,7 +678,7 @@ Status Launch(const NormForwardArgs& a, const NormFwdTuning& tune, GpuStream str
   // doubled the kernel's time on H100). A block stages tile_rows rows of codes; a cluster
   // of span / tile_rows blocks (sm_90+, at most 16) writes a span-row tile. Auto: the
   // largest block tile (up to span) that lets two blocks share an SM, else the largest that
-  // fits. Without clusters tiles are min(span, 32) rows where they fit (else 16 and down).
+  // fits. Without clusters tiles are 32 rows where they fit (else 16 and down).
   // l1keep: the colwise kernel reloads gamma (and beta) per row through L1, which is what
   // the shared memory leaves of the unified L1/shared storage (sm_smem + 28 KB on sm_80..
   // sm_100); two blocks of the largest tile left too little (28 KB at 8192, whose f32
@@ -727,15 +692,13 @@ Status Launch(const NormForwardArgs& a, const NormFwdTuning& tune, GpuStream str
   const bool l1keep = colwise && tune.l1keep == 1;
   // parsmem only where it fits beside the stages and a 4-row tile (else per-row loads).
   if (parsmem && smem_for(colwise ? 4 : groups) > max_dynamic) parsmem = false;
-  // colspan=0: 32-row segments where one block's 32-row tile fits (no cluster needed),
-  // else 16-row ones (8192 at 1024 threads: no cluster either).
-  const int span = tune.colspan != 0 ? tune.colspan : smem_for(32) <= max_dynamic ? 32 : 16;
+  const int span = tune.colspan;
   // Two blocks per SM only where their threads fit (64 registers per thread: 1024 threads;
   // the parkeep kernel takes more than 64).
   const bool pair_ok = 2 * groups * tpr <= 1024 && !param_regs;
   int tile_rows = groups;
   if (colwise) {
-    tile_rows = clusters ? span : (span < kMaxTileRows ? span : kMaxTileRows);
+    tile_rows = clusters ? span : kMaxTileRows;  // span >= 32
     if (tune.coltile != 0 && clusters) {
       tile_rows = tune.coltile;
     } else if (clusters) {
@@ -862,10 +825,6 @@ Status Launch(const NormForwardArgs& a, const NormFwdTuning& tune, GpuStream str
   return DispatchGeometry<16 / int(sizeof(T))>(g, kOp, [&](auto items, auto vectorized) {
     constexpr bool kV = decltype(vectorized)::value;
     constexpr int kC = decltype(items)::value / (kV ? 16 / int(sizeof(T)) : 1);
-    if constexpr (kV && sizeof(T) == 2) {
-      if (stream_hints && param_regs) return launch(NormForwardKernel<Tag, kC, kV, true, true, true, true>);
-      if (stream_hints) return launch(NormForwardKernel<Tag, kC, kV, true, true, false, true>);
-    }
     if constexpr (kV) {
       if (param_regs) return launch(NormForwardKernel<Tag, kC, kV, true, true, true>);
     }

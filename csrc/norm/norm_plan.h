@@ -75,8 +75,7 @@ inline RowGeometry ChooseRowGeometry(int64_t hidden, int elem_bytes, bool pointe
 // 371.3 us; then colblock=1024 with colbar=1, 168.6 / 336.3 us, beat colblock=512 with
 // colbar=0, 176.1 / 355.6, while parsmem=1 was slower in every combination tried); the
 // environment variable LOWBIT_NORM_FWD_VARIANT ("items=16,stages=2,block=512,colblock=1024,
-// coltile=0,colspan=32,colorder=1,colsplit=1,l1keep=0,parsmem=0,colbar=1,parkeep=1,parstages=3,
-// stream=0",
+// coltile=0,colspan=32,colorder=1,colsplit=1,l1keep=0,parsmem=0,colbar=1,parkeep=1,parstages=3",
 // any subset) overrides them, as a benchmark knob
 // (bench/bench_norm.py --variants): every setting computes the same results up to the order
 // of the row sums. "colspan=32,colorder=0,colsplit=0,l1keep=0" is the colwise path before colspan.
@@ -90,14 +89,10 @@ inline RowGeometry ChooseRowGeometry(int64_t hidden, int elem_bytes, bool pointe
 //   colspan:  colwise: rows per transposed column segment (32, 64 or 128 bytes per column
 //             store): a cluster of colspan / coltile blocks (sm_90+, at most 16) reads each
 //             other's codes. Where the cluster does not fit the GPU the launcher halves it.
-//             16 (measured 2x slower at 4096 and 8192, 288 / 640 us: L2 does not merge the halves
-//             in time; bench/results/norm_variants_parkeep_*): half-sector column stores, so at
-//             8192 (16-row tiles) no cluster, no distributed shared memory and no cluster barrier;
-//             with colorder=1 blocks b and b + 1 write the two halves of each 32-byte sector in the
-//             same round, which L2 has to merge before evicting the line (the 16-row tiles of
-//             ce4972a, contiguous per block, wrote the halves a tile apart and were 2x slower). 0:
-//             32 where one block's 32-row tile fits its shared memory (no cluster: 4096 at
-//             colblock=1024), else 16 (8192).
+//             16-row segments (half-sector column stores, whose halves L2 does not merge in
+//             time) measured 2x slower at 4096 and 8192, 288 / 640 us, even with neighbouring
+//             blocks writing the two halves in the same round (bench/results/
+//             norm_variants_parkeep_*); that knob (colspan=16, and 0: 32 or 16 by fit) is gone.
 //   colorder: colwise: cluster tiles per cluster contiguous (0) or interleaved over the
 //             clusters (1: the clusters write neighbouring column segments at the same time,
 //             so a 128-byte line of q_colwise is completed in L2 before it is evicted).
@@ -134,11 +129,6 @@ inline RowGeometry ChooseRowGeometry(int64_t hidden, int elem_bytes, bool pointe
 //   parstages: row stages of the parkeep kernel (1..4; 0 = stages). 3 by default: the
 //             parkeep kernel runs one 512-thread block per SM, so a third row in flight
 //             covers the latency the halved occupancy exposes.
-//   stream:   colwise, vectorized rows of bf16/f16 x: x (cp.async), y and the rowwise codes
-//             with the L2 evict-first policy (1), so L2 keeps the transposed codes' lines,
-//             completed 32 bytes at a time by neighbouring clusters, longer; 0: default
-//             policy. Cache hints only (same bits); f32 x ignores it. Measured no faster
-//             (156.3 / 325.3 us against 154.9 / 323.4 at 4096 / 8192).
 struct NormFwdTuning {
   int items = 16;
   int stages = 2;
@@ -153,7 +143,6 @@ struct NormFwdTuning {
   int colbar = 1;
   int parkeep = 1;
   int parstages = 3;
-  int stream = 0;
 };
 
 // Parses a LOWBIT_NORM_FWD_VARIANT value into *t (unset keys keep their value); false and
@@ -184,27 +173,25 @@ inline bool ParseNormFwdTuning(const char* text, NormFwdTuning* t, std::string* 
     } else if (ok && key == "coltile" && (value == 0 || value == 4 || value == 8 ||
                                            value == 16 || value == 32)) {
       t->coltile = value;
-    } else if (ok && key == "colspan" &&
-               (value == 0 || value == 16 || value == 32 || value == 64 || value == 128)) {
+    } else if (ok && key == "colspan" && (value == 32 || value == 64 || value == 128)) {
       t->colspan = value;
     } else if (ok && (key == "colorder" || key == "colsplit" || key == "l1keep" ||
-                      key == "parsmem" || key == "colbar" || key == "parkeep" ||
-                      key == "stream") && value <= 1) {
+                      key == "parsmem" || key == "colbar" || key == "parkeep") &&
+               value <= 1) {
       (key == "colorder"   ? t->colorder
        : key == "colsplit" ? t->colsplit
        : key == "l1keep"   ? t->l1keep
        : key == "parsmem"  ? t->parsmem
        : key == "colbar"   ? t->colbar
-       : key == "parkeep"  ? t->parkeep
-                           : t->stream) = value;
+                           : t->parkeep) = value;
     } else if (ok && (key == "block" || key == "colblock") && value >= 32 && value <= 1024 &&
                value % 32 == 0) {
       (key == "block" ? t->block : t->colblock) = value;
     } else {
       *error = "bad entry '" + item + "' (expected items=8|16, stages=1..4, block=32..1024, "
                "colblock=32..1024, blocks multiples of 32, coltile=0|4|8|16|32, "
-               "colspan=0|16|32|64|128, colorder=0|1, colsplit=0|1, l1keep=0|1, parsmem=0|1, "
-               "colbar=0|1, parkeep=0|1, parstages=0..4, stream=0|1)";
+               "colspan=32|64|128, colorder=0|1, colsplit=0|1, l1keep=0|1, parsmem=0|1, "
+               "colbar=0|1, parkeep=0|1, parstages=0..4)";
       return false;
     }
   }
