@@ -37,7 +37,8 @@
 // (E8M0 s = 2^(e-127), NaN for 0xFF; NVFP4 a' = fl(fl(e2m1 * e4m3(sd)) * global_scale_inv),
 // the first product exact, as lowbit.ops.quantize_nvfp4.dequantize_nvfp4), then acc = the fp32 sum of fl(a'[m,k] * b'[n,k]) in
 // increasing k from +0, y = fl(acc + bias[n]), rounded to out. cuBLASLt applies the scales
-// per 128-long K block to fp32 partial sums instead (a different rounding order).
+// per 128-long K block to fp32 partial sums instead (a different rounding order), and so does
+// lowbit's own Hopper kernel for the FP8 block pairs (block_gemm_sm90.h, LOWBIT_BLOCK_GEMM=wgmma).
 #pragma once
 
 #include <cstddef>
