@@ -773,29 +773,28 @@ def _make_gemm(out_dtype: np.dtype, use_split_accumulator: bool, has_bias: bool,
         return text, {"reduction_factors": tuple(reduction), **compound_sizes([text], sizes)}
 
     partitioned.def_partition(partition=partition, sharding_rule=rule)
+    # A batched `a` alone folds into M for tensor scaling (block scales cover the unbatched rows).
+    return _vmappable(partitioned, fold_a_batch=not block)
 
-    # custom_partitioning has no batching rule: under vmap, a batched `a` alone folds into
-    # M (still partitioned; tensor scaling only, as block scales cover the unbatched rows);
-    # anything else maps over the batch.
+
+def _vmappable(partitioned, fold_a_batch: bool):
+    """A partitioned GEMM under a custom_vmap rule (custom_partitioning has no batching rule):
+    with fold_a_batch, a batched `a` alone folds into M (still partitioned); anything else
+    runs once per batch element (lax.map), the unbatched operands broadcast along the batch
+    (custom_vmap puts batched ones at axis 0)."""
     @jax.custom_batching.custom_vmap
-    def gemm_fn(*args):
+    def fn(*args):
         return partitioned(*args)
 
-    @gemm_fn.def_vmap
-    def gemm_vmap(axis_size, in_batched, *args):
-        if not block and in_batched[0] and not any(in_batched[1:]):
-            return gemm_fn(*args), True
-        return _mapped_over_batch(gemm_fn, axis_size, in_batched, args), True
+    @fn.def_vmap
+    def rule(axis_size, in_batched, *args):
+        if fold_a_batch and in_batched[0] and not any(in_batched[1:]):
+            return fn(*args), True
+        args = [x if batched else jnp.broadcast_to(x, (axis_size, *x.shape))
+                for x, batched in zip(args, in_batched)]
+        return jax.lax.map(lambda xs: fn(*xs), tuple(args)), True
 
-    return gemm_fn
-
-
-def _mapped_over_batch(fn, axis_size: int, in_batched, args):
-    """A custom_vmap rule's fallback: fn once per batch element (lax.map), the unbatched
-    operands broadcast along the batch (custom_vmap puts batched ones at axis 0)."""
-    args = [x if batched else jnp.broadcast_to(x, (axis_size, *x.shape))
-            for x, batched in zip(args, in_batched)]
-    return jax.lax.map(lambda xs: fn(*xs), tuple(args))
+    return fn
 
 
 def _scale_arg(name: str, x, mode: GemmScaleMode = GemmScaleMode.TENSOR, rows: int = 1, k: int = 1):
@@ -1204,13 +1203,4 @@ def _make_nvfp4_gemm(out_dtype: np.dtype, k: int, algo: int, has_bias: bool):
                       "need_replication_factors": ("ga", "gb"), **compound_sizes([text], sizes)}
 
     partitioned.def_partition(partition=partition, sharding_rule=rule)
-
-    @jax.custom_batching.custom_vmap
-    def nvfp4_fn(*args):
-        return partitioned(*args)
-
-    @nvfp4_fn.def_vmap
-    def nvfp4_vmap(axis_size, in_batched, *args):
-        return _mapped_over_batch(nvfp4_fn, axis_size, in_batched, args), True
-
-    return nvfp4_fn
+    return _vmappable(partitioned, fold_a_batch=False)
