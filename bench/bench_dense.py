@@ -9,6 +9,7 @@ timed alone, beside the per-tensor FP8 GEMM ceiling and the block-scaled one (1x
 
     python bench/bench_dense.py            # GPU, seed shape
     python bench/bench_dense.py --small    # CPU smoke run
+    python bench/bench_dense.py --block-paths cublaslt,wgmma   # block GEMM floor per kernel
 """
 
 from __future__ import annotations
@@ -115,6 +116,19 @@ def block_gemm_floor(m, k, n, iters):
     return t_fwd, t_dgrad, t_wgrad
 
 
+def block_paths(paths, m, k, n, iters, rounds):
+    """The block floor per block GEMM path (cuBLASLt or lowbit's wgmma kernel), the paths
+    timed in turn within each round; LOWBIT_BLOCK_GEMM is read at every call."""
+    flops = 3 * 2 * m * k * n
+    for r in range(rounds):
+        for path in paths:
+            os.environ["LOWBIT_BLOCK_GEMM"] = path
+            t = block_gemm_floor(m, k, n, iters)
+            print(f"round {r} {path:9s} fwd {t[0]*1e3:.3f} dgrad {t[1]*1e3:.3f} wgrad {t[2]*1e3:.3f} ms; "
+                  f"total {sum(t)*1e3:.3f} ms = {flops / sum(t) / 1e12:.0f} TFLOP/s", flush=True)
+    os.environ.pop("LOWBIT_BLOCK_GEMM", None)
+
+
 def fp8_ceiling(size, iters):
     a = jax.random.normal(jax.random.PRNGKey(0), (size, size)).astype(jnp.float8_e4m3fn)
     one = jnp.ones((1,), jnp.float32)
@@ -141,12 +155,17 @@ def main(argv=None):
                         help="comma-separated subset of " + ",".join(variants())
                         + " (bf16 always runs: the ratios need it)")
     parser.add_argument("--rounds", type=int, default=3, help="round-robin rounds (common.time_steps)")
+    parser.add_argument("--block-paths", default=None,
+                        help="only the Float8BlockScaling GEMM floor, per LOWBIT_BLOCK_GEMM path "
+                        "(comma-separated, e.g. cublaslt,wgmma), --rounds rounds round-robin")
     args = parser.parse_args(argv)
     chosen = set(args.variants.split(",")) | {"bf16"} if args.variants else None
     if chosen is not None and chosen - set(variants()):
         parser.error(f"--variants: unknown {sorted(chosen - set(variants()))}")
     b, s, h, f = (2, 64, 256, 512) if args.small else (8, 2048, 8192, 32768)
     iters = args.iters or (2 if args.small else 20)
+    if args.block_paths:
+        return block_paths(args.block_paths.split(","), b * s, h, f, iters, args.rounds)
     key = jax.random.PRNGKey(0)
     x = jax.random.normal(key, (b, s, h), jnp.bfloat16)
     dy = jax.random.normal(jax.random.PRNGKey(1), (b, s, f), jnp.bfloat16)

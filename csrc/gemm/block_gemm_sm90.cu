@@ -1,16 +1,21 @@
 // block_gemm_sm90: the FP8 block-scaled GEMM of block_gemm_sm90.h on Hopper's wgmma and TMA.
 //
-// One persistent CTA per SM walks 128x128 output tiles (grouped 8 tile rows at a time, so the
-// CTAs running together share operand tiles in L2). Warpgroup 0 is the producer: one thread
-// streams each 128-long K block of the a and b tiles (128 x 128 bytes each, 128B-swizzled)
-// and, for 1x128 operands, the block's 128 scales into a 6-stage shared-memory ring with
-// TMA, signalling a "full" mbarrier per stage. Warpgroups 1 and 2 each own 64 rows of the
-// tile: per K block they run four m64n128k32 wgmmas into a fresh fp32 partial sum, wait for
-// them, multiply the partial by the block's two scales into the running fp32 total (the
-// "promotion" of block_gemm_sm90.h's numerics), and release the stage ("empty" mbarrier,
-// one arrival per consumer warp). While one warpgroup promotes, the other's wgmmas keep the
-// tensor cores busy. 128x128 operands have one scale per tile and K block, read from global
-// memory one K block ahead. The epilogue adds the bias in fp32 and stores pairs of outputs
+// Persistent clusters of two CTAs (one CTA per SM) walk pairs of vertically adjacent 128x128
+// output tiles, grouped 8 pairs of tile rows at a time so the clusters running together share
+// operand tiles in L2. Warpgroup 0 is the producer: one thread streams each 128-long K block
+// of its a tile and of the pair's shared b tile (128 x 128 bytes each, 128B-swizzled) with
+// TMA into a 6-stage shared-memory ring, with the block's scales (a 1x128 operand's 128
+// values, a 128x128 operand's one value in its 16-byte group), signalling a "full" mbarrier
+// per stage. Each CTA of the pair loads half of the b tile and multicasts it into both, so b
+// costs each CTA half the L2 traffic; a stage is refilled only when the consumer warps of
+// both CTAs have released it. Warpgroups 1 and 2 each own 64 rows of the tile: per K block
+// they run four m64n128k32 wgmmas into a fresh fp32 partial sum, wait for them, release the
+// stage, wait for the next one and read its scales, then multiply the partial by the
+// block's two scales into the running fp32 total (the "promotion" of block_gemm_sm90.h's
+// numerics). While one warpgroup promotes, the other's wgmmas keep the tensor cores busy,
+// so everything else is kept off that stretch: descriptors and addresses are bases plus
+// counters in uniform registers, no global loads, and setmaxnreg hands the producer's
+// registers to the consumers. The epilogue adds the bias in fp32 and stores pairs of outputs
 // straight from the accumulator registers, while the producer already loads the next tile.
 //
 // Device code exists for sm_90a only (wgmma needs the arch-specific target); other targets
@@ -34,6 +39,8 @@ namespace {
 
 constexpr int kTileM = 128, kTileN = 128, kTileK = 128;  // kTileK = the scales' block
 constexpr int kStages = 6;
+constexpr int kCluster = 2;  // CTAs of a cluster: vertically adjacent tiles sharing one b tile
+static_assert(kCluster >= 2 && kTileN % (8 * kCluster) == 0, "b is split in 8-row groups");
 constexpr int kThreads = 384;  // producer warpgroup + 2 consumer warpgroups
 constexpr int kATileBytes = kTileM * kTileK;
 constexpr int kBTileBytes = kTileN * kTileK;
@@ -47,9 +54,6 @@ struct E4m3Tag {};
 struct E5m2Tag {};
 
 struct Params {
-  const float* a_scale;  // 128x128 operands: the scale array (gemm.h), else unused
-  const float* b_scale;
-  int64_t a_scale_ld, b_scale_ld;  // its row length (K blocks rounded up to 4)
   const void* bias;                // n values of the out type, or null
   void* out;                       // (m, n) row-major
   int m, n, k_blocks, m_tiles, n_tiles;
@@ -64,15 +68,31 @@ constexpr int kGroupRows = 8;  // tile rows per raster group
 __device__ __forceinline__ uint32_t SmemAddr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
+__device__ __forceinline__ float LdSharedAddr(uint32_t addr) {
+  float v;
+  asm volatile("ld.shared.f32 %0, [%1];" : "=f"(v) : "r"(addr));
+  return v;
+}
+__device__ __forceinline__ float2 LdShared2Addr(uint32_t addr) {
+  float2 v;
+  asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(v.x), "=f"(v.y) : "r"(addr));
+  return v;
+}
+__device__ __forceinline__ void MbarWaitAddr(uint32_t bar, uint32_t parity) {
+  uint32_t done = 0;
+  do {
+    asm volatile(
+        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+        "selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+  } while (!done);
+}
 __device__ __forceinline__ void MbarInit(uint64_t* bar, uint32_t count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(SmemAddr(bar)), "r"(count));
 }
 __device__ __forceinline__ void MbarExpectTx(uint64_t* bar, uint32_t bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(SmemAddr(bar)),
                "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void MbarArrive(uint64_t* bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(SmemAddr(bar)) : "memory");
 }
 __device__ __forceinline__ void MbarWait(uint64_t* bar, uint32_t parity) {
   uint32_t done = 0;
@@ -90,6 +110,31 @@ __device__ __forceinline__ void TmaLoad2d(void* dst, const CUtensorMap* map, uin
       "%4}], [%2];" ::"r"(SmemAddr(dst)), "l"(reinterpret_cast<uint64_t>(map)), "r"(SmemAddr(bar)),
       "r"(c0), "r"(c1) : "memory");
 }
+// The same copy, written into the shared memory of every CTA in cta_mask at the same offset,
+// each CTA's mbarrier at `bar`'s offset receiving the completed bytes.
+__device__ __forceinline__ void TmaLoad2dMulticast(void* dst, const CUtensorMap* map, uint64_t* bar,
+                                                   int c0, int c1, uint16_t cta_mask) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::"
+      "cluster [%0], [%1, {%3, %4}], [%2], %5;" ::"r"(SmemAddr(dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(SmemAddr(bar)), "r"(c0), "r"(c1), "h"(cta_mask)
+      : "memory");
+}
+// Arrive on the mbarrier at shared address `bar` in cluster CTA `cta` (this CTA included).
+__device__ __forceinline__ void MbarArriveCluster(uint32_t bar, uint32_t cta) {
+  asm volatile(
+      "{\n.reg .b32 remote;\nmapa.shared::cluster.u32 remote, %0, %1;\n"
+      "mbarrier.arrive.shared::cluster.b64 _, [remote];\n}\n" ::"r"(bar),
+      "r"(cta) : "memory");
+}
+__device__ __forceinline__ uint32_t ClusterRank() {
+  uint32_t r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+  return r;
+}
+__device__ __forceinline__ void ClusterSync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
 __device__ __forceinline__ void TmaPrefetchDescriptor(const CUtensorMap* map) {
   asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
 }
@@ -98,8 +143,8 @@ __device__ __forceinline__ void TmaPrefetchDescriptor(const CUtensorMap* map) {
 // row, 128B swizzle (what the TMA above writes): start address >> 4, leading byte offset
 // (unused for this swizzle; 1), stride byte offset 1024 (one 8-row group) >> 4, swizzle
 // mode 1 = 128B in bits 62-63. Moving 32 bytes along K adds 2 to the start address.
-__device__ __forceinline__ uint64_t SmemDesc(const void* tile) {
-  const uint64_t addr = SmemAddr(tile);
+__device__ __forceinline__ uint64_t SmemDescAddr(uint32_t tile) {
+  const uint64_t addr = tile;
   return ((addr & 0x3FFFF) >> 4) | (uint64_t(1) << 16) | (uint64_t(1024 >> 4) << 32) |
          (uint64_t(1) << 62);
 }
@@ -162,80 +207,99 @@ __device__ __forceinline__ void StorePair(__nv_bfloat16* p, float x, float y) {
 __device__ __forceinline__ void StorePair(__half* p, float x, float y) {
   *reinterpret_cast<__half2*>(p) = __floats2half2_rn(x, y);
 }
-#endif  // sm_90a device code
 
+// The work split among a cluster's CTAs: its CTAs take vertically adjacent tiles (same nt), a
+// "unit" of kCluster tile rows scheduled together; each CTA loads 1/kCluster of the shared b
+// tile and multicasts it into all of them.
+struct Schedule {
+  uint32_t rank;           // this CTA's place in its cluster
+  int m_groups, units;     // units = m_groups x n_tiles
+  int first, step;         // this cluster's first unit and the stride between its units
+
+  __device__ void Tile(int unit, const Params& p, int* mt, int* nt) const {
+    int mg;
+    TileCoords(unit, m_groups, p.n_tiles, &mg, nt);
+    *mt = mg * kCluster + int(rank);  // may be m_tiles (odd count): loads zeros, stores nothing
+  }
+};
+
+// The producer thread: every K block of every tile of the schedule into the stage ring.
+template <bool kAVec, bool kBVec>
+__device__ __forceinline__ void Produce(const CUtensorMap* map_a, const CUtensorMap* map_b,
+                                        const CUtensorMap* map_sa, const CUtensorMap* map_sb,
+                                        const Params& p, const Schedule& sched, uint8_t* smem,
+                                        uint64_t* full, uint64_t* empty) {
+  constexpr uint32_t kTxBytes =
+      kATileBytes + kBTileBytes + (kAVec ? kTileM * 4 : 16) + (kBVec ? kTileN * 4 : 16);
+  constexpr int kBPart = kTileN / kCluster;
+  const uint32_t rank = sched.rank;
+  uint32_t it = 0;
+  for (int unit = sched.first; unit < sched.units; unit += sched.step) {
+    int mt, nt;
+    sched.Tile(unit, p, &mt, &nt);
+    for (int kb = 0; kb < p.k_blocks; ++kb, ++it) {
+      const int s = it % kStages;
+      MbarWait(&empty[s], ((it / kStages) & 1) ^ 1);
+      uint8_t* stage = smem + s * kStageBytes;
+      MbarExpectTx(&full[s], kTxBytes);
+      TmaLoad2d(stage, map_a, &full[s], kb * kTileK, mt * kTileM);
+      TmaLoad2dMulticast(stage + kATileBytes + rank * kBPart * kTileK, map_b, &full[s],
+                         kb * kTileK, nt * kTileN + int(rank) * kBPart,
+                         uint16_t((1u << kCluster) - 1));
+      // 1x128 scales: the block's 128 values; 128x128: the 16-byte group holding its one.
+      if (kAVec) TmaLoad2d(stage + kScaleAOffset, map_sa, &full[s], mt * kTileM, kb);
+      else TmaLoad2d(stage + kScaleAOffset, map_sa, &full[s], kb & ~3, mt);
+      if (kBVec) TmaLoad2d(stage + kScaleBOffset, map_sb, &full[s], nt * kTileN, kb);
+      else TmaLoad2d(stage + kScaleBOffset, map_sb, &full[s], kb & ~3, nt);
+    }
+  }
+}
+
+// A consumer warpgroup: 64 rows of every tile of the schedule, promoted per K block, then
+// the epilogue.
 template <typename OutT, bool kAVec, bool kBVec, typename ATag, typename BTag>
-__global__ void __launch_bounds__(kThreads, 1)
-    BlockGemmKernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
-                    const __grid_constant__ CUtensorMap map_sa,
-                    const __grid_constant__ CUtensorMap map_sb, const Params p) {
-#if defined(LOWBIT_SM90A_DEVICE)
-  extern __shared__ uint8_t smem_raw[];
-  uint8_t* smem = reinterpret_cast<uint8_t*>(
-      (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
-  uint64_t* full = reinterpret_cast<uint64_t*>(smem + kStages * kStageBytes);
-  uint64_t* empty = full + kStages;
-  const int num_tiles = p.m_tiles * p.n_tiles;
-
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < kStages; ++s) {
-      MbarInit(&full[s], 1);
-      MbarInit(&empty[s], kConsumerWarps);
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    TmaPrefetchDescriptor(&map_a);
-    TmaPrefetchDescriptor(&map_b);
-  }
-  __syncthreads();
-
-  if (threadIdx.x < 128) {  // producer warpgroup: one thread issues every copy
-    if (threadIdx.x != 0) return;
-    constexpr uint32_t kTxBytes =
-        kATileBytes + kBTileBytes + (kAVec ? kTileM * 4 : 0) + (kBVec ? kTileN * 4 : 0);
-    uint32_t it = 0;
-    for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
-      int mt, nt;
-      TileCoords(tile, p.m_tiles, p.n_tiles, &mt, &nt);
-      for (int kb = 0; kb < p.k_blocks; ++kb, ++it) {
-        const int s = it % kStages;
-        MbarWait(&empty[s], ((it / kStages) & 1) ^ 1);
-        uint8_t* stage = smem + s * kStageBytes;
-        MbarExpectTx(&full[s], kTxBytes);
-        TmaLoad2d(stage, &map_a, &full[s], kb * kTileK, mt * kTileM);
-        TmaLoad2d(stage + kATileBytes, &map_b, &full[s], kb * kTileK, nt * kTileN);
-        if (kAVec) TmaLoad2d(stage + kScaleAOffset, &map_sa, &full[s], mt * kTileM, kb);
-        if (kBVec) TmaLoad2d(stage + kScaleBOffset, &map_sb, &full[s], nt * kTileN, kb);
-      }
-    }
-    return;
-  }
-
-  // Consumer warpgroups.
-  const int wg = threadIdx.x / 128 - 1;
+__device__ __forceinline__ void Consume(const Params& p, const Schedule& sched, uint32_t smem_base,
+                                        uint32_t full0, uint32_t empty0) {
+  // Through a shuffle the compiler knows wg is warp-uniform, so the descriptors built from
+  // it live in uniform registers.
+  const int wg = __shfl_sync(0xffffffffu, int(threadIdx.x / 128), 0) - 1;
   const int t = threadIdx.x % 128;
   const int lane = t % 32;
   const int row0 = wg * 64 + (t / 32) * 16 + lane / 4;  // and row0 + 8, within the tile
   const int col0 = 2 * (lane % 4);                      // + 8i and + 8i + 1
-  uint32_t it = 0;
-  for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
+  // Everything an iteration needs is precomputed or carried: the stage's descriptors and
+  // scale addresses are a base plus the stage index times the stage size (32-bit shared
+  // addresses), and the stage index and its barrier phase are counters. While one warpgroup
+  // is between its wgmmas' end and its next wgmmas, only the other one's keep the tensor
+  // cores busy; so that stretch holds just the promotion: the release of the finished stage,
+  // the wait for the next one and its scales come before it.
+  const uint64_t desc_a0 = SmemDescAddr(smem_base + wg * 64 * kTileK);
+  const uint64_t desc_b0 = SmemDescAddr(smem_base + kATileBytes);
+  const uint32_t sa_addr0 = smem_base + kScaleAOffset + (kAVec ? 4 * row0 : 0);
+  const uint32_t sb_addr0 = smem_base + kScaleBOffset + (kBVec ? 4 * col0 : 0);
+  int s = 0;
+  uint32_t phase = 0;
+  // K block kb's scales from its resident stage: a's two rows (1x128) or its one value
+  // (128x128, within its 16-byte group), and b's one value when b is 128x128.
+  float sa0 = 0.0f, sa1 = 0.0f, sb_scalar = 0.0f;
+  auto wait_and_read_scales = [&](int kb) {
+    MbarWaitAddr(full0 + 8 * s, phase);
+    const uint32_t stage_off = uint32_t(s) * kStageBytes;
+    const uint32_t scalar_off = 4 * (kb & 3);
+    sa0 = LdSharedAddr(sa_addr0 + stage_off + (kAVec ? 0 : scalar_off));
+    sa1 = kAVec ? LdSharedAddr(sa_addr0 + stage_off + 32) : sa0;
+    if (!kBVec) sb_scalar = LdSharedAddr(sb_addr0 + stage_off + scalar_off);
+  };
+  for (int unit = sched.first; unit < sched.units; unit += sched.step) {
     int mt, nt;
-    TileCoords(tile, p.m_tiles, p.n_tiles, &mt, &nt);
-    const float* a_scale_row = kAVec ? nullptr : p.a_scale + int64_t(mt) * p.a_scale_ld;
-    const float* b_scale_row = kBVec ? nullptr : p.b_scale + int64_t(nt) * p.b_scale_ld;
-    float a_tile_scale = kAVec ? 0.0f : __ldg(a_scale_row);
-    float b_tile_scale = kBVec ? 0.0f : __ldg(b_scale_row);
+    sched.Tile(unit, p, &mt, &nt);
     float acc[64];
 #pragma unroll
     for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
-    for (int kb = 0; kb < p.k_blocks; ++kb, ++it) {
-      const bool more = kb + 1 < p.k_blocks;
-      const float a_next = (!kAVec && more) ? __ldg(a_scale_row + kb + 1) : 0.0f;
-      const float b_next = (!kBVec && more) ? __ldg(b_scale_row + kb + 1) : 0.0f;
-      const int s = it % kStages;
-      MbarWait(&full[s], (it / kStages) & 1);
-      const uint8_t* stage = smem + s * kStageBytes;
-      const uint64_t desc_a = SmemDesc(stage + wg * 64 * kTileK);
-      const uint64_t desc_b = SmemDesc(stage + kATileBytes);
+    wait_and_read_scales(0);
+    for (int kb = 0; kb < p.k_blocks; ++kb) {
+      const uint32_t stage_off = uint32_t(s) * kStageBytes;
+      const uint64_t desc_a = desc_a0 + (stage_off >> 4), desc_b = desc_b0 + (stage_off >> 4);
       float part[64];
       WgmmaFence();
 #pragma unroll
@@ -244,27 +308,30 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
       WgmmaCommit();
       WgmmaWaitAll();
-      const float* sa = reinterpret_cast<const float*>(stage + kScaleAOffset);
-      const float* sb = reinterpret_cast<const float*>(stage + kScaleBOffset);
-      const float sa0 = kAVec ? sa[row0] : a_tile_scale;
-      const float sa1 = kAVec ? sa[row0 + 8] : a_tile_scale;
+      float2 sbv[16];
 #pragma unroll
       for (int i = 0; i < 16; ++i) {
-        float sb0 = b_tile_scale, sb1 = b_tile_scale;
-        if (kBVec) {
-          const float2 v = *reinterpret_cast<const float2*>(sb + 8 * i + col0);
-          sb0 = v.x;
-          sb1 = v.y;
-        }
-        acc[4 * i + 0] = __fmaf_rn(part[4 * i + 0], __fmul_rn(sa0, sb0), acc[4 * i + 0]);
-        acc[4 * i + 1] = __fmaf_rn(part[4 * i + 1], __fmul_rn(sa0, sb1), acc[4 * i + 1]);
-        acc[4 * i + 2] = __fmaf_rn(part[4 * i + 2], __fmul_rn(sa1, sb0), acc[4 * i + 2]);
-        acc[4 * i + 3] = __fmaf_rn(part[4 * i + 3], __fmul_rn(sa1, sb1), acc[4 * i + 3]);
+        sbv[i] = kBVec ? LdShared2Addr(sb_addr0 + stage_off + 32 * i)
+                       : make_float2(sb_scalar, sb_scalar);
       }
+      const float a0 = sa0, a1 = sa1;
+      // The stage is no longer read: release it to every CTA's producer (their multicasts
+      // write it), one arrival per warp each.
       __syncwarp();
-      if (lane == 0) MbarArrive(&empty[s]);
-      a_tile_scale = a_next;
-      b_tile_scale = b_next;
+      if (lane < kCluster) MbarArriveCluster(empty0 + 8 * s, uint32_t(lane));
+      if (++s == kStages) {
+        s = 0;
+        phase ^= 1;
+      }
+      if (kb + 1 < p.k_blocks) wait_and_read_scales(kb + 1);
+#pragma unroll
+      for (int i = 0; i < 16; ++i) {
+        const float sb0 = sbv[i].x, sb1 = sbv[i].y;
+        acc[4 * i + 0] = __fmaf_rn(part[4 * i + 0], __fmul_rn(a0, sb0), acc[4 * i + 0]);
+        acc[4 * i + 1] = __fmaf_rn(part[4 * i + 1], __fmul_rn(a0, sb1), acc[4 * i + 1]);
+        acc[4 * i + 2] = __fmaf_rn(part[4 * i + 2], __fmul_rn(a1, sb0), acc[4 * i + 2]);
+        acc[4 * i + 3] = __fmaf_rn(part[4 * i + 3], __fmul_rn(a1, sb1), acc[4 * i + 3]);
+      }
     }
     // Epilogue: bias in fp32, one rounding to OutT. n is a multiple of 16, so a pair that
     // starts inside the row ends inside it.
@@ -287,6 +354,55 @@ __global__ void __launch_bounds__(kThreads, 1)
       if (row_b < p.m) StorePair(out + int64_t(row_b) * p.n + col, y2, y3);
     }
   }
+}
+#endif  // sm_90a device code
+
+template <typename OutT, bool kAVec, bool kBVec, typename ATag, typename BTag>
+__global__ void __launch_bounds__(kThreads, 1)
+    BlockGemmKernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
+                    const __grid_constant__ CUtensorMap map_sa,
+                    const __grid_constant__ CUtensorMap map_sb, const Params p) {
+#if defined(LOWBIT_SM90A_DEVICE)
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = reinterpret_cast<uint8_t*>(
+      (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + kStages * kStageBytes);
+  uint64_t* empty = full + kStages;
+  Schedule sched;
+  sched.rank = ClusterRank();
+  sched.m_groups = (p.m_tiles + kCluster - 1) / kCluster;
+  sched.units = sched.m_groups * p.n_tiles;
+  sched.first = blockIdx.x / kCluster;
+  sched.step = gridDim.x / kCluster;
+
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      MbarInit(&full[s], 1);
+      MbarInit(&empty[s], kCluster * kConsumerWarps);  // every consumer warp of the cluster
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    TmaPrefetchDescriptor(&map_a);
+    TmaPrefetchDescriptor(&map_b);
+  }
+  // Every CTA's barriers exist before any CTA multicasts into it or arrives on them.
+  ClusterSync();
+  // Registers move to the consumers: 40 per producer thread, 232 per consumer thread (the
+  // launch bounds' 168 each, redistributed), so the promotion's operands never spill.
+  if (threadIdx.x < 128) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
+    if (threadIdx.x == 0) {
+      Produce<kAVec, kBVec>(&map_a, &map_b, &map_sa, &map_sb, p, sched, smem, full, empty);
+    }
+  } else {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
+    // The same addresses as 32-bit shared ones, the base formed from the symbol's (a
+    // constant), so the consumers never rebuild it from a generic pointer.
+    const uint32_t base = (SmemAddr(smem_raw) + 1023u) & ~1023u;
+    const uint32_t full0 = base + kStages * kStageBytes;
+    Consume<OutT, kAVec, kBVec, ATag, BTag>(p, sched, base, full0, full0 + 8 * kStages);
+  }
+  // No CTA leaves while another may still multicast into it or arrive on its barriers.
+  ClusterSync();
 #endif
 }
 
@@ -336,13 +452,34 @@ Status Launch(const CUtensorMap& ma, const CUtensorMap& mb, const CUtensorMap& m
   LOWBIT_RETURN_IF_ERROR(CudaStatus(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes),
       "lowbit_gemm", "cudaFuncSetAttribute (block GEMM shared memory)"));
-  int sms = 0;
+  cudaLaunchConfig_t config{};
+  cudaLaunchAttribute cluster{};
+  cluster.id = cudaLaunchAttributeClusterDimension;
+  cluster.val.clusterDim.x = kCluster;
+  cluster.val.clusterDim.y = 1;
+  cluster.val.clusterDim.z = 1;
+  config.blockDim = dim3(kThreads);
+  config.dynamicSmemBytes = kSmemBytes;
+  config.stream = static_cast<cudaStream_t>(stream);
+  config.attrs = &cluster;
+  config.numAttrs = 1;
+  // As many clusters as can be resident at once (the kernel is persistent), at most one per
+  // unit of work.
+  int sms = 0, clusters = 0;
   LOWBIT_RETURN_IF_ERROR(CudaStatus(
       cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "lowbit_gemm",
       "cudaDeviceGetAttribute"));
-  const int tiles = p.m_tiles * p.n_tiles;
-  const int grid = tiles < sms ? tiles : sms;
-  kernel<<<grid, kThreads, kSmemBytes, stream>>>(ma, mb, msa, msb, p);
+  config.gridDim = dim3(sms / kCluster * kCluster);
+  LOWBIT_RETURN_IF_ERROR(CudaStatus(cudaOccupancyMaxActiveClusters(&clusters, kernel, &config),
+                                    "lowbit_gemm", "cudaOccupancyMaxActiveClusters (block GEMM)"));
+  const int units = (p.m_tiles + kCluster - 1) / kCluster * p.n_tiles;
+  clusters = clusters < units ? clusters : units;
+  if (clusters < 1) {
+    return Status::Internal("lowbit_gemm: the block GEMM kernel cannot be resident on this device");
+  }
+  config.gridDim = dim3(clusters * kCluster);
+  LOWBIT_RETURN_IF_ERROR(CudaStatus(cudaLaunchKernelEx(&config, kernel, ma, mb, msa, msb, p),
+                                    "lowbit_gemm", "cudaLaunchKernelEx (block GEMM sm90)"));
   return LaunchStatus("lowbit_gemm (block GEMM sm90)");
 }
 
@@ -399,7 +536,8 @@ Status BlockGemmSm90Cuda(const GemmArgs& args, int device_ordinal, GpuStream str
   LOWBIT_RETURN_IF_ERROR(EncodeMap(&ma, args.a, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, args.m, args.k,
                                    args.k, kTileM, kTileK, CU_TENSOR_MAP_SWIZZLE_128B, "a"));
   LOWBIT_RETURN_IF_ERROR(EncodeMap(&mb, args.b, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, args.n, args.k,
-                                   args.k, kTileN, kTileK, CU_TENSOR_MAP_SWIZZLE_128B, "b"));
+                                   args.k, kTileN / kCluster, kTileK, CU_TENSOR_MAP_SWIZZLE_128B,
+                                   "b"));
   Params p{};
   const GemmScaleShape sa = GemmScaleDims(args.a_scale_mode, args.m, args.k);
   const GemmScaleShape sb = GemmScaleDims(args.b_scale_mode, args.n, args.k);
@@ -407,17 +545,19 @@ Status BlockGemmSm90Cuda(const GemmArgs& args, int device_ordinal, GpuStream str
     LOWBIT_RETURN_IF_ERROR(EncodeMap(&msa, args.a_scale_inv, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4,
                                      sa.dim0, sa.dim1, sa.dim1, 1, kTileM,
                                      CU_TENSOR_MAP_SWIZZLE_NONE, "a_scale_inv"));
-  } else {
-    p.a_scale = static_cast<const float*>(args.a_scale_inv);
-    p.a_scale_ld = sa.dim1;
+  } else {  // (m tiles, k_blocks rounded up to 4), read 16 bytes at a time
+    LOWBIT_RETURN_IF_ERROR(EncodeMap(&msa, args.a_scale_inv, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4,
+                                     sa.dim0, sa.dim1, sa.dim1, 1, 4,
+                                     CU_TENSOR_MAP_SWIZZLE_NONE, "a_scale_inv"));
   }
   if (args.b_scale_mode == GemmScaleMode::kBlock1x128) {
     LOWBIT_RETURN_IF_ERROR(EncodeMap(&msb, args.b_scale_inv, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4,
                                      sb.dim0, sb.dim1, sb.dim1, 1, kTileN,
                                      CU_TENSOR_MAP_SWIZZLE_NONE, "b_scale_inv"));
   } else {
-    p.b_scale = static_cast<const float*>(args.b_scale_inv);
-    p.b_scale_ld = sb.dim1;
+    LOWBIT_RETURN_IF_ERROR(EncodeMap(&msb, args.b_scale_inv, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4,
+                                     sb.dim0, sb.dim1, sb.dim1, 1, 4,
+                                     CU_TENSOR_MAP_SWIZZLE_NONE, "b_scale_inv"));
   }
   p.bias = args.bias;
   p.out = args.out;
