@@ -95,13 +95,7 @@ __device__ __forceinline__ void MbarExpectTx(uint64_t* bar, uint32_t bytes) {
                "r"(bytes) : "memory");
 }
 __device__ __forceinline__ void MbarWait(uint64_t* bar, uint32_t parity) {
-  uint32_t done = 0;
-  do {
-    asm volatile(
-        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-        "selp.u32 %0, 1, 0, p;\n}\n"
-        : "=r"(done) : "r"(SmemAddr(bar)), "r"(parity) : "memory");
-  } while (!done);
+  MbarWaitAddr(SmemAddr(bar), parity);
 }
 __device__ __forceinline__ void TmaLoad2d(void* dst, const CUtensorMap* map, uint64_t* bar, int c0,
                                           int c1) {
@@ -445,6 +439,17 @@ Status EncodeMap(CUtensorMap* map, const void* base, CUtensorMapDataType type, i
   return Status::Ok();
 }
 
+// One operand's scale array (gemm.h's layout) as a TMA map. 1x128: (k_blocks, roundup(rows,
+// 4)), a tile's `tile_rows` values per K block; 128x128: (row tiles, k_blocks rounded up to
+// 4), 16 bytes (four K blocks' scales) at a time.
+Status EncodeScaleMap(CUtensorMap* map, const void* scales, GemmScaleMode mode, int64_t rows,
+                      int64_t k, int tile_rows, const char* what) {
+  const GemmScaleShape d = GemmScaleDims(mode, rows, k);
+  const int box_cols = mode == GemmScaleMode::kBlock1x128 ? tile_rows : 4;
+  return EncodeMap(map, scales, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, d.dim0, d.dim1, d.dim1, 1,
+                   box_cols, CU_TENSOR_MAP_SWIZZLE_NONE, what);
+}
+
 template <typename OutT, bool kAVec, bool kBVec, typename ATag, typename BTag>
 Status Launch(const CUtensorMap& ma, const CUtensorMap& mb, const CUtensorMap& msa,
               const CUtensorMap& msb, const Params& p, int device, GpuStream stream) {
@@ -539,26 +544,10 @@ Status BlockGemmSm90Cuda(const GemmArgs& args, int device_ordinal, GpuStream str
                                    args.k, kTileN / kCluster, kTileK, CU_TENSOR_MAP_SWIZZLE_128B,
                                    "b"));
   Params p{};
-  const GemmScaleShape sa = GemmScaleDims(args.a_scale_mode, args.m, args.k);
-  const GemmScaleShape sb = GemmScaleDims(args.b_scale_mode, args.n, args.k);
-  if (args.a_scale_mode == GemmScaleMode::kBlock1x128) {  // (k_blocks, roundup(m, 4))
-    LOWBIT_RETURN_IF_ERROR(EncodeMap(&msa, args.a_scale_inv, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4,
-                                     sa.dim0, sa.dim1, sa.dim1, 1, kTileM,
-                                     CU_TENSOR_MAP_SWIZZLE_NONE, "a_scale_inv"));
-  } else {  // (m tiles, k_blocks rounded up to 4), read 16 bytes at a time
-    LOWBIT_RETURN_IF_ERROR(EncodeMap(&msa, args.a_scale_inv, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4,
-                                     sa.dim0, sa.dim1, sa.dim1, 1, 4,
-                                     CU_TENSOR_MAP_SWIZZLE_NONE, "a_scale_inv"));
-  }
-  if (args.b_scale_mode == GemmScaleMode::kBlock1x128) {
-    LOWBIT_RETURN_IF_ERROR(EncodeMap(&msb, args.b_scale_inv, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4,
-                                     sb.dim0, sb.dim1, sb.dim1, 1, kTileN,
-                                     CU_TENSOR_MAP_SWIZZLE_NONE, "b_scale_inv"));
-  } else {
-    LOWBIT_RETURN_IF_ERROR(EncodeMap(&msb, args.b_scale_inv, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4,
-                                     sb.dim0, sb.dim1, sb.dim1, 1, 4,
-                                     CU_TENSOR_MAP_SWIZZLE_NONE, "b_scale_inv"));
-  }
+  LOWBIT_RETURN_IF_ERROR(EncodeScaleMap(&msa, args.a_scale_inv, args.a_scale_mode, args.m, args.k,
+                                        kTileM, "a_scale_inv"));
+  LOWBIT_RETURN_IF_ERROR(EncodeScaleMap(&msb, args.b_scale_inv, args.b_scale_mode, args.n, args.k,
+                                        kTileN, "b_scale_inv"));
   p.bias = args.bias;
   p.out = args.out;
   p.m = int(args.m);
