@@ -37,8 +37,10 @@
 namespace lowbit {
 namespace {
 
-constexpr int kTileM = 128, kTileN = 128, kTileK = 128;  // kTileK = the scales' block
-constexpr int kStages = 6;
+constexpr int kTileM = 128, kTileN = 192, kTileK = 128;  // kTileK = the scales' block
+constexpr int kStages = 5;
+constexpr int kFrags = kTileN / 8;  // accumulator column pairs per thread (4 values each)
+constexpr int kAcc = kTileN / 2;    // fp32 accumulators per consumer thread
 constexpr int kCluster = 2;  // CTAs of a cluster: vertically adjacent tiles sharing one b tile
 static_assert(kCluster >= 2 && kTileN % (8 * kCluster) == 0, "b is split in 8-row groups");
 constexpr int kThreads = 384;  // producer warpgroup + 2 consumer warpgroups
@@ -46,8 +48,9 @@ constexpr int kATileBytes = kTileM * kTileK;
 constexpr int kBTileBytes = kTileN * kTileK;
 constexpr int kScaleAOffset = kATileBytes + kBTileBytes;
 constexpr int kScaleBOffset = kScaleAOffset + kTileM * 4;
-constexpr int kStageBytes = kScaleBOffset + kTileN * 4;  // 33 KiB: every stage 1024-aligned
+constexpr int kStageBytes = (kScaleBOffset + kTileN * 4 + 1023) / 1024 * 1024;  // 1024-aligned
 constexpr int kSmemBytes = kStages * kStageBytes + 2 * kStages * 8 + 1024;  // + barriers, alignment
+static_assert(kTileN == 192, "Wgmma is m64n192k32");
 static_assert(kStageBytes % 1024 == 0, "128B-swizzled TMA tiles need 1024-byte aligned stages");
 
 struct E4m3Tag {};
@@ -151,33 +154,23 @@ __device__ __forceinline__ void WgmmaWaitAll() {
   asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
 }
 
-// d (64 rows x 128 columns over the warpgroup's 128 threads) = a (64 x 32) * b (128 x 32)^T
+// d (64 rows x kTileN columns over the warpgroup's 128 threads) = a (64 x 32) * b (kTileN x 32)^T
 // (+ d when accumulate != 0). Thread t of the warpgroup holds d[4i + {0,1}] at row
 // 16*(t/32) + (t%32)/4, columns 8i + 2*(t%4) + {0,1}, and d[4i + {2,3}] eight rows lower.
-#define LOWBIT_DEFINE_WGMMA_M64N128K32(ATAG, BTAG, TYPES)                                      \
-  __device__ __forceinline__ void Wgmma(float(&d)[64], uint64_t desc_a, uint64_t desc_b,          \
+#define LOWBIT_DEFINE_WGMMA(ATAG, BTAG, TYPES)                                                   \
+  __device__ __forceinline__ void Wgmma(float(&d)[kAcc], uint64_t desc_a, uint64_t desc_b,        \
                                         int accumulate, ATAG, BTAG) {                             \
-    asm volatile(                                                                            \
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"                                         \
-        "wgmma.mma_async.sync.aligned.m64n128k32.f32." TYPES " {"                           \
-        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "  \
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "  \
-        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "  \
-        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"  \
-        "}, %64, %65, p, 1, 1;\n}\n"                                                       \
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),  \
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),  \
-          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),  \
-          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),  \
-          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),  \
-          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),  \
-          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),  \
-          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])  \
-        : "l"(desc_a), "l"(desc_b), "r"(accumulate));                                       \
+    asm volatile(                                                                                \
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %98, 0;\n"                                             \
+        "wgmma.mma_async.sync.aligned.m64n192k32.f32." TYPES " {"                                 \
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95"                                                                                     \
+        "}, %96, %97, p, 1, 1;\n}\n"                                                            \
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95])                                                                                     \
+        : "l"(desc_a), "l"(desc_b), "r"(accumulate));                                           \
   }
-LOWBIT_DEFINE_WGMMA_M64N128K32(E4m3Tag, E4m3Tag, "e4m3.e4m3")
-LOWBIT_DEFINE_WGMMA_M64N128K32(E4m3Tag, E5m2Tag, "e4m3.e5m2")
-LOWBIT_DEFINE_WGMMA_M64N128K32(E5m2Tag, E4m3Tag, "e5m2.e4m3")
+LOWBIT_DEFINE_WGMMA(E4m3Tag, E4m3Tag, "e4m3.e4m3")
+LOWBIT_DEFINE_WGMMA(E4m3Tag, E5m2Tag, "e4m3.e5m2")
+LOWBIT_DEFINE_WGMMA(E5m2Tag, E4m3Tag, "e5m2.e4m3")
 
 __device__ __forceinline__ void TileCoords(int tile, int m_tiles, int n_tiles, int* mt, int* nt) {
   const int per_group = kGroupRows * n_tiles;
@@ -224,7 +217,7 @@ __device__ __forceinline__ void Produce(const CUtensorMap* map_a, const CUtensor
                                         const Params& p, const Schedule& sched, uint8_t* smem,
                                         uint64_t* full, uint64_t* empty) {
   constexpr uint32_t kTxBytes =
-      kATileBytes + kBTileBytes + (kAVec ? kTileM * 4 : 16) + (kBVec ? kTileN * 4 : 16);
+      kATileBytes + kBTileBytes + (kAVec ? kTileM * 4 : 16) + (kBVec ? kTileN * 4 : 32);
   constexpr int kBPart = kTileN / kCluster;
   const uint32_t rank = sched.rank;
   uint32_t it = 0;
@@ -244,7 +237,11 @@ __device__ __forceinline__ void Produce(const CUtensorMap* map_a, const CUtensor
       if (kAVec) TmaLoad2d(stage + kScaleAOffset, map_sa, &full[s], mt * kTileM, kb);
       else TmaLoad2d(stage + kScaleAOffset, map_sa, &full[s], kb & ~3, mt);
       if (kBVec) TmaLoad2d(stage + kScaleBOffset, map_sb, &full[s], nt * kTileN, kb);
-      else TmaLoad2d(stage + kScaleBOffset, map_sb, &full[s], kb & ~3, nt);
+      else {  // a 192-wide tile spans two 128-row scale blocks of b: both groups
+        const int blk = nt * kTileN / 128;
+        TmaLoad2d(stage + kScaleBOffset, map_sb, &full[s], kb & ~3, blk);
+        TmaLoad2d(stage + kScaleBOffset + 16, map_sb, &full[s], kb & ~3, blk + 1);
+      }
     }
   }
 }
@@ -275,26 +272,31 @@ __device__ __forceinline__ void Consume(const Params& p, const Schedule& sched, 
   uint32_t phase = 0;
   // K block kb's scales from its resident stage: a's two rows (1x128) or its one value
   // (128x128, within its 16-byte group), and b's one value when b is 128x128.
-  float sa0 = 0.0f, sa1 = 0.0f, sb_scalar = 0.0f;
+  float sa0 = 0.0f, sa1 = 0.0f, sb_lo = 0.0f, sb_hi = 0.0f;
   auto wait_and_read_scales = [&](int kb) {
     MbarWaitAddr(full0 + 8 * s, phase);
     const uint32_t stage_off = uint32_t(s) * kStageBytes;
     const uint32_t scalar_off = 4 * (kb & 3);
     sa0 = LdSharedAddr(sa_addr0 + stage_off + (kAVec ? 0 : scalar_off));
     sa1 = kAVec ? LdSharedAddr(sa_addr0 + stage_off + 32) : sa0;
-    if (!kBVec) sb_scalar = LdSharedAddr(sb_addr0 + stage_off + scalar_off);
+    if (!kBVec) {
+      sb_lo = LdSharedAddr(sb_addr0 + stage_off + scalar_off);
+      sb_hi = LdSharedAddr(sb_addr0 + stage_off + 16 + scalar_off);
+    }
   };
   for (int unit = sched.first; unit < sched.units; unit += sched.step) {
     int mt, nt;
     sched.Tile(unit, p, &mt, &nt);
-    float acc[64];
+    // With a 128x128 b, the tile's fragments from hi_from on lie in the next scale block.
+    const int hi_from = (128 * (nt * kTileN / 128 + 1) - nt * kTileN) / 8;
+    float acc[kAcc];
 #pragma unroll
-    for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
+    for (int i = 0; i < kAcc; ++i) acc[i] = 0.0f;
     wait_and_read_scales(0);
     for (int kb = 0; kb < p.k_blocks; ++kb) {
       const uint32_t stage_off = uint32_t(s) * kStageBytes;
       const uint64_t desc_a = desc_a0 + (stage_off >> 4), desc_b = desc_b0 + (stage_off >> 4);
-      float part[64];
+      float part[kAcc];
       WgmmaFence();
 #pragma unroll
       for (int kk = 0; kk < kTileK / 32; ++kk) {
@@ -302,29 +304,34 @@ __device__ __forceinline__ void Consume(const Params& p, const Schedule& sched, 
       }
       WgmmaCommit();
       WgmmaWaitAll();
-      float2 sbv[16];
-#pragma unroll
-      for (int i = 0; i < 16; ++i) {
-        sbv[i] = kBVec ? LdShared2Addr(sb_addr0 + stage_off + 32 * i)
-                       : make_float2(sb_scalar, sb_scalar);
+      const float a0 = sa0, a1 = sa1, b_lo = sb_lo, b_hi = sb_hi;
+      const uint32_t sb_stage = sb_addr0 + stage_off;
+      // The stage is no longer read (1x128 b: once its scales are): release it to every
+      // CTA's producer (their multicasts write it), one arrival per warp each.
+      auto release = [&] {
+        __syncwarp();
+        if (lane < kCluster) MbarArriveCluster(empty0 + 8 * s, uint32_t(lane));
+        if (++s == kStages) {
+          s = 0;
+          phase ^= 1;
+        }
+      };
+      if (!kBVec) {
+        release();
+        if (kb + 1 < p.k_blocks) wait_and_read_scales(kb + 1);
       }
-      const float a0 = sa0, a1 = sa1;
-      // The stage is no longer read: release it to every CTA's producer (their multicasts
-      // write it), one arrival per warp each.
-      __syncwarp();
-      if (lane < kCluster) MbarArriveCluster(empty0 + 8 * s, uint32_t(lane));
-      if (++s == kStages) {
-        s = 0;
-        phase ^= 1;
-      }
-      if (kb + 1 < p.k_blocks) wait_and_read_scales(kb + 1);
 #pragma unroll
-      for (int i = 0; i < 16; ++i) {
-        const float sb0 = sbv[i].x, sb1 = sbv[i].y;
-        acc[4 * i + 0] = __fmaf_rn(part[4 * i + 0], __fmul_rn(a0, sb0), acc[4 * i + 0]);
-        acc[4 * i + 1] = __fmaf_rn(part[4 * i + 1], __fmul_rn(a0, sb1), acc[4 * i + 1]);
-        acc[4 * i + 2] = __fmaf_rn(part[4 * i + 2], __fmul_rn(a1, sb0), acc[4 * i + 2]);
-        acc[4 * i + 3] = __fmaf_rn(part[4 * i + 3], __fmul_rn(a1, sb1), acc[4 * i + 3]);
+      for (int i = 0; i < kFrags; ++i) {
+        const float b_block = i < hi_from ? b_lo : b_hi;  // 8 columns never straddle blocks
+        const float2 sb = kBVec ? LdShared2Addr(sb_stage + 32 * i) : make_float2(b_block, b_block);
+        acc[4 * i + 0] = __fmaf_rn(part[4 * i + 0], __fmul_rn(a0, sb.x), acc[4 * i + 0]);
+        acc[4 * i + 1] = __fmaf_rn(part[4 * i + 1], __fmul_rn(a0, sb.y), acc[4 * i + 1]);
+        acc[4 * i + 2] = __fmaf_rn(part[4 * i + 2], __fmul_rn(a1, sb.x), acc[4 * i + 2]);
+        acc[4 * i + 3] = __fmaf_rn(part[4 * i + 3], __fmul_rn(a1, sb.y), acc[4 * i + 3]);
+      }
+      if (kBVec) {
+        release();
+        if (kb + 1 < p.k_blocks) wait_and_read_scales(kb + 1);
       }
     }
     // Epilogue: bias in fp32, one rounding to OutT. n is a multiple of 16, so a pair that
@@ -333,7 +340,7 @@ __device__ __forceinline__ void Consume(const Params& p, const Schedule& sched, 
     OutT* out = static_cast<OutT*>(p.out);
     const int row_a = mt * kTileM + row0, row_b = row_a + 8;
 #pragma unroll
-    for (int i = 0; i < 16; ++i) {
+    for (int i = 0; i < kFrags; ++i) {
       const int col = nt * kTileN + 8 * i + col0;
       if (col >= p.n) continue;
       float y0 = acc[4 * i + 0], y1 = acc[4 * i + 1], y2 = acc[4 * i + 2], y3 = acc[4 * i + 3];
