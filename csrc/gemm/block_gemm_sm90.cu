@@ -29,6 +29,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <type_traits>
 #include <string>
 
 #include "common/cuda_check.h"
@@ -48,6 +49,10 @@ constexpr int kATileBytes = kTileM * kTileK;
 constexpr int kBTileBytes = kTileN * kTileK;
 constexpr int kScaleAOffset = kATileBytes + kBTileBytes;
 constexpr int kScaleBOffset = kScaleAOffset + kTileM * 4;
+// A 128x128 b's second 16-byte scale group (the tile's next 128 rows): TMA writes shared
+// memory at 128-byte aligned addresses.
+constexpr int kScaleBHiOffset = 128;
+static_assert(kScaleAOffset % 128 == 0 && kScaleBOffset % 128 == 0, "TMA destinations are 128-byte aligned");
 constexpr int kStageBytes = (kScaleBOffset + kTileN * 4 + 1023) / 1024 * 1024;  // 1024-aligned
 constexpr int kSmemBytes = kStages * kStageBytes + 2 * kStages * 8 + 1024;  // + barriers, alignment
 static_assert(kTileN == 192, "Wgmma is m64n192k32");
@@ -240,7 +245,7 @@ __device__ __forceinline__ void Produce(const CUtensorMap* map_a, const CUtensor
       else {  // a 192-wide tile spans two 128-row scale blocks of b: both groups
         const int blk = nt * kTileN / 128;
         TmaLoad2d(stage + kScaleBOffset, map_sb, &full[s], kb & ~3, blk);
-        TmaLoad2d(stage + kScaleBOffset + 16, map_sb, &full[s], kb & ~3, blk + 1);
+        TmaLoad2d(stage + kScaleBOffset + kScaleBHiOffset, map_sb, &full[s], kb & ~3, blk + 1);
       }
     }
   }
@@ -281,14 +286,14 @@ __device__ __forceinline__ void Consume(const Params& p, const Schedule& sched, 
     sa1 = kAVec ? LdSharedAddr(sa_addr0 + stage_off + 32) : sa0;
     if (!kBVec) {
       sb_lo = LdSharedAddr(sb_addr0 + stage_off + scalar_off);
-      sb_hi = LdSharedAddr(sb_addr0 + stage_off + 16 + scalar_off);
+      sb_hi = LdSharedAddr(sb_addr0 + stage_off + kScaleBHiOffset + scalar_off);
     }
   };
   for (int unit = sched.first; unit < sched.units; unit += sched.step) {
     int mt, nt;
     sched.Tile(unit, p, &mt, &nt);
-    // With a 128x128 b, the tile's fragments from hi_from on lie in the next scale block.
-    const int hi_from = (128 * (nt * kTileN / 128 + 1) - nt * kTileN) / 8;
+    static_assert(kTileN == 192, "promote's two cases assume 192-wide tiles over 128-row blocks");
+    const bool odd_nt = (nt & 1) != 0;
     float acc[kAcc];
 #pragma unroll
     for (int i = 0; i < kAcc; ++i) acc[i] = 0.0f;
@@ -320,15 +325,33 @@ __device__ __forceinline__ void Consume(const Params& p, const Schedule& sched, 
         release();
         if (kb + 1 < p.k_blocks) wait_and_read_scales(kb + 1);
       }
+      // acc += part * (sa * sb), the product rounded first (the reference's order). With a
+      // 128x128 b only four products exist; the fragment where the tile crosses into b's next
+      // scale block is 16 (the tile starts a block: none crosses) or 8 (odd nt starts 64 rows
+      // into one), fixed per tile, so each case is its own unrolled loop.
+      auto promote = [&](auto hi_from) {
+        constexpr int kHiFrom = decltype(hi_from)::value;
+        const float lo0 = __fmul_rn(a0, b_lo), lo1 = __fmul_rn(a1, b_lo);
+        const float hi0 = __fmul_rn(a0, b_hi), hi1 = __fmul_rn(a1, b_hi);
 #pragma unroll
-      for (int i = 0; i < kFrags; ++i) {
-        const float b_block = i < hi_from ? b_lo : b_hi;  // 8 columns never straddle blocks
-        const float2 sb = kBVec ? LdShared2Addr(sb_stage + 32 * i) : make_float2(b_block, b_block);
-        acc[4 * i + 0] = __fmaf_rn(part[4 * i + 0], __fmul_rn(a0, sb.x), acc[4 * i + 0]);
-        acc[4 * i + 1] = __fmaf_rn(part[4 * i + 1], __fmul_rn(a0, sb.y), acc[4 * i + 1]);
-        acc[4 * i + 2] = __fmaf_rn(part[4 * i + 2], __fmul_rn(a1, sb.x), acc[4 * i + 2]);
-        acc[4 * i + 3] = __fmaf_rn(part[4 * i + 3], __fmul_rn(a1, sb.y), acc[4 * i + 3]);
-      }
+        for (int i = 0; i < kFrags; ++i) {
+          float s00, s01, s10, s11;  // the scale of d[4i + 0..3]
+          if (kBVec) {
+            const float2 sb = LdShared2Addr(sb_stage + 32 * i);
+            s00 = __fmul_rn(a0, sb.x), s01 = __fmul_rn(a0, sb.y);
+            s10 = __fmul_rn(a1, sb.x), s11 = __fmul_rn(a1, sb.y);
+          } else {
+            s00 = s01 = i < kHiFrom ? lo0 : hi0;
+            s10 = s11 = i < kHiFrom ? lo1 : hi1;
+          }
+          acc[4 * i + 0] = __fmaf_rn(part[4 * i + 0], s00, acc[4 * i + 0]);
+          acc[4 * i + 1] = __fmaf_rn(part[4 * i + 1], s01, acc[4 * i + 1]);
+          acc[4 * i + 2] = __fmaf_rn(part[4 * i + 2], s10, acc[4 * i + 2]);
+          acc[4 * i + 3] = __fmaf_rn(part[4 * i + 3], s11, acc[4 * i + 3]);
+        }
+      };
+      if (kBVec || !odd_nt) promote(std::integral_constant<int, 16>{});
+      else promote(std::integral_constant<int, 8>{});
       if (kBVec) {
         release();
         if (kb + 1 < p.k_blocks) wait_and_read_scales(kb + 1);
