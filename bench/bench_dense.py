@@ -118,15 +118,23 @@ def block_gemm_floor(m, k, n, iters):
 
 def block_paths(paths, m, k, n, iters, rounds):
     """The block floor per block GEMM path (cuBLASLt or lowbit's wgmma kernel), the paths
-    timed in turn within each round; LOWBIT_BLOCK_GEMM is read at every call."""
+    timed in turn within each round; LOWBIT_BLOCK_GEMM is read at every call. A path
+    "wgmma:G" also sets the wgmma kernel's raster order (LOWBIT_BLOCK_GEMM_GROUP=G, e.g. 4 or
+    n8: csrc/gemm/block_gemm_sm90.cu)."""
     flops = 3 * 2 * m * k * n
     for r in range(rounds):
-        for path in paths:
+        for entry in paths:
+            path, _, group = entry.partition(":")
             os.environ["LOWBIT_BLOCK_GEMM"] = path
+            if group:
+                os.environ["LOWBIT_BLOCK_GEMM_GROUP"] = group
+            else:
+                os.environ.pop("LOWBIT_BLOCK_GEMM_GROUP", None)
             t = block_gemm_floor(m, k, n, iters)
-            print(f"round {r} {path:9s} fwd {t[0]*1e3:.3f} dgrad {t[1]*1e3:.3f} wgrad {t[2]*1e3:.3f} ms; "
+            print(f"round {r} {entry:9s} fwd {t[0]*1e3:.3f} dgrad {t[1]*1e3:.3f} wgrad {t[2]*1e3:.3f} ms; "
                   f"total {sum(t)*1e3:.3f} ms = {flops / sum(t) / 1e12:.0f} TFLOP/s", flush=True)
     os.environ.pop("LOWBIT_BLOCK_GEMM", None)
+    os.environ.pop("LOWBIT_BLOCK_GEMM_GROUP", None)
 
 
 def fp8_ceiling(size, iters):
@@ -157,7 +165,8 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, default=3, help="round-robin rounds (common.time_steps)")
     parser.add_argument("--block-paths", default=None,
                         help="only the Float8BlockScaling GEMM floor, per LOWBIT_BLOCK_GEMM path "
-                        "(comma-separated, e.g. cublaslt,wgmma), --rounds rounds round-robin")
+                        "(comma-separated, e.g. cublaslt,wgmma,wgmma:n8; wgmma:G sets the raster order "
+                        "LOWBIT_BLOCK_GEMM_GROUP=G), --rounds rounds round-robin")
     args = parser.parse_args(argv)
     chosen = set(args.variants.split(",")) | {"bf16"} if args.variants else None
     if chosen is not None and chosen - set(variants()):

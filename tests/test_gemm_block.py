@@ -403,6 +403,39 @@ def test_cuda_block_gemm_matches_cpu_emulation(a_mode, b_mode, m, n, k, out_dtyp
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("group", ["1", "3", "n1", "n5", "n1024"])
+@pytest.mark.parametrize("a_mode,b_mode", PAIRS[:3], ids=PAIR_IDS[:3])
+@pytest.mark.parametrize("m,n,k", [(520, 1040, 4096), (300, 400, 2000)], ids=str)
+def test_cuda_block_gemm_raster_order_changes_no_bit(a_mode, b_mode, m, n, k, group, rng, gpu, monkeypatch):
+    """LOWBIT_BLOCK_GEMM_GROUP (benchmark-only) reorders the wgmma kernel's tiles, never their
+    arithmetic: every order gives the default order's bits."""
+    if capability_of(gpu) != "9.0":
+        pytest.skip("the wgmma kernel is Hopper's")
+    monkeypatch.setenv("LOWBIT_BLOCK_GEMM", "wgmma")
+    a, b, sa, sb = operands(rng, m, n, k, a_mode, b_mode, E4M3, E4M3)
+    bias = rng.normal(size=(n,)).astype(BF16)
+    f = lambda a, b, sa, sb, bias: call(a, b, sa, sb, a_mode, b_mode, bias, BF16)  # noqa: E731
+    monkeypatch.delenv("LOWBIT_BLOCK_GEMM_GROUP", raising=False)
+    default = np.asarray(run_on(gpu, f, a, b, sa, sb, bias))
+    monkeypatch.setenv("LOWBIT_BLOCK_GEMM_GROUP", group)
+    reordered = np.asarray(run_on(gpu, f, a, b, sa, sb, bias))
+    np.testing.assert_array_equal(reordered.view(np.uint16), default.view(np.uint16))
+    assert np.any(default != 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("value", ["0", "x3", "n", "4a", "2000"])
+def test_cuda_block_gemm_bad_raster_group_names_the_variable(value, rng, gpu, monkeypatch):
+    if capability_of(gpu) != "9.0":
+        pytest.skip("the wgmma kernel is Hopper's")
+    monkeypatch.setenv("LOWBIT_BLOCK_GEMM", "wgmma")
+    monkeypatch.setenv("LOWBIT_BLOCK_GEMM_GROUP", value)
+    a, b, sa, sb = operands(rng, 256, 256, 512, Mode.BLOCK_1x128, Mode.BLOCK_128x128)
+    with pytest.raises(Exception, match="LOWBIT_BLOCK_GEMM_GROUP"):
+        np.asarray(run_on(gpu, lambda *x: call(*x, Mode.BLOCK_1x128, Mode.BLOCK_128x128), a, b, sa, sb))
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("path,kernel", [("wgmma", "BlockGemmKernel"), ("cublaslt", "nvjet")])
 def test_cuda_block_gemm_path_runs_its_kernel(path, kernel, rng, gpu, monkeypatch, tmp_path):
     """LOWBIT_BLOCK_GEMM picks the kernel that runs on Hopper: the profiler's kernel names show

@@ -31,6 +31,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <type_traits>
@@ -62,6 +63,8 @@ constexpr int kSmemBytes = kStages * kStageBytes + 2 * kStages * 8 + 1024;  // +
 static_assert(kTileN == 192, "Wgmma is m64n192k32");
 static_assert(kStageBytes % 1024 == 0, "128B-swizzled TMA tiles need 1024-byte aligned stages");
 
+constexpr int kGroupRows = 8;  // tile rows per raster group
+
 struct E4m3Tag {};
 struct E5m2Tag {};
 
@@ -69,13 +72,13 @@ struct Params {
   const void* bias;                // n values of the out type, or null
   void* out;                       // (m, n) row-major
   int m, n, k_blocks, m_tiles, n_tiles;
+  int group_rows, n_major;  // raster order: ParseRasterGroup
 };
 
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define LOWBIT_SM90A_DEVICE 1
 
 constexpr int kConsumerWarps = 8;
-constexpr int kGroupRows = 8;  // tile rows per raster group
 
 __device__ __forceinline__ uint32_t SmemAddr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -181,11 +184,22 @@ LOWBIT_DEFINE_WGMMA(E4m3Tag, E4m3Tag, "e4m3.e4m3")
 LOWBIT_DEFINE_WGMMA(E4m3Tag, E5m2Tag, "e4m3.e5m2")
 LOWBIT_DEFINE_WGMMA(E5m2Tag, E4m3Tag, "e5m2.e4m3")
 
-__device__ __forceinline__ void TileCoords(int tile, int m_tiles, int n_tiles, int* mt, int* nt) {
-  const int per_group = kGroupRows * n_tiles;
+__device__ __forceinline__ void TileCoords(int tile, int m_tiles, int n_tiles, int group_rows,
+                                           bool n_major, int* mt, int* nt) {
+  if (n_major) {  // groups of group_rows tile columns, M walked inside
+    const int per_group = group_rows * m_tiles;
+    const int group = tile / per_group;
+    const int first = group * group_rows;
+    const int cols = min(n_tiles - first, group_rows);
+    const int in_group = tile - group * per_group;
+    *nt = first + in_group % cols;
+    *mt = in_group / cols;
+    return;
+  }
+  const int per_group = group_rows * n_tiles;
   const int group = tile / per_group;
-  const int first = group * kGroupRows;
-  const int rows = min(m_tiles - first, kGroupRows);
+  const int first = group * group_rows;
+  const int rows = min(m_tiles - first, group_rows);
   const int in_group = tile - group * per_group;
   *mt = first + in_group % rows;
   *nt = in_group / rows;
@@ -214,7 +228,7 @@ struct Schedule {
 
   __device__ void Tile(int unit, const Params& p, int* mt, int* nt) const {
     int mg;
-    TileCoords(unit, m_groups, p.n_tiles, &mg, nt);
+    TileCoords(unit, m_groups, p.n_tiles, p.group_rows, p.n_major != 0, &mg, nt);
     *mt = mg * kCluster + int(rank);  // may be m_tiles (odd count): loads zeros, stores nothing
   }
 };
@@ -484,6 +498,26 @@ Status EncodeScaleMap(CUtensorMap* map, const void* scales, GemmScaleMode mode, 
                    box_cols, CU_TENSOR_MAP_SWIZZLE_NONE, what);
 }
 
+// The raster order (benchmark-only knob LOWBIT_BLOCK_GEMM_GROUP, read at every call): "<g>"
+// walks groups of g cluster rows (2g tile rows) down M within each tile column, then the next
+// column (the default, g = kGroupRows); "n<g>" walks groups of g tile columns across N within
+// each cluster row instead. Only the order changes, never a tile's arithmetic.
+Status ParseRasterGroup(int* group, int* n_major) {
+  *group = kGroupRows;
+  *n_major = 0;
+  const char* env = std::getenv("LOWBIT_BLOCK_GEMM_GROUP");
+  if (env == nullptr || *env == '\0') return Status::Ok();
+  const int by_n = env[0] == 'n' ? 1 : 0;
+  int g = 0, used = 0;
+  if (std::sscanf(env + by_n, "%d%n", &g, &used) != 1 || env[by_n + used] != '\0' || g < 1 || g > 1024) {
+    return Status::InvalidArgument(std::string("block_gemm_sm90: LOWBIT_BLOCK_GEMM_GROUP=\"") + env +
+                                   "\": expected <g> or n<g> with g in 1..1024");
+  }
+  *group = g;
+  *n_major = by_n;
+  return Status::Ok();
+}
+
 template <typename OutT, bool kAVec, bool kBVec, typename ATag, typename BTag>
 Status Launch(const CUtensorMap& ma, const CUtensorMap& mb, const CUtensorMap& msa,
               const CUtensorMap& msb, const Params& p, int device, GpuStream stream) {
@@ -589,6 +623,7 @@ Status BlockGemmSm90Cuda(const GemmArgs& args, int device_ordinal, GpuStream str
   p.k_blocks = int(k_blocks);
   p.m_tiles = int((args.m + kTileM - 1) / kTileM);
   p.n_tiles = int((args.n + kTileN - 1) / kTileN);
+  LOWBIT_RETURN_IF_ERROR(ParseRasterGroup(&p.group_rows, &p.n_major));
   switch (args.out_type) {
     case DType::kBF16:
       return DispatchModes<__nv_bfloat16>(args, ma, mb, msa, msb, p, device_ordinal, stream);
