@@ -3,13 +3,26 @@
 # racecheck/memcheck over a -k selection, and the named benchmark commands, each with its
 # own time limit, logs under $OUT. Used while tuning; tools/gpu_check.sh is the full check.
 #   TESTS="tests/a.py tests/b.py" RACE_K="..." RACE_FILES="..." BENCHES="bench/x.py --variants;bench/y.py" tools/gpu_round.sh
+#   LIB_DIR=build/cuda ... tools/gpu_round.sh   # with libraries carried from here (below)
+#   TEST_K="wgmma" narrows the tests (pytest -k)
 set -uo pipefail
 OUT=${OUT:-/tmp/lowbit_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-bash tools/gpu_check.sh build >/dev/null 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
-echo "build ok"
+# LIB_DIR: libraries built on the local machine (tools/build_cuda_here.sh) and carried; used
+# when they load on this GPU (python -m lowbit reports the CUDA build and its demo passes),
+# else lowbit is built here as without LIB_DIR.
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+if [ -n "${LIB_DIR:-}" ] && LOWBIT_LIBRARY_DIR=$PWD/$LIB_DIR python3 -m lowbit >"$OUT/report.log" 2>&1 \
+    && grep -q "cuda_build *lowbit" "$OUT/report.log" && grep -q "on gpu .*OK" "$OUT/report.log"; then
+  export LOWBIT_LIBRARY_DIR=$PWD/$LIB_DIR
+  echo "carried libraries load ($LIB_DIR)"
+else
+  [ -n "${LIB_DIR:-}" ] && { echo "carried libraries do not load:"; grep -E "cuda_|Error" "$OUT/report.log" | head -5; }
+  bash tools/gpu_check.sh build >/dev/null 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
+  echo "build ok"
+fi
 if [ -n "${TESTS:-}" ]; then
-  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${TEST_LIMIT:-240} python3 -m pytest -q -rf -n 6 -p no:cacheprovider ${TEST_MARK:+-m "$TEST_MARK"} $TESTS >"$OUT/tests.log" 2>&1
+  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${TEST_LIMIT:-240} python3 -m pytest -q -rf -n 6 -p no:cacheprovider ${TEST_MARK:+-m "$TEST_MARK"} ${TEST_K:+-k "$TEST_K"} $TESTS >"$OUT/tests.log" 2>&1
   grep -E "^FAILED|^ERROR| passed| failed" "$OUT/tests.log" | tail -25
 fi
 if [ -n "${RACE_K:-}" ]; then
