@@ -254,49 +254,35 @@ ffi::Error BackwardGpu(cudaStream_t stream, ffi::AnyBuffer dz, ffi::AnyBuffer x,
 
 namespace xffi = ::xla::ffi;
 
-#if !defined(LOWBIT_CUDA_HANDLERS)
-#define LOWBIT_ACT_CTX(bind) bind
-#define LOWBIT_ACT_BWD_CTX(bind) bind
-#define LOWBIT_ACT_FWD_SYMBOL LowbitActForwardCpu
-#define LOWBIT_ACT_BWD_SYMBOL LowbitActBackwardCpu
-#define LOWBIT_ACT_FWD_IMPL lowbit::ForwardCpu
-#define LOWBIT_ACT_BWD_IMPL lowbit::BackwardCpu
-#else
-#define LOWBIT_ACT_CTX(bind) bind.Ctx<xffi::PlatformStream<cudaStream_t>>()
-#define LOWBIT_ACT_BWD_CTX(bind) bind.Ctx<xffi::PlatformStream<cudaStream_t>>()
-#define LOWBIT_ACT_FWD_SYMBOL LowbitActForwardCuda
-#define LOWBIT_ACT_BWD_SYMBOL LowbitActBackwardCuda
-#define LOWBIT_ACT_FWD_IMPL lowbit::ForwardGpu
-#define LOWBIT_ACT_BWD_IMPL lowbit::BackwardGpu
-#endif
-
-LOWBIT_FFI_HANDLER(LOWBIT_ACT_FWD_SYMBOL, LOWBIT_ACT_FWD_IMPL,
-                   LOWBIT_ACT_CTX(xffi::Ffi::Bind())  // (CUDA) stream
-                       .Arg<xffi::AnyBuffer>()         // x: f32/f16/bf16 (..., H) or (..., 2, H)
-                       .Arg<xffi::AnyBuffer>()         // bias: x's dtype (H,) or (2, H), or (0,)
-                       .Arg<xffi::AnyBuffer>()         // scale: f32 (1,)
-                       .Ret<xffi::AnyBuffer>()         // y: x's dtype (..., H), or (0,)
-                       .Ret<xffi::AnyBuffer>()         // q_rowwise: fp8 (..., H), or (0,)
-                       .Ret<xffi::AnyBuffer>()         // q_colwise: fp8 (H, rows), or (0,)
-                       .Ret<xffi::AnyBuffer>()         // amax: f32 (1,), max |y|
-                       .Attr<int32_t>("act_type")      // ActType
-                       .Attr<bool>("gated")
-                       .Attr<float>("limit")           // clamped swiglu
-                       .Attr<float>("alpha"));         // clamped swiglu
-LOWBIT_FFI_HANDLER(LOWBIT_ACT_BWD_SYMBOL, LOWBIT_ACT_BWD_IMPL,
-                   LOWBIT_ACT_BWD_CTX(xffi::Ffi::Bind())  // (CUDA) stream
-                       .Arg<xffi::AnyBuffer>()         // dz: x's dtype (..., H)
-                       .Arg<xffi::AnyBuffer>()         // x: forward input (..., H) or (..., 2, H)
-                       .Arg<xffi::AnyBuffer>()         // bias: x's dtype (H,) or (2, H), or (0,)
-                       .Arg<xffi::AnyBuffer>()         // scale: f32 (1,)
-                       .Ret<xffi::AnyBuffer>()         // dx: x's dtype and shape, or (0,)
-                       .Ret<xffi::AnyBuffer>()         // q_rowwise: fp8, x's shape, or (0,)
-                       .Ret<xffi::AnyBuffer>()         // q_colwise: fp8 (C, rows), or (0,)
-                       .Ret<xffi::AnyBuffer>()         // amax: f32 (1,), max |dx|
-                       .Ret<xffi::AnyBuffer>()         // dbias: x's dtype (C,), or (0,)
-                       .Ret<xffi::AnyBuffer>()         // workspace: u8 (n,), dbias partials
-                       .Attr<int32_t>("act_type")
-                       .Attr<bool>("gated")
-                       .Attr<float>("limit")
-                       .Attr<float>("alpha")
-                       .Attr<bool>("compute_dbias"));
+LOWBIT_FFI_BACKEND_HANDLER(LowbitActForward, lowbit::Forward,
+                           xffi::Ffi::Bind()
+                               LOWBIT_FFI_CUDA_ONLY(.Ctx<xffi::PlatformStream<cudaStream_t>>())  // stream
+                               .Arg<xffi::AnyBuffer>()  // x: f32/f16/bf16 (..., H) or (..., 2, H)
+                               .Arg<xffi::AnyBuffer>()  // bias: x's dtype (H,) or (2, H), or (0,)
+                               .Arg<xffi::AnyBuffer>()  // scale: f32 (1,)
+                               .Ret<xffi::AnyBuffer>()  // y: x's dtype (..., H), or (0,)
+                               .Ret<xffi::AnyBuffer>()  // q_rowwise: fp8 (..., H), or (0,)
+                               .Ret<xffi::AnyBuffer>()  // q_colwise: fp8 (H, rows), or (0,)
+                               .Ret<xffi::AnyBuffer>()  // amax: f32 (1,), max |y|
+                               .Attr<int32_t>("act_type")  // ActType
+                               .Attr<bool>("gated")
+                               .Attr<float>("limit")  // clamped swiglu
+                               .Attr<float>("alpha"));  // clamped swiglu
+LOWBIT_FFI_BACKEND_HANDLER(LowbitActBackward, lowbit::Backward,
+                           xffi::Ffi::Bind()
+                               LOWBIT_FFI_CUDA_ONLY(.Ctx<xffi::PlatformStream<cudaStream_t>>())  // stream
+                               .Arg<xffi::AnyBuffer>()  // dz: x's dtype (..., H)
+                               .Arg<xffi::AnyBuffer>()  // x: forward input (..., H) or (..., 2, H)
+                               .Arg<xffi::AnyBuffer>()  // bias: x's dtype (H,) or (2, H), or (0,)
+                               .Arg<xffi::AnyBuffer>()  // scale: f32 (1,)
+                               .Ret<xffi::AnyBuffer>()  // dx: x's dtype and shape, or (0,)
+                               .Ret<xffi::AnyBuffer>()  // q_rowwise: fp8, x's shape, or (0,)
+                               .Ret<xffi::AnyBuffer>()  // q_colwise: fp8 (C, rows), or (0,)
+                               .Ret<xffi::AnyBuffer>()  // amax: f32 (1,), max |dx|
+                               .Ret<xffi::AnyBuffer>()  // dbias: x's dtype (C,), or (0,)
+                               .Ret<xffi::AnyBuffer>()  // workspace: u8 (n,), dbias partials
+                               .Attr<int32_t>("act_type")
+                               .Attr<bool>("gated")
+                               .Attr<float>("limit")
+                               .Attr<float>("alpha")
+                               .Attr<bool>("compute_dbias"));

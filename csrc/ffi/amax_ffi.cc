@@ -52,15 +52,8 @@ ffi::Error AmaxGpu(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::Buffe
 }  // namespace
 }  // namespace lowbit
 
-#if !defined(LOWBIT_CUDA_HANDLERS)
-LOWBIT_FFI_HANDLER(LowbitAmaxCpu, lowbit::AmaxCpu,
-                              xla::ffi::Ffi::Bind()
-                                  .Arg<xla::ffi::AnyBuffer>()                 // x: f32/f16/bf16, any shape
-                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>());   // out: (rows,) amax per segment
-#else
-LOWBIT_FFI_HANDLER(LowbitAmaxCuda, lowbit::AmaxGpu,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()  // stream
-                                  .Arg<xla::ffi::AnyBuffer>()                 // x: f32/f16/bf16, any shape
-                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>());   // out: (rows,) amax per segment
-#endif
+LOWBIT_FFI_BACKEND_HANDLER(LowbitAmax, lowbit::Amax,
+                           xla::ffi::Ffi::Bind()
+                               LOWBIT_FFI_CUDA_ONLY(.Ctx<xla::ffi::PlatformStream<cudaStream_t>>())  // stream
+                               .Arg<xla::ffi::AnyBuffer>()  // x: f32/f16/bf16, any shape
+                               .Ret<xla::ffi::Buffer<xla::ffi::F32>>());  // out: (rows,) amax per segment

@@ -91,30 +91,16 @@ ffi::Error DecodeGpu(cudaStream_t stream, Buffer<ffi::U16> codes, Result<Buffer<
 
 namespace xffi = ::xla::ffi;
 
-#if !defined(LOWBIT_CUDA_HANDLERS)
-LOWBIT_FFI_HANDLER(LowbitEncodeCpu, lowbit::EncodeCpu,
-                              xffi::Ffi::Bind()
-                                  .Arg<xffi::Buffer<xffi::F32>>()   // x: values to encode
-                                  .Arg<xffi::Buffer<xffi::U32>>()   // random: () or one word per value
-                                  .Ret<xffi::Buffer<xffi::U16>>()   // codes: same shape as x
-                                  .Attr<int32_t>("format"));        // CodecFormat
-LOWBIT_FFI_HANDLER(LowbitDecodeCpu, lowbit::DecodeCpu,
-                              xffi::Ffi::Bind()
-                                  .Arg<xffi::Buffer<xffi::U16>>()   // codes
-                                  .Ret<xffi::Buffer<xffi::F32>>()   // x: decoded values
-                                  .Attr<int32_t>("format"));        // CodecFormat
-#else
-LOWBIT_FFI_HANDLER(LowbitEncodeCuda, lowbit::EncodeGpu,
-                              xffi::Ffi::Bind()
-                                  .Ctx<xffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<xffi::Buffer<xffi::F32>>()   // x: values to encode
-                                  .Arg<xffi::Buffer<xffi::U32>>()   // random: () or one word per value
-                                  .Ret<xffi::Buffer<xffi::U16>>()   // codes: same shape as x
-                                  .Attr<int32_t>("format"));        // CodecFormat
-LOWBIT_FFI_HANDLER(LowbitDecodeCuda, lowbit::DecodeGpu,
-                              xffi::Ffi::Bind()
-                                  .Ctx<xffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<xffi::Buffer<xffi::U16>>()   // codes
-                                  .Ret<xffi::Buffer<xffi::F32>>()   // x: decoded values
-                                  .Attr<int32_t>("format"));        // CodecFormat
-#endif
+LOWBIT_FFI_BACKEND_HANDLER(LowbitEncode, lowbit::Encode,
+                           xffi::Ffi::Bind()
+                               LOWBIT_FFI_CUDA_ONLY(.Ctx<xffi::PlatformStream<cudaStream_t>>())
+                               .Arg<xffi::Buffer<xffi::F32>>()  // x: values to encode
+                               .Arg<xffi::Buffer<xffi::U32>>()  // random: () or one word per value
+                               .Ret<xffi::Buffer<xffi::U16>>()  // codes: same shape as x
+                               .Attr<int32_t>("format"));  // CodecFormat
+LOWBIT_FFI_BACKEND_HANDLER(LowbitDecode, lowbit::Decode,
+                           xffi::Ffi::Bind()
+                               LOWBIT_FFI_CUDA_ONLY(.Ctx<xffi::PlatformStream<cudaStream_t>>())
+                               .Arg<xffi::Buffer<xffi::U16>>()  // codes
+                               .Ret<xffi::Buffer<xffi::F32>>()  // x: decoded values
+                               .Attr<int32_t>("format"));  // CodecFormat

@@ -180,3 +180,21 @@ inline Dims TransposedShape(const Dims& shape, int32_t flatten_axis) {
 #define LOWBIT_FFI_HANDLER(fn, impl, ...)                                           \
   extern "C" __attribute__((visibility("default"))) XLA_FFI_Error* fn(XLA_FFI_CallFrame*); \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(fn, impl, __VA_ARGS__)
+
+// One binding for both backends. Every *_ffi.cc is compiled twice: into liblowbit (the CPU
+// handlers) and with LOWBIT_CUDA_HANDLERS into liblowbit_cuda. LOWBIT_FFI_BACKEND_HANDLER(
+// LowbitGemm, lowbit::Gemm, binding) defines LowbitGemmCpu over lowbit::GemmCpu, or
+// LowbitGemmCuda over lowbit::GemmGpu; in the binding, LOWBIT_FFI_CUDA_ONLY(.Ctx<...>())
+// holds the CUDA handler's execution context (stream, device, scratch), which comes first and
+// is all that differs. So the two handlers cannot disagree on operands and attributes.
+#if defined(LOWBIT_CUDA_HANDLERS)
+#define LOWBIT_FFI_CUDA_ONLY(...) __VA_ARGS__
+#define LOWBIT_FFI_SYMBOL(base) base##Cuda
+#define LOWBIT_FFI_IMPL(impl) impl##Gpu
+#else
+#define LOWBIT_FFI_CUDA_ONLY(...)
+#define LOWBIT_FFI_SYMBOL(base) base##Cpu
+#define LOWBIT_FFI_IMPL(impl) impl##Cpu
+#endif
+#define LOWBIT_FFI_BACKEND_HANDLER(base, impl, ...) \
+  LOWBIT_FFI_HANDLER(LOWBIT_FFI_SYMBOL(base), LOWBIT_FFI_IMPL(impl), __VA_ARGS__)

@@ -234,64 +234,33 @@ ffi::Error NormQuantizeBlockGpu(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyB
 
 namespace xffi = ::xla::ffi;
 
-#if !defined(LOWBIT_CUDA_HANDLERS)
-LOWBIT_FFI_HANDLER(LowbitActQuantizeBlockCpu, lowbit::ActQuantizeBlockCpu,
-                   xffi::Ffi::Bind()
-                       .Arg<xffi::AnyBuffer>()   // x: f32/f16/bf16, (..., H) or (..., 2, H)
-                       .Ret<xffi::AnyBuffer>()   // rowwise: fp8 lead + (H,), or (0,)
-                       .Ret<xffi::AnyBuffer>()   // rowwise_scale: f32 or e8m0 (see above), or (0,)
-                       .Ret<xffi::AnyBuffer>()   // colwise: fp8 (H,) + lead (FP8 block) or lead + (H,), or (0,)
-                       .Ret<xffi::AnyBuffer>()   // colwise_scale, or (0,)
-                       .Attr<int32_t>("act_type")
-                       .Attr<bool>("gated")
-                       .Attr<float>("limit")
-                       .Attr<float>("alpha")
-                       .Attr<bool>("mxfp8")       // MXFP8, else FP8 block 1x128
-                       .Attr<bool>("pow2_scales"));
-LOWBIT_FFI_HANDLER(LowbitNormQuantizeBlockCpu, lowbit::NormQuantizeBlockCpu,
-                   xffi::Ffi::Bind()
-                       .Arg<xffi::AnyBuffer>()   // x: f32/f16/bf16 (..., H)
-                       .Arg<xffi::AnyBuffer>()   // gamma: (H,) f32 or x's dtype
-                       .Arg<xffi::AnyBuffer>()   // beta: gamma's dtype (H,), or (0,) for rmsnorm
-                       .Arg<xffi::AnyBuffer>()   // mu: f32 lead, or (0,) for rmsnorm
-                       .Arg<xffi::AnyBuffer>()   // rsigma: f32 lead
-                       .Ret<xffi::AnyBuffer>()   // rowwise: fp8 x's shape, or (0,)
-                       .Ret<xffi::AnyBuffer>()   // rowwise_scale: f32 or e8m0, or (0,)
-                       .Ret<xffi::AnyBuffer>()   // colwise: fp8 (H,) + lead (FP8 block) or x's shape, or (0,)
-                       .Ret<xffi::AnyBuffer>()   // colwise_scale, or (0,)
-                       .Attr<int32_t>("norm_type")  // 0 layernorm, 1 rmsnorm
-                       .Attr<bool>("zero_centered_gamma")
-                       .Attr<bool>("mxfp8")       // MXFP8, else FP8 block 1x128
-                       .Attr<bool>("pow2_scales"));
-#else
-LOWBIT_FFI_HANDLER(LowbitActQuantizeBlockCuda, lowbit::ActQuantizeBlockGpu,
-                   xffi::Ffi::Bind()
-                       .Ctx<xffi::PlatformStream<cudaStream_t>>()  // stream
-                       .Arg<xffi::AnyBuffer>()   // x: f32/f16/bf16, (..., H) or (..., 2, H)
-                       .Ret<xffi::AnyBuffer>()   // rowwise: fp8 lead + (H,), or (0,)
-                       .Ret<xffi::AnyBuffer>()   // rowwise_scale: f32 or e8m0 (see above), or (0,)
-                       .Ret<xffi::AnyBuffer>()   // colwise: fp8 (H,) + lead (FP8 block) or lead + (H,), or (0,)
-                       .Ret<xffi::AnyBuffer>()   // colwise_scale, or (0,)
-                       .Attr<int32_t>("act_type")
-                       .Attr<bool>("gated")
-                       .Attr<float>("limit")
-                       .Attr<float>("alpha")
-                       .Attr<bool>("mxfp8")       // MXFP8, else FP8 block 1x128
-                       .Attr<bool>("pow2_scales"));
-LOWBIT_FFI_HANDLER(LowbitNormQuantizeBlockCuda, lowbit::NormQuantizeBlockGpu,
-                   xffi::Ffi::Bind()
-                       .Ctx<xffi::PlatformStream<cudaStream_t>>()  // stream
-                       .Arg<xffi::AnyBuffer>()   // x: f32/f16/bf16 (..., H)
-                       .Arg<xffi::AnyBuffer>()   // gamma: (H,) f32 or x's dtype
-                       .Arg<xffi::AnyBuffer>()   // beta: gamma's dtype (H,), or (0,) for rmsnorm
-                       .Arg<xffi::AnyBuffer>()   // mu: f32 lead, or (0,) for rmsnorm
-                       .Arg<xffi::AnyBuffer>()   // rsigma: f32 lead
-                       .Ret<xffi::AnyBuffer>()   // rowwise: fp8 x's shape, or (0,)
-                       .Ret<xffi::AnyBuffer>()   // rowwise_scale: f32 or e8m0, or (0,)
-                       .Ret<xffi::AnyBuffer>()   // colwise: fp8 (H,) + lead (FP8 block) or x's shape, or (0,)
-                       .Ret<xffi::AnyBuffer>()   // colwise_scale, or (0,)
-                       .Attr<int32_t>("norm_type")  // 0 layernorm, 1 rmsnorm
-                       .Attr<bool>("zero_centered_gamma")
-                       .Attr<bool>("mxfp8")       // MXFP8, else FP8 block 1x128
-                       .Attr<bool>("pow2_scales"));
-#endif
+LOWBIT_FFI_BACKEND_HANDLER(LowbitActQuantizeBlock, lowbit::ActQuantizeBlock,
+                           xffi::Ffi::Bind()
+                               LOWBIT_FFI_CUDA_ONLY(.Ctx<xffi::PlatformStream<cudaStream_t>>())  // stream
+                               .Arg<xffi::AnyBuffer>()  // x: f32/f16/bf16, (..., H) or (..., 2, H)
+                               .Ret<xffi::AnyBuffer>()  // rowwise: fp8 lead + (H,), or (0,)
+                               .Ret<xffi::AnyBuffer>()  // rowwise_scale: f32 or e8m0 (see above), or (0,)
+                               .Ret<xffi::AnyBuffer>()  // colwise: fp8 (H,) + lead (FP8 block) or lead + (H,), or (0,)
+                               .Ret<xffi::AnyBuffer>()  // colwise_scale, or (0,)
+                               .Attr<int32_t>("act_type")
+                               .Attr<bool>("gated")
+                               .Attr<float>("limit")
+                               .Attr<float>("alpha")
+                               .Attr<bool>("mxfp8")  // MXFP8, else FP8 block 1x128
+                               .Attr<bool>("pow2_scales"));
+LOWBIT_FFI_BACKEND_HANDLER(LowbitNormQuantizeBlock, lowbit::NormQuantizeBlock,
+                           xffi::Ffi::Bind()
+                               LOWBIT_FFI_CUDA_ONLY(.Ctx<xffi::PlatformStream<cudaStream_t>>())  // stream
+                               .Arg<xffi::AnyBuffer>()  // x: f32/f16/bf16 (..., H)
+                               .Arg<xffi::AnyBuffer>()  // gamma: (H,) f32 or x's dtype
+                               .Arg<xffi::AnyBuffer>()  // beta: gamma's dtype (H,), or (0,) for rmsnorm
+                               .Arg<xffi::AnyBuffer>()  // mu: f32 lead, or (0,) for rmsnorm
+                               .Arg<xffi::AnyBuffer>()  // rsigma: f32 lead
+                               .Ret<xffi::AnyBuffer>()  // rowwise: fp8 x's shape, or (0,)
+                               .Ret<xffi::AnyBuffer>()  // rowwise_scale: f32 or e8m0, or (0,)
+                               .Ret<xffi::AnyBuffer>()  // colwise: fp8 (H,) + lead (FP8 block) or x's shape, or (0,)
+                               .Ret<xffi::AnyBuffer>()  // colwise_scale, or (0,)
+                               .Attr<int32_t>("norm_type")  // 0 layernorm, 1 rmsnorm
+                               .Attr<bool>("zero_centered_gamma")
+                               .Attr<bool>("mxfp8")  // MXFP8, else FP8 block 1x128
+                               .Attr<bool>("pow2_scales"));

@@ -321,79 +321,40 @@ ffi::Error SwizzleScalesGpu(cudaStream_t stream, ffi::AnyBuffer in, ffi::Result<
 
 namespace xffi = ::xla::ffi;
 
-#if !defined(LOWBIT_CUDA_HANDLERS)
-LOWBIT_FFI_HANDLER(LowbitGemmCpu, lowbit::GemmCpu,
-                   xffi::Ffi::Bind()
-                       .Arg<xffi::AnyBuffer>()             // a: (M, K) fp8 / bf16 / f16, row-major
-                       .Arg<xffi::AnyBuffer>()             // b: (N, K) same family as a, row-major
-                       .Arg<xffi::AnyBuffer>()             // a_scale_inv: f32 (1,), or 2-D per a_scale_mode
-                       .Arg<xffi::AnyBuffer>()             // b_scale_inv: f32 (1,), or 2-D per b_scale_mode
-                       .Arg<xffi::AnyBuffer>()             // bias: (N,) in out's type, or (0,)
-                       .Ret<xffi::AnyBuffer>()             // out: (M, N) bf16 / f16 / f32
-                       .Ret<xffi::AnyBuffer>()             // workspace: u8 (0,) here, unused
-                       .Attr<bool>("use_split_accumulator")  // FP8 on GPU: false = fast accumulation
-                       .Attr<int32_t>("a_scale_mode")      // GemmScaleMode of a_scale_inv
-                       .Attr<int32_t>("b_scale_mode")      // GemmScaleMode of b_scale_inv
-                       .Attr<int32_t>("algo"));            // cuBLASLt heuristic index: checked, unused here
-
-LOWBIT_FFI_HANDLER(LowbitGemmNvfp4Cpu, lowbit::GemmNvfp4Cpu,
-                   xffi::Ffi::Bind()
-                       .Arg<xffi::AnyBuffer>()             // a: (M, ceil(K/2)) u8, packed E2M1
-                       .Arg<xffi::AnyBuffer>()             // b: (N, ceil(K/2)) u8, packed E2M1
-                       .Arg<xffi::AnyBuffer>()             // a_scale: e4m3 (roundup(M,128), roundup(ceil(K/16),4))
-                       .Arg<xffi::AnyBuffer>()             // b_scale: e4m3 (roundup(N,128), ...)
-                       .Arg<xffi::AnyBuffer>()             // a_global_scale_inv: f32 (1,)
-                       .Arg<xffi::AnyBuffer>()             // b_global_scale_inv: f32 (1,)
-                       .Arg<xffi::AnyBuffer>()             // bias: (N,) in out's type, or (0,)
-                       .Ret<xffi::AnyBuffer>()             // out: (M, N) bf16 / f16 / f32
-                       .Ret<xffi::AnyBuffer>()             // workspace: u8 (0,) here, unused
-                       .Attr<int64_t>("k")                 // K (elements)
-                       .Attr<int32_t>("algo"));            // cuBLASLt heuristic index: checked, unused here
-
-LOWBIT_FFI_HANDLER(LowbitGemmSwizzleScalesCpu, lowbit::SwizzleScalesCpu,
-                   xffi::Ffi::Bind()
-                       .Arg<xffi::AnyBuffer>()             // scale: (R, C) u8 / e8m0 / e4m3, row-major
-                       .Ret<xffi::AnyBuffer>()             // out: (R * C,) same type, swizzled
-                       .Attr<int64_t>("valid_rows")        // rows >= this are written as 0
-                       .Attr<int64_t>("valid_cols"));      // cols >= this are written as 0
-#else
-LOWBIT_FFI_HANDLER(LowbitGemmCuda, lowbit::GemmGpu,
-                   xffi::Ffi::Bind()
-                       .Ctx<xffi::PlatformStream<cudaStream_t>>()  // stream
-                       .Ctx<xffi::DeviceOrdinal>()         // device: picks the cuBLASLt handle and plans
-                       .Arg<xffi::AnyBuffer>()             // a: (M, K) fp8 / bf16 / f16, row-major
-                       .Arg<xffi::AnyBuffer>()             // b: (N, K) same family as a, row-major
-                       .Arg<xffi::AnyBuffer>()             // a_scale_inv: f32 (1,), or 2-D per a_scale_mode
-                       .Arg<xffi::AnyBuffer>()             // b_scale_inv: f32 (1,), or 2-D per b_scale_mode
-                       .Arg<xffi::AnyBuffer>()             // bias: (N,) in out's type, or (0,)
-                       .Ret<xffi::AnyBuffer>()             // out: (M, N) bf16 / f16 / f32
-                       .Ret<xffi::AnyBuffer>()             // workspace: u8 (GemmWorkspaceBytes(...),), 256-B aligned
-                       .Attr<bool>("use_split_accumulator")  // FP8 tensor mode: false = fast accumulation
-                       .Attr<int32_t>("a_scale_mode")      // GemmScaleMode of a_scale_inv
-                       .Attr<int32_t>("b_scale_mode")      // GemmScaleMode of b_scale_inv
-                       .Attr<int32_t>("algo"));            // cuBLASLt heuristic index (LOWBIT_GEMM_ALGO)
-
-LOWBIT_FFI_HANDLER(LowbitGemmNvfp4Cuda, lowbit::GemmNvfp4Gpu,
-                   xffi::Ffi::Bind()
-                       .Ctx<xffi::PlatformStream<cudaStream_t>>()  // stream
-                       .Ctx<xffi::DeviceOrdinal>()         // device
-                       .Arg<xffi::AnyBuffer>()             // a: (M, ceil(K/2)) u8, packed E2M1
-                       .Arg<xffi::AnyBuffer>()             // b: (N, ceil(K/2)) u8, packed E2M1
-                       .Arg<xffi::AnyBuffer>()             // a_scale: e4m3, row-major (swizzled here)
-                       .Arg<xffi::AnyBuffer>()             // b_scale: e4m3, row-major (swizzled here)
-                       .Arg<xffi::AnyBuffer>()             // a_global_scale_inv: f32 (1,)
-                       .Arg<xffi::AnyBuffer>()             // b_global_scale_inv: f32 (1,)
-                       .Arg<xffi::AnyBuffer>()             // bias: (0,) (lowbit.ops.gemm adds it in fp32)
-                       .Ret<xffi::AnyBuffer>()             // out: (M, N) bf16 / f16 / f32
-                       .Ret<xffi::AnyBuffer>()             // workspace: u8 (GemmWorkspaceBytes(...),)
-                       .Attr<int64_t>("k")                 // K (elements)
-                       .Attr<int32_t>("algo"));            // cuBLASLt heuristic index
-
-LOWBIT_FFI_HANDLER(LowbitGemmSwizzleScalesCuda, lowbit::SwizzleScalesGpu,
-                   xffi::Ffi::Bind()
-                       .Ctx<xffi::PlatformStream<cudaStream_t>>()  // stream
-                       .Arg<xffi::AnyBuffer>()             // scale: (R, C) u8 / e8m0 / e4m3, row-major
-                       .Ret<xffi::AnyBuffer>()             // out: (R * C,) same type, swizzled
-                       .Attr<int64_t>("valid_rows")        // rows >= this are written as 0
-                       .Attr<int64_t>("valid_cols"));      // cols >= this are written as 0
-#endif
+LOWBIT_FFI_BACKEND_HANDLER(LowbitGemm, lowbit::Gemm,
+                           xffi::Ffi::Bind()
+                               LOWBIT_FFI_CUDA_ONLY(.Ctx<xffi::PlatformStream<cudaStream_t>>())  // stream
+                               LOWBIT_FFI_CUDA_ONLY(.Ctx<xffi::DeviceOrdinal>())  // device: picks the cuBLASLt handle and plans
+                               .Arg<xffi::AnyBuffer>()  // a: (M, K) fp8 / bf16 / f16, row-major
+                               .Arg<xffi::AnyBuffer>()  // b: (N, K) same family as a, row-major
+                               .Arg<xffi::AnyBuffer>()  // a_scale_inv: f32 (1,), or 2-D per a_scale_mode
+                               .Arg<xffi::AnyBuffer>()  // b_scale_inv: f32 (1,), or 2-D per b_scale_mode
+                               .Arg<xffi::AnyBuffer>()  // bias: (N,) in out's type, or (0,)
+                               .Ret<xffi::AnyBuffer>()  // out: (M, N) bf16 / f16 / f32
+                               .Ret<xffi::AnyBuffer>()  // workspace: u8, (0,) on the CPU; CUDA: (GemmWorkspaceBytes(...),), 256-B aligned
+                               .Attr<bool>("use_split_accumulator")  // FP8 on the GPU: false = fast accumulation
+                               .Attr<int32_t>("a_scale_mode")  // GemmScaleMode of a_scale_inv
+                               .Attr<int32_t>("b_scale_mode")  // GemmScaleMode of b_scale_inv
+                               .Attr<int32_t>("algo"));  // cuBLASLt heuristic index (LOWBIT_GEMM_ALGO); checked, unused on the CPU
+LOWBIT_FFI_BACKEND_HANDLER(LowbitGemmNvfp4, lowbit::GemmNvfp4,
+                           xffi::Ffi::Bind()
+                               LOWBIT_FFI_CUDA_ONLY(.Ctx<xffi::PlatformStream<cudaStream_t>>())  // stream
+                               LOWBIT_FFI_CUDA_ONLY(.Ctx<xffi::DeviceOrdinal>())  // device
+                               .Arg<xffi::AnyBuffer>()  // a: (M, ceil(K/2)) u8, packed E2M1
+                               .Arg<xffi::AnyBuffer>()  // b: (N, ceil(K/2)) u8, packed E2M1
+                               .Arg<xffi::AnyBuffer>()  // a_scale: e4m3 (roundup(M,128), roundup(ceil(K/16),4)), row-major (CUDA swizzles it)
+                               .Arg<xffi::AnyBuffer>()  // b_scale: e4m3 (roundup(N,128), ...), row-major (CUDA swizzles it)
+                               .Arg<xffi::AnyBuffer>()  // a_global_scale_inv: f32 (1,)
+                               .Arg<xffi::AnyBuffer>()  // b_global_scale_inv: f32 (1,)
+                               .Arg<xffi::AnyBuffer>()  // bias: (N,) in out's type, or (0,); always (0,) on the GPU (lowbit.ops.gemm adds it in fp32)
+                               .Ret<xffi::AnyBuffer>()  // out: (M, N) bf16 / f16 / f32
+                               .Ret<xffi::AnyBuffer>()  // workspace: u8, (0,) on the CPU; CUDA: (GemmWorkspaceBytes(...),)
+                               .Attr<int64_t>("k")  // K (elements)
+                               .Attr<int32_t>("algo"));  // cuBLASLt heuristic index; checked, unused on the CPU
+LOWBIT_FFI_BACKEND_HANDLER(LowbitGemmSwizzleScales, lowbit::SwizzleScales,
+                           xffi::Ffi::Bind()
+                               LOWBIT_FFI_CUDA_ONLY(.Ctx<xffi::PlatformStream<cudaStream_t>>())  // stream
+                               .Arg<xffi::AnyBuffer>()  // scale: (R, C) u8 / e8m0 / e4m3, row-major
+                               .Ret<xffi::AnyBuffer>()  // out: (R * C,) same type, swizzled
+                               .Attr<int64_t>("valid_rows")  // rows >= this are written as 0
+                               .Attr<int64_t>("valid_cols"));  // cols >= this are written as 0

@@ -246,64 +246,33 @@ ffi::Error NormBackwardGpu(cudaStream_t stream, AnyBuffer dz, AnyBuffer x, Buffe
 
 namespace xffi = ::xla::ffi;
 
-#if !defined(LOWBIT_CUDA_HANDLERS)
-LOWBIT_FFI_HANDLER(LowbitNormForwardCpu, lowbit::NormForwardCpu,
-                   xffi::Ffi::Bind()
-                       .Arg<xffi::AnyBuffer>()               // x: f32/f16/bf16, (..., hidden)
-                       .Arg<xffi::AnyBuffer>()               // gamma: (hidden,), f32 or x's dtype
-                       .Arg<xffi::AnyBuffer>()               // beta: (hidden,) layernorm, (0,) rmsnorm
-                       .Arg<xffi::Buffer<xffi::F32>>()       // scale: (1,) when quantizing, else (0,)
-                       .Ret<xffi::AnyBuffer>()               // y: x's dtype and shape, or (0,)
-                       .Ret<xffi::Buffer<xffi::F32>>()       // mu: (rows,) layernorm, (0,) rmsnorm
-                       .Ret<xffi::Buffer<xffi::F32>>()       // rsigma: (rows,)
-                       .Ret<xffi::AnyBuffer>()               // y_q_rowwise: fp8, x's shape, or (0,)
-                       .Ret<xffi::AnyBuffer>()               // y_q_colwise: fp8 (hidden, rows), or (0,)
-                       .Ret<xffi::Buffer<xffi::F32>>()       // amax: (1,) max |y|, or (0,)
-                       .Attr<int32_t>("norm_type")           // 0 layernorm, 1 rmsnorm
-                       .Attr<bool>("zero_centered_gamma")    // w = 1 + gamma
-                       .Attr<float>("epsilon"));
-LOWBIT_FFI_HANDLER(LowbitNormBackwardCpu, lowbit::NormBackwardCpu,
-                   xffi::Ffi::Bind()
-                       .Arg<xffi::AnyBuffer>()               // dz: x's dtype and shape
-                       .Arg<xffi::AnyBuffer>()               // x: f32/f16/bf16, (..., hidden)
-                       .Arg<xffi::Buffer<xffi::F32>>()       // mu: (rows,) layernorm, (0,) rmsnorm
-                       .Arg<xffi::Buffer<xffi::F32>>()       // rsigma: (rows,)
-                       .Arg<xffi::AnyBuffer>()               // gamma: (hidden,)
-                       .Ret<xffi::AnyBuffer>()               // dx: x's dtype and shape
-                       .Ret<xffi::AnyBuffer>()               // dgamma: gamma's dtype, (hidden,)
-                       .Ret<xffi::AnyBuffer>()               // dbeta: (hidden,) layernorm, (0,) rmsnorm
-                       .Ret<xffi::AnyBuffer>()               // workspace: u8, NormBackwardWorkspaceBytes
-                       .Attr<int32_t>("norm_type")
-                       .Attr<bool>("zero_centered_gamma"));
-#else
-LOWBIT_FFI_HANDLER(LowbitNormForwardCuda, lowbit::NormForwardGpu,
-                   xffi::Ffi::Bind()
-                       .Ctx<xffi::PlatformStream<cudaStream_t>>()  // stream
-                       .Arg<xffi::AnyBuffer>()               // x: f32/f16/bf16, (..., hidden)
-                       .Arg<xffi::AnyBuffer>()               // gamma: (hidden,), f32 or x's dtype
-                       .Arg<xffi::AnyBuffer>()               // beta: (hidden,) layernorm, (0,) rmsnorm
-                       .Arg<xffi::Buffer<xffi::F32>>()       // scale: (1,) when quantizing, else (0,)
-                       .Ret<xffi::AnyBuffer>()               // y: x's dtype and shape, or (0,)
-                       .Ret<xffi::Buffer<xffi::F32>>()       // mu: (rows,) layernorm, (0,) rmsnorm
-                       .Ret<xffi::Buffer<xffi::F32>>()       // rsigma: (rows,)
-                       .Ret<xffi::AnyBuffer>()               // y_q_rowwise: fp8, x's shape, or (0,)
-                       .Ret<xffi::AnyBuffer>()               // y_q_colwise: fp8 (hidden, rows), or (0,)
-                       .Ret<xffi::Buffer<xffi::F32>>()       // amax: (1,) max |y|, or (0,)
-                       .Attr<int32_t>("norm_type")           // 0 layernorm, 1 rmsnorm
-                       .Attr<bool>("zero_centered_gamma")    // w = 1 + gamma
-                       .Attr<float>("epsilon"));
-LOWBIT_FFI_HANDLER(LowbitNormBackwardCuda, lowbit::NormBackwardGpu,
-                   xffi::Ffi::Bind()
-                       .Ctx<xffi::PlatformStream<cudaStream_t>>()  // stream
-                       .Arg<xffi::AnyBuffer>()               // dz: x's dtype and shape
-                       .Arg<xffi::AnyBuffer>()               // x: f32/f16/bf16, (..., hidden)
-                       .Arg<xffi::Buffer<xffi::F32>>()       // mu: (rows,) layernorm, (0,) rmsnorm
-                       .Arg<xffi::Buffer<xffi::F32>>()       // rsigma: (rows,)
-                       .Arg<xffi::AnyBuffer>()               // gamma: (hidden,)
-                       .Ret<xffi::AnyBuffer>()               // dx: x's dtype and shape
-                       .Ret<xffi::AnyBuffer>()               // dgamma: gamma's dtype, (hidden,)
-                       .Ret<xffi::AnyBuffer>()               // dbeta: (hidden,) layernorm, (0,) rmsnorm
-                       .Ret<xffi::AnyBuffer>()               // workspace: u8, NormBackwardWorkspaceBytes
-                       .Attr<int32_t>("norm_type")
-                       .Attr<bool>("zero_centered_gamma"));
-#endif
+LOWBIT_FFI_BACKEND_HANDLER(LowbitNormForward, lowbit::NormForward,
+                           xffi::Ffi::Bind()
+                               LOWBIT_FFI_CUDA_ONLY(.Ctx<xffi::PlatformStream<cudaStream_t>>())  // stream
+                               .Arg<xffi::AnyBuffer>()  // x: f32/f16/bf16, (..., hidden)
+                               .Arg<xffi::AnyBuffer>()  // gamma: (hidden,), f32 or x's dtype
+                               .Arg<xffi::AnyBuffer>()  // beta: (hidden,) layernorm, (0,) rmsnorm
+                               .Arg<xffi::Buffer<xffi::F32>>()  // scale: (1,) when quantizing, else (0,)
+                               .Ret<xffi::AnyBuffer>()  // y: x's dtype and shape, or (0,)
+                               .Ret<xffi::Buffer<xffi::F32>>()  // mu: (rows,) layernorm, (0,) rmsnorm
+                               .Ret<xffi::Buffer<xffi::F32>>()  // rsigma: (rows,)
+                               .Ret<xffi::AnyBuffer>()  // y_q_rowwise: fp8, x's shape, or (0,)
+                               .Ret<xffi::AnyBuffer>()  // y_q_colwise: fp8 (hidden, rows), or (0,)
+                               .Ret<xffi::Buffer<xffi::F32>>()  // amax: (1,) max |y|, or (0,)
+                               .Attr<int32_t>("norm_type")  // 0 layernorm, 1 rmsnorm
+                               .Attr<bool>("zero_centered_gamma")  // w = 1 + gamma
+                               .Attr<float>("epsilon"));
+LOWBIT_FFI_BACKEND_HANDLER(LowbitNormBackward, lowbit::NormBackward,
+                           xffi::Ffi::Bind()
+                               LOWBIT_FFI_CUDA_ONLY(.Ctx<xffi::PlatformStream<cudaStream_t>>())  // stream
+                               .Arg<xffi::AnyBuffer>()  // dz: x's dtype and shape
+                               .Arg<xffi::AnyBuffer>()  // x: f32/f16/bf16, (..., hidden)
+                               .Arg<xffi::Buffer<xffi::F32>>()  // mu: (rows,) layernorm, (0,) rmsnorm
+                               .Arg<xffi::Buffer<xffi::F32>>()  // rsigma: (rows,)
+                               .Arg<xffi::AnyBuffer>()  // gamma: (hidden,)
+                               .Ret<xffi::AnyBuffer>()  // dx: x's dtype and shape
+                               .Ret<xffi::AnyBuffer>()  // dgamma: gamma's dtype, (hidden,)
+                               .Ret<xffi::AnyBuffer>()  // dbeta: (hidden,) layernorm, (0,) rmsnorm
+                               .Ret<xffi::AnyBuffer>()  // workspace: u8, NormBackwardWorkspaceBytes
+                               .Attr<int32_t>("norm_type")
+                               .Attr<bool>("zero_centered_gamma"));

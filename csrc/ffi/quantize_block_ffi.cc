@@ -281,80 +281,43 @@ ffi::Error DequantizeMxGpu(cudaStream_t stream, ffi::AnyBuffer data, ffi::AnyBuf
 
 namespace xffi = ::xla::ffi;
 
-#if !defined(LOWBIT_CUDA_HANDLERS)
-LOWBIT_FFI_HANDLER(LowbitQuantizeFp8BlockCpu, lowbit::QuantizeBlockCpu,
-                   xffi::Ffi::Bind()
-                       .Arg<xffi::AnyBuffer>()   // x: f32/f16/bf16, rank >= 1
-                       .Ret<xffi::AnyBuffer>()   // rowwise: fp8, x's shape, or (0,)
-                       .Ret<xffi::AnyBuffer>()   // rowwise_scale_inv: f32 Fp8BlockScaleDims(rows, cols), or (0,)
-                       .Ret<xffi::AnyBuffer>()   // colwise: fp8, shape[fa:] + shape[:fa], or (0,)
-                       .Ret<xffi::AnyBuffer>()   // colwise_scale_inv: f32 Fp8BlockScaleDims(cols, rows), or (0,)
-                       .Ret<xffi::AnyBuffer>()   // dbias: f32 or x's dtype, shape[fa:], or (0,)
-                       .Attr<int32_t>("flatten_axis")
-                       .Attr<bool>("tile_2d")    // 128x128 tiles, else 1x128
-                       .Attr<bool>("pow2_scales"));
-LOWBIT_FFI_HANDLER(LowbitDequantizeFp8BlockCpu, lowbit::DequantizeBlockCpu,
-                   xffi::Ffi::Bind()
-                       .Arg<xffi::AnyBuffer>()   // data: fp8, one stored copy, rank >= 1
-                       .Arg<xffi::AnyBuffer>()   // scale_inv: f32 Fp8BlockScaleDims(rows, cols)
-                       .Ret<xffi::AnyBuffer>()   // out: f32/f16/bf16, data's shape
-                       .Attr<int32_t>("flatten_axis")
-                       .Attr<bool>("tile_2d"));
-LOWBIT_FFI_HANDLER(LowbitQuantizeMxfp8Cpu, lowbit::QuantizeMxCpu,
-                   xffi::Ffi::Bind()
-                       .Arg<xffi::AnyBuffer>()   // x: f32/f16/bf16, rank >= 1
-                       .Ret<xffi::AnyBuffer>()   // rowwise: fp8, x's shape, or (0,)
-                       .Ret<xffi::AnyBuffer>()   // rowwise_scale: e8m0 Mxfp8ScaleDims(rows, cols, false), or (0,)
-                       .Ret<xffi::AnyBuffer>()   // colwise: fp8, x's shape, or (0,)
-                       .Ret<xffi::AnyBuffer>()   // colwise_scale: e8m0 Mxfp8ScaleDims(rows, cols, true), or (0,)
-                       .Ret<xffi::AnyBuffer>()   // dbias: f32 or x's dtype, shape[fa:], or (0,)
-                       .Attr<int32_t>("flatten_axis"));
-LOWBIT_FFI_HANDLER(LowbitDequantizeMxfp8Cpu, lowbit::DequantizeMxCpu,
-                   xffi::Ffi::Bind()
-                       .Arg<xffi::AnyBuffer>()   // data: fp8, rank >= 1
-                       .Arg<xffi::AnyBuffer>()   // scale: e8m0 Mxfp8ScaleDims(rows, cols, colwise)
-                       .Ret<xffi::AnyBuffer>()   // out: f32/f16/bf16, data's shape
-                       .Attr<int32_t>("flatten_axis")
-                       .Attr<bool>("colwise"));  // the scales run down the columns
-#else
-LOWBIT_FFI_HANDLER(LowbitQuantizeFp8BlockCuda, lowbit::QuantizeBlockGpu,
-                   xffi::Ffi::Bind()
-                       .Ctx<xffi::PlatformStream<cudaStream_t>>()  // stream
-                       .Ctx<xffi::ScratchAllocator>()  // dbias workspace
-                       .Arg<xffi::AnyBuffer>()   // x: f32/f16/bf16, rank >= 1
-                       .Ret<xffi::AnyBuffer>()   // rowwise: fp8, x's shape, or (0,)
-                       .Ret<xffi::AnyBuffer>()   // rowwise_scale_inv: f32 Fp8BlockScaleDims(rows, cols), or (0,)
-                       .Ret<xffi::AnyBuffer>()   // colwise: fp8, shape[fa:] + shape[:fa], or (0,)
-                       .Ret<xffi::AnyBuffer>()   // colwise_scale_inv: f32 Fp8BlockScaleDims(cols, rows), or (0,)
-                       .Ret<xffi::AnyBuffer>()   // dbias: f32 or x's dtype, shape[fa:], or (0,)
-                       .Attr<int32_t>("flatten_axis")
-                       .Attr<bool>("tile_2d")    // 128x128 tiles, else 1x128
-                       .Attr<bool>("pow2_scales"));
-LOWBIT_FFI_HANDLER(LowbitDequantizeFp8BlockCuda, lowbit::DequantizeBlockGpu,
-                   xffi::Ffi::Bind()
-                       .Ctx<xffi::PlatformStream<cudaStream_t>>()  // stream
-                       .Arg<xffi::AnyBuffer>()   // data: fp8, one stored copy, rank >= 1
-                       .Arg<xffi::AnyBuffer>()   // scale_inv: f32 Fp8BlockScaleDims(rows, cols)
-                       .Ret<xffi::AnyBuffer>()   // out: f32/f16/bf16, data's shape
-                       .Attr<int32_t>("flatten_axis")
-                       .Attr<bool>("tile_2d"));
-LOWBIT_FFI_HANDLER(LowbitQuantizeMxfp8Cuda, lowbit::QuantizeMxGpu,
-                   xffi::Ffi::Bind()
-                       .Ctx<xffi::PlatformStream<cudaStream_t>>()  // stream
-                       .Ctx<xffi::ScratchAllocator>()  // dbias workspace
-                       .Arg<xffi::AnyBuffer>()   // x: f32/f16/bf16, rank >= 1
-                       .Ret<xffi::AnyBuffer>()   // rowwise: fp8, x's shape, or (0,)
-                       .Ret<xffi::AnyBuffer>()   // rowwise_scale: e8m0 Mxfp8ScaleDims(rows, cols, false), or (0,)
-                       .Ret<xffi::AnyBuffer>()   // colwise: fp8, x's shape, or (0,)
-                       .Ret<xffi::AnyBuffer>()   // colwise_scale: e8m0 Mxfp8ScaleDims(rows, cols, true), or (0,)
-                       .Ret<xffi::AnyBuffer>()   // dbias: f32 or x's dtype, shape[fa:], or (0,)
-                       .Attr<int32_t>("flatten_axis"));
-LOWBIT_FFI_HANDLER(LowbitDequantizeMxfp8Cuda, lowbit::DequantizeMxGpu,
-                   xffi::Ffi::Bind()
-                       .Ctx<xffi::PlatformStream<cudaStream_t>>()  // stream
-                       .Arg<xffi::AnyBuffer>()   // data: fp8, rank >= 1
-                       .Arg<xffi::AnyBuffer>()   // scale: e8m0 Mxfp8ScaleDims(rows, cols, colwise)
-                       .Ret<xffi::AnyBuffer>()   // out: f32/f16/bf16, data's shape
-                       .Attr<int32_t>("flatten_axis")
-                       .Attr<bool>("colwise"));  // the scales run down the columns
-#endif
+LOWBIT_FFI_BACKEND_HANDLER(LowbitQuantizeFp8Block, lowbit::QuantizeBlock,
+                           xffi::Ffi::Bind()
+                               LOWBIT_FFI_CUDA_ONLY(.Ctx<xffi::PlatformStream<cudaStream_t>>())  // stream
+                               LOWBIT_FFI_CUDA_ONLY(.Ctx<xffi::ScratchAllocator>())  // dbias workspace
+                               .Arg<xffi::AnyBuffer>()  // x: f32/f16/bf16, rank >= 1
+                               .Ret<xffi::AnyBuffer>()  // rowwise: fp8, x's shape, or (0,)
+                               .Ret<xffi::AnyBuffer>()  // rowwise_scale_inv: f32 Fp8BlockScaleDims(rows, cols), or (0,)
+                               .Ret<xffi::AnyBuffer>()  // colwise: fp8, shape[fa:] + shape[:fa], or (0,)
+                               .Ret<xffi::AnyBuffer>()  // colwise_scale_inv: f32 Fp8BlockScaleDims(cols, rows), or (0,)
+                               .Ret<xffi::AnyBuffer>()  // dbias: f32 or x's dtype, shape[fa:], or (0,)
+                               .Attr<int32_t>("flatten_axis")
+                               .Attr<bool>("tile_2d")  // 128x128 tiles, else 1x128
+                               .Attr<bool>("pow2_scales"));
+LOWBIT_FFI_BACKEND_HANDLER(LowbitDequantizeFp8Block, lowbit::DequantizeBlock,
+                           xffi::Ffi::Bind()
+                               LOWBIT_FFI_CUDA_ONLY(.Ctx<xffi::PlatformStream<cudaStream_t>>())  // stream
+                               .Arg<xffi::AnyBuffer>()  // data: fp8, one stored copy, rank >= 1
+                               .Arg<xffi::AnyBuffer>()  // scale_inv: f32 Fp8BlockScaleDims(rows, cols)
+                               .Ret<xffi::AnyBuffer>()  // out: f32/f16/bf16, data's shape
+                               .Attr<int32_t>("flatten_axis")
+                               .Attr<bool>("tile_2d"));
+LOWBIT_FFI_BACKEND_HANDLER(LowbitQuantizeMxfp8, lowbit::QuantizeMx,
+                           xffi::Ffi::Bind()
+                               LOWBIT_FFI_CUDA_ONLY(.Ctx<xffi::PlatformStream<cudaStream_t>>())  // stream
+                               LOWBIT_FFI_CUDA_ONLY(.Ctx<xffi::ScratchAllocator>())  // dbias workspace
+                               .Arg<xffi::AnyBuffer>()  // x: f32/f16/bf16, rank >= 1
+                               .Ret<xffi::AnyBuffer>()  // rowwise: fp8, x's shape, or (0,)
+                               .Ret<xffi::AnyBuffer>()  // rowwise_scale: e8m0 Mxfp8ScaleDims(rows, cols, false), or (0,)
+                               .Ret<xffi::AnyBuffer>()  // colwise: fp8, x's shape, or (0,)
+                               .Ret<xffi::AnyBuffer>()  // colwise_scale: e8m0 Mxfp8ScaleDims(rows, cols, true), or (0,)
+                               .Ret<xffi::AnyBuffer>()  // dbias: f32 or x's dtype, shape[fa:], or (0,)
+                               .Attr<int32_t>("flatten_axis"));
+LOWBIT_FFI_BACKEND_HANDLER(LowbitDequantizeMxfp8, lowbit::DequantizeMx,
+                           xffi::Ffi::Bind()
+                               LOWBIT_FFI_CUDA_ONLY(.Ctx<xffi::PlatformStream<cudaStream_t>>())  // stream
+                               .Arg<xffi::AnyBuffer>()  // data: fp8, rank >= 1
+                               .Arg<xffi::AnyBuffer>()  // scale: e8m0 Mxfp8ScaleDims(rows, cols, colwise)
+                               .Ret<xffi::AnyBuffer>()  // out: f32/f16/bf16, data's shape
+                               .Attr<int32_t>("flatten_axis")
+                               .Attr<bool>("colwise"));  // the scales run down the columns

@@ -132,37 +132,20 @@ ffi::Error DequantizeGpu(cudaStream_t stream, ffi::AnyBuffer data, ffi::AnyBuffe
 
 namespace xffi = ::xla::ffi;
 
-#if !defined(LOWBIT_CUDA_HANDLERS)
-LOWBIT_FFI_HANDLER(LowbitQuantizeFp8Cpu, lowbit::QuantizeCpu,
-                   xffi::Ffi::Bind()
-                       .Arg<xffi::AnyBuffer>()   // x: f32/f16/bf16, rank >= 1
-                       .Arg<xffi::AnyBuffer>()   // scale: f32 (1,)
-                       .Ret<xffi::AnyBuffer>()   // rowwise: fp8, x's shape, or (0,)
-                       .Ret<xffi::AnyBuffer>()   // colwise: fp8, shape[fa:] + shape[:fa], or (0,)
-                       .Ret<xffi::AnyBuffer>()   // amax: f32 (1,), max |x|
-                       .Ret<xffi::AnyBuffer>()   // dbias: x's dtype or f32, shape[fa:], or (0,)
-                       .Attr<int32_t>("flatten_axis"));
-LOWBIT_FFI_HANDLER(LowbitDequantizeFp8Cpu, lowbit::DequantizeCpu,
-                   xffi::Ffi::Bind()
-                       .Arg<xffi::AnyBuffer>()   // data: fp8 E4M3 or E5M2
-                       .Arg<xffi::AnyBuffer>()   // scale_inv: f32 (1,)
-                       .Ret<xffi::AnyBuffer>()); // out: f32/f16/bf16, data's shape
-#else
-LOWBIT_FFI_HANDLER(LowbitQuantizeFp8Cuda, lowbit::QuantizeGpu,
-                   xffi::Ffi::Bind()
-                       .Ctx<xffi::PlatformStream<cudaStream_t>>()  // stream
-                       .Ctx<xffi::ScratchAllocator>()  // dbias workspace
-                       .Arg<xffi::AnyBuffer>()   // x: f32/f16/bf16, rank >= 1
-                       .Arg<xffi::AnyBuffer>()   // scale: f32 (1,)
-                       .Ret<xffi::AnyBuffer>()   // rowwise: fp8, x's shape, or (0,)
-                       .Ret<xffi::AnyBuffer>()   // colwise: fp8, shape[fa:] + shape[:fa], or (0,)
-                       .Ret<xffi::AnyBuffer>()   // amax: f32 (1,), max |x|
-                       .Ret<xffi::AnyBuffer>()   // dbias: x's dtype or f32, shape[fa:], or (0,)
-                       .Attr<int32_t>("flatten_axis"));
-LOWBIT_FFI_HANDLER(LowbitDequantizeFp8Cuda, lowbit::DequantizeGpu,
-                   xffi::Ffi::Bind()
-                       .Ctx<xffi::PlatformStream<cudaStream_t>>()  // stream
-                       .Arg<xffi::AnyBuffer>()   // data: fp8 E4M3 or E5M2
-                       .Arg<xffi::AnyBuffer>()   // scale_inv: f32 (1,)
-                       .Ret<xffi::AnyBuffer>()); // out: f32/f16/bf16, data's shape
-#endif
+LOWBIT_FFI_BACKEND_HANDLER(LowbitQuantizeFp8, lowbit::Quantize,
+                           xffi::Ffi::Bind()
+                               LOWBIT_FFI_CUDA_ONLY(.Ctx<xffi::PlatformStream<cudaStream_t>>())  // stream
+                               LOWBIT_FFI_CUDA_ONLY(.Ctx<xffi::ScratchAllocator>())  // dbias workspace
+                               .Arg<xffi::AnyBuffer>()  // x: f32/f16/bf16, rank >= 1
+                               .Arg<xffi::AnyBuffer>()  // scale: f32 (1,)
+                               .Ret<xffi::AnyBuffer>()  // rowwise: fp8, x's shape, or (0,)
+                               .Ret<xffi::AnyBuffer>()  // colwise: fp8, shape[fa:] + shape[:fa], or (0,)
+                               .Ret<xffi::AnyBuffer>()  // amax: f32 (1,), max |x|
+                               .Ret<xffi::AnyBuffer>()  // dbias: x's dtype or f32, shape[fa:], or (0,)
+                               .Attr<int32_t>("flatten_axis"));
+LOWBIT_FFI_BACKEND_HANDLER(LowbitDequantizeFp8, lowbit::Dequantize,
+                           xffi::Ffi::Bind()
+                               LOWBIT_FFI_CUDA_ONLY(.Ctx<xffi::PlatformStream<cudaStream_t>>())  // stream
+                               .Arg<xffi::AnyBuffer>()  // data: fp8 E4M3 or E5M2
+                               .Arg<xffi::AnyBuffer>()  // scale_inv: f32 (1,)
+                               .Ret<xffi::AnyBuffer>());  // out: f32/f16/bf16, data's shape

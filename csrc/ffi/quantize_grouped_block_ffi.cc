@@ -133,30 +133,16 @@ ffi::Error GroupedBlockGpu(cudaStream_t stream, ffi::ScratchAllocator scratch, f
 
 namespace xffi = ::xla::ffi;
 
-#if !defined(LOWBIT_CUDA_HANDLERS)
-LOWBIT_FFI_HANDLER(LowbitQuantizeGroupedBlockCpu, lowbit::GroupedBlockCpu,
-                   xffi::Ffi::Bind()
-                       .Arg<xffi::AnyBuffer>()   // x: f32/f16/bf16, rank >= 2, groups along dim 0
-                       .Arg<xffi::AnyBuffer>()   // group_sizes: s32 (G,), entries of dim 0 per group
-                       .Ret<xffi::AnyBuffer>()   // rowwise: fp8, x's shape, or (0,)
-                       .Ret<xffi::AnyBuffer>()   // rowwise_scale: e8m0 / f32, see quantize_grouped_block.h, or (0,)
-                       .Ret<xffi::AnyBuffer>()   // colwise: fp8, x's shape (MXFP8) or shape[fa:] + shape[:fa], or (0,)
-                       .Ret<xffi::AnyBuffer>()   // colwise_scale: e8m0 / f32, grouped layout, or (0,)
-                       .Attr<int32_t>("flatten_axis")
-                       .Attr<int32_t>("kind")    // GroupedBlockKind
-                       .Attr<bool>("pow2_scales"));
-#else
-LOWBIT_FFI_HANDLER(LowbitQuantizeGroupedBlockCuda, lowbit::GroupedBlockGpu,
-                   xffi::Ffi::Bind()
-                       .Ctx<xffi::PlatformStream<cudaStream_t>>()  // stream
-                       .Ctx<xffi::ScratchAllocator>()  // the group table (G + 1 entries)
-                       .Arg<xffi::AnyBuffer>()   // x: f32/f16/bf16, rank >= 2, groups along dim 0
-                       .Arg<xffi::AnyBuffer>()   // group_sizes: s32 (G,), entries of dim 0 per group
-                       .Ret<xffi::AnyBuffer>()   // rowwise: fp8, x's shape, or (0,)
-                       .Ret<xffi::AnyBuffer>()   // rowwise_scale: e8m0 / f32, see quantize_grouped_block.h, or (0,)
-                       .Ret<xffi::AnyBuffer>()   // colwise: fp8, x's shape (MXFP8) or shape[fa:] + shape[:fa], or (0,)
-                       .Ret<xffi::AnyBuffer>()   // colwise_scale: e8m0 / f32, grouped layout, or (0,)
-                       .Attr<int32_t>("flatten_axis")
-                       .Attr<int32_t>("kind")    // GroupedBlockKind
-                       .Attr<bool>("pow2_scales"));
-#endif
+LOWBIT_FFI_BACKEND_HANDLER(LowbitQuantizeGroupedBlock, lowbit::GroupedBlock,
+                           xffi::Ffi::Bind()
+                               LOWBIT_FFI_CUDA_ONLY(.Ctx<xffi::PlatformStream<cudaStream_t>>())  // stream
+                               LOWBIT_FFI_CUDA_ONLY(.Ctx<xffi::ScratchAllocator>())  // the group table (G + 1 entries)
+                               .Arg<xffi::AnyBuffer>()  // x: f32/f16/bf16, rank >= 2, groups along dim 0
+                               .Arg<xffi::AnyBuffer>()  // group_sizes: s32 (G,), entries of dim 0 per group
+                               .Ret<xffi::AnyBuffer>()  // rowwise: fp8, x's shape, or (0,)
+                               .Ret<xffi::AnyBuffer>()  // rowwise_scale: e8m0 / f32, see quantize_grouped_block.h, or (0,)
+                               .Ret<xffi::AnyBuffer>()  // colwise: fp8, x's shape (MXFP8) or shape[fa:] + shape[:fa], or (0,)
+                               .Ret<xffi::AnyBuffer>()  // colwise_scale: e8m0 / f32, grouped layout, or (0,)
+                               .Attr<int32_t>("flatten_axis")
+                               .Attr<int32_t>("kind")  // GroupedBlockKind
+                               .Attr<bool>("pow2_scales"));

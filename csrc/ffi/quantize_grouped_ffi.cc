@@ -114,34 +114,18 @@ ffi::Error GroupedGpu(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::A
 
 namespace xffi = ::xla::ffi;
 
-#if !defined(LOWBIT_CUDA_HANDLERS)
-LOWBIT_FFI_HANDLER(LowbitQuantizeGroupedFp8Cpu, lowbit::GroupedCpu,
-                   xffi::Ffi::Bind()
-                       .Arg<xffi::AnyBuffer>()   // x: f32/f16/bf16, rank >= 2, groups along dim 0
-                       .Arg<xffi::AnyBuffer>()   // group_sizes: s32 (G,), entries of dim 0 per group
-                       .Arg<xffi::AnyBuffer>()   // scale: f32 (G,) (delayed) or (0,) (current)
-                       .Ret<xffi::AnyBuffer>()   // rowwise: fp8, x's shape, or (0,)
-                       .Ret<xffi::AnyBuffer>()   // colwise: fp8, shape[fa:] + shape[:fa], or (0,)
-                       .Ret<xffi::AnyBuffer>()   // amax: f32 (G,), max |x| per group
-                       .Ret<xffi::AnyBuffer>()   // scale_out: f32 (G,), the scale each group used
-                       .Ret<xffi::AnyBuffer>()   // scale_inv: f32 (G,), 1 / scale_out
-                       .Attr<int32_t>("flatten_axis")
-                       .Attr<bool>("current_scaling")
-                       .Attr<bool>("use_power_2_scales"));
-#else
-LOWBIT_FFI_HANDLER(LowbitQuantizeGroupedFp8Cuda, lowbit::GroupedGpu,
-                   xffi::Ffi::Bind()
-                       .Ctx<xffi::PlatformStream<cudaStream_t>>()  // stream
-                       .Ctx<xffi::ScratchAllocator>()  // group end rows (int32 per group)
-                       .Arg<xffi::AnyBuffer>()   // x: f32/f16/bf16, rank >= 2, groups along dim 0
-                       .Arg<xffi::AnyBuffer>()   // group_sizes: s32 (G,), entries of dim 0 per group
-                       .Arg<xffi::AnyBuffer>()   // scale: f32 (G,) (delayed) or (0,) (current)
-                       .Ret<xffi::AnyBuffer>()   // rowwise: fp8, x's shape, or (0,)
-                       .Ret<xffi::AnyBuffer>()   // colwise: fp8, shape[fa:] + shape[:fa], or (0,)
-                       .Ret<xffi::AnyBuffer>()   // amax: f32 (G,), max |x| per group
-                       .Ret<xffi::AnyBuffer>()   // scale_out: f32 (G,), the scale each group used
-                       .Ret<xffi::AnyBuffer>()   // scale_inv: f32 (G,), 1 / scale_out
-                       .Attr<int32_t>("flatten_axis")
-                       .Attr<bool>("current_scaling")
-                       .Attr<bool>("use_power_2_scales"));
-#endif
+LOWBIT_FFI_BACKEND_HANDLER(LowbitQuantizeGroupedFp8, lowbit::Grouped,
+                           xffi::Ffi::Bind()
+                               LOWBIT_FFI_CUDA_ONLY(.Ctx<xffi::PlatformStream<cudaStream_t>>())  // stream
+                               LOWBIT_FFI_CUDA_ONLY(.Ctx<xffi::ScratchAllocator>())  // group end rows (int32 per group)
+                               .Arg<xffi::AnyBuffer>()  // x: f32/f16/bf16, rank >= 2, groups along dim 0
+                               .Arg<xffi::AnyBuffer>()  // group_sizes: s32 (G,), entries of dim 0 per group
+                               .Arg<xffi::AnyBuffer>()  // scale: f32 (G,) (delayed) or (0,) (current)
+                               .Ret<xffi::AnyBuffer>()  // rowwise: fp8, x's shape, or (0,)
+                               .Ret<xffi::AnyBuffer>()  // colwise: fp8, shape[fa:] + shape[:fa], or (0,)
+                               .Ret<xffi::AnyBuffer>()  // amax: f32 (G,), max |x| per group
+                               .Ret<xffi::AnyBuffer>()  // scale_out: f32 (G,), the scale each group used
+                               .Ret<xffi::AnyBuffer>()  // scale_inv: f32 (G,), 1 / scale_out
+                               .Attr<int32_t>("flatten_axis")
+                               .Attr<bool>("current_scaling")
+                               .Attr<bool>("use_power_2_scales"));

@@ -156,36 +156,18 @@ ffi::Error QuantizeNvfp4Gpu(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffe
 
 namespace xffi = ::xla::ffi;
 
-#if !defined(LOWBIT_CUDA_HANDLERS)
-LOWBIT_FFI_HANDLER(LowbitQuantizeNvfp4Cpu, lowbit::QuantizeNvfp4Cpu,
-                   xffi::Ffi::Bind()
-                       .Arg<xffi::AnyBuffer>()   // x: f32/f16/bf16, rank >= 1
-                       .Arg<xffi::AnyBuffer>()   // random: u32, x's shape, or (0,) for RNE
-                       .Arg<xffi::AnyBuffer>()   // rht_sign_bits: u32 (1,)
-                       .Ret<xffi::AnyBuffer>()   // rowwise: u8 (rows, ceil(cols/2)), or (0,)
-                       .Ret<xffi::AnyBuffer>()   // rowwise_scale: e4m3 Nvfp4ScaleDims(rows, cols), or (0,)
-                       .Ret<xffi::AnyBuffer>()   // rowwise_global_scale_inv: f32 (1,), or (0,)
-                       .Ret<xffi::AnyBuffer>()   // colwise: u8 (cols, ceil(rows/2)), or (0,)
-                       .Ret<xffi::AnyBuffer>()   // colwise_scale: e4m3 Nvfp4ScaleDims(cols, rows), or (0,)
-                       .Ret<xffi::AnyBuffer>()   // colwise_global_scale_inv: f32 (1,), or (0,)
-                       .Attr<int32_t>("flatten_axis")
-                       .Attr<bool>("tile_2d")    // 16x16 tiles, else 1x16
-                       .Attr<bool>("rht"));      // random Hadamard transform on the colwise copy
-#else
-LOWBIT_FFI_HANDLER(LowbitQuantizeNvfp4Cuda, lowbit::QuantizeNvfp4Gpu,
-                   xffi::Ffi::Bind()
-                       .Ctx<xffi::PlatformStream<cudaStream_t>>()  // stream
-                       .Arg<xffi::AnyBuffer>()   // x: f32/f16/bf16, rank >= 1
-                       .Arg<xffi::AnyBuffer>()   // random: u32, x's shape, or (0,) for RNE
-                       .Arg<xffi::AnyBuffer>()   // rht_sign_bits: u32 (1,)
-                       .Ret<xffi::AnyBuffer>()   // rowwise: u8 (rows, ceil(cols/2)), or (0,)
-                       .Ret<xffi::AnyBuffer>()   // rowwise_scale: e4m3 Nvfp4ScaleDims(rows, cols), or (0,)
-                       .Ret<xffi::AnyBuffer>()   // rowwise_global_scale_inv: f32 (1,), or (0,)
-                       .Ret<xffi::AnyBuffer>()   // colwise: u8 (cols, ceil(rows/2)), or (0,)
-                       .Ret<xffi::AnyBuffer>()   // colwise_scale: e4m3 Nvfp4ScaleDims(cols, rows), or (0,)
-                       .Ret<xffi::AnyBuffer>()   // colwise_global_scale_inv: f32 (1,), or (0,)
-                       .Attr<int32_t>("flatten_axis")
-                       .Attr<bool>("tile_2d")    // 16x16 tiles, else 1x16
-                       .Attr<bool>("rht"));      // random Hadamard transform on the colwise copy
-
-#endif
+LOWBIT_FFI_BACKEND_HANDLER(LowbitQuantizeNvfp4, lowbit::QuantizeNvfp4,
+                           xffi::Ffi::Bind()
+                               LOWBIT_FFI_CUDA_ONLY(.Ctx<xffi::PlatformStream<cudaStream_t>>())  // stream
+                               .Arg<xffi::AnyBuffer>()  // x: f32/f16/bf16, rank >= 1
+                               .Arg<xffi::AnyBuffer>()  // random: u32, x's shape, or (0,) for RNE
+                               .Arg<xffi::AnyBuffer>()  // rht_sign_bits: u32 (1,)
+                               .Ret<xffi::AnyBuffer>()  // rowwise: u8 (rows, ceil(cols/2)), or (0,)
+                               .Ret<xffi::AnyBuffer>()  // rowwise_scale: e4m3 Nvfp4ScaleDims(rows, cols), or (0,)
+                               .Ret<xffi::AnyBuffer>()  // rowwise_global_scale_inv: f32 (1,), or (0,)
+                               .Ret<xffi::AnyBuffer>()  // colwise: u8 (cols, ceil(rows/2)), or (0,)
+                               .Ret<xffi::AnyBuffer>()  // colwise_scale: e4m3 Nvfp4ScaleDims(cols, rows), or (0,)
+                               .Ret<xffi::AnyBuffer>()  // colwise_global_scale_inv: f32 (1,), or (0,)
+                               .Attr<int32_t>("flatten_axis")
+                               .Attr<bool>("tile_2d")  // 16x16 tiles, else 1x16
+                               .Attr<bool>("rht"));  // random Hadamard transform on the colwise copy

@@ -137,53 +137,28 @@ ffi::Error UpdateDelayedGpu(cudaStream_t stream, ffi::Buffer<ffi::F32> history,
 namespace xffi = ::xla::ffi;
 using F32Buf = xffi::Buffer<xffi::F32>;
 
-#if !defined(LOWBIT_CUDA_HANDLERS)
-LOWBIT_FFI_HANDLER(LowbitComputeScaleCpu, lowbit::ComputeScaleCpu,
-                   xffi::Ffi::Bind()
-                       .Arg<F32Buf>()   // amax: f32, any shape (n values)
-                       .Ret<F32Buf>()   // scale: f32, amax's shape
-                       .Ret<F32Buf>()   // scale_inv: f32, amax's shape
-                       .Attr<float>("fp8_max")
-                       .Attr<bool>("use_power_2_scales"));
-LOWBIT_FFI_HANDLER(LowbitScaleInverseCpu, lowbit::ScaleInverseCpu,
-                   xffi::Ffi::Bind()
-                       .Arg<F32Buf>()   // scale: f32, any shape
-                       .Ret<F32Buf>()); // scale_inv: f32, scale's shape
-LOWBIT_FFI_HANDLER(LowbitUpdateDelayedScalingCpu, lowbit::UpdateDelayedCpu,
-                   xffi::Ffi::Bind()
-                       .Arg<F32Buf>()   // amax_history: f32 (L,)
-                       .Arg<F32Buf>()   // scale: f32 (1,)
-                       .Arg<F32Buf>()   // new_amax: f32 (1,)
-                       .Ret<F32Buf>()   // new_history: f32 (L,)
-                       .Ret<F32Buf>()   // new_scale: f32 (1,)
-                       .Ret<F32Buf>()   // scale_inv: f32 (1,), 1 / new_scale
-                       .Attr<float>("fp8_max")
-                       .Attr<int32_t>("margin")
-                       .Attr<bool>("most_recent"));
-#else
-LOWBIT_FFI_HANDLER(LowbitComputeScaleCuda, lowbit::ComputeScaleGpu,
-                   xffi::Ffi::Bind()
-                       .Ctx<xffi::PlatformStream<cudaStream_t>>()  // stream
-                       .Arg<F32Buf>()   // amax: f32, any shape (n values)
-                       .Ret<F32Buf>()   // scale: f32, amax's shape
-                       .Ret<F32Buf>()   // scale_inv: f32, amax's shape
-                       .Attr<float>("fp8_max")
-                       .Attr<bool>("use_power_2_scales"));
-LOWBIT_FFI_HANDLER(LowbitScaleInverseCuda, lowbit::ScaleInverseGpu,
-                   xffi::Ffi::Bind()
-                       .Ctx<xffi::PlatformStream<cudaStream_t>>()  // stream
-                       .Arg<F32Buf>()   // scale: f32, any shape
-                       .Ret<F32Buf>()); // scale_inv: f32, scale's shape
-LOWBIT_FFI_HANDLER(LowbitUpdateDelayedScalingCuda, lowbit::UpdateDelayedGpu,
-                   xffi::Ffi::Bind()
-                       .Ctx<xffi::PlatformStream<cudaStream_t>>()  // stream
-                       .Arg<F32Buf>()   // amax_history: f32 (L,)
-                       .Arg<F32Buf>()   // scale: f32 (1,)
-                       .Arg<F32Buf>()   // new_amax: f32 (1,)
-                       .Ret<F32Buf>()   // new_history: f32 (L,)
-                       .Ret<F32Buf>()   // new_scale: f32 (1,)
-                       .Ret<F32Buf>()   // scale_inv: f32 (1,), 1 / new_scale
-                       .Attr<float>("fp8_max")
-                       .Attr<int32_t>("margin")
-                       .Attr<bool>("most_recent"));
-#endif
+LOWBIT_FFI_BACKEND_HANDLER(LowbitComputeScale, lowbit::ComputeScale,
+                           xffi::Ffi::Bind()
+                               LOWBIT_FFI_CUDA_ONLY(.Ctx<xffi::PlatformStream<cudaStream_t>>())  // stream
+                               .Arg<F32Buf>()  // amax: f32, any shape (n values)
+                               .Ret<F32Buf>()  // scale: f32, amax's shape
+                               .Ret<F32Buf>()  // scale_inv: f32, amax's shape
+                               .Attr<float>("fp8_max")
+                               .Attr<bool>("use_power_2_scales"));
+LOWBIT_FFI_BACKEND_HANDLER(LowbitScaleInverse, lowbit::ScaleInverse,
+                           xffi::Ffi::Bind()
+                               LOWBIT_FFI_CUDA_ONLY(.Ctx<xffi::PlatformStream<cudaStream_t>>())  // stream
+                               .Arg<F32Buf>()  // scale: f32, any shape
+                               .Ret<F32Buf>());  // scale_inv: f32, scale's shape
+LOWBIT_FFI_BACKEND_HANDLER(LowbitUpdateDelayedScaling, lowbit::UpdateDelayed,
+                           xffi::Ffi::Bind()
+                               LOWBIT_FFI_CUDA_ONLY(.Ctx<xffi::PlatformStream<cudaStream_t>>())  // stream
+                               .Arg<F32Buf>()  // amax_history: f32 (L,)
+                               .Arg<F32Buf>()  // scale: f32 (1,)
+                               .Arg<F32Buf>()  // new_amax: f32 (1,)
+                               .Ret<F32Buf>()  // new_history: f32 (L,)
+                               .Ret<F32Buf>()  // new_scale: f32 (1,)
+                               .Ret<F32Buf>()  // scale_inv: f32 (1,), 1 / new_scale
+                               .Attr<float>("fp8_max")
+                               .Attr<int32_t>("margin")
+                               .Attr<bool>("most_recent"));

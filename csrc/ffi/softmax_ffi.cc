@@ -123,36 +123,19 @@ ffi::Error BackwardGpu(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer y,
 
 namespace xffi = ::xla::ffi;
 
-#if !defined(LOWBIT_CUDA_HANDLERS)
-LOWBIT_FFI_HANDLER(LowbitSoftmaxForwardCpu, lowbit::ForwardCpu,
-                   xffi::Ffi::Bind()
-                       .Arg<xffi::AnyBuffer>()          // x: f32/f16/bf16 (batch, heads, q, k)
-                       .Arg<xffi::AnyBuffer>()          // mask: bool/s8/u8 (batch or 1, 1, q, k), or (0,)
-                       .Ret<xffi::AnyBuffer>()          // y: x's dtype and shape
-                       .Attr<int32_t>("fusion_type")    // SoftmaxType
-                       .Attr<float>("scale"));          // logit scale
-LOWBIT_FFI_HANDLER(LowbitSoftmaxBackwardCpu, lowbit::BackwardCpu,
-                   xffi::Ffi::Bind()
-                       .Arg<xffi::AnyBuffer>()          // dy: f32/f16/bf16 (batch, heads, q, k)
-                       .Arg<xffi::AnyBuffer>()          // y: the forward output, dy's dtype and shape
-                       .Ret<xffi::AnyBuffer>()          // dx: dy's dtype and shape
-                       .Attr<int32_t>("fusion_type")
-                       .Attr<float>("scale"));
-#else
-LOWBIT_FFI_HANDLER(LowbitSoftmaxForwardCuda, lowbit::ForwardGpu,
-                   xffi::Ffi::Bind()
-                       .Ctx<xffi::PlatformStream<cudaStream_t>>()  // stream
-                       .Arg<xffi::AnyBuffer>()          // x: f32/f16/bf16 (batch, heads, q, k)
-                       .Arg<xffi::AnyBuffer>()          // mask: bool/s8/u8 (batch or 1, 1, q, k), or (0,)
-                       .Ret<xffi::AnyBuffer>()          // y: x's dtype and shape
-                       .Attr<int32_t>("fusion_type")    // SoftmaxType
-                       .Attr<float>("scale"));          // logit scale
-LOWBIT_FFI_HANDLER(LowbitSoftmaxBackwardCuda, lowbit::BackwardGpu,
-                   xffi::Ffi::Bind()
-                       .Ctx<xffi::PlatformStream<cudaStream_t>>()  // stream
-                       .Arg<xffi::AnyBuffer>()          // dy: f32/f16/bf16 (batch, heads, q, k)
-                       .Arg<xffi::AnyBuffer>()          // y: the forward output, dy's dtype and shape
-                       .Ret<xffi::AnyBuffer>()          // dx: dy's dtype and shape
-                       .Attr<int32_t>("fusion_type")
-                       .Attr<float>("scale"));
-#endif
+LOWBIT_FFI_BACKEND_HANDLER(LowbitSoftmaxForward, lowbit::Forward,
+                           xffi::Ffi::Bind()
+                               LOWBIT_FFI_CUDA_ONLY(.Ctx<xffi::PlatformStream<cudaStream_t>>())  // stream
+                               .Arg<xffi::AnyBuffer>()  // x: f32/f16/bf16 (batch, heads, q, k)
+                               .Arg<xffi::AnyBuffer>()  // mask: bool/s8/u8 (batch or 1, 1, q, k), or (0,)
+                               .Ret<xffi::AnyBuffer>()  // y: x's dtype and shape
+                               .Attr<int32_t>("fusion_type")  // SoftmaxType
+                               .Attr<float>("scale"));  // logit scale
+LOWBIT_FFI_BACKEND_HANDLER(LowbitSoftmaxBackward, lowbit::Backward,
+                           xffi::Ffi::Bind()
+                               LOWBIT_FFI_CUDA_ONLY(.Ctx<xffi::PlatformStream<cudaStream_t>>())  // stream
+                               .Arg<xffi::AnyBuffer>()  // dy: f32/f16/bf16 (batch, heads, q, k)
+                               .Arg<xffi::AnyBuffer>()  // y: the forward output, dy's dtype and shape
+                               .Ret<xffi::AnyBuffer>()  // dx: dy's dtype and shape
+                               .Attr<int32_t>("fusion_type")
+                               .Attr<float>("scale"));
