@@ -45,8 +45,6 @@ namespace {
 
 constexpr int kTileM = 128, kTileN = 192, kTileK = 128;  // kTileK = the scales' block
 constexpr int kStages = 5;
-constexpr int kFrags = kTileN / 8;  // accumulator column pairs per thread (4 values each)
-constexpr int kAcc = kTileN / 2;    // fp32 accumulators per consumer thread
 constexpr int kCluster = 2;  // CTAs of a cluster: vertically adjacent tiles sharing one b tile
 static_assert(kCluster >= 2 && kTileN % (8 * kCluster) == 0, "b is split in 8-row groups");
 constexpr int kThreads = 384;  // producer warpgroup + 2 consumer warpgroups
@@ -54,9 +52,6 @@ constexpr int kATileBytes = kTileM * kTileK;
 constexpr int kBTileBytes = kTileN * kTileK;
 constexpr int kScaleAOffset = kATileBytes + kBTileBytes;
 constexpr int kScaleBOffset = kScaleAOffset + kTileM * 4;
-// A 128x128 b's second 16-byte scale group (the tile's next 128 rows): TMA writes shared
-// memory at 128-byte aligned addresses.
-constexpr int kScaleBHiOffset = 128;
 static_assert(kScaleAOffset % 128 == 0 && kScaleBOffset % 128 == 0, "TMA destinations are 128-byte aligned");
 constexpr int kStageBytes = (kScaleBOffset + kTileN * 4 + 1023) / 1024 * 1024;  // 1024-aligned
 constexpr int kSmemBytes = kStages * kStageBytes + 2 * kStages * 8 + 1024;  // + barriers, alignment
@@ -79,6 +74,11 @@ struct Params {
 #define LOWBIT_SM90A_DEVICE 1
 
 constexpr int kConsumerWarps = 8;
+constexpr int kFrags = kTileN / 8;  // accumulator column pairs per thread (4 values each)
+constexpr int kAcc = kTileN / 2;    // fp32 accumulators per consumer thread
+// A 128x128 b's second 16-byte scale group (the tile's next 128 rows): TMA writes shared
+// memory at 128-byte aligned addresses.
+constexpr int kScaleBHiOffset = 128;
 
 __device__ __forceinline__ uint32_t SmemAddr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
