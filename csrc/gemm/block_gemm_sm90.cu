@@ -2,7 +2,7 @@
 //
 // Persistent clusters of two CTAs (one CTA per SM) walk pairs of vertically adjacent 128x192
 // output tiles, grouped 8 pairs of tile rows at a time so the clusters running together share
-// operand tiles in L2. Warpgroup 0 is the producer: one thread streams each 128-long K block
+// operand tiles in L2 (LOWBIT_BLOCK_GEMM_GROUP changes the order: ParseRasterGroup). Warpgroup 0 is the producer: one thread streams each 128-long K block
 // of its a tile (128 x 128 bytes) and of the pair's shared b tile (192 x 128 bytes), both
 // 128B-swizzled, with TMA into a 5-stage shared-memory ring, with the block's scales (a 1x128
 // operand's 128 or 192 values; a 128x128 operand's one value in its 16-byte group, for b the
@@ -34,8 +34,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <type_traits>
 #include <string>
+#include <type_traits>
 
 #include "common/cuda_check.h"
 #include "gemm/block_gemm_sm90.h"
@@ -58,7 +58,7 @@ constexpr int kSmemBytes = kStages * kStageBytes + 2 * kStages * 8 + 1024;  // +
 static_assert(kTileN == 192, "Wgmma is m64n192k32");
 static_assert(kStageBytes % 1024 == 0, "128B-swizzled TMA tiles need 1024-byte aligned stages");
 
-constexpr int kGroupRows = 8;  // tile rows per raster group
+constexpr int kGroupRows = 8;  // cluster rows (pairs of tile rows) per raster group, by default
 
 struct E4m3Tag {};
 struct E5m2Tag {};
