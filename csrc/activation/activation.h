@@ -31,6 +31,7 @@
 #include "common/dtype.h"
 #include "common/gpu_stream.h"
 #include "common/status.h"
+#include "quantize/block_dbias.h"  // BlockDbiasWorkspaceBytes: the same workspace rows
 
 namespace lowbit {
 
@@ -67,8 +68,7 @@ constexpr int64_t kActTileCols = 128;
 // Device workspace ActBackwardCuda needs for dbias: one fp32 row of partial column sums
 // per 64-row tile (enough for the taller tiles too).
 inline int64_t ActBackwardWorkspaceBytes(int64_t rows, int64_t out_cols, bool dbias) {
-  if (!dbias || rows == 0 || out_cols == 0) return 0;
-  return (rows + kActTileRows - 1) / kActTileRows * out_cols * int64_t(sizeof(float));
+  return BlockDbiasWorkspaceBytes(rows, out_cols, kActTileRows, dbias);
 }
 
 // CUDA launchers (activation.cu): asynchronous on `stream`.
