@@ -184,25 +184,19 @@ LOWBIT_DEFINE_WGMMA(E4m3Tag, E4m3Tag, "e4m3.e4m3")
 LOWBIT_DEFINE_WGMMA(E4m3Tag, E5m2Tag, "e4m3.e5m2")
 LOWBIT_DEFINE_WGMMA(E5m2Tag, E4m3Tag, "e5m2.e4m3")
 
+// Groups of group_rows lines of the grouped dimension (M: cluster rows; n_major: tile
+// columns), walked down that dimension inside the group, then along the other one.
 __device__ __forceinline__ void TileCoords(int tile, int m_tiles, int n_tiles, int group_rows,
                                            bool n_major, int* mt, int* nt) {
-  if (n_major) {  // groups of group_rows tile columns, M walked inside
-    const int per_group = group_rows * m_tiles;
-    const int group = tile / per_group;
-    const int first = group * group_rows;
-    const int cols = min(n_tiles - first, group_rows);
-    const int in_group = tile - group * per_group;
-    *nt = first + in_group % cols;
-    *mt = in_group / cols;
-    return;
-  }
-  const int per_group = group_rows * n_tiles;
+  const int grouped = n_major ? n_tiles : m_tiles, other = n_major ? m_tiles : n_tiles;
+  const int per_group = group_rows * other;
   const int group = tile / per_group;
   const int first = group * group_rows;
-  const int rows = min(m_tiles - first, group_rows);
+  const int lines = min(grouped - first, group_rows);
   const int in_group = tile - group * per_group;
-  *mt = first + in_group % rows;
-  *nt = in_group / rows;
+  const int g = first + in_group % lines, o = in_group / lines;
+  *mt = n_major ? o : g;
+  *nt = n_major ? g : o;
 }
 
 __device__ __forceinline__ float ToFloat(float v) { return v; }
