@@ -1,7 +1,9 @@
 """Seed Dense (x: 8x2048x8192 bf16 -> 32768 features) forward+backward, side by side in one
 run: bf16 Flax, Flax's FP8 (`Fp8DirectDotGeneralOp`), and lowbit per recipe (delayed,
 current, Float8BlockScaling as `lowbit_block`), both as the `dot_general` drop-in into Flax's
-Dense (`lowbit_*`) and as lowbit's own Dense module (`module_*`, same params). Prints time
+Dense (`lowbit_*`) and as lowbit's own Dense module (`module_*`, same params; `*_unfused`: the
+module with LOWBIT_DENSE_BACKWARD=unfused, dy's FP8 copies in buffers of their own instead of
+inside dk's, lowbit.ops.dense_backward). Prints time
 (variants timed round-robin, common.time_steps), speedup over bf16, the compiled step's peak
 memory, and the GEMM-only floor: the three lowbit FP8 GEMMs of the step (fwd, dgrad, wgrad)
 timed alone, beside the per-tensor FP8 GEMM ceiling and the block-scaled one (1x128 x
@@ -28,6 +30,7 @@ import common  # noqa: E402
 from quickstart_jax_utils import make_step  # noqa: E402
 
 import lowbit  # noqa: E402
+from lowbit.dense import DENSE_BACKWARD_ENV  # noqa: E402
 from lowbit.ops.gemm import GemmScaleMode, scale_shape  # noqa: E402
 from lowbit.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling  # noqa: E402
 
@@ -72,7 +75,30 @@ def variants():
         "module_delayed": lambda features: LowbitDenseBlock(features, DelayedScaling()),
         "module_current": lambda features: LowbitDenseBlock(features, Float8CurrentScaling()),
         "module_block": lambda features: LowbitDenseBlock(features, Float8BlockScaling()),
+        "module_delayed_unfused": lambda features: LowbitDenseBlock(features, DelayedScaling()),
+        "module_current_unfused": lambda features: LowbitDenseBlock(features, Float8CurrentScaling()),
     }
+
+
+def with_env(step, name: str, value: str):
+    """The step (and its .lower) traced and run with os.environ[name] = value: the env knobs
+    that lowbit reads at trace time apply to this variant only."""
+    def scoped(fn):
+        def call(*args):
+            old = os.environ.get(name)
+            os.environ[name] = value
+            try:
+                return fn(*args)
+            finally:
+                if old is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = old
+        return call
+
+    wrapped = scoped(step)
+    wrapped.lower = scoped(step.lower)
+    return wrapped
 
 
 def gemm_floor(m, k, n, iters):
@@ -188,7 +214,10 @@ def main(argv=None):
         variables = model.init(key, x)
         if params is None:
             params = variables["params"]
-        cases[name] = (make_step(model.apply, {}), {**variables, "params": params}, x, dy)
+        step = make_step(model.apply, {})
+        if name.endswith("_unfused"):
+            step = with_env(step, DENSE_BACKWARD_ENV, "unfused")
+        cases[name] = (step, {**variables, "params": params}, x, dy)
     results = common.time_steps(cases, iters, rounds=1 if args.small else args.rounds)
     for r in results.values():
         r["tflops"] = flops / r["ms"] * 1e3 / 1e12

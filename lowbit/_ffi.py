@@ -46,6 +46,7 @@ TARGETS: dict[str, str] = {
     "lowbit_update_delayed_scaling": "LowbitUpdateDelayedScaling",
     "lowbit_quantize_grouped_fp8": "LowbitQuantizeGroupedFp8",
     "lowbit_quantize_grouped_block": "LowbitQuantizeGroupedBlock",
+    "lowbit_dense_backward_fp8": "LowbitDenseBackwardFp8",
 }
 
 # Targets with a CPU handler only (no CUDA kernel yet): the CUDA library need not export
@@ -160,6 +161,12 @@ def load() -> None:
             _State.cuda_path = cuda_path
             _State.cuda_error = "no GPU is visible to JAX"
         _State.loaded = True
+
+
+def cpu_library() -> ctypes.CDLL:
+    """The loaded CPU library (for its plain C helpers, e.g. LowbitDenseBackwardPlan)."""
+    load()
+    return _State.cpu
 
 
 def require_platform(op: str, platform: str) -> None:

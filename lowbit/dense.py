@@ -43,12 +43,20 @@ Accumulation: the forward GEMM uses the fast FP8 accumulation, the two backward 
 split (more precise) one, as TransformerEngine does by default (block-scaled GEMMs have only
 the split one). With an empty quantizer set (no recipe) dense is a plain `lax.dot_general`.
 `forward_gemm` and `backward_gemms` are the pieces layernorm_dense and layernorm_mlp reuse.
+
+Memory (tensor scaling, one device): dense's backward is one op, lowbit.ops.dense_backward_fp8,
+that quantizes dy and runs both GEMMs with dy's two FP8 copies placed inside dk's buffer until
+the wgrad (in column slices) overwrites them, so the step keeps no buffers for them (2 m n
+bytes unfused; csrc/dense/dense_backward.h). Same values as the unfused ops (bit for bit on the
+CPU). It applies where a placement fits the sizes (dense_backward_plan) and no MeshResource
+names mesh axes; LOWBIT_DENSE_BACKWARD=unfused (read at trace time) turns it off.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from functools import partial
 from typing import NamedTuple, Sequence
 
@@ -56,9 +64,16 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from lowbit.ops.dense_backward import dense_backward_fp8, dense_backward_plan
 from lowbit.ops.gemm import GemmScaleMode, emulated_nvfp4_gemm, gemm, nvfp4_gemm
 from lowbit.quantize.helper import get_global_mesh_resource
-from lowbit.quantize.quantizer import NVFP4Quantizer, QuantizerSet, noop_quantizer_set
+from lowbit.quantize.quantizer import (
+    CurrentScaleQuantizer,
+    DelayedScaleQuantizer,
+    NVFP4Quantizer,
+    QuantizerSet,
+    noop_quantizer_set,
+)
 from lowbit.quantize.scaling_modes import ScalingMode
 from lowbit.quantize.tensor import ScaledTensor1x, ScaledTensor2x, colwise_permutation
 
@@ -335,13 +350,56 @@ def _dense_fwd(x, kernel, bias, quantizer_set, static):
     return y, (xq.colwise_tensor, kq.rowwise_tensor, quantizer_set, xq.amax, kq.amax)
 
 
+# LOWBIT_DENSE_BACKWARD: "fused" (default, where it applies) or "unfused".
+DENSE_BACKWARD_ENV = "LOWBIT_DENSE_BACKWARD"
+
+
+def _fused_backward_wanted() -> bool:
+    value = os.environ.get(DENSE_BACKWARD_ENV, "") or "fused"
+    if value not in ("fused", "unfused"):
+        raise ValueError(f"lowbit.dense: {DENSE_BACKWARD_ENV}={value!r}: expected 'fused' or 'unfused'")
+    return value == "fused"
+
+
+def fused_backward(dy, x_col: ScaledTensor1x, k_row: ScaledTensor1x, dgrad_quantizer, static: _Static):
+    """(dx, dw, dbias or None, dy's amax) from lowbit.ops.dense_backward_fp8, or None where it
+    does not apply (another recipe, a MeshResource with axes, sequence parallelism, no
+    placement for the sizes, LOWBIT_DENSE_BACKWARD=unfused): then the unfused ops run."""
+    if not _fused_backward_wanted() or _mesh_axes() or sequence_parallel():
+        return None
+    if not isinstance(dgrad_quantizer, (DelayedScaleQuantizer, CurrentScaleQuantizer)):
+        return None
+    if not all(t.scaling_mode.is_tensor_scaling for t in (x_col, k_row)):
+        return None
+    n_lead = len(static.x_shape) - static.n_contract
+    m, k = math.prod(static.x_shape[:n_lead]), math.prod(static.x_shape[n_lead:])
+    n = math.prod(static.kernel_shape[static.n_contract:])
+    if dense_backward_plan(m, n, k, static.kernel_dtype, static.x_dtype, static.has_bias) is None:
+        return None
+    dy2 = dy.reshape(m, n)
+    scale, scale_inv = dgrad_quantizer.scale_and_inverse(dy2)
+    dx, dw, dbias, amax = dense_backward_fp8(
+        jax.lax.stop_gradient(dy2), x_col.data.reshape(k, m), k_row.data.reshape(k, n), scale, scale_inv,
+        x_col.scale_inv, k_row.scale_inv, q_dtype=dgrad_quantizer.q_dtype, dx_dtype=static.x_dtype,
+        dk_dtype=static.kernel_dtype, compute_dbias=static.has_bias)
+    dx = checkpoint_name(dx.reshape(static.x_shape), GEMM_CHECKPOINT_NAME)
+    dw = checkpoint_name(dw.reshape(static.kernel_shape), GEMM_CHECKPOINT_NAME)
+    if dbias is not None:
+        dbias = dbias.reshape(static.kernel_shape[static.n_contract:])
+    return dx, dw, dbias, amax
+
+
 def _dense_bwd(static, residuals, dy):
     x_col, k_row, quantizer_set, x_amax, k_amax = residuals
     n_lead = len(static.x_shape) - static.n_contract
-    dx, dw, dbias, dy_amax = backward_gemms(
-        dy, x_col, k_row, quantizer_set.dgrad, static.has_bias, static.x_dtype,
-        static.kernel_dtype, n_lead,
-    )
+    fused = fused_backward(dy, x_col, k_row, quantizer_set.dgrad, static)
+    if fused is not None:
+        dx, dw, dbias, dy_amax = fused
+    else:
+        dx, dw, dbias, dy_amax = backward_gemms(
+            dy, x_col, k_row, quantizer_set.dgrad, static.has_bias, static.x_dtype,
+            static.kernel_dtype, n_lead,
+        )
     new_set = QuantizerSet(
         x=quantizer_set.x.update(x_amax),
         kernel=quantizer_set.kernel.update(k_amax),

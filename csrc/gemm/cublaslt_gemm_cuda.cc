@@ -183,13 +183,19 @@ struct PlanKey {
   uint32_t align_a, align_b, align_out, align_bias;
   GemmScaleMode a_scale_mode, b_scale_mode;
   int32_t algo;
+  int64_t lda, ldb, ldd;  // leading dimensions in elements (GemmArgs' with 0 resolved)
+  int32_t batch;
+  int64_t batch_stride_a, batch_stride_b, batch_stride_d;
 
   bool operator==(const PlanKey& o) const {
     return device == o.device && m == o.m && n == o.n && k == o.k && a_type == o.a_type &&
            b_type == o.b_type && out_type == o.out_type && bias_epilogue == o.bias_epilogue &&
            fast_accum == o.fast_accum && align_a == o.align_a && align_b == o.align_b &&
            align_out == o.align_out && align_bias == o.align_bias &&
-           a_scale_mode == o.a_scale_mode && b_scale_mode == o.b_scale_mode && algo == o.algo;
+           a_scale_mode == o.a_scale_mode && b_scale_mode == o.b_scale_mode && algo == o.algo &&
+           lda == o.lda && ldb == o.ldb && ldd == o.ldd && batch == o.batch &&
+           batch_stride_a == o.batch_stride_a && batch_stride_b == o.batch_stride_b &&
+           batch_stride_d == o.batch_stride_d;
   }
 };
 
@@ -206,6 +212,13 @@ struct PlanKeyHash {
     mix(uint64_t(key.align_a) | uint64_t(key.align_b) << 16 | uint64_t(key.align_out) << 32 |
         uint64_t(key.align_bias) << 48);
     mix(uint64_t(key.a_scale_mode) | uint64_t(key.b_scale_mode) << 8 | uint64_t(key.algo) << 16);
+    mix(uint64_t(key.lda));
+    mix(uint64_t(key.ldb));
+    mix(uint64_t(key.ldd));
+    mix(uint64_t(key.batch));
+    mix(uint64_t(key.batch_stride_a));
+    mix(uint64_t(key.batch_stride_b));
+    mix(uint64_t(key.batch_stride_d));
     return size_t(h);
   }
 };
@@ -283,11 +296,18 @@ Status SetBlockScaleModes(cublasLtMatmulDesc_t desc, const PlanKey& key, const G
 }
 
 Status MakeLayout(cudaDataType_t type, int64_t rows, int64_t cols, int64_t ld, const char* what,
-                  const GemmArgs& args, UniqueLayout* out) {
+                  const GemmArgs& args, UniqueLayout* out, int32_t batch = 1, int64_t batch_stride = 0) {
   cublasLtMatrixLayout_t layout = nullptr;
   LOWBIT_RETURN_IF_ERROR(CublasStatus(
       cublasLtMatrixLayoutCreate(&layout, type, uint64_t(rows), uint64_t(cols), ld), what, args));
   out->reset(layout);
+  if (batch > 1) {
+    LOWBIT_RETURN_IF_ERROR(CublasStatus(
+        cublasLtMatrixLayoutSetAttribute(layout, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &batch, sizeof(batch)), what, args));
+    LOWBIT_RETURN_IF_ERROR(CublasStatus(cublasLtMatrixLayoutSetAttribute(layout, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET,
+                                                                         &batch_stride, sizeof(batch_stride)),
+                                        what, args));
+  }
   return Status::Ok();
 }
 
@@ -322,12 +342,15 @@ Status BuildPlan(cublasLtHandle_t handle, const PlanKey& key, const GemmArgs& ar
   }
   LOWBIT_RETURN_IF_ERROR(SetPointers(desc, key, args));
 
-  LOWBIT_RETURN_IF_ERROR(MakeLayout(CudaType(key.b_type), key.k, key.n, key.k,
-                                    "cublasLtMatrixLayoutCreate(b)", args, &plan->layout_a));
-  LOWBIT_RETURN_IF_ERROR(MakeLayout(CudaType(key.a_type), key.k, key.m, key.k,
-                                    "cublasLtMatrixLayoutCreate(a)", args, &plan->layout_b));
-  LOWBIT_RETURN_IF_ERROR(MakeLayout(CudaType(key.out_type), key.n, key.m, key.n,
-                                    "cublasLtMatrixLayoutCreate(out)", args, &plan->layout_d));
+  LOWBIT_RETURN_IF_ERROR(MakeLayout(CudaType(key.b_type), key.k, key.n, key.ldb,
+                                    "cublasLtMatrixLayoutCreate(b)", args, &plan->layout_a, key.batch,
+                                    key.batch_stride_b));
+  LOWBIT_RETURN_IF_ERROR(MakeLayout(CudaType(key.a_type), key.k, key.m, key.lda,
+                                    "cublasLtMatrixLayoutCreate(a)", args, &plan->layout_b, key.batch,
+                                    key.batch_stride_a));
+  LOWBIT_RETURN_IF_ERROR(MakeLayout(CudaType(key.out_type), key.n, key.m, key.ldd,
+                                    "cublasLtMatrixLayoutCreate(out)", args, &plan->layout_d, key.batch,
+                                    key.batch_stride_d));
 
   cublasLtMatmulPreference_t raw_pref = nullptr;
   LOWBIT_RETURN_IF_ERROR(CublasStatus(cublasLtMatmulPreferenceCreate(&raw_pref),
@@ -540,6 +563,15 @@ Status GemmCuda(const GemmArgs& args, int device_ordinal, void* workspace, GpuSt
   if (!nvfp4) {
     LOWBIT_RETURN_IF_ERROR(CheckGemmScaleModes(args.a_scale_mode, args.b_scale_mode, args.a_type));
   }
+  if (args.batch < 1) return Status::InvalidArgument("lowbit_gemm: batch: expected >= 1, for " + Problem(args));
+  if (args.lda != 0 || args.ldb != 0 || args.ldd != 0 || args.batch != 1) {
+    if (args.a_scale_mode != GemmScaleMode::kTensor || args.bias != nullptr || args.lda % 16 != 0 || args.ldb % 16 != 0 ||
+        args.ldd % 16 != 0 || (args.lda != 0 && args.lda < args.k) || (args.ldb != 0 && args.ldb < args.k) ||
+        (args.ldd != 0 && args.ldd < args.n)) {
+      return Status::InvalidArgument("lowbit_gemm: lda, ldb, ldd: tensor scale mode without bias only, multiples of 16 and "
+                                     "at least the row lengths, for " + Problem(args));
+    }
+  }
   const bool fp8 = IsFp8(args.a_type);
   const bool block = IsBlockScaleMode(args.a_scale_mode);
   if (fp8) LOWBIT_RETURN_IF_ERROR(CheckFp8Problem(args, device_ordinal, device->capability));
@@ -560,7 +592,9 @@ Status GemmCuda(const GemmArgs& args, int device_ordinal, void* workspace, GpuSt
                     args.out_type, bias_epilogue, fp8 && !block && !args.use_split_accumulator,
                     Alignment(args.a), Alignment(args.b), Alignment(args.out),
                     bias_epilogue ? Alignment(args.bias) : 0u, args.a_scale_mode,
-                    args.b_scale_mode, args.algo};
+                    args.b_scale_mode, args.algo, args.lda ? args.lda : args.k,
+                    args.ldb ? args.ldb : args.k, args.ldd ? args.ldd : args.n, args.batch,
+                    args.batch_stride_a, args.batch_stride_b, args.batch_stride_d};
 
   // Scalars first, then cuBLASLt's workspace (kGemmScalarBytes keeps it 256-byte aligned),
   // then (MXFP8) the two swizzled scale arrays.

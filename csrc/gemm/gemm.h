@@ -114,6 +114,14 @@ struct GemmArgs {
   // CUDA only: which of cuBLASLt's heuristic results to run, 0 = its first choice (see
   // kGemmMaxAlgo; lowbit/ops/gemm.py takes it from LOWBIT_GEMM_ALGO). Ignored on the CPU.
   int32_t algo = 0;
+  // CUDA, tensor scale mode only: leading dimensions (elements between rows) of a, b and out
+  // when they are rows of larger arrays (lowbit_dense_backward_fp8); 0 = dense (k, k, n).
+  // Multiples of 16. The CPU reference takes dense operands only.
+  int64_t lda = 0, ldb = 0, ldd = 0;
+  // CUDA, tensor scale mode only: `batch` GEMMs of one shape in one launch, operand i of GEMM j
+  // at its pointer + j * batch_stride_i elements (a stride of 0 shares the operand).
+  int32_t batch = 1;
+  int64_t batch_stride_a = 0, batch_stride_b = 0, batch_stride_d = 0;
 };
 
 // algo is an index into the list cublasLtMatmulAlgoGetHeuristic returns, 0..kGemmMaxAlgo-1.

@@ -263,6 +263,10 @@ Status GemmRef(const GemmArgs& args) {
     return Status::InvalidArgument("lowbit_gemm: negative dimension M=" + std::to_string(args.m) +
                                    " N=" + std::to_string(args.n) + " K=" + std::to_string(args.k));
   }
+  if ((args.lda != 0 && args.lda != args.k) || (args.ldb != 0 && args.ldb != args.k) ||
+      (args.ldd != 0 && args.ldd != args.n) || args.batch != 1) {
+    return Status::InvalidArgument("lowbit_gemm: lda, ldb, ldd, batch: the reference takes one GEMM of dense operands");
+  }
   if (args.m == 0 || args.n == 0) return Status::Ok();
   const float scale =
       IsBlockScaleMode(args.a_scale_mode)

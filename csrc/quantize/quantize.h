@@ -27,6 +27,22 @@
 
 namespace lowbit {
 
+// Where the CUDA tiled kernel writes the two copies instead of the dense layouts above
+// (lowbit_dense_backward_fp8 places them inside its outputs, dense_backward.h): rowwise row r
+// at rowwise + (r % row_segment_rows) * row_pitch + (r / row_segment_rows) * row_segment_stride,
+// colwise row c (x's column c) at slice_base[c / slice_rows] + (c % slice_rows) *
+// slice_pitch[c / slice_rows]. slice_rows is a multiple of kQuantizeTileCols and rows, cols
+// < 2^31 (32-bit index arithmetic); 16-byte aligned bases and pitches keep the wide stores.
+constexpr int kFp8PlacementMaxSlices = 16;
+struct Fp8CopyPlacement {
+  int64_t row_pitch = 0;
+  int64_t row_segment_rows = 0;
+  int64_t row_segment_stride = 0;
+  int64_t slice_rows = 0;
+  uint8_t* slice_base[kFp8PlacementMaxSlices] = {};
+  int64_t slice_pitch[kFp8PlacementMaxSlices] = {};
+};
+
 struct QuantizeFp8Args {
   const void* x = nullptr;
   DType x_dtype = DType::kInvalid;  // f32, f16 or bf16
@@ -39,6 +55,9 @@ struct QuantizeFp8Args {
   float* amax = nullptr;            // one value, always written
   void* dbias = nullptr;            // cols values, or null when not requested
   DType dbias_dtype = DType::kInvalid;  // f32 or x_dtype
+  // CUDA only, with rowwise and colwise both requested: their placement (null: dense). The
+  // colwise pointer is then unused (any non-null value).
+  const Fp8CopyPlacement* placement = nullptr;
 };
 
 // CPU reference (quantize_ref.cc).

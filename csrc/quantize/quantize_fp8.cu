@@ -124,7 +124,7 @@ Status LaunchQuantize(const QuantizeFp8Args& a, void* workspace, GpuStream strea
   const int64_t n = a.rows * a.cols;
 
   int rowwise_chunks = 0;  // rowwise only, no dbias: the flat kernel's chunks per step (0: tiled)
-  if (a.colwise == nullptr && a.dbias == nullptr) {
+  if (a.colwise == nullptr && a.dbias == nullptr && a.placement == nullptr) {
     LOWBIT_RETURN_IF_ERROR(ParseRowwiseKernel(&rowwise_chunks));
   }
   if (rowwise_chunks > 0) {
@@ -148,9 +148,18 @@ Status LaunchQuantize(const QuantizeFp8Args& a, void* workspace, GpuStream strea
   const bool vec_io = aligned(x, 16) && a.cols % kVec == 0;
   float* partials = a.dbias != nullptr ? static_cast<float*>(workspace) : nullptr;  // checked by PrepareDbias
   int tile_height = 0;
-  const Status launched =
-      vec_io ? LaunchTiledVariant<Tag, Fmt, true>(kQuantizeOp, a, partials, OneTensor{}, variant, stream, &tile_height)
-             : LaunchTiledVariant<Tag, Fmt, false>(kQuantizeOp, a, partials, OneTensor{}, variant, stream, &tile_height);
+  Status launched;
+  if (a.placement != nullptr) {  // placed copies (dense_backward.h): vectorized x only
+    if (!vec_io || a.rowwise == nullptr || a.colwise == nullptr) {
+      return Status::InvalidArgument(std::string(kQuantizeOp) + ": placement: needs both copies, 16-byte aligned x "
+                                     "and cols a multiple of " + std::to_string(kVec));
+    }
+    launched = LaunchTiledVariant<Tag, Fmt, true>(kQuantizeOp, a, partials, OneTensor{}, variant, stream,
+                                                  &tile_height, SlicedPlace{*a.placement});
+  } else {
+    launched = vec_io ? LaunchTiledVariant<Tag, Fmt, true>(kQuantizeOp, a, partials, OneTensor{}, variant, stream, &tile_height)
+                      : LaunchTiledVariant<Tag, Fmt, false>(kQuantizeOp, a, partials, OneTensor{}, variant, stream, &tile_height);
+  }
   LOWBIT_RETURN_IF_ERROR(launched);
   if (a.dbias == nullptr) return Status::Ok();
 

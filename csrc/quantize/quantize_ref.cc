@@ -32,6 +32,10 @@ void StoreDbias(Tag tag, const std::vector<float>& sums, void* out, DType dtype)
 Status QuantizeFp8Ref(const QuantizeFp8Args& a) {
   const ScopedIeeeDenormals ieee;  // as the GPU (see ieee_denormals.h)
   if (a.dbias != nullptr) LOWBIT_RETURN_IF_ERROR(CheckBlockDbiasDType(kQuantizeOp, a.x_dtype, a.dbias_dtype));
+  if (a.placement != nullptr) {
+    return Status::InvalidArgument(std::string(kQuantizeOp) + ": placement: CUDA only (the reference writes the dense "
+                                   "layouts; dense_backward_ref.cc places them)");
+  }
   return DispatchHighPrecision(a.x_dtype, kQuantizeOp, "x", [&](auto tag) {
     return DispatchFp8(a.out_dtype, kQuantizeOp, "out", [&](auto fmt) {
       using T = typename decltype(tag)::Storage;

@@ -13,6 +13,9 @@
 // With OneTensor every `if constexpr (Groups::kGrouped)` branch drops out, so the per-tensor
 // kernels are the code they were before the grouping hooks existed.
 //
+// `Place` is where the copies' rows go: DensePlace the layouts of quantize.h (every caller
+// but one), SlicedPlace an Fp8CopyPlacement (lowbit_dense_backward_fp8).
+//
 // Private to those two .cu files: everything is in an anonymous namespace, as it was when
 // it lived in quantize_fp8.cu (each file instantiates its own kernels).
 #pragma once
@@ -39,6 +42,29 @@ struct OneTensor {
   static constexpr bool kGrouped = false;
   struct Cursor {};
   int SmemBytes() const { return 0; }
+};
+
+// Rowwise row r and colwise row c of the dense layouts (rows x cols and cols x rows).
+struct DensePlace {
+  __device__ __forceinline__ uint8_t* Row(uint8_t* rowwise, int64_t r, int64_t cols) const {
+    return rowwise + r * cols;
+  }
+  __device__ __forceinline__ uint8_t* Col(uint8_t* colwise, int64_t c, int64_t rows) const {
+    return colwise + c * rows;
+  }
+};
+
+// The rows where an Fp8CopyPlacement puts them (quantize.h; 32-bit index arithmetic).
+struct SlicedPlace {
+  Fp8CopyPlacement p;
+  __device__ __forceinline__ uint8_t* Row(uint8_t* rowwise, int64_t r, int64_t) const {
+    const uint32_t seg = uint32_t(r) / uint32_t(p.row_segment_rows);
+    return rowwise + (int64_t(r) - int64_t(seg) * p.row_segment_rows) * p.row_pitch + int64_t(seg) * p.row_segment_stride;
+  }
+  __device__ __forceinline__ uint8_t* Col(uint8_t*, int64_t c, int64_t) const {
+    const uint32_t slice = uint32_t(c) / uint32_t(p.slice_rows);
+    return p.slice_base[slice] + (c - int64_t(slice) * p.slice_rows) * p.slice_pitch[slice];
+  }
 };
 
 constexpr const char* kTileVariantEnv = kQuantizeTileVariantEnv;
@@ -321,13 +347,13 @@ __device__ __forceinline__ TileOrigin TileAt(uint32_t t, uint32_t tiles_r, uint3
 
 // kVectorIO: x is 16-byte aligned and cols % kVec == 0, so every in-range input chunk is
 // one 16-byte copy. Stores pick their width from the address at run time (StoreCodes16/8).
-template <typename Tag, typename Fmt, bool kVectorIO, int kRows, int kStages, typename Groups>
+template <typename Tag, typename Fmt, bool kVectorIO, int kRows, int kStages, typename Groups, typename Place>
 __global__ void __launch_bounds__(TileShape<typename Tag::Storage, kRows, kStages>::kThreads,
                                   TileShape<typename Tag::Storage, kRows, kStages>::kMinBlocks)
     QuantizeTiledKernel(const typename Tag::Storage* __restrict__ x, int64_t rows, int64_t cols,
                         const float* __restrict__ scale_ptr, uint8_t* __restrict__ rowwise,
                         uint8_t* __restrict__ colwise, uint32_t* __restrict__ amax,
-                        float* __restrict__ partials, uint32_t band, Groups groups) {
+                        float* __restrict__ partials, uint32_t band, Groups groups, const Place place) {
   using T = typename Tag::Storage;
   using Shape = TileShape<T, kRows, kStages>;
   extern __shared__ __align__(128) uint8_t smem[];
@@ -402,7 +428,7 @@ __global__ void __launch_bounds__(TileShape<typename Tag::Storage, kRows, kStage
 #pragma unroll
           for (int j = 0; j < kTransposeCols; ++j) {  // colwise row c0 + col4 + j, from row r0 + row8
             if (col4 + j < prev.cols_left) {
-              StoreCodes8(colwise + (prev.c0 + col4 + j) * rows + prev.r0 + row8, lo[j], hi[j],
+              StoreCodes8(place.Col(colwise, prev.c0 + col4 + j, rows) + prev.r0 + row8, lo[j], hi[j],
                           prev.rows_left - row8);
             }
           }
@@ -463,7 +489,7 @@ __global__ void __launch_bounds__(TileShape<typename Tag::Storage, kRows, kStage
         if (row_group < 0) words[0] = words[1] = words[2] = words[3] = 0;
       }
       if (rowwise != nullptr && local_row < cur.rows_left) {
-        StoreCodes16(rowwise + (cur.r0 + local_row) * cols + cur.c0 + enc_chunk * kEncodeCols, words,
+        StoreCodes16(place.Row(rowwise, cur.r0 + local_row, cols) + cur.c0 + enc_chunk * kEncodeCols, words,
                      cur.cols_left - enc_chunk * kEncodeCols);
       }
       if (colwise != nullptr) {
@@ -540,13 +566,13 @@ Status ParseTileVariant(const char* op, TileVariant* v) {
   return Status::Ok();
 }
 
-template <typename Tag, typename Fmt, bool kVectorIO, int kRows, int kStages, typename Groups>
+template <typename Tag, typename Fmt, bool kVectorIO, int kRows, int kStages, typename Groups, typename Place>
 Status LaunchTiled(const char* op, const QuantizeFp8Args& a, float* partials, const Groups& groups,
-                   const TileVariant& v, GpuStream stream, int* tile_rows) {
+                   const Place& place, const TileVariant& v, GpuStream stream, int* tile_rows) {
   *tile_rows = kRows;
   using T = typename Tag::Storage;
   using Shape = TileShape<T, kRows, kStages>;
-  auto kernel = QuantizeTiledKernel<Tag, Fmt, kVectorIO, kRows, kStages, Groups>;
+  auto kernel = QuantizeTiledKernel<Tag, Fmt, kVectorIO, kRows, kStages, Groups, Place>;
   const int smem_bytes = Shape::kSmemBytes + groups.SmemBytes();
   LOWBIT_RETURN_IF_ERROR(CudaStatus(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                          smem_bytes),
@@ -561,7 +587,7 @@ Status LaunchTiled(const char* op, const QuantizeFp8Args& a, float* partials, co
   const int blocks = GridStrideBlocks(tiles * Shape::kThreads, Shape::kThreads, per_sm > 0 ? per_sm : 1);
   kernel<<<blocks, Shape::kThreads, smem_bytes, stream>>>(
       static_cast<const T*>(a.x), a.rows, a.cols, a.scale, a.rowwise, a.colwise,
-      reinterpret_cast<uint32_t*>(a.amax), partials, uint32_t(v.band), groups);
+      reinterpret_cast<uint32_t*>(a.amax), partials, uint32_t(v.band), groups, place);
   return LaunchStatus(op);
 }
 
@@ -569,27 +595,27 @@ Status LaunchTiled(const char* op, const QuantizeFp8Args& a, float* partials, co
 // (its 32 KB stages would leave one block per SM otherwise); where this device grants a
 // block less shared memory than the variant needs (r256s2: 208 KB), 256 rows fall back to
 // 128 and anything else to r64s2.
-template <typename Tag, typename Fmt, bool kVectorIO, typename Groups>
+template <typename Tag, typename Fmt, bool kVectorIO, typename Groups, typename Place = DensePlace>
 Status LaunchTiledVariant(const char* op, const QuantizeFp8Args& a, float* partials, const Groups& groups,
-                          const TileVariant& v, GpuStream stream, int* tile_rows) {
+                          const TileVariant& v, GpuStream stream, int* tile_rows, const Place& place = Place{}) {
   using T = typename Tag::Storage;
   if constexpr (sizeof(T) == 4) {
-    return LaunchTiled<Tag, Fmt, kVectorIO, 64, 2>(op, a, partials, groups, v, stream, tile_rows);
+    return LaunchTiled<Tag, Fmt, kVectorIO, 64, 2>(op, a, partials, groups, place, v, stream, tile_rows);
   } else {
     int device = 0, optin = 0;
     LOWBIT_RETURN_IF_ERROR(CudaStatus(cudaGetDevice(&device), op, "cudaGetDevice"));
     LOWBIT_RETURN_IF_ERROR(CudaStatus(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device),
                                       op, "cudaDeviceGetAttribute"));
     if (v.rows == 256 && TileShape<T, 256, 2>::kSmemBytes + groups.SmemBytes() <= optin) {
-      return LaunchTiled<Tag, Fmt, kVectorIO, 256, 2>(op, a, partials, groups, v, stream, tile_rows);
+      return LaunchTiled<Tag, Fmt, kVectorIO, 256, 2>(op, a, partials, groups, place, v, stream, tile_rows);
     }
     if (v.rows >= 128 && TileShape<T, 128, 2>::kSmemBytes + groups.SmemBytes() <= optin) {
-      return LaunchTiled<Tag, Fmt, kVectorIO, 128, 2>(op, a, partials, groups, v, stream, tile_rows);
+      return LaunchTiled<Tag, Fmt, kVectorIO, 128, 2>(op, a, partials, groups, place, v, stream, tile_rows);
     }
     if (v.rows == 64 && v.stages == 3 && TileShape<T, 64, 3>::kSmemBytes + groups.SmemBytes() <= optin) {
-      return LaunchTiled<Tag, Fmt, kVectorIO, 64, 3>(op, a, partials, groups, v, stream, tile_rows);
+      return LaunchTiled<Tag, Fmt, kVectorIO, 64, 3>(op, a, partials, groups, place, v, stream, tile_rows);
     }
-    return LaunchTiled<Tag, Fmt, kVectorIO, 64, 2>(op, a, partials, groups, v, stream, tile_rows);
+    return LaunchTiled<Tag, Fmt, kVectorIO, 64, 2>(op, a, partials, groups, place, v, stream, tile_rows);
   }
 }
 }  // namespace

@@ -135,6 +135,12 @@ class _TensorScaleQuantizer(Quantizer):
         """(scale, scale_inv) for casting x."""
         raise NotImplementedError
 
+    def scale_and_inverse(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """(scale, scale_inv), each f32 (1,), that `quantize` casts x with (gradient stopped);
+        lowbit.dense's fused backward quantizes dy with them."""
+        scale, scale_inv = jax.lax.stop_gradient(self._scale(x))
+        return scale.reshape(1), scale_inv.reshape(1)
+
     @property
     def fp8_max(self) -> float:
         return float(jnp.finfo(self.q_dtype).max)
@@ -152,8 +158,7 @@ class _TensorScaleQuantizer(Quantizer):
         """Returns (ScaledTensor1x, or ScaledTensor2x when both copies are asked for; dbias,
         the sums of x over its rows, or None)."""
         _, x, axis, dq_dtype = self._checked_input(x, is_rowwise, is_colwise, flatten_axis, dq_dtype)
-        scale, scale_inv = jax.lax.stop_gradient(self._scale(x))
-        scale, scale_inv = scale.reshape(1), scale_inv.reshape(1)
+        scale, scale_inv = self.scale_and_inverse(x)
         out = quantize_fp8(
             x,
             scale,

@@ -1,0 +1,243 @@
+"""lowbit.dense's fused backward (lowbit.ops.dense_backward_fp8, csrc/dense/dense_backward.h):
+dy's FP8 copies placed inside dk's buffer until the wgrad overwrites them.
+
+The reference is lowbit.dense's unfused backward (LOWBIT_DENSE_BACKWARD=unfused: quantize dy,
+then the two lowbit_gemm calls). On the CPU both run the same C++ references on the same
+values, so every output is equal bit for bit: a placement that let one step overwrite an
+operand a later step reads would show up here as wrong values (CheckDenseBwdPlan, run on
+every plan, also rules out a GEMM writing its own operand, which these copies would not see).
+On the GPU the dgrad and wgrad run as batched and sliced cuBLASLt GEMMs (other algorithms than
+the whole GEMM), so dx and dk are compared within GEMM_TOL and dy's quantize outputs (amax,
+dbias, the state) exactly.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import rel_err, run_on
+from lowbit.dense import DENSE_BACKWARD_ENV, dense
+from lowbit.ops.dense_backward import dense_backward_fp8, dense_backward_fp8_p, dense_backward_plan
+from lowbit.quantize import QuantizerFactory
+from lowbit.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling
+
+# (x shape, features): (m, n, k) = (prod(x.shape[:-1]), features, x.shape[-1]).
+# The first is the seed Dense's proportions scaled down (m = 2k, n = 4k: 8 slices), the
+# second takes 2 slices, the third has three batch dims (m = k, 8 slices). A bf16 (2-byte)
+# dk fits dy's rowwise copy only where m <= k: the last two.
+# Relative error of lowbit's FP8 GEMMs: the CPU sums in fp32 in k order; Hopper's FP8 tensor
+# cores keep fewer bits inside each accumulation chunk even with the split accumulator (two
+# cuBLASLt algorithms for one product measured 1.0e-4 apart on an H200), as in test_dense.py.
+GEMM_TOL = 1e-5 if jax.default_backend() == "cpu" else 5e-4
+
+SHAPES = [((2, 256, 256), 1024), ((512, 512), 1024), ((2, 2, 64, 256), 1024)]
+
+
+def step(x, kernel, bias, qs, dy):
+    """(dx, dk, dbias, the updated quantizer set) of one dense backward."""
+    _, vjp = jax.vjp(lambda x, k, b, q: dense(x, k, b, contracting_dims=((x.ndim - 1,), (0,)), quantizer_set=q),
+                     x, kernel, bias, qs)
+    return vjp(dy)
+
+
+def inputs(rng, x_shape, features, dtype, k_dtype, use_bias, specials=True):
+    x = rng.standard_normal(x_shape).astype(np.float32)
+    kernel = (rng.standard_normal((x_shape[-1], features)) * 0.05).astype(np.float32)
+    dy = rng.standard_normal((*x_shape[:-1], features)).astype(np.float32) * 3
+    if specials:  # a zero row, near-max values (saturate in E5M2 after scaling), inf and NaN
+        dy.reshape(-1, features)[1] = 0.0
+        dy.reshape(-1, features)[2, :7] = [6e4, -6e4, 1e-30, -0.0, 5e4, np.inf, np.nan]
+    bias = rng.standard_normal(features).astype(np.float32) if use_bias else None
+    return (jnp.asarray(x, dtype), jnp.asarray(kernel, k_dtype), None if bias is None else jnp.asarray(bias, dtype),
+            jnp.asarray(dy, dtype))
+
+
+def backward_both_ways(monkeypatch, fn, *args):
+    """fn(*args) traced with the fused backward and with the unfused one (jit each; a fresh
+    function per mode, so that no trace is reused across the switch)."""
+    outs = []
+    for mode in ("fused", "unfused"):
+        monkeypatch.setenv(DENSE_BACKWARD_ENV, mode)
+        outs.append(jax.tree.map(np.asarray, jax.jit(lambda *a: fn(*a))(*args)))
+    return outs
+
+
+def backward_jaxpr(fn, *args) -> str:
+    return str(jax.make_jaxpr(lambda *a: fn(*a))(*args))
+
+
+def assert_trees_equal(a, b):
+    for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        assert u.dtype == v.dtype and u.shape == v.shape
+        np.testing.assert_array_equal(u.view(np.uint8), v.view(np.uint8))
+
+
+@pytest.mark.parametrize("x_shape,features", SHAPES)
+@pytest.mark.parametrize("recipe", [DelayedScaling(amax_history_len=4), Float8CurrentScaling()], ids=["delayed", "current"])
+@pytest.mark.parametrize("dtype,k_dtype,use_bias", [(jnp.bfloat16, jnp.float32, True), (jnp.float32, jnp.float32, False),
+                                                    (jnp.bfloat16, jnp.bfloat16, True)])
+def test_fused_equals_unfused_bit_for_bit(monkeypatch, rng, x_shape, features, recipe, dtype, k_dtype, use_bias):
+    if jax.default_backend() != "cpu":
+        pytest.skip("bit-exact on the CPU references; the GPU comparison is test_cuda_fused_matches_unfused")
+    if k_dtype == jnp.bfloat16 and x_shape == SHAPES[0][0]:
+        pytest.skip("m > k: no placement for a bf16 dk (test_applies_only_where_it_should)")
+    x, kernel, bias, dy = inputs(rng, x_shape, features, dtype, k_dtype, use_bias)
+    qs = QuantizerFactory.create_set(recipe)
+    if isinstance(recipe, DelayedScaling):  # a realistic state: scales from an earlier step
+        _, _, _, qs = step(x, kernel, bias, qs, dy)
+    fn = lambda x, k, b, q, dy: step(x, k, b, q, dy)  # noqa: E731
+    assert "lowbit_dense_backward_fp8" in backward_jaxpr(fn, x, kernel, bias, qs, dy)
+    fused, unfused = backward_both_ways(monkeypatch, fn, x, kernel, bias, qs, dy)
+    assert_trees_equal(fused, unfused)
+    dx, dk, db, new_qs = fused
+    assert dx.shape == x.shape and dx.dtype == x.dtype and dk.shape == kernel.shape and dk.dtype == kernel.dtype
+    assert np.isnan(dk).any() and np.isfinite(dx.reshape(-1, dx.shape[-1])[0]).all()  # NaN in dk, not dx row 0
+    assert (db is None) == (not use_bias)
+
+
+def test_fused_backward_against_quantized_reference(rng):
+    """dx = dy_q . k_q^T and dk = x_q^T . dy_q (current scaling, E5M2 dy), the fused path."""
+    x, kernel, bias, dy = inputs(rng, (512, 256), 1024, jnp.float32, jnp.float32, True, specials=False)
+    qs = QuantizerFactory.create_set(Float8CurrentScaling())
+    dx, dk, db, _ = jax.jit(step)(x, kernel, bias, qs, dy)
+
+    def q(a, dtype):
+        amax = jnp.max(jnp.abs(a))
+        s = float(jnp.finfo(dtype).max) / amax
+        return jnp.clip(a * s, -float(jnp.finfo(dtype).max), float(jnp.finfo(dtype).max)).astype(dtype).astype(
+            jnp.float32) / s
+
+    e4, e5, hi = jnp.float8_e4m3fn, jnp.float8_e5m2, jax.lax.Precision.HIGHEST
+    dyq = q(dy, e5)
+    assert rel_err(dx, jnp.dot(dyq, q(kernel, e4).T, precision=hi)) < GEMM_TOL
+    assert rel_err(dk, jnp.dot(q(x, e4).T, dyq, precision=hi)) < GEMM_TOL
+    np.testing.assert_allclose(db, np.asarray(dy).sum(0), rtol=1e-5, atol=1e-4)
+
+
+def test_applies_only_where_it_should(rng):
+    fn = lambda x, k, q, dy: step(x, k, None, q, dy)  # noqa: E731
+    x, kernel, _, dy = inputs(rng, (512, 256), 1024, jnp.bfloat16, jnp.float32, False)
+    delayed = QuantizerFactory.create_set(DelayedScaling())
+    assert "lowbit_dense_backward_fp8" in backward_jaxpr(fn, x, kernel, delayed, dy)
+    # No placement: m = 2k + 16 rows do not fit dk's left half; n / S not a multiple of 128.
+    for xs, f in [((528, 256), 1024), ((512, 256), 1000)]:
+        x2, k2, _, dy2 = inputs(rng, xs, f, jnp.bfloat16, jnp.float32, False)
+        assert dense_backward_plan(xs[0], f, xs[1], jnp.float32, jnp.bfloat16, False) is None
+        assert "lowbit_dense_backward_fp8" not in backward_jaxpr(fn, x2, k2, delayed, dy2)
+    # A bf16 dk holds dy's rowwise copy only where m <= k.
+    assert "lowbit_dense_backward_fp8" not in backward_jaxpr(fn, x, kernel.astype(jnp.bfloat16), delayed, dy)
+    # Block recipes keep their own backward.
+    block = QuantizerFactory.create_set(Float8BlockScaling())
+    assert "lowbit_dense_backward_fp8" not in backward_jaxpr(fn, x, kernel, block, dy)
+
+
+def test_env_switch_and_bad_values(monkeypatch, rng):
+    fn = lambda x, k, q, dy: step(x, k, None, q, dy)  # noqa: E731
+    x, kernel, _, dy = inputs(rng, (512, 256), 1024, jnp.bfloat16, jnp.float32, False)
+    qs = QuantizerFactory.create_set(Float8CurrentScaling())
+    monkeypatch.setenv(DENSE_BACKWARD_ENV, "unfused")
+    assert "lowbit_dense_backward_fp8" not in backward_jaxpr(fn, x, kernel, qs, dy)
+    monkeypatch.setenv(DENSE_BACKWARD_ENV, "sometimes")
+    with pytest.raises(ValueError, match="LOWBIT_DENSE_BACKWARD='sometimes'"):
+        backward_jaxpr(fn, x, kernel, qs, dy)
+
+
+def test_plan_sizes():
+    # The seed Dense (8x2048 tokens, 8192 -> 32768, f32 kernel): 8 slices; the scratch is one
+    # slice of dy's colwise copy (4096 x 16384 bytes) behind the 32 MiB cuBLASLt workspace.
+    slices, scratch = dense_backward_plan(16384, 32768, 8192, jnp.float32, jnp.bfloat16, True)
+    assert slices == 8
+    assert scratch == (32 << 20) + 256 + 4096 * 16384
+    assert dense_backward_plan(16384, 32768, 8192, jnp.float32, jnp.bfloat16, True, cuda=False) == (8, 4096 * 16384)
+    assert scratch < 2 * 16384 * 32768 // 8  # far below the unfused copies (1 GiB)
+    assert dense_backward_plan(16384, 32768, 8192, jnp.bfloat16, jnp.bfloat16, True) is None  # m > k for bf16 dk
+
+
+def test_op_errors_name_the_argument(rng):
+    f8, f32 = jnp.float8_e4m3fn, jnp.float32
+    dy = jnp.asarray(rng.standard_normal((512, 1024)), jnp.bfloat16)
+    x_col = jnp.ones((256, 512), f8)
+    one = jnp.ones((1,), f32)
+    with pytest.raises(ValueError, match="no placement"):
+        dense_backward_fp8(dy[:500], x_col[:, :500], jnp.ones((256, 1024), f8), one, one, one, one,
+                           q_dtype=jnp.float8_e5m2, dx_dtype=jnp.bfloat16, dk_dtype=f32, compute_dbias=False)
+    with pytest.raises(ValueError, match="q_dtype"):
+        dense_backward_fp8(dy, x_col, jnp.ones((256, 1024), f8), one, one, one, one, q_dtype=jnp.bfloat16,
+                           dx_dtype=jnp.bfloat16, dk_dtype=f32, compute_dbias=False)
+    with pytest.raises(Exception, match="lowbit_dense_backward_fp8: k_row"):  # the handler's check
+        jax.block_until_ready(dense_backward_fp8_p.bind(
+            dy, x_col, jnp.ones((256, 1008), f8), one, one, one, one, q_dtype=np.int32(5),
+            dx_dtype=jnp.dtype(jnp.bfloat16), dk_dtype=jnp.dtype(f32), dbias=False))
+
+
+def test_vmap_maps_the_op(rng):
+    fn = lambda x, k, dy: step(x, k, None, QuantizerFactory.create_set(Float8CurrentScaling()), dy)[:2]  # noqa: E731
+    x, kernel, _, dy = inputs(rng, (512, 256), 1024, jnp.float32, jnp.float32, False, specials=False)
+    xs, dys = jnp.stack([x, x * 2]), jnp.stack([dy, -dy])
+    dx, dk = jax.jit(jax.vmap(fn, in_axes=(0, None, 0)))(xs, kernel, dys)
+    for i in range(2):
+        dx_i, dk_i = jax.jit(fn)(xs[i], kernel, dys[i])
+        np.testing.assert_array_equal(np.asarray(dx[i]), np.asarray(dx_i))
+        np.testing.assert_array_equal(np.asarray(dk[i]), np.asarray(dk_i))
+
+
+def temp_bytes(fn, *args) -> int:
+    return jax.jit(lambda *a: fn(*a)).lower(*args).compile().memory_analysis().temp_size_in_bytes
+
+
+@pytest.mark.gpu
+def test_fused_backward_needs_less_temporary_memory(monkeypatch, rng, gpu):
+    """On the GPU the compiled step's temporaries shrink by at least dy's colwise copy (m n
+    bytes; XLA already put the rowwise one into dk's buffer) less the op's scratch (one
+    colwise slice and the GEMM workspace). (XLA:CPU assigns buffers otherwise: not checked.)"""
+    x, kernel, bias, dy = inputs(rng, (1024, 512), 2048, jnp.bfloat16, jnp.float32, True, specials=False)
+    qs = QuantizerFactory.create_set(DelayedScaling())
+    fn = lambda x, k, b, q, dy: step(x, k, b, q, dy)  # noqa: E731
+    monkeypatch.setenv(DENSE_BACKWARD_ENV, "unfused")
+    unfused = temp_bytes(fn, x, kernel, bias, qs, dy)
+    monkeypatch.setenv(DENSE_BACKWARD_ENV, "fused")
+    fused = temp_bytes(fn, x, kernel, bias, qs, dy)
+    m, n = 1024, 2048
+    _, scratch = dense_backward_plan(m, n, 512, jnp.float32, jnp.bfloat16, True)
+    assert fused <= unfused - m * n + scratch, (fused, unfused)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("x_shape,features", SHAPES)
+@pytest.mark.parametrize("dtype,k_dtype,use_bias", [(jnp.bfloat16, jnp.float32, True), (jnp.float32, jnp.float32, False)])
+def test_cuda_fused_matches_unfused(monkeypatch, rng, gpu, cpu, x_shape, features, dtype, k_dtype, use_bias):
+    x, kernel, bias, dy = inputs(rng, x_shape, features, dtype, k_dtype, use_bias, specials=False)
+    qs = QuantizerFactory.create_set(Float8CurrentScaling())
+    fn = lambda x, k, b, q, dy: step(x, k, b, q, dy)  # noqa: E731
+    outs = {}
+    for mode in ("fused", "unfused"):
+        monkeypatch.setenv(DENSE_BACKWARD_ENV, mode)
+        outs[mode] = run_on(gpu, lambda *a: fn(*a), x, kernel, bias, qs, dy)
+        outs[mode + "_cpu"] = run_on(cpu, lambda *a: fn(*a), x, kernel, bias, qs, dy)
+    (dx, dk, db, q), (dx_u, dk_u, db_u, q_u) = outs["fused"], outs["unfused"]
+    dx_tol = GEMM_TOL if dtype == jnp.float32 else 4e-3  # a bf16 dx: its rounding too
+    assert rel_err(dx, dx_u) < dx_tol and rel_err(dk, dk_u) < GEMM_TOL
+    assert rel_err(dk, outs["fused_cpu"][1]) < GEMM_TOL and rel_err(dx, outs["fused_cpu"][0]) < dx_tol
+    if use_bias:  # dbias: the same kernel and summation order in both
+        np.testing.assert_array_equal(db, db_u)
+    assert_trees_equal(q, q_u)
+
+
+@pytest.mark.gpu
+def test_cuda_fused_special_values(monkeypatch, rng, gpu):
+    """inf/NaN/zeros/near-max in dy: the same amax, dbias and non-finite pattern as unfused."""
+    x, kernel, bias, dy = inputs(rng, (512, 256), 1024, jnp.bfloat16, jnp.float32, True)
+    qs = QuantizerFactory.create_set(DelayedScaling())
+    fn = lambda x, k, b, q, dy: step(x, k, b, q, dy)  # noqa: E731
+    outs = []
+    for mode in ("fused", "unfused"):
+        monkeypatch.setenv(DENSE_BACKWARD_ENV, mode)
+        outs.append(run_on(gpu, lambda *a: fn(*a), x, kernel, bias, qs, dy))
+    (dx, dk, db, q), (dx_u, dk_u, db_u, q_u) = outs
+    np.testing.assert_array_equal(np.isfinite(dk), np.isfinite(dk_u))
+    np.testing.assert_array_equal(np.isfinite(dx), np.isfinite(dx_u))
+    np.testing.assert_array_equal(db.view(np.uint8), db_u.view(np.uint8))
+    assert_trees_equal(q, q_u)
