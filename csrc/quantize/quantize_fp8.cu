@@ -148,18 +148,16 @@ Status LaunchQuantize(const QuantizeFp8Args& a, void* workspace, GpuStream strea
   const bool vec_io = aligned(x, 16) && a.cols % kVec == 0;
   float* partials = a.dbias != nullptr ? static_cast<float*>(workspace) : nullptr;  // checked by PrepareDbias
   int tile_height = 0;
-  Status launched;
-  if (a.placement != nullptr) {  // placed copies (dense_backward.h): vectorized x only
-    if (!vec_io || a.rowwise == nullptr || a.colwise == nullptr) {
-      return Status::InvalidArgument(std::string(kQuantizeOp) + ": placement: needs both copies, 16-byte aligned x "
-                                     "and cols a multiple of " + std::to_string(kVec));
-    }
-    launched = LaunchTiledVariant<Tag, Fmt, true>(kQuantizeOp, a, partials, OneTensor{}, variant, stream,
-                                                  &tile_height, SlicedPlace{*a.placement});
-  } else {
-    launched = vec_io ? LaunchTiledVariant<Tag, Fmt, true>(kQuantizeOp, a, partials, OneTensor{}, variant, stream, &tile_height)
-                      : LaunchTiledVariant<Tag, Fmt, false>(kQuantizeOp, a, partials, OneTensor{}, variant, stream, &tile_height);
+  if (a.placement != nullptr && (!vec_io || a.rowwise == nullptr || a.colwise == nullptr)) {
+    return Status::InvalidArgument(std::string(kQuantizeOp) + ": placement: needs both copies, 16-byte aligned x "
+                                   "and cols a multiple of " + std::to_string(kVec));
   }
+  const Status launched =
+      a.placement != nullptr  // placed copies (dense_backward.h): vectorized x only
+          ? LaunchTiledVariant<Tag, Fmt, true>(kQuantizeOp, a, partials, OneTensor{}, variant, stream, &tile_height,
+                                               SlicedPlace{*a.placement})
+      : vec_io ? LaunchTiledVariant<Tag, Fmt, true>(kQuantizeOp, a, partials, OneTensor{}, variant, stream, &tile_height)
+               : LaunchTiledVariant<Tag, Fmt, false>(kQuantizeOp, a, partials, OneTensor{}, variant, stream, &tile_height);
   LOWBIT_RETURN_IF_ERROR(launched);
   if (a.dbias == nullptr) return Status::Ok();
 
