@@ -6,6 +6,9 @@ beside the step's wall time; the difference is time the GPU sat idle.
     python tools/trace_step.py dense lowbit_delayed [--steps 3] [--out DIR]
     python tools/trace_step.py layer flax_fp8
     python tools/trace_step.py quantize lowbit
+    python tools/trace_step.py dense module_delayed --sweep LOWBIT_QUANTIZE_TILE_VARIANT=,r256s2b8
+        (one compiled step traced once per value of a knob the C++ launchers read at every
+        call; an empty value unsets it)
 """
 
 from __future__ import annotations
@@ -71,11 +74,24 @@ def main():
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--out", default=None)
     parser.add_argument("--small", action="store_true", help="tiny shapes (a CPU smoke run: no GPU events)")
+    parser.add_argument("--sweep", default=None, help="NAME=v1,v2,...: trace once per value of env NAME")
+    parser.add_argument("--top", type=int, default=40)
     args = parser.parse_args()
     step, step_args = build(args.which, args.variant, args.small)
+    if args.sweep is None:
+        return trace(step, step_args, args, args.out or tempfile.mkdtemp(), args.variant)
+    name, _, values = args.sweep.partition("=")
+    for value in values.split(","):
+        if value:
+            os.environ[name] = value
+        else:
+            os.environ.pop(name, None)
+        trace(step, step_args, args, tempfile.mkdtemp(), f"{args.variant} {name}={value or '(unset)'}")
+
+
+def trace(step, step_args, args, out, label):
     for _ in range(3):
         jax.block_until_ready(step(*step_args))
-    out = args.out or tempfile.mkdtemp()
     start = time.perf_counter()
     with jax.profiler.trace(out, create_perfetto_trace=True):
         for _ in range(args.steps):
@@ -89,10 +105,10 @@ def main():
         by_name[e["name"]][1] += 1
     # Streams overlap only where XLA made them; the sum of kernel time is the busy time.
     busy_us = sum(v[0] for v in by_name.values()) or 1.0
-    print(f"{args.which} {args.variant}: {args.steps} traced steps, wall {wall_ms:.3f} ms/step (tracing "
+    print(f"{args.which} {label}: {args.steps} traced steps, wall {wall_ms:.3f} ms/step (tracing "
           f"adds a little), device busy {busy_us / 1e3:.3f} ms/step")
     print(f"{'us/step':>9s} {'share':>6s} {'calls':>5s}  kernel")
-    for name, (us, calls) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:40]:
+    for name, (us, calls) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:args.top]:
         print(f"{us:9.1f} {100 * us / busy_us:5.1f}% {calls // args.steps:5d}  {name[:110]}")
 
 
