@@ -197,6 +197,55 @@ struct DenseBwdArgs {
   int64_t m = 0, n = 0, k = 0;
 };
 
+// The pieces both executors start from: the plan for `a` (gemm_workspace_bytes as in
+// MakeDenseBwdPlan), dy's quantize arguments without the copies' destinations, and the two
+// GEMMs' arguments without operand pointers, shapes and leading dimensions.
+inline Status MakeDenseBwdPlanFor(const DenseBwdArgs& a, int64_t gemm_workspace_bytes, DenseBwdPlan* plan) {
+  auto bytes = [](DType t) { return int64_t(t == DType::kF32 ? 4 : 2); };
+  return MakeDenseBwdPlan(a.m, a.n, a.k, bytes(a.dk_dtype), bytes(a.dx_dtype), a.dbias != nullptr,
+                          gemm_workspace_bytes, plan);
+}
+
+inline QuantizeFp8Args DenseBwdQuantizeArgs(const DenseBwdArgs& a) {
+  QuantizeFp8Args q;
+  q.x = a.dy;
+  q.x_dtype = a.dy_dtype;
+  q.rows = a.m;
+  q.cols = a.n;
+  q.scale = a.dy_scale;
+  q.out_dtype = a.q_dtype;
+  q.amax = a.amax;
+  q.dbias = a.dbias;
+  q.dbias_dtype = a.dbias_dtype;
+  return q;
+}
+
+// dgrad: a = dy's rowwise copy, b = k_row, out = dx (split accumulation, as lowbit.dense's).
+inline GemmArgs DenseBwdDgradArgs(const DenseBwdArgs& a) {
+  GemmArgs g;
+  g.a_type = a.q_dtype;
+  g.a_scale_inv = a.dy_scale_inv;
+  g.b = a.k_row;
+  g.b_type = a.k_dtype;
+  g.b_scale_inv = a.k_scale_inv;
+  g.out_type = a.dx_dtype;
+  g.n = a.k, g.k = a.n;
+  return g;
+}
+
+// wgrad: a = x_col, b = a colwise slice of dy, out = dk's columns (m = k, k = m; n per slice).
+inline GemmArgs DenseBwdWgradArgs(const DenseBwdArgs& a) {
+  GemmArgs g;
+  g.a = a.x_col;
+  g.a_type = a.x_dtype;
+  g.a_scale_inv = a.x_scale_inv;
+  g.b_type = a.q_dtype;
+  g.b_scale_inv = a.dy_scale_inv;
+  g.out_type = a.dk_dtype;
+  g.m = a.k, g.k = a.m;
+  return g;
+}
+
 // The CPU reference (dense_backward_ref.cc): the plan executed in the same buffers and order,
 // with QuantizeFp8Ref and GemmRef on dense copies gathered from / scattered to the placed ones.
 Status DenseBwdRef(const DenseBwdArgs& args);

@@ -11,9 +11,7 @@ namespace lowbit {
 
 Status DenseBwdCuda(const DenseBwdArgs& a, int device_ordinal, GpuStream stream) {
   DenseBwdPlan p;
-  auto elem = [](DType t) { return int64_t(t == DType::kF32 ? 4 : 2); };
-  LOWBIT_RETURN_IF_ERROR(MakeDenseBwdPlan(a.m, a.n, a.k, elem(a.dk_dtype), elem(a.dx_dtype), a.dbias != nullptr,
-                                          int64_t(kGemmWorkspaceBytes), &p));
+  LOWBIT_RETURN_IF_ERROR(MakeDenseBwdPlanFor(a, int64_t(kGemmWorkspaceBytes), &p));
   const int64_t m = a.m, n = a.n, k = a.k, w = p.slice_rows;
   uint8_t* dk = static_cast<uint8_t*>(a.dk);
 
@@ -26,34 +24,17 @@ Status DenseBwdCuda(const DenseBwdArgs& a, int device_ordinal, GpuStream stream)
     place.slice_base[j] = (p.slice_in_scratch[j] ? a.scratch + p.scratch_colwise_offset : dk) + p.slice_offset[j];
     place.slice_pitch[j] = p.slice_pitch[j];
   }
-  QuantizeFp8Args q;
-  q.x = a.dy;
-  q.x_dtype = a.dy_dtype;
-  q.rows = m;
-  q.cols = n;
-  q.scale = a.dy_scale;
-  q.out_dtype = a.q_dtype;
+  QuantizeFp8Args q = DenseBwdQuantizeArgs(a);
   q.rowwise = dk;
   q.colwise = place.slice_base[0];
-  q.amax = a.amax;
-  q.dbias = a.dbias;
-  q.dbias_dtype = a.dbias_dtype;
   q.placement = &place;
   void* dbias_partials = p.dbias_in_dx ? a.dx : static_cast<void*>(a.scratch + p.scratch_dbias_offset);
   LOWBIT_RETURN_IF_ERROR(QuantizeFp8Cuda(q, dbias_partials, stream));
 
-  GemmArgs g;
-  g.use_split_accumulator = true;
   void* workspace = a.scratch;  // kGemmWorkspaceBytes at the scratch's start
 
   // dgrad: dx rows [s k, s k + rows) = dy rowwise segment s . k_row^T.
-  g.a_type = a.q_dtype;
-  g.a_scale_inv = a.dy_scale_inv;
-  g.b = a.k_row;
-  g.b_type = a.k_dtype;
-  g.b_scale_inv = a.k_scale_inv;
-  g.out_type = a.dx_dtype;
-  g.n = k, g.k = n;
+  GemmArgs g = DenseBwdDgradArgs(a);
   g.lda = p.dk_pitch();
   if (m == p.row_segments * k && p.row_segments > 1) {  // segment s: a + s n, out + s k rows
     g.a = dk;
@@ -72,18 +53,10 @@ Status DenseBwdCuda(const DenseBwdArgs& a, int device_ordinal, GpuStream stream)
       LOWBIT_RETURN_IF_ERROR(GemmCuda(g, device_ordinal, workspace, stream));
     }
   }
-  g.batch = 1;
-  g.batch_stride_a = g.batch_stride_b = g.batch_stride_d = 0;
 
   // wgrad slice j: dk[:, j w : (j+1) w] = x_col . colwise slice j^T.
-  g.a = a.x_col;
-  g.a_type = a.x_dtype;
-  g.a_scale_inv = a.x_scale_inv;
-  g.b_type = a.q_dtype;
-  g.b_scale_inv = a.dy_scale_inv;
-  g.out_type = a.dk_dtype;
-  g.m = k, g.n = w, g.k = m;
-  g.lda = 0;
+  g = DenseBwdWgradArgs(a);
+  g.n = w;
   g.ldd = n;
   const int half = p.slices / 2;
   bool uniform = half > 1;  // slices 0 .. half-1 a host apart, as the plan puts them

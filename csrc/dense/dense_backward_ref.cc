@@ -12,8 +12,6 @@
 namespace lowbit {
 namespace {
 
-int64_t ElemBytes(DType t) { return t == DType::kF32 ? 4 : 2; }
-
 // Where dy's colwise slice j starts (its rows are slice_pitch[j] bytes apart).
 uint8_t* SliceBase(const DenseBwdPlan& p, const DenseBwdArgs& a, int j) {
   uint8_t* base = p.slice_in_scratch[j] ? a.scratch + p.scratch_colwise_offset : static_cast<uint8_t*>(a.dk);
@@ -24,8 +22,7 @@ uint8_t* SliceBase(const DenseBwdPlan& p, const DenseBwdArgs& a, int j) {
 
 Status DenseBwdRef(const DenseBwdArgs& a) {
   DenseBwdPlan p;
-  LOWBIT_RETURN_IF_ERROR(
-      MakeDenseBwdPlan(a.m, a.n, a.k, ElemBytes(a.dk_dtype), ElemBytes(a.dx_dtype), a.dbias != nullptr, 0, &p));
+  LOWBIT_RETURN_IF_ERROR(MakeDenseBwdPlanFor(a, 0, &p));
   const int64_t m = a.m, n = a.n, k = a.k, w = p.slice_rows, ek = p.dk_elem;
   uint8_t* dk = static_cast<uint8_t*>(a.dk);
 
@@ -33,18 +30,9 @@ Status DenseBwdRef(const DenseBwdArgs& a) {
   //    colwise slices into their hosts (or the scratch).
   {
     std::vector<uint8_t> rowwise(size_t(m * n)), colwise(size_t(n * m));
-    QuantizeFp8Args q;
-    q.x = a.dy;
-    q.x_dtype = a.dy_dtype;
-    q.rows = m;
-    q.cols = n;
-    q.scale = a.dy_scale;
-    q.out_dtype = a.q_dtype;
+    QuantizeFp8Args q = DenseBwdQuantizeArgs(a);
     q.rowwise = rowwise.data();
     q.colwise = colwise.data();
-    q.amax = a.amax;
-    q.dbias = a.dbias;
-    q.dbias_dtype = a.dbias_dtype;
     LOWBIT_RETURN_IF_ERROR(QuantizeFp8Ref(q));
     for (int64_t r = 0; r < m; ++r) std::memcpy(dk + p.RowwiseOffset(r), rowwise.data() + r * n, size_t(n));
     for (int j = 0; j < p.slices; ++j) {
@@ -54,41 +42,27 @@ Status DenseBwdRef(const DenseBwdArgs& a) {
     }
   }
 
-  GemmArgs g;
-  g.a_scale_mode = g.b_scale_mode = GemmScaleMode::kTensor;
-  g.use_split_accumulator = true;
-
   // 2. dgrad: dx (m, k) = dy rowwise (m, n) . k_row (k, n)^T.
   {
     std::vector<uint8_t> rowwise(size_t(m * n));
     for (int64_t r = 0; r < m; ++r) std::memcpy(rowwise.data() + r * n, dk + p.RowwiseOffset(r), size_t(n));
+    GemmArgs g = DenseBwdDgradArgs(a);
     g.a = rowwise.data();
-    g.a_type = a.q_dtype;
-    g.a_scale_inv = a.dy_scale_inv;
-    g.b = a.k_row;
-    g.b_type = a.k_dtype;
-    g.b_scale_inv = a.k_scale_inv;
     g.out = a.dx;
-    g.out_type = a.dx_dtype;
-    g.m = m, g.n = k, g.k = n;
+    g.m = m;
     LOWBIT_RETURN_IF_ERROR(GemmRef(g));
   }
 
   // 3. wgrad slice j: dk[:, j w : (j+1) w] = x_col (k, m) . colwise slice j (w, m)^T.
   std::vector<uint8_t> slice(size_t(w * m)), out(size_t(k * w * ek));
+  GemmArgs g = DenseBwdWgradArgs(a);
+  g.b = slice.data();
+  g.out = out.data();
+  g.n = w;
   for (int j = 0; j < p.slices; ++j) {
     for (int64_t r = 0; r < w; ++r) {
       std::memcpy(slice.data() + r * m, SliceBase(p, a, j) + r * p.slice_pitch[j], size_t(m));
     }
-    g.a = a.x_col;
-    g.a_type = a.x_dtype;
-    g.a_scale_inv = a.x_scale_inv;
-    g.b = slice.data();
-    g.b_type = a.q_dtype;
-    g.b_scale_inv = a.dy_scale_inv;
-    g.out = out.data();
-    g.out_type = a.dk_dtype;
-    g.m = k, g.n = w, g.k = m;
     LOWBIT_RETURN_IF_ERROR(GemmRef(g));
     for (int64_t r = 0; r < k; ++r) {
       std::memcpy(dk + r * p.dk_pitch() + j * w * ek, out.data() + r * w * ek, size_t(w * ek));
