@@ -55,23 +55,6 @@ Status DenseBwdArgsFromBuffers(const ffi::AnyBuffer& dy, const ffi::AnyBuffer& x
   const DType q_dtype = DType(q_dtype_code);
   if (!IsFp8(q_dtype)) return Invalid(op, "q_dtype", "expected f8e4m3fn or f8e5m2");
   a->m = m, a->n = n, a->k = k;
-#if defined(LOWBIT_CUDA_HANDLERS)
-  const int64_t gemm_workspace_bytes = int64_t(kGemmWorkspaceBytes);
-#else
-  const int64_t gemm_workspace_bytes = 0;  // the reference needs no cuBLASLt workspace
-#endif
-  DenseBwdPlan plan;
-  LOWBIT_RETURN_IF_ERROR(MakeDenseBwdPlan(m, n, k, dk_dtype == DType::kF32 ? 4 : 2,
-                                          ToDType(dx->element_type()) == DType::kF32 ? 4 : 2, want_dbias,
-                                          gemm_workspace_bytes, &plan));
-  if (scratch->element_type() != ffi::DataType::U8 || int64_t(scratch->size_bytes()) < plan.scratch_bytes) {
-    return Invalid(op, "scratch", "expected u8 of at least " + std::to_string(plan.scratch_bytes) + " bytes");
-  }
-#if defined(LOWBIT_CUDA_HANDLERS)  // cuBLASLt's workspace and the slices' 16-byte stores
-  if (reinterpret_cast<uintptr_t>(scratch->untyped_data()) % kDenseBwdAlign != 0) {
-    return Invalid(op, "scratch", "expected a 256-byte aligned buffer from XLA");
-  }
-#endif
   a->dy = dy.untyped_data();
   a->dy_dtype = ToDType(dy.element_type());
   a->x_col = static_cast<const uint8_t*>(x_col.untyped_data());
@@ -91,6 +74,21 @@ Status DenseBwdArgsFromBuffers(const ffi::AnyBuffer& dy, const ffi::AnyBuffer& x
   a->dbias_dtype = dbias_dtype;
   a->amax = static_cast<float*>(amax->untyped_data());
   a->scratch = static_cast<uint8_t*>(scratch->untyped_data());
+#if defined(LOWBIT_CUDA_HANDLERS)
+  const int64_t gemm_workspace_bytes = int64_t(kGemmWorkspaceBytes);
+#else
+  const int64_t gemm_workspace_bytes = 0;  // the reference needs no cuBLASLt workspace
+#endif
+  DenseBwdPlan plan;
+  LOWBIT_RETURN_IF_ERROR(MakeDenseBwdPlanFor(*a, gemm_workspace_bytes, &plan));
+  if (scratch->element_type() != ffi::DataType::U8 || int64_t(scratch->size_bytes()) < plan.scratch_bytes) {
+    return Invalid(op, "scratch", "expected u8 of at least " + std::to_string(plan.scratch_bytes) + " bytes");
+  }
+#if defined(LOWBIT_CUDA_HANDLERS)  // cuBLASLt's workspace and the slices' 16-byte stores
+  if (reinterpret_cast<uintptr_t>(a->scratch) % kDenseBwdAlign != 0) {
+    return Invalid(op, "scratch", "expected a 256-byte aligned buffer from XLA");
+  }
+#endif
   return Status::Ok();
 }
 
