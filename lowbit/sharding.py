@@ -2,7 +2,8 @@
 
 lowbit shards with JAX's own SPMD partitioner (Shardy): every op is a custom_partitioning
 primitive whose rule follows the shardings of its inputs (lowbit/ops/*.py: GEMM DP /
-column- and row-parallel TP with an fp32 psum over the contracting axes, FSDP kernels
+column- and row-parallel TP with a psum over the contracting axes in the GEMM's output
+dtype, as XLA and TransformerEngine do, or in fp32 with LOWBIT_GEMM_PSUM=fp32, FSDP kernels
 gathered in FP8, norms keep the hidden dim whole and psum dgamma/dbeta). `MeshResource`
 only names the axes for the logical-axis table below (`logical_axis_rules()`,
 `extend_logical_axis_rules(rules)`, usable with `flax.linen.logical_axis_rules`), as in

@@ -248,12 +248,16 @@ NVFP4_SHARD_CASES = {  # M, N, K, a spec, b spec, local (a rows, b rows, packed 
 }
 
 
+@pytest.mark.parametrize("psum", ["out", "fp32"])
 @pytest.mark.parametrize("case", list(NVFP4_SHARD_CASES))
-def test_sharded_equals_unsharded(case, rng):
+def test_sharded_equals_unsharded(case, psum, rng, monkeypatch):
     """On a 2-device mesh: rows of a or N of b sharded give the unsharded bits (each shard
-    runs the same k-order sums on its rows); K sharded gives fp32 partial sums psum'ed
-    (within reordering); splits that would cut a scale tile or a padded scale dim gather."""
+    runs the same k-order sums on its rows); K sharded gives partial sums psum'ed (fp32
+    ones within reordering; with LOWBIT_GEMM_PSUM=out, the default, each partial rounded to
+    bf16 first); splits that would cut a scale tile or a padded scale dim gather."""
     from jax.sharding import NamedSharding, PartitionSpec as P
+    from lowbit.ops.gemm import PSUM_ENV
+    monkeypatch.setenv(PSUM_ENV, psum)
     m, n, k, a_spec, b_spec, local, exact, n_reduce = NVFP4_SHARD_CASES[case]
     a, b = random_operand(rng, m, k, nan_padding=False), random_operand(rng, n, k, nan_padding=False)
     bias = rng.normal(size=(n,)).astype(BF16)
@@ -267,7 +271,10 @@ def test_sharded_equals_unsharded(case, rng):
         np.testing.assert_array_equal(got, want)
     else:
         a64, b64 = dequantized(*a, k).astype(np.float64), dequantized(*b, k).astype(np.float64)
-        tol = 4 * k * 2.0**-24 * (np.abs(a64) @ np.abs(b64).T) + 2.0**-7 * np.abs(want) + 1e-30
+        abs_dot = np.abs(a64) @ np.abs(b64).T
+        tol = 4 * k * 2.0**-24 * abs_dot + 2.0**-7 * np.abs(want) + 1e-30
+        if psum == "out":  # two bf16 partials (each off by <= 2^-9 of its magnitude <= abs_dot)
+            tol = tol + 2.0**-8 * abs_dot
         assert np.all(np.abs(got - want) <= tol)
     hlo = f.lower(*args).compile().as_text()
     assert _local_call_rows(hlo) == [local]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib
 import itertools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +17,7 @@ from conftest import run_on
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import lowbit
+from lowbit.ops.gemm import PSUM_ENV
 
 gemm_mod = importlib.import_module("lowbit.ops.gemm")  # the module; lowbit.ops.gemm is the function
 TENSOR_MODES = dict(a_scale_mode=np.int32(0), b_scale_mode=np.int32(0))  # gemm_p's per-tensor scales
@@ -277,10 +279,31 @@ SHARDINGS = [
 ]
 
 
+def _gemm_out_types(hlo: str) -> set[str]:
+    """The element types of the lowbit_gemm custom calls' first results in compiled HLO."""
+    return set(re.findall(r"= \((\w+)\[[^\n]*custom_call_target=\"lowbit_gemm\"", hlo))
+
+
+def two_shard_ref(a, b, sa, sb, bias, out_dtype):
+    """LOWBIT_GEMM_PSUM=out with K split in two halves: each half's GEMM (sequential_ref)
+    rounded to out_dtype, the two summed and rounded to out_dtype (the all-reduce of two
+    values rounds once whatever its order), then + bias in fp32 and rounded again."""
+    half = a.shape[-1] // 2
+    p0 = sequential_ref(a[..., :half], b[:, :half], sa, sb, None, out_dtype).astype(np.float32)
+    p1 = sequential_ref(a[..., half:], b[:, half:], sa, sb, None, out_dtype).astype(np.float32)
+    y = (p0 + p1).astype(out_dtype)
+    if bias is not None:
+        y = (y.astype(np.float32) + np.asarray(bias).astype(np.float32)).astype(out_dtype)
+    return y
+
+
 @pytest.mark.parametrize("a_spec,b_spec,bias_spec,a_shape,expected", SHARDINGS,
                          ids=[f"{s[0]}-{s[1]}" for s in SHARDINGS])
 @pytest.mark.parametrize("with_bias", [False, True], ids=["nobias", "bias"])
-def test_sharded_equals_unsharded(a_spec, b_spec, bias_spec, a_shape, expected, with_bias, rng):
+@pytest.mark.parametrize("psum", ["out", "fp32"])
+def test_sharded_equals_unsharded(a_spec, b_spec, bias_spec, a_shape, expected, with_bias, psum, rng,
+                                  monkeypatch):
+    monkeypatch.setenv(PSUM_ENV, psum)
     mesh = jax.make_mesh((2, 2), ("x", "y"), devices=jax.devices("cpu")[:4])
     k, n = a_shape[-1], 64
     a = rng.standard_normal(a_shape).astype(E4M3)
@@ -291,14 +314,26 @@ def test_sharded_equals_unsharded(a_spec, b_spec, bias_spec, a_shape, expected, 
     args = (put(a, a_spec), put(b, b_spec), sa, sb) + ((put(bias, bias_spec),) if with_bias else ())
     f = jax.jit(lambda a, b, sa, sb, *bias: lowbit.ops.gemm(a, b, sa, sb, *bias))
     got = np.asarray(f(*args))
-    want = sequential_ref(a, b, sa, sb, bias, BF16)
-    if expected:  # partial sums over K: fp32 psum in a different order, then one rounding
-        assert_close_gemm(got, want, gemm_atol(a, b, sa, sb, BF16, bias=bias))
-    else:
-        np.testing.assert_array_equal(got, want)
     hlo = f.lower(*args).compile().as_text()
+    if not expected:  # no partial sums: every shard computes whole dot products
+        np.testing.assert_array_equal(got, sequential_ref(a, b, sa, sb, bias, BF16))
+    elif psum == "fp32":  # fp32 partial sums psum'ed in another order, then one rounding
+        assert_close_gemm(got, sequential_ref(a, b, sa, sb, bias, BF16),
+                          gemm_atol(a, b, sa, sb, BF16, bias=bias))
+        assert _gemm_out_types(hlo) == {"f32"}, "the partial products must stay fp32"
+    else:  # K over "y" in two halves: bf16 partial products, a bf16 psum (half the bytes)
+        np.testing.assert_array_equal(got, two_shard_ref(a, b, sa, sb, bias, BF16))
+        # The GEMM hands its psum bf16 partial products (on the CPU, XLA then widens the
+        # all-reduce itself to f32 and back, which gives the same bits for two shards).
+        assert _gemm_out_types(hlo) == {"bf16"}, "the partial products must be rounded to bf16"
     assert "lowbit_gemm" in hlo
     assert _collectives(hlo) == expected, f"collectives {_collectives(hlo)}, expected {expected}"
+
+
+def test_psum_env_rejects_unknown_values(monkeypatch):
+    monkeypatch.setenv(PSUM_ENV, "bf16")
+    with pytest.raises(ValueError, match=r"lowbit.ops.gemm: LOWBIT_GEMM_PSUM='bf16': expected 'out' or 'fp32'"):
+        lowbit.ops.gemm(np.ones((16, 16), E4M3), np.ones((16, 16), E4M3))
 
 
 BAD = [

@@ -64,8 +64,11 @@ and partitioning never see it; it is never sharded (each device's custom call ge
 Sharding (Shardy rule + custom_partitioning): leading dims of a sharded -> each device
 multiplies its rows (data parallel); N sharded (b's rows, column-parallel TP) -> out's last
 dim and bias sharded alike; K sharded in both operands (row-parallel TP) -> each device
-computes its partial product in fp32, a psum over the K axes sums them, then bias is added
-once and the sum is rounded to out_dtype. No other collective is inserted by the op.
+computes its partial product, a psum (or a reduce-scatter) over the K axes sums them, then
+bias is added once in fp32 and the sum is rounded to out_dtype. The partial products are
+rounded to out_dtype and summed in it (as XLA's sharded dot and TransformerEngine do), or
+kept in fp32 and rounded once with LOWBIT_GEMM_PSUM=fp32 (PSUM_ENV below). No other
+collective is inserted by the op.
 
 Block modes: the same rule, with the scale arrays sharded with their data, when (a) only the
 first row dim and the first contracted dim of an operand are sharded (a shard's flattened
@@ -161,6 +164,30 @@ def parse_algo(text: str) -> dict[str, int]:
             raise ValueError(usage)
         out[kind] = index(value)
     return out
+
+
+# LOWBIT_GEMM_PSUM: how a K-sharded (row-parallel) GEMM sums its shards' partial products.
+#   "out" (default): each shard's partial product is rounded to out_dtype and the collective
+#     sums in out_dtype, as XLA's own sharded dot and TransformerEngine's GEMM do: a bf16
+#     output moves half the bytes of fp32 through NCCL (the seed Dense's DP=2/TP=2 step
+#     spends ~1 ms of its 8 on the difference on 4 H200s).
+#   "fp32": fp32 partial products and an fp32 psum, rounded once at the end (one rounding
+#     instead of two; twice the collective's bytes for a 16-bit output).
+# An f32 out_dtype is the same either way.
+PSUM_ENV = "LOWBIT_GEMM_PSUM"
+
+
+def psum_in_fp32() -> bool:
+    """LOWBIT_GEMM_PSUM (read at trace time): True for "fp32", False for "out" or unset."""
+    value = os.environ.get(PSUM_ENV, "") or "out"
+    if value not in ("out", "fp32"):
+        raise ValueError(f"{OP}: {PSUM_ENV}={value!r}: expected 'out' or 'fp32'")
+    return value == "fp32"
+
+
+def _reduce_dtype(out_dtype, psum_fp32: bool):
+    """The dtype a K-sharded GEMM's partial products are summed in (see PSUM_ENV)."""
+    return jnp.dtype(jnp.float32) if psum_fp32 else jnp.dtype(out_dtype)
 
 
 @functools.lru_cache(maxsize=None)
@@ -663,8 +690,9 @@ def _scale_sharding(mode, row_axes, k_axes):
 @functools.lru_cache(maxsize=None)
 def _make_gemm(out_dtype: np.dtype, use_split_accumulator: bool, has_bias: bool, k_ndim: int,
                n_ndim: int, a_mode: GemmScaleMode = GemmScaleMode.TENSOR,
-               b_mode: GemmScaleMode = GemmScaleMode.TENSOR, algo: int = 0):
+               b_mode: GemmScaleMode = GemmScaleMode.TENSOR, algo: int = 0, psum_fp32: bool = False):
     """The partitioned, vmappable gemm for one static configuration; args (a, b, sa, sb[, bias]).
+    A K-sharded GEMM sums its partial products in _reduce_dtype(out_dtype, psum_fp32).
 
     Block modes: sharded like the tensor mode where _block_specs allows (rows on the first
     row dim, K on the first contracted dim, whole tiles and unpadded scale dims per shard),
@@ -687,16 +715,16 @@ def _make_gemm(out_dtype: np.dtype, use_split_accumulator: bool, has_bias: bool,
 
     def local_k_sharded(psum_axes, scatter):
         def lower(a, b, sa, sb, *bias):
-            empty = jnp.zeros((0,), jnp.float32)
+            red = _reduce_dtype(out_dtype, psum_fp32)
             sa, sb = fitted(a, b, sa, sb)
-            acc = _gemm_2d(a, b, sa, sb, empty, jnp.dtype(jnp.float32), use_split_accumulator, k_ndim,
+            acc = _gemm_2d(a, b, sa, sb, jnp.zeros((0,), red), red, use_split_accumulator, k_ndim,
                            a_mode, b_mode, algo)
             for axis, dim in scatter:
                 acc = jax.lax.psum_scatter(acc, axis, scatter_dimension=dim, tiled=True)
             if psum_axes:
                 acc = jax.lax.psum(acc, psum_axes)
             if has_bias:
-                acc = acc + bias[0].astype(jnp.float32)
+                acc = acc.astype(jnp.float32) + bias[0].astype(jnp.float32)
             return acc.astype(out_dtype)
         return lower
 
@@ -909,7 +937,8 @@ def gemm(a, b, a_scale_inv=None, b_scale_inv=None, bias=None, *, out_dtype=jnp.b
     # f32 bias with an f32 output, so the custom call would add it in a separate kernel
     # (gemm_epilogue.h). Other biases ride in the custom call's epilogue.
     bias_in_call = bias is not None and out_dtype != jnp.float32
-    fn = _make_gemm(out_dtype, bool(use_split_accumulator), bias_in_call, kd, len(n_shape), a_mode, b_mode, algo)
+    fn = _make_gemm(out_dtype, bool(use_split_accumulator), bias_in_call, kd, len(n_shape), a_mode, b_mode, algo,
+                    psum_in_fp32())
     out = fn(a, b, sa, sb, *([bias] if bias_in_call else []))
     return out if bias is None or bias_in_call else out + bias
 
@@ -1087,7 +1116,7 @@ def nvfp4_gemm(a, b, a_scale, b_scale, a_global_scale_inv, b_global_scale_inv, b
         base = bias if bias.shape[0] else jnp.zeros((b.shape[0],), out_dtype)
         return jnp.broadcast_to(base, (a.shape[0], b.shape[0]))
     has_bias = bool(bias.shape[0])
-    fn = _make_nvfp4_gemm(out_dtype, k, int(algo), has_bias)
+    fn = _make_nvfp4_gemm(out_dtype, k, int(algo), has_bias, psum_in_fp32())
     return fn(a, b, *scales, *globals_, *([bias] if has_bias else []))
 
 
@@ -1121,13 +1150,14 @@ def _nvfp4_specs(mesh_shape: dict, a_spec, b_spec, m: int, n: int, k: int):
 
 
 @functools.lru_cache(maxsize=None)
-def _make_nvfp4_gemm(out_dtype: np.dtype, k: int, algo: int, has_bias: bool):
+def _make_nvfp4_gemm(out_dtype: np.dtype, k: int, algo: int, has_bias: bool, psum_fp32: bool = False):
     """The partitioned, vmappable NVFP4 GEMM for one static configuration; args (a, b,
     a_scale, b_scale, a_gsi, b_gsi[, bias]), a / b packed (rows, ceil(k/2)).
 
     Sharding (custom_partitioning + Shardy rule, gemm_p's plan_sharding): a's rows sharded
     (data parallel), b's rows (N, column-parallel, bias with them), K in both (row-parallel:
-    fp32 partial products, psum or reduce-scatter, then bias and the rounding to out_dtype),
+    partial products in _reduce_dtype(out_dtype, psum_fp32), psum or reduce-scatter, then
+    bias in fp32 and the rounding to out_dtype),
     the block scales sharded with their data and re-padded per shard (fit_scale), the global
     scale_invs replicated. Only clean splits shard (_nvfp4_specs): rows with rows % 128 == 0
     (the scale dim unpadded, so its equal slices line up with the rows'); K with K % 64 == 0
@@ -1149,13 +1179,14 @@ def _make_nvfp4_gemm(out_dtype: np.dtype, k: int, algo: int, has_bias: bool):
 
     def local_k_sharded(k_local, psum_axes, scatter):
         def lower(a, b, sa, sb, ga, gb, *bias):
-            acc = call(k_local, f32, a, b, sa, sb, ga, gb, jnp.zeros((0,), f32))
+            red = _reduce_dtype(out_dtype, psum_fp32)
+            acc = call(k_local, red, a, b, sa, sb, ga, gb, jnp.zeros((0,), red))
             for axis, dim in scatter:
                 acc = jax.lax.psum_scatter(acc, axis, scatter_dimension=dim, tiled=True)
             if psum_axes:
                 acc = jax.lax.psum(acc, psum_axes)
             if has_bias:
-                acc = acc + bias[0].astype(f32)
+                acc = acc.astype(f32) + bias[0].astype(f32)
             return acc.astype(out_dtype)
         return lower
 
