@@ -80,27 +80,6 @@ def variants():
     }
 
 
-def with_env(step, name: str, value: str):
-    """The step (and its .lower) traced and run with os.environ[name] = value: the env knobs
-    that lowbit reads at trace time apply to this variant only."""
-    def scoped(fn):
-        def call(*args):
-            old = os.environ.get(name)
-            os.environ[name] = value
-            try:
-                return fn(*args)
-            finally:
-                if old is None:
-                    os.environ.pop(name, None)
-                else:
-                    os.environ[name] = old
-        return call
-
-    wrapped = scoped(step)
-    wrapped.lower = scoped(step.lower)
-    return wrapped
-
-
 def gemm_floor(m, k, n, iters):
     """Seconds of the step's three FP8 GEMMs alone (fwd fast accumulation, bwd split)."""
     key = jax.random.PRNGKey(3)
@@ -216,7 +195,7 @@ def main(argv=None):
             params = variables["params"]
         step = make_step(model.apply, {})
         if name.endswith("_unfused"):
-            step = with_env(step, DENSE_BACKWARD_ENV, "unfused")
+            step = common.with_env(step, DENSE_BACKWARD_ENV, "unfused")
         cases[name] = (step, {**variables, "params": params}, x, dy)
     results = common.time_steps(cases, iters, rounds=1 if args.small else args.rounds)
     for r in results.values():

@@ -1,7 +1,10 @@
 """Seed Dense tutorial, multi-GPU section: one nn.Dense (x 8x2048x8192 bf16 -> 32768 features)
 forward+backward on a (dp, tp) mesh: DP=2/TP=2 on 4 devices (column-parallel kernel
 P(None, 'tp'), x P('dp'), dy P('dp', None, 'tp')) and DP=2 on 2 devices, bf16 against
-lowbit's Float8CurrentScaling and DelayedScaling in the same run, with speedups over bf16.
+Flax's FP8 (`Fp8DirectDotGeneralOp`) and lowbit's Float8CurrentScaling and DelayedScaling in
+the same run (round-robin, common.time_steps), with speedups over bf16 and Flax's FP8 and
+the compiled step's peak memory per device. `lowbit_delayed_psum_fp32`: DelayedScaling with
+LOWBIT_GEMM_PSUM=fp32 (the row-parallel / data-parallel partial sums in fp32).
 Configurations needing more devices than jax.devices() offers are skipped (printed).
 
     python bench/bench_dense_multi.py            # GPUs, seed shape
@@ -29,6 +32,7 @@ import common  # noqa: E402
 from quickstart_jax_utils import make_step  # noqa: E402
 
 import lowbit  # noqa: E402
+from lowbit.ops.gemm import PSUM_ENV  # noqa: E402
 from lowbit.recipe import DelayedScaling, Float8CurrentScaling  # noqa: E402
 from lowbit.sharding import MeshResource, global_shard_guard  # noqa: E402
 
@@ -46,10 +50,15 @@ class DenseBlock(nn.Module):
 
 
 def variants():
+    """name -> (model for `features`, the env knob it is traced under or None)."""
+    delayed = lambda f: DenseBlock(f, lowbit.flax.make_dot_general_cls(DelayedScaling()))  # noqa: E731
     return {
-        "bf16": lambda f: DenseBlock(f),
-        "lowbit_current": lambda f: DenseBlock(f, lowbit.flax.make_dot_general_cls(Float8CurrentScaling())),
-        "lowbit_delayed": lambda f: DenseBlock(f, lowbit.flax.make_dot_general_cls(DelayedScaling())),
+        "bf16": (lambda f: DenseBlock(f), None),
+        "flax_fp8": (lambda f: DenseBlock(f, nn.Fp8DirectDotGeneralOp), None),
+        "lowbit_current": (lambda f: DenseBlock(f, lowbit.flax.make_dot_general_cls(Float8CurrentScaling())), None),
+        "lowbit_delayed": (delayed, None),
+        # the K-sharded GEMMs' partial products summed in fp32 (twice the all-reduce bytes)
+        "lowbit_delayed_psum_fp32": (delayed, (PSUM_ENV, "fp32")),
     }
 
 
@@ -65,7 +74,7 @@ def shard_variables(variables, mesh):
     return jax.device_put(variables, jax.tree_util.tree_map_with_path(spec, variables))
 
 
-def run_config(name, dp, tp, shape, iters):
+def run_config(name, dp, tp, shape, iters, rounds):
     b, s, h, f = shape
     devices = jax.devices()[: dp * tp]
     mesh = Mesh(np.array(devices).reshape(dp, tp), ("dp", "tp"))
@@ -75,18 +84,20 @@ def run_config(name, dp, tp, shape, iters):
     x = jax.device_put(x, NamedSharding(mesh, P("dp", None, None)))
     dy = jax.device_put(dy, NamedSharding(mesh, P("dp", None, "tp")))
     flops = 3 * 2 * b * s * h * f
-    results, params = {}, None
+    cases, params = {}, None
     with global_shard_guard(MeshResource(dp_resource="dp", tp_resource="tp")):
-        for variant, make in variants().items():
+        for variant, (make, env) in variants().items():
             model = make(f)
             variables = jax.jit(model.init)(key, x)
             params = variables["params"] if params is None else params  # same weights for all
             variables = shard_variables({**variables, "params": params}, mesh)
             step = make_step(model.apply, {})
-            t = common.time_fn(lambda v, x, dy: step(v, x, dy)[1:], [(variables, x, dy)], iters)
-            results[variant] = {"ms": t * 1e3, "tflops_per_device": flops / t / 1e12 / (dp * tp)}
+            cases[variant] = (common.with_env(step, *env) if env else step, variables, x, dy)
+        results = common.time_steps(cases, iters, rounds)  # round-robin (power cap)
     for r in results.values():
+        r["tflops_per_device"] = flops / (r["ms"] * 1e-3) / 1e12 / (dp * tp)
         r["speedup_vs_bf16"] = results["bf16"]["ms"] / r["ms"]
+        r["speedup_vs_flax_fp8"] = results["flax_fp8"]["ms"] / r["ms"]
     return results
 
 
@@ -94,6 +105,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--small", action="store_true", help="CPU-sized shapes")
     parser.add_argument("--iters", type=int, default=None)
+    parser.add_argument("--rounds", type=int, default=3, help="round-robin rounds (common.time_steps)")
     args = parser.parse_args(argv)
     shape = (4, 32, 128, 256) if args.small else (8, 2048, 8192, 32768)
     iters = args.iters or (2 if args.small else 20)
@@ -104,13 +116,16 @@ def main(argv=None):
         if dp * tp > n:
             print(f"skipping {name}: needs {dp * tp} devices, jax.devices() has {n}")
             continue
-        results = run_config(name, dp, tp, shape, iters)
+        results = run_config(name, dp, tp, shape, iters, 1 if args.small else args.rounds)
         payload["configs"][name] = results
         for variant, r in results.items():
             rows.append({"config": name, "variant": variant, "ms": r["ms"],
-                         "TFLOP/s/dev": r["tflops_per_device"], "x bf16": r["speedup_vs_bf16"]})
+                         "TFLOP/s/dev": r["tflops_per_device"], "x bf16": r["speedup_vs_bf16"],
+                         "x flax_fp8": r["speedup_vs_flax_fp8"],
+                         "peak GiB/dev": (r["peak_bytes"] or 0) / 2**30})
     if rows:
-        common.print_table(rows, ["config", "variant", "ms", "TFLOP/s/dev", "x bf16"])
+        common.print_table(rows, ["config", "variant", "ms", "TFLOP/s/dev", "x bf16", "x flax_fp8",
+                                 "peak GiB/dev"])
     path = common.write_results("dense_multi" + ("_small" if args.small else ""), payload)
     print(f"wrote {path}")
 

@@ -113,6 +113,27 @@ def _step_outputs(step, variables, x, dy):
     return (lambda v, x, dy: step(v, x, dy)[1:]), peak_bytes(compiled)
 
 
+def with_env(step, name: str, value: str):
+    """The step (and its .lower) traced and run with os.environ[name] = value: the env knobs
+    that lowbit reads at trace time apply to this variant only."""
+    def scoped(fn):
+        def call(*args):
+            old = os.environ.get(name)
+            os.environ[name] = value
+            try:
+                return fn(*args)
+            finally:
+                if old is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = old
+        return call
+
+    wrapped = scoped(step)
+    wrapped.lower = scoped(step.lower)
+    return wrapped
+
+
 def time_step(step, variables, x, dy, iters: int) -> dict:
     """A training step (examples/quickstart_jax_utils.make_step) timed and measured:
     {"ms": median ms per step, "peak_bytes": the compiled step's peak device memory}."""
