@@ -4,7 +4,9 @@ P(None, 'tp'), x P('dp'), dy P('dp', None, 'tp')) and DP=2 on 2 devices, bf16 ag
 Flax's FP8 (`Fp8DirectDotGeneralOp`) and lowbit's Float8CurrentScaling and DelayedScaling in
 the same run (round-robin, common.time_steps), with speedups over bf16 and Flax's FP8 and
 the compiled step's peak memory per device. `lowbit_delayed_psum_fp32`: DelayedScaling with
-LOWBIT_GEMM_PSUM=fp32 (the row-parallel / data-parallel partial sums in fp32).
+LOWBIT_GEMM_PSUM=fp32 (the row-parallel / data-parallel partial sums in fp32);
+`lowbit_delayed_fused`: with LOWBIT_DENSE_BACKWARD=fused_sharded (dense's fused backward on
+each device's blocks). 6 variants x 2 configs x 3 rounds take ~5 minutes on 4 H200s.
 Configurations needing more devices than jax.devices() offers are skipped (printed).
 
     python bench/bench_dense_multi.py            # GPUs, seed shape
@@ -32,6 +34,7 @@ import common  # noqa: E402
 from quickstart_jax_utils import make_step  # noqa: E402
 
 import lowbit  # noqa: E402
+from lowbit.dense import DENSE_BACKWARD_ENV  # noqa: E402
 from lowbit.ops.gemm import PSUM_ENV  # noqa: E402
 from lowbit.recipe import DelayedScaling, Float8CurrentScaling  # noqa: E402
 from lowbit.sharding import MeshResource, global_shard_guard  # noqa: E402
@@ -59,6 +62,8 @@ def variants():
         "lowbit_delayed": (delayed, None),
         # the K-sharded GEMMs' partial products summed in fp32 (twice the all-reduce bytes)
         "lowbit_delayed_psum_fp32": (delayed, (PSUM_ENV, "fp32")),
+        # dense's fused backward under the mesh (opt-in) instead of the separate ops
+        "lowbit_delayed_fused": (delayed, (DENSE_BACKWARD_ENV, "fused_sharded")),
     }
 
 

@@ -44,12 +44,18 @@ split (more precise) one, as TransformerEngine does by default (block-scaled GEM
 the split one). With an empty quantizer set (no recipe) dense is a plain `lax.dot_general`.
 `forward_gemm` and `backward_gemms` are the pieces layernorm_dense and layernorm_mlp reuse.
 
-Memory (tensor scaling, one device): dense's backward is one op, lowbit.ops.dense_backward_fp8,
+Memory (tensor scaling): dense's backward is one op, lowbit.ops.dense_backward_fp8,
 that quantizes dy and runs both GEMMs with dy's two FP8 copies placed inside dk's buffer until
 the wgrad (in column slices) overwrites them, so the step keeps no buffers for them (2 m n
 bytes unfused; csrc/dense/dense_backward.h). Same values as the unfused ops (bit for bit on the
-CPU). It applies where a placement fits the sizes (dense_backward_plan) and no MeshResource
-names mesh axes; LOWBIT_DENSE_BACKWARD=unfused (read at trace time) turns it off.
+CPU). On one device it applies where a placement fits the sizes (dense_backward_plan);
+LOWBIT_DENSE_BACKWARD=unfused (read at trace time) turns it off. Under a MeshResource with
+axes the unfused ops run by default; LOWBIT_DENSE_BACKWARD=fused_sharded runs the sharded op
+there (dense_backward_fp8_sharded: DP and TP; each device places its own blocks, or runs the
+unfused primitives where they have no placement; not with FSDP, sequence parallelism or
+LOWBIT_GEMM_PSUM=fp32). It is opt-in because its speed and memory on GPUs are not measured
+yet (on 4 H200s its values matched the single-GPU step; bench/bench_dense_multi.py has the
+variant).
 """
 
 from __future__ import annotations
@@ -64,7 +70,8 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from lowbit.ops.dense_backward import dense_backward_fp8, dense_backward_plan
+from lowbit.ops.dense_backward import dense_backward_fp8, dense_backward_fp8_sharded, dense_backward_plan
+from lowbit.ops.gemm import psum_in_fp32
 from lowbit.ops.gemm import GemmScaleMode, emulated_nvfp4_gemm, gemm, nvfp4_gemm
 from lowbit.quantize.helper import get_global_mesh_resource
 from lowbit.quantize.quantizer import (
@@ -350,22 +357,33 @@ def _dense_fwd(x, kernel, bias, quantizer_set, static):
     return y, (xq.colwise_tensor, kq.rowwise_tensor, quantizer_set, xq.amax, kq.amax)
 
 
-# LOWBIT_DENSE_BACKWARD: "fused" (default, where it applies) or "unfused".
+# LOWBIT_DENSE_BACKWARD: "fused" (default: the fused op on one device, the unfused ops under
+# a MeshResource with axes), "fused_sharded" (the fused op under a MeshResource too) or
+# "unfused".
 DENSE_BACKWARD_ENV = "LOWBIT_DENSE_BACKWARD"
+DENSE_BACKWARD_MODES = ("fused", "fused_sharded", "unfused")
 
 
-def _fused_backward_wanted() -> bool:
+def _dense_backward_mode() -> str:
     value = os.environ.get(DENSE_BACKWARD_ENV, "") or "fused"
-    if value not in ("fused", "unfused"):
-        raise ValueError(f"lowbit.dense: {DENSE_BACKWARD_ENV}={value!r}: expected 'fused' or 'unfused'")
-    return value == "fused"
+    if value not in DENSE_BACKWARD_MODES:
+        raise ValueError(f"lowbit.dense: {DENSE_BACKWARD_ENV}={value!r}: expected one of "
+                         + ", ".join(repr(m) for m in DENSE_BACKWARD_MODES))
+    return value
 
 
 def fused_backward(dy, x_col: ScaledTensor1x, k_row: ScaledTensor1x, dgrad_quantizer, static: _Static):
     """(dx, dw, dbias or None, dy's amax) from lowbit.ops.dense_backward_fp8, or None where it
-    does not apply (another recipe, a MeshResource with axes, sequence parallelism, no
-    placement for the sizes, LOWBIT_DENSE_BACKWARD=unfused): then the unfused ops run."""
-    if not _fused_backward_wanted() or _mesh_axes() or sequence_parallel():
+    does not apply (another recipe, no placement for the sizes on one device,
+    LOWBIT_DENSE_BACKWARD=unfused; under a MeshResource with axes unless
+    LOWBIT_DENSE_BACKWARD=fused_sharded, and even then with FSDP, sequence parallelism or
+    LOWBIT_GEMM_PSUM=fp32): then the unfused ops run. Under a MeshResource with axes, the
+    sharded op (dense_backward_fp8_sharded: its devices fall back to the unfused primitives
+    where their blocks have no placement)."""
+    sharded, mode = bool(_mesh_axes()), _dense_backward_mode()
+    if mode == "unfused" or sequence_parallel() or (sharded and mode != "fused_sharded"):
+        return None
+    if sharded and (get_global_mesh_resource().fsdp_resource is not None or psum_in_fp32()):
         return None
     if not isinstance(dgrad_quantizer, (DelayedScaleQuantizer, CurrentScaleQuantizer)):
         return None
@@ -374,11 +392,11 @@ def fused_backward(dy, x_col: ScaledTensor1x, k_row: ScaledTensor1x, dgrad_quant
     n_lead = len(static.x_shape) - static.n_contract
     m, k = math.prod(static.x_shape[:n_lead]), math.prod(static.x_shape[n_lead:])
     n = math.prod(static.kernel_shape[static.n_contract:])
-    if dense_backward_plan(m, n, k, static.kernel_dtype, static.x_dtype, static.has_bias) is None:
+    if not sharded and dense_backward_plan(m, n, k, static.kernel_dtype, static.x_dtype, static.has_bias) is None:
         return None
     dy2 = dy.reshape(m, n)
     scale, scale_inv = dgrad_quantizer.scale_and_inverse(dy2)
-    dx, dw, dbias, amax = dense_backward_fp8(
+    dx, dw, dbias, amax = (dense_backward_fp8_sharded if sharded else dense_backward_fp8)(
         jax.lax.stop_gradient(dy2), x_col.data.reshape(k, m), k_row.data.reshape(k, n), scale, scale_inv,
         x_col.scale_inv, k_row.scale_inv, q_dtype=dgrad_quantizer.q_dtype, dx_dtype=static.x_dtype,
         dk_dtype=static.kernel_dtype, compute_dbias=static.has_bias)

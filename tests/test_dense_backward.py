@@ -19,7 +19,11 @@ import numpy as np
 import pytest
 
 from conftest import rel_err, run_on
+from jax.sharding import NamedSharding, PartitionSpec as P
+
 from lowbit.dense import DENSE_BACKWARD_ENV, dense
+from lowbit.ops.gemm import PSUM_ENV
+from lowbit.sharding import MeshResource, global_shard_guard
 from lowbit.ops.dense_backward import dense_backward_fp8, dense_backward_fp8_p, dense_backward_plan
 from lowbit.quantize import QuantizerFactory
 from lowbit.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling
@@ -55,11 +59,12 @@ def inputs(rng, x_shape, features, dtype, k_dtype, use_bias, specials=True):
             jnp.asarray(dy, dtype))
 
 
-def backward_both_ways(monkeypatch, fn, *args):
-    """fn(*args) traced with the fused backward and with the unfused one (jit each; a fresh
-    function per mode, so that no trace is reused across the switch)."""
+def backward_both_ways(monkeypatch, fn, *args, fused="fused"):
+    """fn(*args) traced with the fused backward (LOWBIT_DENSE_BACKWARD=`fused`) and with the
+    unfused one (jit each; a fresh function per mode, so that no trace is reused across the
+    switch)."""
     outs = []
-    for mode in ("fused", "unfused"):
+    for mode in (fused, "unfused"):
         monkeypatch.setenv(DENSE_BACKWARD_ENV, mode)
         outs.append(jax.tree.map(np.asarray, jax.jit(lambda *a: fn(*a))(*args)))
     return outs
@@ -141,7 +146,7 @@ def test_env_switch_and_bad_values(monkeypatch, rng):
     monkeypatch.setenv(DENSE_BACKWARD_ENV, "unfused")
     assert "lowbit_dense_backward_fp8" not in backward_jaxpr(fn, x, kernel, qs, dy)
     monkeypatch.setenv(DENSE_BACKWARD_ENV, "sometimes")
-    with pytest.raises(ValueError, match="LOWBIT_DENSE_BACKWARD='sometimes'"):
+    with pytest.raises(ValueError, match="LOWBIT_DENSE_BACKWARD='sometimes': expected one of 'fused', 'fused_sharded'"):
         backward_jaxpr(fn, x, kernel, qs, dy)
 
 
@@ -182,6 +187,70 @@ def test_vmap_maps_the_op(rng):
         dx_i, dk_i = jax.jit(fn)(xs[i], kernel, dys[i])
         np.testing.assert_array_equal(np.asarray(dx[i]), np.asarray(dx_i))
         np.testing.assert_array_equal(np.asarray(dk[i]), np.asarray(dk_i))
+
+
+# Sharded (4 virtual CPU devices, (dp=2, tp=2)): x spec, kernel spec, dy spec, MeshResource.
+SHARDED_LAYOUTS = {
+    "dp": (P("dp"), P(), P("dp"), MeshResource(dp_resource="dp")),
+    "tp_column": (P(), P(None, "tp"), P(None, None, "tp"), MeshResource(tp_resource="tp")),
+    "tp_row": (P(None, None, "tp"), P("tp", None), P(), MeshResource(tp_resource="tp")),
+    "dp_tp": (P("dp"), P(None, "tp"), P("dp", None, "tp"), MeshResource(dp_resource="dp", tp_resource="tp")),
+}
+
+
+@pytest.mark.parametrize("layout", sorted(SHARDED_LAYOUTS))
+@pytest.mark.parametrize("recipe", [DelayedScaling(amax_history_len=4), Float8CurrentScaling()], ids=["delayed", "current"])
+def test_sharded_fused_equals_sharded_unfused_bit_for_bit(monkeypatch, rng, layout, recipe):
+    """Under a MeshResource, dense_backward_fp8_sharded: each device runs the fused op on its
+    blocks (dp: m / 2 rows; tp column: n / 2 features), psums dx over n's axes, dk and the
+    fp32 dbias over m's, and gives the unfused sharded ops' bits (their GEMM psums in the
+    output dtype, LOWBIT_GEMM_PSUM's default). Row-parallel TP leaves each device k / 2 = 128
+    rows of dk, too few for dy's 512 rowwise rows (m <= 2k for an f32 dk): those devices run
+    the unfused primitives inside the op, with the same bits. Opt-in
+    (LOWBIT_DENSE_BACKWARD=fused_sharded); the default "fused" keeps the unfused ops here."""
+    if jax.default_backend() != "cpu":
+        pytest.skip("virtual CPU devices; tests/test_sharding_gpu.py runs the tutorial's layout on 4 GPUs")
+    x_spec, k_spec, dy_spec, resource = SHARDED_LAYOUTS[layout]
+    mesh = jax.make_mesh((2, 2), ("dp", "tp"), devices=jax.devices("cpu")[:4])
+    x, kernel, bias, dy = inputs(rng, (2, 256, 256), 1024, jnp.bfloat16, jnp.float32, True)
+    qs = QuantizerFactory.create_set(recipe)
+    if isinstance(recipe, DelayedScaling):
+        _, _, _, qs = step(x, kernel, bias, qs, dy)
+    put = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))  # noqa: E731
+    args = (put(x, x_spec), put(kernel, k_spec), put(bias, P()), qs, put(dy, dy_spec))
+    fn = lambda x, k, b, q, dy: step(x, k, b, q, dy)  # noqa: E731
+    with global_shard_guard(resource):
+        fused, unfused = backward_both_ways(monkeypatch, fn, *args, fused="fused_sharded")
+        monkeypatch.setenv(DENSE_BACKWARD_ENV, "fused_sharded")
+        hlo = jax.jit(lambda *a: fn(*a)).lower(*args).compile().as_text()
+        monkeypatch.setenv(DENSE_BACKWARD_ENV, "fused")
+        assert "lowbit_dense_backward_fp8" not in jax.jit(lambda *a: fn(*a)).lower(*args).compile().as_text()
+    assert_trees_equal(fused, unfused)
+    assert ("lowbit_dense_backward_fp8" in hlo) == (layout != "tp_row")
+    assert "all-gather" not in hlo and "reduce-scatter" not in hlo
+    # and close to the single-device backward (only the psums' rounding differs)
+    single = jax.tree.map(np.asarray, jax.jit(lambda *a: fn(*a))(x, kernel, bias, qs, dy))
+    for got, want in zip(jax.tree.leaves(fused[:3]), jax.tree.leaves(single[:3])):
+        got, want = got.astype(np.float32), want.astype(np.float32)
+        finite = np.isfinite(want)
+        np.testing.assert_array_equal(np.isfinite(got), finite)
+        np.testing.assert_allclose(got[finite], want[finite], rtol=0, atol=2e-2 * np.abs(want[finite]).max())
+
+
+def test_sharded_op_skipped_for_fsdp_and_fp32_psum(monkeypatch, rng):
+    """With LOWBIT_DENSE_BACKWARD=fused_sharded, FSDP (reduce-scattered weight gradients) and
+    LOWBIT_GEMM_PSUM=fp32 keep the unfused ops."""
+    fn = lambda x, k, q, dy: step(x, k, None, q, dy)  # noqa: E731
+    x, kernel, _, dy = inputs(rng, (2, 256, 256), 1024, jnp.bfloat16, jnp.float32, False)
+    qs = QuantizerFactory.create_set(DelayedScaling())
+    monkeypatch.setenv(DENSE_BACKWARD_ENV, "fused_sharded")
+    with global_shard_guard(MeshResource(dp_resource="dp", tp_resource="tp")):
+        assert "lowbit_dense_backward_fp8" in backward_jaxpr(fn, x, kernel, qs, dy)
+        monkeypatch.setenv(PSUM_ENV, "fp32")
+        assert "lowbit_dense_backward_fp8" not in backward_jaxpr(fn, x, kernel, qs, dy)
+        monkeypatch.delenv(PSUM_ENV)
+    with global_shard_guard(MeshResource(dp_resource="dp", fsdp_resource="dp")):
+        assert "lowbit_dense_backward_fp8" not in backward_jaxpr(fn, x, kernel, qs, dy)
 
 
 def temp_bytes(fn, *args) -> int:

@@ -4,14 +4,17 @@ P(None, 'tp'), bias P('tp'), x P('dp'), dy P('dp', None, 'tp'), delayed-scaling 
 replicated), as bench/bench_dense_multi.py times it. tests/test_sharding.py checks the same
 partitioning rules on virtual CPU devices; this checks the CUDA kernels and NCCL under them.
 
-For DelayedScaling and Float8CurrentScaling, one jitted fwd+bwd step (the tutorial's
-make_step) sharded on 4 GPUs against the same step on one GPU, unsharded:
+For DelayedScaling and Float8CurrentScaling, with dense's backward as separate ops (the
+default under a mesh) and as the fused op on each device's blocks
+(LOWBIT_DENSE_BACKWARD=fused_sharded), one jitted fwd+bwd step (the tutorial's make_step)
+sharded on 4 GPUs against the same step on one GPU, unsharded:
   - y, dx, dkernel agree within 1e-2 * max|reference|, dbias (XLA's bf16 reduction, not
     lowbit's) within 4e-2 * max|reference| (see the comment at the check);
   - DelayedScaling's updated amax history / scale equal the reference bit for bit, replicated
     and identical on every device;
   - the compiled sharded program runs its 3 GEMMs (fwd, dgrad, wgrad) as lowbit_gemm custom
-    calls, with no bf16 dot (XLA dot, Triton GEMM fusion or cuBLAS custom call) in their place.
+    calls (or the forward one and lowbit_dense_backward_fp8), with no bf16 dot (XLA dot,
+    Triton GEMM fusion or cuBLAS custom call) in their place.
 Skipped unless JAX sees at least 4 GPUs.
 """
 
@@ -33,6 +36,7 @@ from conftest import gpu_devices  # noqa: E402
 from quickstart_jax_utils import OVERWRITE, make_step  # noqa: E402
 
 import lowbit  # noqa: E402
+from lowbit.dense import DENSE_BACKWARD_ENV  # noqa: E402
 from lowbit.recipe import DelayedScaling, Float8CurrentScaling  # noqa: E402
 from lowbit.sharding import MeshResource, global_shard_guard  # noqa: E402
 
@@ -53,8 +57,10 @@ def _f32(a):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("backward", ["fused", "fused_sharded"])
 @pytest.mark.parametrize("recipe", sorted(RECIPES))
-def test_dense_dp2_tp2_equals_single_gpu(recipe, gpus4):
+def test_dense_dp2_tp2_equals_single_gpu(recipe, backward, gpus4, monkeypatch):
+    monkeypatch.setenv(DENSE_BACKWARD_ENV, backward)
     model = DenseBlock(FEATURES, lowbit.flax.make_dot_general_cls(RECIPES[recipe]()))
     x = jax.random.normal(jax.random.PRNGKey(0), (BATCH, SEQ, HIDDEN), jnp.bfloat16)
     dy = jax.random.normal(jax.random.PRNGKey(1), (BATCH, SEQ, FEATURES), jnp.bfloat16)
@@ -104,7 +110,11 @@ def test_dense_dp2_tp2_equals_single_gpu(recipe, gpus4):
         for shard in shards:
             np.testing.assert_array_equal(shard, want)
 
-    # lowbit's GEMMs, 3 per Dense (fwd, dgrad, wgrad), and no bf16 GEMM in their place: no
-    # XLA dot (also inside a Triton GEMM fusion) and no cuBLAS custom call.
-    assert hlo.count('custom_call_target="lowbit_gemm"') == 3, hlo
+    # lowbit's GEMMs, 3 per Dense (fwd, dgrad, wgrad: under a mesh, dense's backward is the
+    # unfused ops by default) or the forward GEMM and the fused backward op
+    # (LOWBIT_DENSE_BACKWARD=fused_sharded), and no bf16 GEMM in their place: no XLA dot
+    # (also inside a Triton GEMM fusion) and no cuBLAS custom call.
+    fused = backward == "fused_sharded"
+    assert hlo.count('custom_call_target="lowbit_gemm"') == (1 if fused else 3), hlo
+    assert hlo.count('custom_call_target="lowbit_dense_backward_fp8"') == int(fused), hlo
     assert " dot(" not in hlo and "__cublas" not in hlo

@@ -12,8 +12,19 @@ of its own). `dense_backward_plan` says whether a placement exists for the sizes
 the C++ planner, MakeDenseBwdPlan) and how much scratch it needs: one colwise slice of dy
 (n / S x m bytes), on CUDA behind the 32 MiB cuBLASLt workspace (the lowering adds the
 scratch as the custom call's last result, as lowbit.ops.gemm does its workspace).
-Single-device only: the op has no partitioning rule, and lowbit.dense uses it only without a
-MeshResource (vmap maps it).
+
+Sharding (`dense_backward_fp8_sharded`, custom_partitioning + Shardy rule): factors m (dy's
+rows, x_col's columns), n (dy's and k_row's columns) and k (x_col's and k_row's rows), each
+mesh axis on one of them (m first, then n, then k; the operands are resharded to agree).
+Every device runs the op on its blocks, then
+  dx (m, k): psum over n's axes (the dgrad contracts n),
+  dk (k, n): psum over m's axes (the wgrad contracts m),
+  dbias (n,): computed in fp32 and psum'ed over m's axes, then rounded to dy's dtype,
+  amax: max over m's and n's axes,
+the GEMM psums in their output dtype, as lowbit.ops.gemm's default (LOWBIT_GEMM_PSUM=out)
+does, so that the values equal the unfused sharded ops' (quantize_fp8, two gemm calls).
+Where no placement fits a device's blocks, that device runs those unfused ops' primitives
+instead (the same values). vmap maps the unpartitioned op.
 """
 
 from __future__ import annotations
@@ -26,10 +37,16 @@ import jax.numpy as jnp
 import numpy as np
 from jax.interpreters import batching, mlir
 
-from lowbit import _ffi
-from lowbit.ops._primitive import ffi_primitive
+from jax.experimental.custom_partitioning import custom_partitioning
+from jax.sharding import NamedSharding, PartitionSpec
 
-__all__ = ["dense_backward_fp8", "dense_backward_plan"]
+from lowbit import _ffi
+from lowbit.ops import gemm as gemm_mod
+from lowbit.ops._primitive import ffi_primitive, vmap_body
+from lowbit.ops._sharding import mesh_axes, pmax_nonnegative, spec_entries
+from lowbit.ops.quantize import quantize_fp8_p
+
+__all__ = ["dense_backward_fp8", "dense_backward_fp8_sharded", "dense_backward_plan"]
 
 # lowbit::DType codes of the FP8 dtypes (csrc/common/dtype.h), the q_dtype attribute.
 _DTYPE_CODES = {jnp.dtype(jnp.float8_e4m3fn): 4, jnp.dtype(jnp.float8_e5m2): 5}
@@ -52,20 +69,21 @@ def dense_backward_plan(m: int, n: int, k: int, dk_dtype, dx_dtype, dbias: bool,
 
 
 def _abstract(dy, x_col, k_row, dy_scale, dy_scale_inv, x_scale_inv, k_scale_inv, *, q_dtype, dx_dtype,
-              dk_dtype, dbias):
+              dk_dtype, dbias, dbias_dtype=None):
     del dy_scale, dy_scale_inv, x_scale_inv, k_scale_inv, q_dtype
     (m, n), k = dy.shape, x_col.shape[0]
     return (
         jax.core.ShapedArray((m, k), dx_dtype),
         jax.core.ShapedArray((k, n), dk_dtype),
-        jax.core.ShapedArray((n,) if dbias else (0,), dy.dtype),
+        jax.core.ShapedArray((n,) if dbias else (0,), dbias_dtype or dy.dtype),
         jax.core.ShapedArray((1,), jnp.float32),
     )
 
 
 # (dy, x_col, k_row, dy_scale, dy_scale_inv, x_scale_inv, k_scale_inv) ->
-# (dx, dk, dbias | (0,), amax (1,)); the custom call's fifth result, the scratch (u8), is
-# added by the lowering rules below.
+# (dx, dk, dbias | (0,), amax (1,)); dbias in dy's dtype or, with dbias_dtype=f32, in fp32 (the
+# FFI handler takes either from the result's type); the custom call's fifth result, the
+# scratch (u8), is added by the lowering rules below.
 dense_backward_fp8_p = ffi_primitive(
     "lowbit_dense_backward_fp8",
     "lowbit_dense_backward_fp8",
@@ -76,7 +94,7 @@ dense_backward_fp8_p = ffi_primitive(
 _ffi_lowering = jax.ffi.ffi_lowering("lowbit_dense_backward_fp8")
 
 
-def _lowering(ctx, *args, platform, q_dtype, dx_dtype, dk_dtype, dbias):
+def _lowering(ctx, *args, platform, q_dtype, dx_dtype, dk_dtype, dbias, dbias_dtype=None):
     _ffi.require_platform("lowbit_dense_backward_fp8", platform)
     dy, x_col = ctx.avals_in[:2]
     (m, n), k = dy.shape, x_col.shape[0]
@@ -120,4 +138,92 @@ def dense_backward_fp8(dy, x_col, k_row, dy_scale, dy_scale_inv, x_scale_inv, k_
         dy, x_col, k_row, dy_scale, dy_scale_inv, x_scale_inv, k_scale_inv,
         q_dtype=np.int32(_DTYPE_CODES[q_dtype]), dx_dtype=jnp.dtype(dx_dtype), dk_dtype=jnp.dtype(dk_dtype),
         dbias=compute_dbias)
+    return dx, dk, (dbias if compute_dbias else None), amax
+
+
+_FP8_OF_CODE = {code: dtype for dtype, code in _DTYPE_CODES.items()}
+
+
+def _local(dy, x_col, k_row, s, si, xs, ks, *, q_code, dx_dtype, dk_dtype, dbias, dbias_dtype):
+    """The op on one device's (or the whole) operands: the fused primitive where a placement
+    fits, else the unfused ops' primitives (quantize_fp8_p, then the dgrad and wgrad
+    gemm_p calls with split accumulation), which give the same values."""
+    (m, n), k = dy.shape, x_col.shape[0]
+    if dense_backward_plan(m, n, k, dk_dtype, dx_dtype, dbias) is not None:
+        return tuple(dense_backward_fp8_p.bind(dy, x_col, k_row, s, si, xs, ks, q_dtype=np.int32(q_code),
+                                               dx_dtype=dx_dtype, dk_dtype=dk_dtype, dbias=dbias,
+                                               dbias_dtype=dbias_dtype))
+    q_dtype = _FP8_OF_CODE[q_code]
+    row, col, amax, db = quantize_fp8_p.bind(dy, s, flatten_axis=np.int32(1), out_dtype=q_dtype, rowwise=True,
+                                             colwise=True, dbias_dtype=dbias_dtype if dbias else None)
+    algo = gemm_mod.resolve_algo(None, q_dtype, gemm_mod.GemmScaleMode.TENSOR, True)
+    dx = gemm_mod._gemm_2d(row, k_row, si, ks, jnp.zeros((0,), dx_dtype), dx_dtype, True, algo=algo)
+    dk = gemm_mod._gemm_2d(x_col, col, xs, si, jnp.zeros((0,), dk_dtype), dk_dtype, True, algo=algo)
+    return dx, dk, db, amax
+
+
+def _axes_entry(axes):
+    return None if not axes else (axes[0] if len(axes) == 1 else axes)
+
+
+@lru_cache(maxsize=None)
+def _sharded_fn(q_code: int, dx_dtype, dk_dtype, dbias: bool):
+    """The partitioned, vmappable op for one configuration (see the module docstring)."""
+
+    def local(dy, x_col, k_row, s, si, xs, ks):
+        return _local(dy, x_col, k_row, s, si, xs, ks, q_code=q_code, dx_dtype=dx_dtype, dk_dtype=dk_dtype,
+                      dbias=dbias, dbias_dtype=dy.dtype if dbias else None)
+
+    def partition(mesh, arg_shapes, result_shape):
+        dy_spec, xc_spec = spec_entries(arg_shapes[0].sharding, 2), spec_entries(arg_shapes[1].sharding, 2)
+        m_axes = mesh_axes(dy_spec[:1])
+        n_axes = tuple(ax for ax in mesh_axes(dy_spec[1:]) if ax not in m_axes)
+        k_axes = tuple(ax for ax in mesh_axes(xc_spec[:1]) if ax not in m_axes + n_axes)
+        m_e, n_e, k_e = _axes_entry(m_axes), _axes_entry(n_axes), _axes_entry(k_axes)
+
+        def lower(dy, x_col, k_row, s, si, xs, ks):
+            dbias_dtype = (jnp.dtype(jnp.float32) if m_axes else dy.dtype) if dbias else None
+            dx, dk, db, amax = _local(dy, x_col, k_row, s, si, xs, ks, q_code=q_code, dx_dtype=dx_dtype,
+                                      dk_dtype=dk_dtype, dbias=dbias, dbias_dtype=dbias_dtype)
+            if n_axes:
+                dx = jax.lax.psum(dx, n_axes)
+            if m_axes:
+                dk = jax.lax.psum(dk, m_axes)
+                if dbias:
+                    db = jax.lax.psum(db, m_axes).astype(dy.dtype)
+            if m_axes or n_axes:
+                amax = pmax_nonnegative(amax, m_axes + n_axes)
+            return dx, dk, db, amax
+
+        ns = lambda *entries: NamedSharding(mesh, PartitionSpec(*entries))  # noqa: E731
+        args = (ns(m_e, n_e), ns(k_e, m_e), ns(k_e, n_e), ns(None), ns(None), ns(None), ns(None))
+        results = (ns(m_e, k_e), ns(k_e, n_e), ns(n_e) if dbias else ns(None), ns(None))
+        return mesh, lower, results, args
+
+    def rule(mesh, value_types, result_types):
+        del mesh, value_types, result_types
+        return ("m n, k m, k n, s0, s1, s2, s3 -> m k, k n, " + ("n" if dbias else "z") + ", a",
+                {"need_replication_factors": ("s0", "s1", "s2", "s3")})
+
+    partitioned = custom_partitioning(local)
+    partitioned.def_partition(partition=partition, sharding_rule=rule)
+
+    @jax.custom_batching.custom_vmap
+    def fn(*args):
+        return partitioned(*args)
+
+    fn.def_vmap(vmap_body(local))
+    return fn
+
+
+def dense_backward_fp8_sharded(dy, x_col, k_row, dy_scale, dy_scale_inv, x_scale_inv, k_scale_inv, *, q_dtype,
+                               dx_dtype, dk_dtype, compute_dbias: bool):
+    """dense_backward_fp8 (same arguments and results) for operands sharded over a mesh (the
+    module docstring's rule): each device runs the op on its blocks, or, where no placement
+    fits them, the unfused ops' primitives with the same values."""
+    q_dtype = jnp.dtype(q_dtype)
+    if q_dtype not in _DTYPE_CODES:
+        raise ValueError(f"lowbit.ops.dense_backward_fp8: q_dtype: expected float8_e4m3fn or float8_e5m2, got {q_dtype}")
+    fn = _sharded_fn(_DTYPE_CODES[q_dtype], jnp.dtype(dx_dtype), jnp.dtype(dk_dtype), bool(compute_dbias))
+    dx, dk, dbias, amax = fn(dy, x_col, k_row, dy_scale, dy_scale_inv, x_scale_inv, k_scale_inv)
     return dx, dk, (dbias if compute_dbias else None), amax
