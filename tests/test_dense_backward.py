@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import rel_err, run_on
+from conftest import gpu_devices, rel_err, run_on
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from lowbit.dense import DENSE_BACKWARD_ENV, dense
@@ -310,3 +310,33 @@ def test_cuda_fused_special_values(monkeypatch, rng, gpu):
     np.testing.assert_array_equal(np.isfinite(dx), np.isfinite(dx_u))
     np.testing.assert_array_equal(db.view(np.uint8), db_u.view(np.uint8))
     assert_trees_equal(q, q_u)
+
+
+@pytest.mark.parametrize("platform", ["cpu", pytest.param("gpu", marks=pytest.mark.gpu)])
+def test_f32_dbias_equals_the_quantizers(rng, platform, cpu):
+    """The op's fp32 dbias (what the sharded op psums when dy's rows are sharded) equals
+    lowbit.ops.quantize_fp8's fp32 dbias of the same dy bit for bit (one kernel and partial-sum
+    order), and its other outputs the bf16-dbias call's."""
+    device = cpu if platform == "cpu" else next(iter(gpu_devices()), None)
+    if device is None:
+        pytest.skip("needs a CUDA GPU")
+    from lowbit.ops.quantize import quantize_fp8_p
+    f8, f32, bf16 = jnp.float8_e4m3fn, jnp.float32, jnp.bfloat16
+    dy = jnp.asarray(rng.standard_normal((512, 1024)) * 3, bf16)
+    x_col = jnp.asarray(rng.standard_normal((256, 512)), f8)
+    k_row = jnp.asarray(rng.standard_normal((256, 1024)), f8)
+    s, si = jnp.full((1,), 2.0, f32), jnp.full((1,), 0.5, f32)
+
+    def both(dy, x_col, k_row, s, si):
+        kw = dict(q_dtype=np.int32(5), dx_dtype=jnp.dtype(bf16), dk_dtype=jnp.dtype(f32), dbias=True)
+        wide = dense_backward_fp8_p.bind(dy, x_col, k_row, s, si, si, si, dbias_dtype=jnp.dtype(f32), **kw)
+        narrow = dense_backward_fp8_p.bind(dy, x_col, k_row, s, si, si, si, **kw)
+        quant = quantize_fp8_p.bind(dy, s, flatten_axis=np.int32(1), out_dtype=jnp.dtype(jnp.float8_e5m2),
+                                    rowwise=True, colwise=True, dbias_dtype=jnp.dtype(f32))
+        return wide, narrow, quant[3]
+
+    wide, narrow, want = run_on(device, both, dy, x_col, k_row, s, si)
+    assert wide[2].dtype == np.float32 and wide[2].shape == (1024,)
+    np.testing.assert_array_equal(wide[2], want)
+    for a, b in zip(wide[:2] + wide[3:], narrow[:2] + narrow[3:]):
+        np.testing.assert_array_equal(a, b)
