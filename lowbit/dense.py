@@ -71,8 +71,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from lowbit.ops.dense_backward import dense_backward_fp8, dense_backward_fp8_sharded, dense_backward_plan
-from lowbit.ops.gemm import psum_in_fp32
-from lowbit.ops.gemm import GemmScaleMode, emulated_nvfp4_gemm, gemm, nvfp4_gemm
+from lowbit.ops.gemm import GemmScaleMode, emulated_nvfp4_gemm, gemm, nvfp4_gemm, psum_in_fp32
 from lowbit.quantize.helper import get_global_mesh_resource
 from lowbit.quantize.quantizer import (
     CurrentScaleQuantizer,

@@ -2,7 +2,7 @@
 
 from lowbit.ops.activation import ActBackwardOut, ActForwardOut, act_backward, act_forward
 from lowbit.ops.amax import amax
-from lowbit.ops.dense_backward import dense_backward_fp8, dense_backward_plan
+from lowbit.ops.dense_backward import dense_backward_fp8, dense_backward_fp8_sharded, dense_backward_plan
 from lowbit.ops.formats import decode, encode
 from lowbit.ops.gemm import GemmScaleMode, gemm
 from lowbit.ops.norm import NormForwardOut, norm_backward, norm_forward
@@ -13,4 +13,4 @@ from lowbit.ops.quantize_grouped import GroupedFp8Quantized, quantize_grouped_fp
 from lowbit.ops.quantize_grouped_block import grouped_block_offsets, grouped_block_slice, quantize_grouped_block
 from lowbit.ops.scale import compute_scale, scale_inverse, update_delayed_scaling
 
-__all__ = ["ActBackwardOut", "ActForwardOut", "act_backward", "act_forward", "softmax_backward", "softmax_forward", "amax", "dense_backward_fp8", "dense_backward_plan", "decode", "encode", "gemm", "GemmScaleMode", "NormForwardOut", "norm_backward", "norm_forward", "Fp8Quantized", "BlockQuantized", "dequantize_fp8_block", "dequantize_mxfp8", "quantize_fp8_block", "quantize_mxfp8", "dequantize_fp8", "quantize_fp8", "compute_scale", "scale_inverse", "update_delayed_scaling", "GroupedFp8Quantized", "quantize_grouped_block", "quantize_grouped_fp8", "grouped_block_offsets", "grouped_block_slice"]
+__all__ = ["ActBackwardOut", "ActForwardOut", "act_backward", "act_forward", "softmax_backward", "softmax_forward", "amax", "dense_backward_fp8", "dense_backward_fp8_sharded", "dense_backward_plan", "decode", "encode", "gemm", "GemmScaleMode", "NormForwardOut", "norm_backward", "norm_forward", "Fp8Quantized", "BlockQuantized", "dequantize_fp8_block", "dequantize_mxfp8", "quantize_fp8_block", "quantize_mxfp8", "dequantize_fp8", "quantize_fp8", "compute_scale", "scale_inverse", "update_delayed_scaling", "GroupedFp8Quantized", "quantize_grouped_block", "quantize_grouped_fp8", "grouped_block_offsets", "grouped_block_slice"]

@@ -35,9 +35,8 @@ from functools import lru_cache, partial
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.interpreters import batching, mlir
-
 from jax.experimental.custom_partitioning import custom_partitioning
+from jax.interpreters import batching, mlir
 from jax.sharding import NamedSharding, PartitionSpec
 
 from lowbit import _ffi
