@@ -128,9 +128,11 @@ def main(argv=None):
                          "TFLOP/s/dev": r["tflops_per_device"], "x bf16": r["speedup_vs_bf16"],
                          "x flax_fp8": r["speedup_vs_flax_fp8"],
                          "peak GiB/dev": (r["peak_bytes"] or 0) / 2**30})
-    if rows:
-        common.print_table(rows, ["config", "variant", "ms", "TFLOP/s/dev", "x bf16", "x flax_fp8",
-                                 "peak GiB/dev"])
+    if not rows:  # keep the last multi-GPU results rather than overwrite them with nothing
+        print("no configuration fits this machine's devices; nothing written")
+        return
+    common.print_table(rows, ["config", "variant", "ms", "TFLOP/s/dev", "x bf16", "x flax_fp8",
+                             "peak GiB/dev"])
     path = common.write_results("dense_multi" + ("_small" if args.small else ""), payload)
     print(f"wrote {path}")
 
