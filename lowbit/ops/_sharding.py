@@ -26,6 +26,11 @@ def mesh_axes(entries) -> tuple[str, ...]:
     return tuple(out)
 
 
+def axes_entry(axes: tuple[str, ...]):
+    """The PartitionSpec entry that shards a dim over `axes`: None, one name, or the tuple."""
+    return None if not axes else (axes[0] if len(axes) == 1 else axes)
+
+
 def pmax_nonnegative(v, axes):
     """Max over mesh `axes` of non-negative floats (amaxes), comparing their bit patterns so
     that NaN beats inf as in the kernels (a float pmax may drop NaN)."""

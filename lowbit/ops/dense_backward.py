@@ -42,13 +42,21 @@ from jax.sharding import NamedSharding, PartitionSpec
 from lowbit import _ffi
 from lowbit.ops import gemm as gemm_mod
 from lowbit.ops._primitive import ffi_primitive, vmap_body
-from lowbit.ops._sharding import mesh_axes, pmax_nonnegative, spec_entries
+from lowbit.ops._sharding import axes_entry, mesh_axes, pmax_nonnegative, spec_entries
 from lowbit.ops.quantize import quantize_fp8_p
 
 __all__ = ["dense_backward_fp8", "dense_backward_fp8_sharded", "dense_backward_plan"]
 
 # lowbit::DType codes of the FP8 dtypes (csrc/common/dtype.h), the q_dtype attribute.
 _DTYPE_CODES = {jnp.dtype(jnp.float8_e4m3fn): 4, jnp.dtype(jnp.float8_e5m2): 5}
+
+
+def _q_code(q_dtype) -> int:
+    """The q_dtype attribute of an FP8 dtype, or a ValueError naming the argument."""
+    q_dtype = jnp.dtype(q_dtype)
+    if q_dtype not in _DTYPE_CODES:
+        raise ValueError(f"lowbit.ops.dense_backward_fp8: q_dtype: expected float8_e4m3fn or float8_e5m2, got {q_dtype}")
+    return _DTYPE_CODES[q_dtype]
 
 
 @lru_cache(maxsize=None)
@@ -130,12 +138,9 @@ def dense_backward_fp8(dy, x_col, k_row, dy_scale, dy_scale_inv, x_scale_inv, k_
     if dense_backward_plan(m, n, k, dk_dtype, dx_dtype, compute_dbias) is None:
         raise ValueError(f"lowbit.ops.dense_backward_fp8: dy {dy.shape}, x_col {x_col.shape}: no placement of "
                          "dy's copies fits dk (csrc/dense/dense_backward.h)")
-    q_dtype = jnp.dtype(q_dtype)
-    if q_dtype not in _DTYPE_CODES:
-        raise ValueError(f"lowbit.ops.dense_backward_fp8: q_dtype: expected float8_e4m3fn or float8_e5m2, got {q_dtype}")
     dx, dk, dbias, amax = dense_backward_fp8_p.bind(
         dy, x_col, k_row, dy_scale, dy_scale_inv, x_scale_inv, k_scale_inv,
-        q_dtype=np.int32(_DTYPE_CODES[q_dtype]), dx_dtype=jnp.dtype(dx_dtype), dk_dtype=jnp.dtype(dk_dtype),
+        q_dtype=np.int32(_q_code(q_dtype)), dx_dtype=jnp.dtype(dx_dtype), dk_dtype=jnp.dtype(dk_dtype),
         dbias=compute_dbias)
     return dx, dk, (dbias if compute_dbias else None), amax
 
@@ -161,10 +166,6 @@ def _local(dy, x_col, k_row, s, si, xs, ks, *, q_code, dx_dtype, dk_dtype, dbias
     return dx, dk, db, amax
 
 
-def _axes_entry(axes):
-    return None if not axes else (axes[0] if len(axes) == 1 else axes)
-
-
 @lru_cache(maxsize=None)
 def _sharded_fn(q_code: int, dx_dtype, dk_dtype, dbias: bool):
     """The partitioned, vmappable op for one configuration (see the module docstring)."""
@@ -178,7 +179,7 @@ def _sharded_fn(q_code: int, dx_dtype, dk_dtype, dbias: bool):
         m_axes = mesh_axes(dy_spec[:1])
         n_axes = tuple(ax for ax in mesh_axes(dy_spec[1:]) if ax not in m_axes)
         k_axes = tuple(ax for ax in mesh_axes(xc_spec[:1]) if ax not in m_axes + n_axes)
-        m_e, n_e, k_e = _axes_entry(m_axes), _axes_entry(n_axes), _axes_entry(k_axes)
+        m_e, n_e, k_e = axes_entry(m_axes), axes_entry(n_axes), axes_entry(k_axes)
 
         def lower(dy, x_col, k_row, s, si, xs, ks):
             dbias_dtype = (jnp.dtype(jnp.float32) if m_axes else dy.dtype) if dbias else None
@@ -220,9 +221,6 @@ def dense_backward_fp8_sharded(dy, x_col, k_row, dy_scale, dy_scale_inv, x_scale
     """dense_backward_fp8 (same arguments and results) for operands sharded over a mesh (the
     module docstring's rule): each device runs the op on its blocks, or, where no placement
     fits them, the unfused ops' primitives with the same values."""
-    q_dtype = jnp.dtype(q_dtype)
-    if q_dtype not in _DTYPE_CODES:
-        raise ValueError(f"lowbit.ops.dense_backward_fp8: q_dtype: expected float8_e4m3fn or float8_e5m2, got {q_dtype}")
-    fn = _sharded_fn(_DTYPE_CODES[q_dtype], jnp.dtype(dx_dtype), jnp.dtype(dk_dtype), bool(compute_dbias))
+    fn = _sharded_fn(_q_code(q_dtype), jnp.dtype(dx_dtype), jnp.dtype(dk_dtype), bool(compute_dbias))
     dx, dk, dbias, amax = fn(dy, x_col, k_row, dy_scale, dy_scale_inv, x_scale_inv, k_scale_inv)
     return dx, dk, (dbias if compute_dbias else None), amax

@@ -103,7 +103,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from lowbit import _ffi
 from lowbit.ops._primitive import ffi_primitive
-from lowbit.ops._sharding import (COLS, ROWS, SCALE_DIMS, clean_split, compound_sizes, fit_scale,
+from lowbit.ops._sharding import (COLS, ROWS, SCALE_DIMS, axes_entry, clean_split, compound_sizes, fit_scale,
                                   tiled_group_rule)
 
 OP = "lowbit.ops.gemm"
@@ -560,10 +560,6 @@ def _spec_axes(entry) -> tuple[str, ...]:
     return tuple(entry) if isinstance(entry, tuple) else (entry,)
 
 
-def _entry(axes: tuple[str, ...]):
-    return None if not axes else (axes[0] if len(axes) == 1 else axes)
-
-
 def _padded_spec(sharding, ndim: int) -> list:
     spec = list(sharding.spec) if isinstance(sharding, NamedSharding) else []
     return spec + [None] * (ndim - len(spec))
@@ -740,7 +736,7 @@ def _make_gemm(out_dtype: np.dtype, use_split_accumulator: bool, has_bias: bool,
         out = m + n
         for axis, dim in scatter:
             out[dim] = out[dim] + (axis,)
-        ns = lambda *entries: NamedSharding(mesh, PartitionSpec(*[_entry(e) for e in entries]))  # noqa: E731
+        ns = lambda *entries: NamedSharding(mesh, PartitionSpec(*[axes_entry(e) for e in entries]))  # noqa: E731
         if block:
             k0 = k[0] if k else ()
             scales = [ns(*_scale_sharding(a_mode, m[0] if m else (), k0)),
@@ -1202,7 +1198,7 @@ def _make_nvfp4_gemm(out_dtype: np.dtype, k: int, algo: int, has_bias: bool, psu
         out = [mr, nr]
         for axis, dim in scatter:
             out[dim] = out[dim] + (axis,)
-        ns = lambda *entries: NamedSharding(mesh, PartitionSpec(*[_entry(e) for e in entries]))  # noqa: E731
+        ns = lambda *entries: NamedSharding(mesh, PartitionSpec(*[axes_entry(e) for e in entries]))  # noqa: E731
         arg_shardings = [ns(mr, kk), ns(nr, kk), ns(mr, kk), ns(nr, kk), ns(()), ns(())]
         if has_bias:
             arg_shardings.append(ns(out[1]))
