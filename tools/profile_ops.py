@@ -7,7 +7,9 @@
 OPS (default all): quantize norm act softmax. Each op runs twice after compilation (the
 profiler then sees two launches of each kernel); nothing is timed here (bench/ does that).
 Opt-in: grouped_block (quantize_grouped_block, colwise + rowwise, 64 skewed groups, MXFP8 and
-FP8 1x128 / 128x128; kernels -k regex:'TileKernel|GroupTable').
+FP8 1x128 / 128x128; kernels -k regex:'TileKernel|GroupTable'); fused_block (gelu and layernorm
+fused with MXFP8 and FP8 1x128 quantization, beside the plain block quantizers of the same
+shape: bench/bench_fused_block.py's cases; kernels -k regex:'TileKernel|Stats').
 """
 
 from __future__ import annotations
@@ -63,6 +65,19 @@ def main(ops):
         for mode, tile_2d in (("mxfp8", False), ("fp8_block", False), ("fp8_block", True)):
             run(lambda v, g, m=mode, t=tile_2d: quantize_grouped_block(v, g, scaling_mode=m, tile_2d=t, colwise=True),
                 x, sizes)
+    if "fused_block" in ops:
+        from lowbit.ops.fused_block import act_quantize_block, norm_quantize_block, norm_stats
+        from lowbit.ops.quantize_block import quantize_fp8_block, quantize_mxfp8
+
+        x = normal((16384, 8192))
+        gamma = jnp.asarray(rng.standard_normal(8192, np.float32) * 0.5 + 1)
+        beta = jnp.asarray(rng.standard_normal(8192, np.float32))
+        for mx in (True, False):
+            run(lambda v, m=mx: (quantize_mxfp8(v, rowwise=True, colwise=True) if m
+                                 else quantize_fp8_block(v, rowwise=True, colwise=True)), x)
+            run(lambda v, m=mx: act_quantize_block(v, "gelu", mxfp8=m, colwise=True), x)
+            mu, rs = jax.jit(norm_stats)(x, gamma, beta)
+            run(lambda v, a, b, m=mx: norm_quantize_block(v, gamma, beta, a, b, mxfp8=m, colwise=True), x, mu, rs)
     if "softmax" in ops:
         x = normal((2, 16, 2048, 2048))
         run(lambda v: lowbit.ops.softmax_forward(v, None, 0.125), x)

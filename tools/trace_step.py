@@ -9,6 +9,11 @@ beside the step's wall time; the difference is time the GPU sat idle.
     python tools/trace_step.py dense module_delayed --sweep LOWBIT_QUANTIZE_TILE_VARIANT=,r256s2b8
         (one compiled step traced once per value of a knob the C++ launchers read at every
         call; an empty value unsets it)
+    python tools/trace_step.py dense module_delayed_unfused --warmup 300
+        (the kernels of a card at its power cap: an H100 running FP8 GEMMs back to back
+        clocks down within seconds, so a few warm-up steps trace a faster card than the
+        timed benchmark runs on; *_unfused sets LOWBIT_DENSE_BACKWARD=unfused as
+        bench_dense.py does)
 """
 
 from __future__ import annotations
@@ -72,11 +77,15 @@ def main():
     parser.add_argument("which", choices=["dense", "layer", "quantize"])
     parser.add_argument("variant")
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=3, help="untraced steps first")
     parser.add_argument("--out", default=None)
     parser.add_argument("--small", action="store_true", help="tiny shapes (a CPU smoke run: no GPU events)")
     parser.add_argument("--sweep", default=None, help="NAME=v1,v2,...: trace once per value of env NAME")
     parser.add_argument("--top", type=int, default=40)
     args = parser.parse_args()
+    if args.which == "dense" and args.variant.endswith("_unfused"):
+        from lowbit.dense import DENSE_BACKWARD_ENV
+        os.environ[DENSE_BACKWARD_ENV] = "unfused"  # read when the step is traced
     step, step_args = build(args.which, args.variant, args.small)
     if args.sweep is None:
         return trace(step, step_args, args, args.out or tempfile.mkdtemp(), args.variant)
@@ -90,8 +99,10 @@ def main():
 
 
 def trace(step, step_args, args, out, label):
-    for _ in range(3):
-        jax.block_until_ready(step(*step_args))
+    r = None
+    for _ in range(args.warmup):
+        r = step(*step_args)
+    jax.block_until_ready(r)
     start = time.perf_counter()
     with jax.profiler.trace(out, create_perfetto_trace=True):
         for _ in range(args.steps):

@@ -9,7 +9,7 @@
 //   NormSource: a chunk of x, the row's mu / rsigma, the chunk's gamma / beta -> norm_math.h's
 //     NormOutput(NormXhat(...)), NaN canonical. LayerNorm / RMSNorm, zero-centered gamma and
 //     gamma's dtype (f32 or x's) are uniform runtime values; gamma / beta are the same for
-//     every pass of a thread's column chunk (L1-resident, read with __ldg).
+//     every pass of a thread's column chunk: read once per tile (Src::Cols, LoadCols).
 #include <cuda_runtime.h>
 
 #include <cstring>
@@ -33,17 +33,24 @@ template <typename Tag, bool kGated>
 struct ActSource {
   using T = typename Tag::Storage;
   static constexpr int kVec = 16 / int(sizeof(T));
+  // Fp8BlockTileKernel needs 120-128 registers (it spills at 80); the MXFP8 kernel fits 80
+  // with at most 8 bytes of spills, so 3 blocks (24 warps) an SM hide the activation's
+  // latency better than 2 (ncu on the H100: 48% of issue slots busy at 16 warps).
+  static constexpr int kMinBlocks = 2, kMinBlocksMxfp8 = 3;
   struct Chunk {
     float v[kVec];
   };
+  struct Cols {};
   const T* x;
   ActParams params;
 
   // Whole 16-byte chunks of both halves: x aligned and H % kVec == 0.
   bool VectorOk(int64_t cols) const { return block_tiles::Aligned(x, 16) && cols % kVec == 0; }
 
+  __device__ __forceinline__ void LoadCols(int64_t, int64_t, Cols&) const {}
   template <bool kVectorIO>
-  __device__ __forceinline__ void Load(int64_t r, int64_t c, int64_t rows, int64_t cols, Chunk& out) const {
+  __device__ __forceinline__ void Load(int64_t r, int64_t c, int64_t rows, int64_t cols, const Cols&,
+                                       Chunk& out) const {
     T a[kVec], g[kVec];
     const int64_t in_cols = kGated ? 2 * cols : cols;
     if constexpr (kVectorIO) {
@@ -75,8 +82,15 @@ template <typename Tag>
 struct NormSource {
   using T = typename Tag::Storage;
   static constexpr int kVec = 16 / int(sizeof(T));
+  static constexpr int kMinBlocks = 2, kMinBlocksMxfp8 = 3;  // as ActSource's
   struct Chunk {
     float v[kVec];
+  };
+  // The weight and beta of my kVec columns, read once per tile: read per element and per row
+  // (predicated on the row, so not shared between a thread's rows), they were 2 kVec loads
+  // per chunk, more instructions than the rest of the kernel.
+  struct Cols {
+    float w[kVec], b[kVec];
   };
   const T* x;
   const void* gamma;
@@ -92,8 +106,18 @@ struct NormSource {
     return gamma_f32 ? __ldg(static_cast<const float*>(p) + c) : LoadAsFloatFast(Tag{}, __ldg(static_cast<const T*>(p) + c));
   }
 
+  __device__ __forceinline__ void LoadCols(int64_t c, int64_t cols, Cols& out) const {
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) {
+      const bool in = c + j < cols;
+      out.w[j] = in ? NormWeight(Param(gamma, c + j), zero_centered) : 0.0f;
+      out.b[j] = in && beta != nullptr ? Param(beta, c + j) : 0.0f;
+    }
+  }
+
   template <bool kVectorIO>
-  __device__ __forceinline__ void Load(int64_t r, int64_t c, int64_t rows, int64_t cols, Chunk& out) const {
+  __device__ __forceinline__ void Load(int64_t r, int64_t c, int64_t rows, int64_t cols, const Cols& col_state,
+                                       Chunk& out) const {
     T xv[kVec];
     if constexpr (kVectorIO) {
       uint4 packed = make_uint4(0, 0, 0, 0);
@@ -109,9 +133,8 @@ struct NormSource {
 #pragma unroll
     for (int j = 0; j < kVec; ++j) {
       const bool in = row_in && c + j < cols;
-      const float w = in ? NormWeight(Param(gamma, c + j), zero_centered) : 0.0f;
-      const float b = in && beta != nullptr ? Param(beta, c + j) : 0.0f;
-      const float y = NormOutput(NormXhat(LoadAsFloatFast(Tag{}, xv[j]), m, rs), w, b, beta != nullptr);
+      const float y = NormOutput(NormXhat(LoadAsFloatFast(Tag{}, xv[j]), m, rs), col_state.w[j], col_state.b[j],
+                                 beta != nullptr);
       out.v[j] = in ? CanonicalNan(y) : 0.0f;
     }
   }

@@ -12,8 +12,15 @@
 // The kernels are templated on a tile source, what a thread reads for one 16-byte chunk of
 // x's row r at column c of the rows x cols matrix being quantized:
 //   Src::kVec               values per chunk (16 / sizeof(input element))
+//   Src::kMinBlocks, kMinBlocksMxfp8
+//                           resident blocks per SM Fp8BlockTileKernel / Mxfp8TileKernel are
+//                           compiled for (launch bounds: 2 leaves a thread 128 registers, 3
+//                           leaves 80); 3 only where the kernel then (nearly) does not spill
 //   Src::Chunk              what a thread holds for a chunk between its load and its encode
-//   src.Load<kVectorIO>(r, c, rows, cols, chunk)
+//   Src::Cols               what a thread reads once per tile for its kVec columns (the
+//                           same for all its rows of the tile: a norm's gamma and beta)
+//   src.LoadCols(c, cols, col_state)
+//   src.Load<kVectorIO>(r, c, rows, cols, col_state, chunk)
 //                           kVectorIO: the chunk is one aligned 16-byte load (or its parts);
 //                           else bounds-checked scalar loads. Elements outside rows x cols
 //                           must come out as +0 (no amax changes).
@@ -124,16 +131,20 @@ template <typename Tag>
 struct PlainSource {
   using T = typename Tag::Storage;
   static constexpr int kVec = 16 / int(sizeof(T));
+  static constexpr int kMinBlocks = 2, kMinBlocksMxfp8 = 2;  // 117-128 registers
   struct Chunk {
     T v[kVec];
   };
+  struct Cols {};
   const T* x;
 
   // Whole 16-byte chunks: x 16-byte aligned and cols % kVec == 0.
   bool VectorOk(int64_t cols) const { return Aligned(x, 16) && cols % kVec == 0; }
 
+  __device__ __forceinline__ void LoadCols(int64_t, int64_t, Cols&) const {}
   template <bool kVectorIO>
-  __device__ __forceinline__ void Load(int64_t r, int64_t c, int64_t rows, int64_t cols, Chunk& out) const {
+  __device__ __forceinline__ void Load(int64_t r, int64_t c, int64_t rows, int64_t cols, const Cols&,
+                                       Chunk& out) const {
     if constexpr (kVectorIO) {
       uint4 packed = make_uint4(0, 0, 0, 0);
       if (r < rows && c < cols) packed = __ldg(reinterpret_cast<const uint4*>(x + r * cols + c));
@@ -198,7 +209,7 @@ __device__ __forceinline__ void TransposeBytes8x4(const uint32_t (&w)[8], uint32
 // every in-range chunk is one kVec-byte store. colwise_vec: rows % 8 == 0, colwise 8-byte
 // aligned: full 8-row transposed chunks (at rows % 8 == 0) are 8-byte stores.
 template <typename Src, typename Fmt, bool kTile2d, bool kVectorIO, bool kDbias, typename Rows>
-__global__ void __launch_bounds__(kThreads, 2)
+__global__ void __launch_bounds__(kThreads, Src::kMinBlocks)
     Fp8BlockTileKernel(const Src src, const Rows row_tiles, int64_t rows, int64_t cols,
                            bool pow2, uint8_t* __restrict__ rowwise, float* __restrict__ row_scale_inv,
                            uint8_t* __restrict__ colwise, float* __restrict__ col_scale_inv,
@@ -228,9 +239,13 @@ __global__ void __launch_bounds__(kThreads, 2)
     const int64_t c = c0 + chunk_col;
 
     // 1. All loads first (out of range -> 0, which changes no amax).
+    typename Src::Cols col_state;
+    src.LoadCols(c, cols, col_state);
     typename Src::Chunk vals[kPasses];
 #pragma unroll
-    for (int p = 0; p < kPasses; ++p) src.template Load<kVectorIO>(r0 + p * kRowsPerPass + chunk_row, c, r_lim, cols, vals[p]);
+    for (int p = 0; p < kPasses; ++p) {
+      src.template Load<kVectorIO>(r0 + p * kRowsPerPass + chunk_row, c, r_lim, cols, col_state, vals[p]);
+    }
 
     // 2. amaxes (|x| bits): per chunk (also the chunk's "no NaN" test) and per column.
     uint32_t chunk_max[kPasses];
@@ -420,7 +435,7 @@ __global__ void __launch_bounds__(kThreads, 2)
 // kVectorIO: the source's chunks are whole 16-byte loads (Src::Load) and rowwise / colwise
 // are 16-byte aligned: every in-range chunk is one kVec-byte store.
 template <typename Src, typename Fmt, bool kVectorIO, bool kDbias, typename Rows>
-__global__ void __launch_bounds__(kThreads, 2)
+__global__ void __launch_bounds__(kThreads, Src::kMinBlocksMxfp8)
     Mxfp8TileKernel(const Src src, const Rows row_tiles, int64_t rows, int64_t cols,
                         uint8_t* __restrict__ rowwise, uint8_t* __restrict__ row_scale,
                         uint8_t* __restrict__ colwise, uint8_t* __restrict__ col_scale,
@@ -449,9 +464,13 @@ __global__ void __launch_bounds__(kThreads, 2)
     const int64_t c0 = tile % tiles_c * kTileCols;
     const int64_t c = c0 + chunk_col;
 
+    typename Src::Cols col_state;
+    src.LoadCols(c, cols, col_state);
     typename Src::Chunk vals[kPasses];  // out of range -> 0, which changes no amax
 #pragma unroll
-    for (int p = 0; p < kPasses; ++p) src.template Load<kVectorIO>(r0 + p * kRowsPerPass + chunk_row, c, r_lim, cols, vals[p]);
+    for (int p = 0; p < kPasses; ++p) {
+      src.template Load<kVectorIO>(r0 + p * kRowsPerPass + chunk_row, c, r_lim, cols, col_state, vals[p]);
+    }
 
     uint32_t chunk_max[kPasses];
     uint32_t col_max[2][kVec];
@@ -618,7 +637,8 @@ Status LaunchMxfp8TileKernel(const Src& src, bool src_vector_ok, const Rows& row
   static_assert(!(kDbias && Rows::kGrouped), "dbias: the plain walk only");
   if (kDbias != (dbias_partials != nullptr)) return Status::Internal(std::string(op) + ": dbias: workspace mismatch");
   const int64_t tiles = row_tiles.TileRows(kTileRows) * CeilDivI64(a.cols, kTileCols);
-  const int blocks = GridStrideBlocks(tiles * kThreads, kThreads, 4);
+  // Twice the resident blocks, as for the FP8 block kernel (4 for 2 resident).
+  const int blocks = GridStrideBlocks(tiles * kThreads, kThreads, 2 * Src::kMinBlocksMxfp8);
   const bool vec_io = src_vector_ok && (a.rowwise == nullptr || Aligned(a.rowwise, 16)) &&
                       (a.colwise == nullptr || Aligned(a.colwise, 16));
   if (vec_io) {

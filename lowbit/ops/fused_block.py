@@ -32,10 +32,12 @@ gathered (exact, not parallel).
 
 Off by default in the layer functions: lowbit.activation, layernorm_dense and layernorm_mlp
 take this fused path only with LOWBIT_FUSED_BLOCK=1 (fused_block_enabled). On an H100
-(16384 x 8192 bf16, bench/results/fused_block_*) the fused kernels measured slower than the
-activation / norm kernel followed by the block quantizer (kernel time: gelu+MXFP8 534 vs
-504 us, gelu+FP8 1x128 602 vs 489, layernorm+MXFP8 807 vs 480, layernorm+FP8 1x128 786 vs
-470), so the default keeps the unfused path. The two paths differ in numerics: the fused one
+(16384 x 8192 bf16, bench/results/fused_block_*, kernel time, fused vs the activation / norm
+kernel followed by the block quantizer, 2026-11-27: gelu+MXFP8 452 vs 511 us, gelu+FP8 1x128
+613 vs 502, layernorm+MXFP8 561 vs 479, layernorm+FP8 1x128 599 vs 468 (the norm rows include
+the statistics pass); the day before, with gamma / beta read per element and 2 MXFP8 blocks
+an SM: 534, 602, 807 and 786) only gelu+MXFP8 is faster, and MXFP8 has no GEMM on Hopper, so
+the default keeps the unfused path. The two paths differ in numerics: the fused one
 quantizes the fp32 result, the unfused one the result rounded to x's dtype.
 """
 
