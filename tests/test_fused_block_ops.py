@@ -184,10 +184,16 @@ def test_public_activation_with_block_quantizers(rng, monkeypatch):
         np.testing.assert_array_equal(bits(t.colwise_tensor.scale_inv), bits(want.colwise_scale))
         y32 = np.asarray(act_forward(jnp.asarray(x).astype(jnp.float32), "silu", gated=True).y)
         dq = np.asarray(t.dequantize().astype(jnp.float32))
-        ok = np.isfinite(y32) & np.isfinite(dq)  # planted inf/NaN (an MXFP8 NaN block is all NaN)
+        # Blocks (rowwise: 128 or 32 values of a row) holding a planted inf/NaN are left out:
+        # their amax is not finite, so their scale is 1 and a finite near-max value in them
+        # saturates to the format's max (a CI seed had 5.5e37 coded as 448: rel_err 1.0), and
+        # an MXFP8 NaN block is all NaN. The bit-exact asserts above check those blocks.
+        block = 128 if kind == "fp8_block" else 32
+        clean = np.isfinite(y32).reshape(-1, y32.shape[-1] // block, block).all(-1)
+        ok = np.repeat(clean, block, axis=-1).reshape(y32.shape) & np.isfinite(dq)
         # x has planted near-max values: the other values of such a block are coded under its
         # scale and lose relative precision (one CI seed measured 0.057); a wrong scale or
-        # layout gives O(1). The bit-exact asserts above are the real check.
+        # layout gives O(1).
         assert ok.mean() > 0.9 and rel_err(dq[ok], y32[ok]) < 0.1
 
 
