@@ -11,6 +11,8 @@ Configurations needing more devices than jax.devices() offers are skipped (print
 
     python bench/bench_dense_multi.py            # GPUs, seed shape
     python bench/bench_dense_multi.py --small    # CPU smoke run on 4 virtual devices
+    python bench/bench_dense_multi.py --variants lowbit_delayed,lowbit_delayed_fused
+        (a subset; bf16 and flax_fp8 always run: the ratios need them)
 """
 
 from __future__ import annotations
@@ -79,7 +81,7 @@ def shard_variables(variables, mesh):
     return jax.device_put(variables, jax.tree_util.tree_map_with_path(spec, variables))
 
 
-def run_config(name, dp, tp, shape, iters, rounds):
+def run_config(name, dp, tp, shape, iters, rounds, chosen=None):
     b, s, h, f = shape
     devices = jax.devices()[: dp * tp]
     mesh = Mesh(np.array(devices).reshape(dp, tp), ("dp", "tp"))
@@ -92,6 +94,8 @@ def run_config(name, dp, tp, shape, iters, rounds):
     cases, params = {}, None
     with global_shard_guard(MeshResource(dp_resource="dp", tp_resource="tp")):
         for variant, (make, env) in variants().items():
+            if chosen is not None and variant not in chosen:
+                continue
             model = make(f)
             variables = jax.jit(model.init)(key, x)
             params = variables["params"] if params is None else params  # same weights for all
@@ -111,7 +115,14 @@ def main(argv=None):
     parser.add_argument("--small", action="store_true", help="CPU-sized shapes")
     parser.add_argument("--iters", type=int, default=None)
     parser.add_argument("--rounds", type=int, default=3, help="round-robin rounds (common.time_steps)")
+    parser.add_argument("--variants", default=None, help="comma-separated subset of " + ",".join(variants())
+                        + " (bf16 and flax_fp8 always run)")
     args = parser.parse_args(argv)
+    chosen = None
+    if args.variants:
+        chosen = set(args.variants.split(",")) | {"bf16", "flax_fp8"}
+        if chosen - set(variants()):
+            parser.error(f"--variants: unknown {sorted(chosen - set(variants()))}")
     shape = (4, 32, 128, 256) if args.small else (8, 2048, 8192, 32768)
     iters = args.iters or (2 if args.small else 20)
     n = len(jax.devices())
@@ -121,7 +132,7 @@ def main(argv=None):
         if dp * tp > n:
             print(f"skipping {name}: needs {dp * tp} devices, jax.devices() has {n}")
             continue
-        results = run_config(name, dp, tp, shape, iters, 1 if args.small else args.rounds)
+        results = run_config(name, dp, tp, shape, iters, 1 if args.small else args.rounds, chosen)
         payload["configs"][name] = results
         for variant, r in results.items():
             rows.append({"config": name, "variant": variant, "ms": r["ms"],

@@ -49,13 +49,11 @@ that quantizes dy and runs both GEMMs with dy's two FP8 copies placed inside dk'
 the wgrad (in column slices) overwrites them, so the step keeps no buffers for them (2 m n
 bytes unfused; csrc/dense/dense_backward.h). Same values as the unfused ops (bit for bit on the
 CPU). On one device it applies where a placement fits the sizes (dense_backward_plan);
-LOWBIT_DENSE_BACKWARD=unfused (read at trace time) turns it off. Under a MeshResource with
-axes the unfused ops run by default; LOWBIT_DENSE_BACKWARD=fused_sharded runs the sharded op
-there (dense_backward_fp8_sharded: DP and TP; each device places its own blocks, or runs the
-unfused primitives where they have no placement; not with FSDP, sequence parallelism or
-LOWBIT_GEMM_PSUM=fp32). It is opt-in because its speed and memory on GPUs are not measured
-yet (on 4 H200s its values matched the single-GPU step; bench/bench_dense_multi.py has the
-variant).
+LOWBIT_DENSE_BACKWARD=unfused (read at trace time) turns it off. Under a MeshResource that
+names a tp axis the sharded op runs (dense_backward_fp8_sharded: each device places its own
+blocks, or runs the unfused primitives where they have no placement); under one without
+(pure DP) the unfused ops run unless LOWBIT_DENSE_BACKWARD=fused_sharded; neither with FSDP,
+sequence parallelism or LOWBIT_GEMM_PSUM=fp32 (fused_backward says why, with the numbers).
 """
 
 from __future__ import annotations
@@ -356,9 +354,9 @@ def _dense_fwd(x, kernel, bias, quantizer_set, static):
     return y, (xq.colwise_tensor, kq.rowwise_tensor, quantizer_set, xq.amax, kq.amax)
 
 
-# LOWBIT_DENSE_BACKWARD: "fused" (default: the fused op on one device, the unfused ops under
-# a MeshResource with axes), "fused_sharded" (the fused op under a MeshResource too) or
-# "unfused".
+# LOWBIT_DENSE_BACKWARD: "fused" (default: the fused op on one device and under a
+# MeshResource naming a tp axis; the unfused ops under one without: see fused_backward),
+# "fused_sharded" (the fused op under any MeshResource) or "unfused".
 DENSE_BACKWARD_ENV = "LOWBIT_DENSE_BACKWARD"
 DENSE_BACKWARD_MODES = ("fused", "fused_sharded", "unfused")
 
@@ -374,16 +372,26 @@ def _dense_backward_mode() -> str:
 def fused_backward(dy, x_col: ScaledTensor1x, k_row: ScaledTensor1x, dgrad_quantizer, static: _Static):
     """(dx, dw, dbias or None, dy's amax) from lowbit.ops.dense_backward_fp8, or None where it
     does not apply (another recipe, no placement for the sizes on one device,
-    LOWBIT_DENSE_BACKWARD=unfused; under a MeshResource with axes unless
-    LOWBIT_DENSE_BACKWARD=fused_sharded, and even then with FSDP, sequence parallelism or
-    LOWBIT_GEMM_PSUM=fp32): then the unfused ops run. Under a MeshResource with axes, the
+    LOWBIT_DENSE_BACKWARD=unfused, sequence parallelism; under a MeshResource with axes but
+    no tp axis unless LOWBIT_DENSE_BACKWARD=fused_sharded; under any MeshResource with FSDP
+    or LOWBIT_GEMM_PSUM=fp32): then the unfused ops run. Under a MeshResource with axes, the
     sharded op (dense_backward_fp8_sharded: its devices fall back to the unfused primitives
-    where their blocks have no placement)."""
+    where their blocks have no placement).
+
+    Why the default depends on tp (4 H200s, seed Dense, bench/bench_dense_multi.py,
+    2026-11-27): with DP=2/TP=2 the fused op ran as fast as the separate ops (1.584x vs
+    1.591x over bf16) at bf16's peak memory per device (2.031 GiB, the separate ops 2.219);
+    with DP=2 alone it ran 8% slower (1.705x vs 1.856x): its whole-size wgrad all-reduce over
+    dp starts after the op, where the separate ops let XLA overlap it with the dgrad."""
     sharded, mode = bool(_mesh_axes()), _dense_backward_mode()
-    if mode == "unfused" or sequence_parallel() or (sharded and mode != "fused_sharded"):
+    if mode == "unfused" or sequence_parallel():
         return None
-    if sharded and (get_global_mesh_resource().fsdp_resource is not None or psum_in_fp32()):
-        return None
+    if sharded:
+        resource = get_global_mesh_resource()
+        if mode == "fused" and resource.tp_resource is None:
+            return None
+        if resource.fsdp_resource is not None or psum_in_fp32():
+            return None
     if not isinstance(dgrad_quantizer, (DelayedScaleQuantizer, CurrentScaleQuantizer)):
         return None
     if not all(t.scaling_mode.is_tensor_scaling for t in (x_col, k_row)):

@@ -206,8 +206,9 @@ def test_sharded_fused_equals_sharded_unfused_bit_for_bit(monkeypatch, rng, layo
     fp32 dbias over m's, and gives the unfused sharded ops' bits (their GEMM psums in the
     output dtype, LOWBIT_GEMM_PSUM's default). Row-parallel TP leaves each device k / 2 = 128
     rows of dk, too few for dy's 512 rowwise rows (m <= 2k for an f32 dk): those devices run
-    the unfused primitives inside the op, with the same bits. Opt-in
-    (LOWBIT_DENSE_BACKWARD=fused_sharded); the default "fused" keeps the unfused ops here."""
+    the unfused primitives inside the op, with the same bits. The default ("fused") runs it
+    where the MeshResource names a tp axis, and keeps the unfused ops under pure DP; the mode
+    "fused_sharded" runs it under every layout."""
     if jax.default_backend() != "cpu":
         pytest.skip("virtual CPU devices; tests/test_sharding_gpu.py runs the tutorial's layout on 4 GPUs")
     x_spec, k_spec, dy_spec, resource = SHARDED_LAYOUTS[layout]
@@ -224,8 +225,10 @@ def test_sharded_fused_equals_sharded_unfused_bit_for_bit(monkeypatch, rng, layo
         monkeypatch.setenv(DENSE_BACKWARD_ENV, "fused_sharded")
         hlo = jax.jit(lambda *a: fn(*a)).lower(*args).compile().as_text()
         monkeypatch.setenv(DENSE_BACKWARD_ENV, "fused")
-        assert "lowbit_dense_backward_fp8" not in jax.jit(lambda *a: fn(*a)).lower(*args).compile().as_text()
+        default_hlo = jax.jit(lambda *a: fn(*a)).lower(*args).compile().as_text()
     assert_trees_equal(fused, unfused)
+    default_fused = resource.tp_resource is not None and layout != "tp_row"
+    assert ("lowbit_dense_backward_fp8" in default_hlo) == default_fused
     assert ("lowbit_dense_backward_fp8" in hlo) == (layout != "tp_row")
     assert "all-gather" not in hlo and "reduce-scatter" not in hlo
     # and close to the single-device backward (only the psums' rounding differs)

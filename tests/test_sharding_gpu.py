@@ -4,9 +4,9 @@ P(None, 'tp'), bias P('tp'), x P('dp'), dy P('dp', None, 'tp'), delayed-scaling 
 replicated), as bench/bench_dense_multi.py times it. tests/test_sharding.py checks the same
 partitioning rules on virtual CPU devices; this checks the CUDA kernels and NCCL under them.
 
-For DelayedScaling and Float8CurrentScaling, with dense's backward as separate ops (the
-default under a mesh) and as the fused op on each device's blocks
-(LOWBIT_DENSE_BACKWARD=fused_sharded), one jitted fwd+bwd step (the tutorial's make_step)
+For DelayedScaling and Float8CurrentScaling, with dense's backward as the fused op on each
+device's blocks (the default under a mesh with a tp axis) and as separate ops
+(LOWBIT_DENSE_BACKWARD=unfused), one jitted fwd+bwd step (the tutorial's make_step)
 sharded on 4 GPUs against the same step on one GPU, unsharded:
   - y, dx, dkernel agree within 1e-2 * max|reference|, dbias (XLA's bf16 reduction, not
     lowbit's) within 4e-2 * max|reference| (see the comment at the check);
@@ -57,7 +57,7 @@ def _f32(a):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backward", ["fused", "fused_sharded"])
+@pytest.mark.parametrize("backward", ["fused", "unfused"])
 @pytest.mark.parametrize("recipe", sorted(RECIPES))
 def test_dense_dp2_tp2_equals_single_gpu(recipe, backward, gpus4, monkeypatch):
     monkeypatch.setenv(DENSE_BACKWARD_ENV, backward)
@@ -67,8 +67,8 @@ def test_dense_dp2_tp2_equals_single_gpu(recipe, backward, gpus4, monkeypatch):
     variables = jax.jit(model.init)(jax.random.PRNGKey(2), x)
     mesh = Mesh(np.array(gpus4).reshape(2, 2), ("dp", "tp"))
 
-    # The reference runs under the same MeshResource so both runs trace the same ops (a
-    # MeshResource naming axes turns off the single-device fused dense backward).
+    # The reference runs under the same MeshResource so both runs trace the same ops (the
+    # sharded fused dense backward on one device, or the unfused ops).
     with global_shard_guard(MeshResource(dp_resource="dp", tp_resource="tp")):
         ref_vars, ref_y, ref_grads, ref_dx = make_step(model.apply, {})(
             *jax.device_put((variables, x, dy), gpus4[0]))
@@ -110,11 +110,11 @@ def test_dense_dp2_tp2_equals_single_gpu(recipe, backward, gpus4, monkeypatch):
         for shard in shards:
             np.testing.assert_array_equal(shard, want)
 
-    # lowbit's GEMMs, 3 per Dense (fwd, dgrad, wgrad: under a mesh, dense's backward is the
-    # unfused ops by default) or the forward GEMM and the fused backward op
-    # (LOWBIT_DENSE_BACKWARD=fused_sharded), and no bf16 GEMM in their place: no XLA dot
-    # (also inside a Triton GEMM fusion) and no cuBLAS custom call.
-    fused = backward == "fused_sharded"
+    # lowbit's GEMMs: the forward GEMM and the fused backward op (the default under a mesh
+    # with a tp axis), or 3 GEMMs per Dense (fwd, dgrad, wgrad: LOWBIT_DENSE_BACKWARD=unfused),
+    # and no bf16 GEMM in their place: no XLA dot (also inside a Triton GEMM fusion) and no
+    # cuBLAS custom call.
+    fused = backward == "fused"
     assert hlo.count('custom_call_target="lowbit_gemm"') == (1 if fused else 3), hlo
     assert hlo.count('custom_call_target="lowbit_dense_backward_fp8"') == int(fused), hlo
     assert " dot(" not in hlo and "__cublas" not in hlo
