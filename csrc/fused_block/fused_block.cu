@@ -36,7 +36,7 @@ struct ActSource {
   // Fp8BlockTileKernel needs 120-128 registers (it spills at 80); the MXFP8 kernel fits 80
   // with at most 8 bytes of spills, so 3 blocks (24 warps) an SM hide the activation's
   // latency better than 2 (ncu on the H100: 48% of issue slots busy at 16 warps).
-  static constexpr int kMinBlocks = 2, kMinBlocksMxfp8 = 3;
+  static constexpr int kMinBlocks = 2, kMinBlocks2d = 2, kMinBlocksMxfp8 = 3;  // (no 128x128 here)
   struct Chunk {
     float v[kVec];
   };
@@ -82,7 +82,7 @@ template <typename Tag>
 struct NormSource {
   using T = typename Tag::Storage;
   static constexpr int kVec = 16 / int(sizeof(T));
-  static constexpr int kMinBlocks = 2, kMinBlocksMxfp8 = 3;  // as ActSource's
+  static constexpr int kMinBlocks = 2, kMinBlocks2d = 2, kMinBlocksMxfp8 = 3;  // as ActSource's
   struct Chunk {
     float v[kVec];
   };

@@ -12,10 +12,11 @@
 // The kernels are templated on a tile source, what a thread reads for one 16-byte chunk of
 // x's row r at column c of the rows x cols matrix being quantized:
 //   Src::kVec               values per chunk (16 / sizeof(input element))
-//   Src::kMinBlocks, kMinBlocksMxfp8
-//                           resident blocks per SM Fp8BlockTileKernel / Mxfp8TileKernel are
-//                           compiled for (launch bounds: 2 leaves a thread 128 registers, 3
-//                           leaves 80); 3 only where the kernel then (nearly) does not spill
+//   Src::kMinBlocks, kMinBlocks2d, kMinBlocksMxfp8
+//                           resident blocks per SM Fp8BlockTileKernel (1x128, 128x128) and
+//                           Mxfp8TileKernel are compiled for (launch bounds: 2 leaves a thread
+//                           128 registers, 3 leaves 80); 3 only where the kernel then (nearly)
+//                           does not spill; the grids are twice that many blocks per SM
 //   Src::Chunk              what a thread holds for a chunk between its load and its encode
 //   Src::Cols               what a thread reads once per tile for its kVec columns (the
 //                           same for all its rows of the tile: a norm's gamma and beta)
@@ -131,7 +132,10 @@ template <typename Tag>
 struct PlainSource {
   using T = typename Tag::Storage;
   static constexpr int kVec = 16 / int(sizeof(T));
-  static constexpr int kMinBlocks = 2, kMinBlocksMxfp8 = 2;  // 117-128 registers
+  // At 2 blocks the tile kernels take 117-128 registers. At 3 (80 registers) the MXFP8 kernel
+  // spills <= 40 bytes (vectorized), the FP8 128x128 kernel none for 16-bit x, the FP8 1x128
+  // one 228-432 bytes: so 3 for the first two, 2 for 1x128 and for f32 x's 128x128.
+  static constexpr int kMinBlocks = 2, kMinBlocks2d = sizeof(T) == 2 ? 3 : 2, kMinBlocksMxfp8 = 3;
   struct Chunk {
     T v[kVec];
   };
@@ -209,7 +213,7 @@ __device__ __forceinline__ void TransposeBytes8x4(const uint32_t (&w)[8], uint32
 // every in-range chunk is one kVec-byte store. colwise_vec: rows % 8 == 0, colwise 8-byte
 // aligned: full 8-row transposed chunks (at rows % 8 == 0) are 8-byte stores.
 template <typename Src, typename Fmt, bool kTile2d, bool kVectorIO, bool kDbias, typename Rows>
-__global__ void __launch_bounds__(kThreads, Src::kMinBlocks)
+__global__ void __launch_bounds__(kThreads, kTile2d ? Src::kMinBlocks2d : Src::kMinBlocks)
     Fp8BlockTileKernel(const Src src, const Rows row_tiles, int64_t rows, int64_t cols,
                            bool pow2, uint8_t* __restrict__ rowwise, float* __restrict__ row_scale_inv,
                            uint8_t* __restrict__ colwise, float* __restrict__ col_scale_inv,
@@ -601,7 +605,7 @@ Status LaunchFp8BlockTileKernel(const Src& src, bool src_vector_ok, const Rows& 
   static_assert(!(kDbias && Rows::kGrouped), "dbias: the plain walk only");
   if (kDbias != (dbias_partials != nullptr)) return Status::Internal(std::string(op) + ": dbias: workspace mismatch");
   const int64_t tiles = row_tiles.TileRows(kTile) * CeilDivI64(a.cols, kTile);
-  const int blocks = GridStrideBlocks(tiles * kThreads, kThreads, 4);
+  const int blocks = GridStrideBlocks(tiles * kThreads, kThreads, 2 * (kTile2d ? Src::kMinBlocks2d : Src::kMinBlocks));
   const bool vec_io = src_vector_ok && (a.rowwise == nullptr || Aligned(a.rowwise, 16));
   const bool colwise_vec = a.colwise != nullptr && Aligned(a.colwise, 8) && a.rows % 8 == 0;
   if (vec_io) {
