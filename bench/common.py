@@ -151,15 +151,18 @@ def time_steps(cases: dict, iters: int, rounds: int = 3) -> dict:
     39.2 to 41.0 ms in one session): timed one after another, the variant that runs first
     gets the coolest card. Round-robin gives every variant the same mix of card states.
     cases: {name: (step, variables, x, dy)}; returns {name: {"ms", "ms_rounds",
-    "peak_bytes"}}."""
+    "peak_bytes"}}. Each compile and each timing is printed as it finishes (flushed), so a
+    run cut short by a time limit still leaves its numbers in the log."""
     fns, out = {}, {}
     for name, case in cases.items():
         fns[name], peak = _step_outputs(*case)
         out[name] = {"ms_rounds": [], "peak_bytes": peak}
-    for _ in range(rounds):
+        print(f"compiled {name}: peak {(peak or 0) / 2**30:.3f} GiB", flush=True)
+    for r in range(rounds):
         for name, (_, variables, x, dy) in cases.items():
             t = time_fn(fns[name], [(variables, x, dy)], iters, repeats=2, warmup=2)
             out[name]["ms_rounds"].append(t * 1e3)
+            print(f"round {r + 1}/{rounds} {name}: {t * 1e3:.3f} ms", flush=True)
     for r in out.values():
         r["ms"] = statistics.median(r["ms_rounds"])
     return out
