@@ -190,6 +190,20 @@ def _reduce_dtype(out_dtype, psum_fp32: bool):
     return jnp.dtype(jnp.float32) if psum_fp32 else jnp.dtype(out_dtype)
 
 
+def _sum_k_partials(acc, psum_axes, scatter, bias, out_dtype):
+    """The tail of a K-sharded GEMM (tensor / block and NVFP4 alike): this shard's partial
+    product `acc` (in _reduce_dtype) reduce-scattered over `scatter`'s (axis, dim) pairs and
+    psum'ed over `psum_axes`, then the bias (a tuple of none or one) added in fp32 and the sum
+    rounded to out_dtype."""
+    for axis, dim in scatter:
+        acc = jax.lax.psum_scatter(acc, axis, scatter_dimension=dim, tiled=True)
+    if psum_axes:
+        acc = jax.lax.psum(acc, psum_axes)
+    if bias:
+        acc = acc.astype(jnp.float32) + bias[0].astype(jnp.float32)
+    return acc.astype(out_dtype)
+
+
 @functools.lru_cache(maxsize=None)
 def _env_algo() -> dict[str, int]:
     """LOWBIT_GEMM_ALGO, parsed once per process."""
@@ -715,13 +729,7 @@ def _make_gemm(out_dtype: np.dtype, use_split_accumulator: bool, has_bias: bool,
             sa, sb = fitted(a, b, sa, sb)
             acc = _gemm_2d(a, b, sa, sb, jnp.zeros((0,), red), red, use_split_accumulator, k_ndim,
                            a_mode, b_mode, algo)
-            for axis, dim in scatter:
-                acc = jax.lax.psum_scatter(acc, axis, scatter_dimension=dim, tiled=True)
-            if psum_axes:
-                acc = jax.lax.psum(acc, psum_axes)
-            if has_bias:
-                acc = acc.astype(jnp.float32) + bias[0].astype(jnp.float32)
-            return acc.astype(out_dtype)
+            return _sum_k_partials(acc, psum_axes, scatter, bias, out_dtype)
         return lower
 
     partitioned = custom_partitioning(local)
@@ -1177,13 +1185,7 @@ def _make_nvfp4_gemm(out_dtype: np.dtype, k: int, algo: int, has_bias: bool, psu
         def lower(a, b, sa, sb, ga, gb, *bias):
             red = _reduce_dtype(out_dtype, psum_fp32)
             acc = call(k_local, red, a, b, sa, sb, ga, gb, jnp.zeros((0,), red))
-            for axis, dim in scatter:
-                acc = jax.lax.psum_scatter(acc, axis, scatter_dimension=dim, tiled=True)
-            if psum_axes:
-                acc = jax.lax.psum(acc, psum_axes)
-            if has_bias:
-                acc = acc.astype(f32) + bias[0].astype(f32)
-            return acc.astype(out_dtype)
+            return _sum_k_partials(acc, psum_axes, scatter, bias, out_dtype)
         return lower
 
     partitioned = custom_partitioning(local_fn(k))
