@@ -1167,7 +1167,6 @@ def _make_nvfp4_gemm(out_dtype: np.dtype, k: int, algo: int, has_bias: bool, psu
     (the scale dim unpadded, so its equal slices line up with the rows'); K with K % 64 == 0
     and whole 16-blocks per shard (the packed bytes then split evenly too). A sharded dim failing that is gathered: exact, not
     parallel. Under vmap every call maps over the batch (lax.map)."""
-    f32 = jnp.dtype(jnp.float32)
 
     def call(k_local, dtype, a, b, sa, sb, ga, gb, bias):
         sa = fit_scale(sa, nvfp4_scale_shape(a.shape[0], k_local))
