@@ -27,6 +27,7 @@
 #include <cstring>
 #include <string>
 
+#include "common/cp_async.cuh"
 #include "common/cuda_check.h"
 #include "common/element.h"
 #include "common/reduce.cuh"
@@ -157,40 +158,6 @@ __device__ __forceinline__ int InputSlot(int chunk) { return chunk ^ ((chunk >> 
 // XOR gives the 8 row blocks 8 distinct slots, so the 32 lanes hit 32 banks. The encode's
 // 16-byte writes (8 lanes: one row, chunks 0..7) stay a permutation of one row.
 __device__ __forceinline__ int CodesSlot(int row, int chunk) { return chunk ^ ((row >> 3) & 7); }
-
-// cp.async (sm_80+, PTX ISA 7.0: https://docs.nvidia.com/cuda/parallel-thread-execution/#data-movement-and-conversion-instructions-cp-async):
-// 16-byte global -> shared copies that hold no registers; .cg caches them in L2 only.
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-#define LOWBIT_HAS_CP_ASYNC 1
-#else
-#define LOWBIT_HAS_CP_ASYNC 0
-#endif
-
-__device__ __forceinline__ void CopyAsync16(void* smem, const void* gmem) {
-#if LOWBIT_HAS_CP_ASYNC
-  const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(__cvta_generic_to_global(gmem))
-               : "memory");
-#else
-  *static_cast<uint4*>(smem) = __ldg(static_cast<const uint4*>(gmem));
-#endif
-}
-
-// Commits this thread's copies issued since the last commit as one group (possibly empty).
-__device__ __forceinline__ void CopyAsyncCommit() {
-#if LOWBIT_HAS_CP_ASYNC
-  asm volatile("cp.async.commit_group;\n" ::: "memory");
-#endif
-}
-
-// Waits until at most kPending of this thread's groups are in flight; __syncthreads()
-// then publishes the completed ones to the block.
-template <int kPending>
-__device__ __forceinline__ void CopyAsyncWait() {
-#if LOWBIT_HAS_CP_ASYNC
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
-#endif
-}
 
 // Stores 16 codes (`words`, little-endian) at dst, of which the first `valid` are in range:
 // one 16-byte store where dst allows it, else 8-, 4- or 1-byte stores.
