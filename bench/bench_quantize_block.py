@@ -11,6 +11,9 @@ kernel's pass, plus a small finalize kernel; the per-tensor kernel fuses its own
 
     python bench/bench_quantize_block.py            # GPU: 16384x8192 and 8192x32768 bf16
     python bench/bench_quantize_block.py --small    # CPU smoke run at tiny sizes
+    python bench/bench_quantize_block.py --sweep LOWBIT_BLOCK_TILE_STAGED=1,0
+        (every config timed once per value of a knob the C++ launchers read at every call,
+        one value after the other on the same compiled function; an empty value unsets it)
 """
 
 from __future__ import annotations
@@ -84,14 +87,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     common.add_size_args(parser)
     parser.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated names of CONFIGS")
+    parser.add_argument("--sweep", default=None, help="VAR=v1,v2,...: time every config under each value")
     args = parser.parse_args()
+    sweep_var, sweep_values = None, [None]
+    if args.sweep:
+        sweep_var, _, values = args.sweep.partition("=")
+        if not sweep_var or not values:
+            parser.error("--sweep: expected VAR=v1,v2,...")
+        sweep_values = values.split(",")
     names = [c.strip() for c in args.configs.split(",") if c.strip()]
     unknown = [c for c in names if c not in CONFIGS]
     if unknown:
         parser.error(f"--configs: unknown {unknown}; expected names from {list(CONFIGS)}")
 
     shapes, iters, repeats = common.sizes(args)
-    bandwidth, _ = common.copy_bandwidths(args.small)
+    bandwidth, kernel_bandwidth = common.copy_bandwidths(args.small)
 
     rows_out = []
     for rows, cols in shapes:
@@ -100,21 +110,33 @@ def main() -> None:
         for name in names:
             fmt, rowwise, colwise, dbias = CONFIGS[name]
             nbytes = moved_bytes(rows, cols, fmt, rowwise, colwise, dbias)
-            t_block = common.time_fn(block_fn(fmt, rowwise, colwise, dbias), sets, iters, repeats)
+            fn = jax.jit(block_fn(fmt, rowwise, colwise, dbias))
             t_tensor = common.time_fn(tensor_fn(rowwise, colwise, dbias), sets, iters, repeats)
-            k_block = common.device_time_fn(block_fn(fmt, rowwise, colwise, dbias), sets)
-            rows_out.append({
-                "shape": f"{rows}x{cols}",
-                "config": name,
-                "block_us": t_block * 1e6,
-                "block_GB/s": nbytes / t_block / 1e9,
-                "block_kernel_us": None if k_block is None else k_block * 1e6,
-                "%copy": 100.0 * nbytes / t_block / bandwidth,
-                "per_tensor_us": t_tensor * 1e6,
-                "block/per_tensor": t_block / t_tensor,
-            })
+            for value in sweep_values:
+                if sweep_var is not None:
+                    if value:
+                        os.environ[sweep_var] = value
+                    else:
+                        os.environ.pop(sweep_var, None)
+                t_block = common.time_fn(fn, sets, iters, repeats)
+                k_block = common.device_time_fn(fn, sets)
+                row = {"shape": f"{rows}x{cols}", "config": name}
+                if sweep_var is not None:
+                    row[sweep_var] = value
+                rows_out.append({
+                    **row,
+                    "block_us": t_block * 1e6,
+                    "block_GB/s": nbytes / t_block / 1e9,
+                    "block_kernel_us": None if k_block is None else k_block * 1e6,
+                    "%copy": 100.0 * nbytes / t_block / bandwidth,
+                    "%copy_kernel": None if k_block is None or not kernel_bandwidth
+                    else 100.0 * nbytes / k_block / kernel_bandwidth,
+                    "per_tensor_us": t_tensor * 1e6,
+                    "block/per_tensor": t_block / t_tensor,
+                })
         del sets
-    columns = ["shape", "config", "block_us", "block_kernel_us", "block_GB/s", "%copy", "per_tensor_us", "block/per_tensor"]
+    columns = ["shape", "config", *([sweep_var] if sweep_var else []), "block_us", "block_kernel_us", "block_GB/s",
+               "%copy", "%copy_kernel", "per_tensor_us", "block/per_tensor"]
     common.print_table(rows_out, columns)
     path = common.write_results(
         "quantize_block" + ("_small" if args.small else ""),

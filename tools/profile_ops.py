@@ -6,7 +6,8 @@
 
 OPS (default all): quantize norm act softmax. Each op runs twice after compilation (the
 profiler then sees two launches of each kernel); nothing is timed here (bench/ does that).
-Opt-in: grouped_block (quantize_grouped_block, colwise + rowwise, 64 skewed groups, MXFP8 and
+Opt-in: block (the plain FP8 1x128, 128x128 and MXFP8 quantizers, both copies, 16384x8192
+bf16; kernels -k regex:TileKernel); grouped_block (quantize_grouped_block, colwise + rowwise, 64 skewed groups, MXFP8 and
 FP8 1x128 / 128x128; kernels -k regex:'TileKernel|GroupTable'); fused_block (gelu and layernorm
 fused with MXFP8 and FP8 1x128 quantization, beside the plain block quantizers of the same
 shape: bench/bench_fused_block.py's cases; kernels -k regex:'TileKernel|Stats').
@@ -65,6 +66,13 @@ def main(ops):
         for mode, tile_2d in (("mxfp8", False), ("fp8_block", False), ("fp8_block", True)):
             run(lambda v, g, m=mode, t=tile_2d: quantize_grouped_block(v, g, scaling_mode=m, tile_2d=t, colwise=True),
                 x, sizes)
+    if "block" in ops:  # the plain block quantizers, both copies (kernels -k regex:TileKernel)
+        from lowbit.ops.quantize_block import quantize_fp8_block, quantize_mxfp8
+
+        x = normal((16384, 8192))
+        run(lambda v: quantize_fp8_block(v, rowwise=True, colwise=True), x)
+        run(lambda v: quantize_fp8_block(v, tile_2d=True, rowwise=True, colwise=True), x)
+        run(lambda v: quantize_mxfp8(v, rowwise=True, colwise=True), x)
     if "fused_block" in ops:
         from lowbit.ops.fused_block import act_quantize_block, norm_quantize_block, norm_stats
         from lowbit.ops.quantize_block import quantize_fp8_block, quantize_mxfp8
