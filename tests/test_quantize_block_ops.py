@@ -492,6 +492,42 @@ def test_cuda_equals_cpu(shape, axis, dtype, rng, cpu, gpu):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("staged", ["1", "0"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=ids)
+@pytest.mark.parametrize("shape", [(4100, 3080), (8192, 4096), (257, 640), (1, 65536)], ids=str)
+def test_cuda_staged_and_unstaged_tiles_equal_cpu(shape, dtype, staged, rng, cpu, gpu, monkeypatch):
+    # LOWBIT_BLOCK_TILE_STAGED: the plain tile kernels' staged form (the next tile's loads in
+    # flight through shared memory, the default) and the unstaged one, on vectorizable shapes
+    # with partial tiles in both dims and several tiles per block, with dbias and without.
+    monkeypatch.setenv("LOWBIT_BLOCK_TILE_STAGED", staged)
+    x = with_block_specials(rng, shape, dtype)
+    configs = [("1x128", True, True), ("1x128", False, True), ("128x128", True, True), ("mxfp8", True, True),
+               ("mxfp8", False, True)]
+    for i, (kind, rowwise, colwise) in enumerate(configs):
+        for f in (_quantize_with_dbias(kind, rowwise, colwise, -1, FP8[i % 2], bool(i % 2 == 0)),
+                  _quantize_without_dbias(kind, rowwise, colwise, FP8[(i + 1) % 2], bool(i % 2 == 1))):
+            for a, b in zip(jax.tree.leaves(run_on(gpu, f, x)), jax.tree.leaves(run_on(cpu, f, x))):
+                np.testing.assert_array_equal(_bits(a), _bits(b), err_msg=f"{kind} {rowwise} {colwise}")
+
+
+@pytest.mark.gpu
+def test_cuda_bad_staging_knob_is_an_error(gpu, monkeypatch):
+    monkeypatch.setenv("LOWBIT_BLOCK_TILE_STAGED", "yes")
+    x = jnp.ones((256, 256), jnp.bfloat16)
+    for f in (lambda v: quantize_fp8_block(v, rowwise=True, colwise=True),
+              lambda v: quantize_mxfp8(v, rowwise=True, colwise=True)):
+        with pytest.raises(Exception, match=r"LOWBIT_BLOCK_TILE_STAGED=\"yes\": expected 0 or 1"):
+            run_on(gpu, f, x)
+
+
+def _quantize_without_dbias(kind, rowwise, colwise, fp8, pow2):
+    if kind == "mxfp8":
+        return lambda v: quantize_mxfp8(v, out_dtype=fp8, rowwise=rowwise, colwise=colwise)
+    return lambda v: quantize_fp8_block(v, out_dtype=fp8, tile_2d=kind == "128x128", pow2_scales=pow2,
+                                        rowwise=rowwise, colwise=colwise)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("fp8", FP8, ids=ids)
 def test_cuda_every_input_bit_pattern_equals_cpu(fp8, rng, cpu, gpu):
     # Hardware cvt where no NaN can occur, the formats.h codec elsewhere: every 16-bit input

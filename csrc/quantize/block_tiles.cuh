@@ -30,25 +30,39 @@
 // converted when encoded). A fused source computes fp32 values in Load (fused_block/).
 //
 // Fp8BlockTileKernel: a block (256 threads) loops over 128 x 128 tiles of x. Each thread
-//   issues all its chunk loads of the tile first (kPasses rows x one 16-byte chunk), then:
-//   - amaxes: 1x128 rowwise: the tile row's max over the lanes that hold it (shuffles);
-//     1x128 colwise: per-thread column maxima, combined through shared memory; 128x128: one
+//   issues all its chunk loads of the tile first (kPasses rows x one 16-byte chunk; in the
+//   staged form, below, they were issued during the previous tile), then:
+//   - amaxes (bf16 x: on the 16-bit halves, two per instruction): 1x128 rowwise: the tile
+//     row's max over the lanes that hold it (shuffles), lane q of those computing the scale
+//     of pass q's row (one division per lane) and shuffling it to the others; 1x128
+//     colwise: per-thread column maxima, combined through shared memory; 128x128: one
 //     block-wide max;
 //   - rowwise codes: encoded with their row's scale and stored straight to global memory;
-//   - colwise codes (encoded with their column's scale; for 128x128 the rowwise codes, the
-//     scale being the same) go to shared memory, from which each thread gathers 4 columns x
-//     8 rows, byte-transposes them and writes 8-byte stores of the cols x rows copy (grouped
-//     tiles, which start at any row, take 8-row windows aligned to x's rows instead).
+//   - colwise codes (encoded with their column's scale, from the same fp32 values as the
+//     rowwise ones; for 128x128 the rowwise codes, the scale being the same) go to shared
+//     memory, from which each thread gathers 4 columns x 8 rows, byte-transposes them and
+//     writes 8-byte stores of the cols x rows copy (grouped tiles, which start at any row,
+//     take 8-row windows aligned to x's rows instead).
 //   Scales are written by the threads that own them; padding entries are zeroed by a memset
 //   first, only when there are any.
 // Mxfp8TileKernel: a block (256 threads) loops over 64 x 128 tiles of x; each thread
-//   issues its chunk loads (kPasses rows x one chunk) first, then
-//   - rowwise: the 32-value block max over the 32 / kVec lanes that hold it (shuffles), the
-//     E8M0 byte written by the group's first lane, codes stored straight back (kVec bytes);
-//   - colwise: per-thread column maxima for each of the tile's two 32-row blocks, combined
-//     through shared memory by one thread per (block, column), which writes the byte; codes
-//     are encoded with the column's factor and stored in x's layout (no transpose).
+//   issues its chunk loads (kPasses rows x one chunk) first (staged: during the previous
+//   tile), then
+//   - amaxes (bf16 x: on the 16-bit halves): per chunk, and per column for each of the
+//     tile's two 32-row blocks;
+//   - rowwise: the 32-value block max over the 32 / kVec lanes that hold it (shuffles),
+//     lane q of those computing pass q's E8M0 byte (and writing it) and shuffling it to the
+//     others;
+//   - colwise: the per-thread column maxima combined through shared memory by one thread per
+//     (block, column), which writes the byte;
+//   - codes: each value converted to fp32 once and encoded with its row block's factor and
+//     its column block's, both copies stored in x's layout (no transpose).
 //   Scale padding is zeroed by a memset first, only when there is any.
+// Staged form (kStaged, both kernels: PlainSource on the plain walk with vector IO; on or off
+//   per kernel by BlockTileStaging): one resident wave of blocks, each thread copying its chunks of the
+//   block's next tile into its own slots of dynamic shared memory (cp.async) as soon as it
+//   holds the current tile's values, so the loads of tile t+1 are in flight while tile t is
+//   encoded. No thread reads another's slots, so the hand-off needs no barrier.
 // dbias (both kernels, kDbias: plain walk only, compiled only into the kernels that compute
 //   it, so that the others keep their registers and shared memory): after the loads, each thread
 //   sums its chunk columns over its kPasses rows in pass order, the lane sums go to shared
@@ -63,9 +77,12 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <string>
+#include <type_traits>
 
+#include "common/cp_async.cuh"
 #include "common/cuda_check.h"
 #include "common/element.h"
 #include "common/reduce.cuh"
@@ -132,10 +149,13 @@ template <typename Tag>
 struct PlainSource {
   using T = typename Tag::Storage;
   static constexpr int kVec = 16 / int(sizeof(T));
-  // At 2 blocks the tile kernels take 117-128 registers. At 3 (80 registers) the MXFP8 kernel
-  // spills <= 40 bytes (vectorized), the FP8 128x128 kernel none for 16-bit x, the FP8 1x128
-  // one 228-432 bytes: so 3 for the first two, 2 for 1x128 and for f32 x's 128x128.
-  static constexpr int kMinBlocks = 2, kMinBlocks2d = sizeof(T) == 2 ? 3 : 2, kMinBlocksMxfp8 = 3;
+  // At 3 blocks (80 registers) the MXFP8 kernel spills <= 40 bytes (vectorized), the FP8
+  // 128x128 kernel none for 16-bit x, the FP8 1x128 kernel (its scales one division per
+  // lane, its values converted once) none staged and <= 24 bytes unstaged for 16-bit x,
+  // but 264-356 bytes with dbias: so 3 for all of them with 16-bit x, the 1x128 dbias
+  // kernels and f32 x 2 (Fp8TileMinBlocks).
+  static constexpr int kMinBlocks = sizeof(T) == 2 ? 3 : 2, kMinBlocks2d = sizeof(T) == 2 ? 3 : 2,
+                       kMinBlocksMxfp8 = sizeof(T) == 2 ? 4 : 3;
   struct Chunk {
     T v[kVec];
   };
@@ -159,7 +179,131 @@ struct PlainSource {
     }
   }
   __device__ __forceinline__ static float Value(const Chunk& chunk, int j) { return LoadAsFloatFast(Tag{}, chunk.v[j]); }
+
+  // Staged loads (the kernels' kStaged form, vector IO only): the chunk at (r, c) copied into
+  // `slot` by cp.async, or zeros outside x; FromStaged is Load's conversion of the 16 bytes.
+  static constexpr bool kStageable = true;
+  // bf16: Value's fp32 bits are the element's bits << 16, so the |x| bits of a chunk compare
+  // as its 16-bit |x| halves do (AbsMaxBf16Chunk); other types take Value.
+  static constexpr bool kBf16Bits = std::is_same_v<Tag, BF16>;
+  __device__ __forceinline__ void Stage(int64_t r, int64_t c, int64_t rows, int64_t cols, uint4* slot) const {
+    if (r < rows && c < cols) {
+      CopyAsync16(slot, x + r * cols + c);
+    } else {
+      *slot = make_uint4(0, 0, 0, 0);
+    }
+  }
+  __device__ __forceinline__ static void FromStaged(const uint4& packed, Chunk& out) {
+    memcpy(out.v, &packed, sizeof(packed));
+  }
 };
+
+// Resident blocks an SM Fp8BlockTileKernel is compiled for (its launch bounds).
+template <typename Src, bool kTile2d, bool kDbias>
+constexpr int Fp8TileMinBlocks() {
+  return kTile2d ? Src::kMinBlocks2d : kDbias ? 2 : Src::kMinBlocks;
+}
+
+// Resident blocks an SM Mxfp8TileKernel is compiled for (with dbias 3: 80 registers).
+template <typename Src, bool kDbias>
+constexpr int Mxfp8TileMinBlocks() {
+  return kDbias && Src::kMinBlocksMxfp8 > 3 ? 3 : Src::kMinBlocksMxfp8;
+}
+
+// Whether a source's chunks are raw bf16 (PlainSource<BF16>): its amaxes then come from the
+// 16-bit halves (two per instruction), equal to AbsBitsOf(Value) maxima bit for bit.
+template <typename S, typename = void>
+struct Bf16Chunks : std::false_type {};
+template <typename S>
+struct Bf16Chunks<S, std::void_t<decltype(S::kBf16Bits)>> : std::bool_constant<S::kBf16Bits> {};
+
+// For a bf16 chunk: max |x| bits of the chunk into *chunk_max and per column into col_max
+// (both as fp32 bits: the 16-bit maximum << 16), on packed pairs.
+template <int kVec, typename Chunk>
+__device__ __forceinline__ void AbsMaxBf16Chunk(const Chunk& chunk, uint32_t* chunk_max, uint32_t (&col_max)[kVec]) {
+  static_assert(sizeof(Chunk) == 16 && kVec == 8, "8 bf16 values");
+  uint32_t w[4];
+  memcpy(w, &chunk, sizeof(w));
+  uint32_t m = 0;
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const uint32_t a = w[k] & 0x7FFF7FFFu;
+    m = __vmaxu2(m, a);
+    col_max[2 * k] = max(col_max[2 * k], a << 16);
+    col_max[2 * k + 1] = max(col_max[2 * k + 1], a & 0xFFFF0000u);
+  }
+  *chunk_max = max(m << 16, m & 0xFFFF0000u);
+}
+
+// Whether a source offers Stage / FromStaged (PlainSource; the fused sources compute their
+// values in Load and do not).
+template <typename S, typename = void>
+struct Stageable : std::false_type {};
+template <typename S>
+struct Stageable<S, std::void_t<decltype(S::kStageable)>> : std::bool_constant<S::kStageable> {};
+
+// Staged tile loads: LOWBIT_BLOCK_TILE_STAGED unset (each kernel's default, `default_on`),
+// "1" (staged wherever a kernel can be) or "0" (never), read at every launch so that one
+// process can time both forms. The defaults follow the H200 measurements of
+// bench/results/quantize_block_tiles_2026-11-27b.log (16-bit x, kernel time): staged
+// where it was faster (FP8 1x128 without dbias: 162 vs 176 us at 16384 x 8192, MXFP8 with
+// dbias: 243 vs 278) and for f32 x (FP8 128x128 from f32 in the seed Dense step: 430 vs
+// 496 us), unstaged where it was slower (FP8 128x128: 165 vs 153, FP8 1x128 with dbias:
+// 253 vs 209, MXFP8 without dbias: 224 vs 213).
+constexpr const char* kBlockTileStagedEnv = "LOWBIT_BLOCK_TILE_STAGED";
+inline Status BlockTileStaging(const char* op, bool default_on, bool* on) {
+  const char* env = std::getenv(kBlockTileStagedEnv);
+  *on = default_on;
+  if (env == nullptr || *env == '\0') return Status::Ok();
+  if (std::strcmp(env, "1") == 0 || std::strcmp(env, "0") == 0) {
+    *on = env[0] == '1';
+    return Status::Ok();
+  }
+  return Status::InvalidArgument(std::string(op) + ": " + kBlockTileStagedEnv + "=\"" + env + "\": expected 0 or 1");
+}
+
+// A kStaged kernel's one staged tile: every thread's kPasses chunks, chunk p of thread t at
+// slot p * kThreads + t (each thread reads back only its own slots, after its own wait).
+template <typename Src, int kTileH, int kTileW>
+constexpr int StagedTileBytes() {
+  return kTileH * kTileW / Src::kVec * 16;
+}
+
+// Sets a staged kernel's dynamic shared memory and returns its grid: one resident wave (every
+// block loops over tiles with the next one's loads in flight; a second wave's blocks would
+// start theirs unstaged), at most one block per tile.
+template <typename Kernel>
+Status PrepareStagedLaunch(Kernel kernel, int smem_bytes, int64_t tiles, const char* op, int* blocks) {
+  LOWBIT_RETURN_IF_ERROR(CudaStatus(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                         smem_bytes),
+                                    op, "cudaFuncSetAttribute"));
+  LOWBIT_RETURN_IF_ERROR(CudaStatus(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                                         int(cudaSharedmemCarveoutMaxShared)),
+                                    op, "cudaFuncSetAttribute"));
+  int per_sm = 0;
+  LOWBIT_RETURN_IF_ERROR(CudaStatus(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads,
+                                                                                  smem_bytes),
+                                    op, "cudaOccupancyMaxActiveBlocksPerMultiprocessor"));
+  *blocks = GridStrideBlocks(tiles * kThreads, kThreads, per_sm > 0 ? per_sm : 1);
+  return Status::Ok();
+}
+
+// Issues this thread's cp.async copies of tile t (kTileH x kTileW, plain walk) into its slots
+// of `staged` (chunk p at p * kThreads + threadIdx.x) and commits them as one group. Called
+// only by kStaged kernels, so that sources without Stage never instantiate it.
+template <int kTileH, int kTileW, int kPasses, int kRowsPerPass, typename Src, typename Rows>
+__device__ __forceinline__ void StageTile(const Src& src, const Rows& row_tiles, int64_t t, int64_t tiles_c,
+                                          int blocks_per_tile, int chunk_row, int chunk_col, int64_t cols,
+                                          uint4* staged) {
+  typename Rows::Cursor none;
+  const RowTile st = row_tiles.Tile(t / tiles_c, kTileH, blocks_per_tile, none);
+  const int64_t c = t % tiles_c * kTileW + chunk_col;
+#pragma unroll
+  for (int p = 0; p < kPasses; ++p) {
+    src.Stage(st.r0 + p * kRowsPerPass + chunk_row, c, st.r_lim, cols, &staged[p * kThreads + threadIdx.x]);
+  }
+  CopyAsyncCommit();
+}
 
 // dbias of one tile (block_dbias.h): my kVec columns summed over my kPasses rows in pass
 // order, then (one thread per column) the kRowsPerPass lanes of a column in lane order, written
@@ -209,11 +353,28 @@ __device__ __forceinline__ void TransposeBytes8x4(const uint32_t (&w)[8], uint32
   hi[3] = __byte_perm(e_hi, f_hi, 0x7632);
 }
 
+// Stores a chunk's kVec codes at columns [c, c + kVec) of a rowwise row: one kVec-byte store
+// (kVectorIO: aligned, and c < cols implies the whole chunk is in range), else byte by byte.
+template <bool kVectorIO, int kVec>
+__device__ __forceinline__ void StoreRowCodes(uint8_t* row, int64_t c, int64_t cols, const uint32_t (&words)[kVec / 4]) {
+  if (kVectorIO && c < cols) {
+    StoreCodes<kVec>(row + c, words);
+  } else {
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) {
+      if (c + j < cols) row[c + j] = CodeOf(words, j);
+    }
+  }
+}
+
 // kVectorIO: the source's chunks are whole 16-byte loads (Src::Load) and rowwise is aligned:
 // every in-range chunk is one kVec-byte store. colwise_vec: rows % 8 == 0, colwise 8-byte
 // aligned: full 8-row transposed chunks (at rows % 8 == 0) are 8-byte stores.
-template <typename Src, typename Fmt, bool kTile2d, bool kVectorIO, bool kDbias, typename Rows>
-__global__ void __launch_bounds__(kThreads, kTile2d ? Src::kMinBlocks2d : Src::kMinBlocks)
+// kStaged (plain walk, vector IO, a Stageable source): each thread's chunks of the block's
+// next tile are copied into dynamic shared memory (StagedTileBytes) by cp.async while this
+// tile is encoded and stored, instead of being loaded when the tile starts.
+template <typename Src, typename Fmt, bool kTile2d, bool kVectorIO, bool kDbias, bool kStaged, typename Rows>
+__global__ void __launch_bounds__(kThreads, (Fp8TileMinBlocks<Src, kTile2d, kDbias>()))
     Fp8BlockTileKernel(const Src src, const Rows row_tiles, int64_t rows, int64_t cols,
                            bool pow2, uint8_t* __restrict__ rowwise, float* __restrict__ row_scale_inv,
                            uint8_t* __restrict__ colwise, float* __restrict__ col_scale_inv,
@@ -234,6 +395,15 @@ __global__ void __launch_bounds__(kThreads, kTile2d ? Src::kMinBlocks2d : Src::k
   const ScaleDims row_dims = Fp8BlockScaleDims(rows, cols, kTile2d);
   const ScaleDims col_dims = Fp8BlockScaleDims(cols, rows, kTile2d);
   typename Rows::Cursor cursor;
+  static_assert(!kStaged || (kVectorIO && !Rows::kGrouped && Stageable<Src>::value), "staged: plain vector walk");
+  extern __shared__ __align__(16) uint8_t staged_bytes[];  // kStaged: the next tile's chunks
+  uint4* const staged = reinterpret_cast<uint4*>(staged_bytes);
+  if constexpr (kStaged) {
+    if (blockIdx.x < tiles) {
+      StageTile<kTile, kTile, kPasses, kRowsPerPass>(src, row_tiles, blockIdx.x, tiles_c, 1, chunk_row, chunk_col,
+                                                     cols, staged);
+    }
+  }
 
   for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
     const RowTile rt = row_tiles.Tile(tile / tiles_c, kTile, 1, cursor);
@@ -242,13 +412,20 @@ __global__ void __launch_bounds__(kThreads, kTile2d ? Src::kMinBlocks2d : Src::k
     const int64_t c0 = tile % tiles_c * kTile;
     const int64_t c = c0 + chunk_col;
 
-    // 1. All loads first (out of range -> 0, which changes no amax).
+    // 1. All loads first (out of range -> 0, which changes no amax); staged: this thread's
+    // own slots, once its copies have landed.
     typename Src::Cols col_state;
     src.LoadCols(c, cols, col_state);
     typename Src::Chunk vals[kPasses];
+    if constexpr (kStaged) {
+      CopyAsyncWait<0>();
 #pragma unroll
-    for (int p = 0; p < kPasses; ++p) {
-      src.template Load<kVectorIO>(r0 + p * kRowsPerPass + chunk_row, c, r_lim, cols, col_state, vals[p]);
+      for (int p = 0; p < kPasses; ++p) Src::FromStaged(staged[p * kThreads + threadIdx.x], vals[p]);
+    } else {
+#pragma unroll
+      for (int p = 0; p < kPasses; ++p) {
+        src.template Load<kVectorIO>(r0 + p * kRowsPerPass + chunk_row, c, r_lim, cols, col_state, vals[p]);
+      }
     }
 
     // 2. amaxes (|x| bits): per chunk (also the chunk's "no NaN" test) and per column.
@@ -258,12 +435,24 @@ __global__ void __launch_bounds__(kThreads, kTile2d ? Src::kMinBlocks2d : Src::k
     for (int j = 0; j < kVec; ++j) col_max[j] = 0;
 #pragma unroll
     for (int p = 0; p < kPasses; ++p) {
-      chunk_max[p] = 0;
+      if constexpr (Bf16Chunks<Src>::value) {
+        AbsMaxBf16Chunk<kVec>(vals[p], &chunk_max[p], col_max);
+      } else {
+        chunk_max[p] = 0;
 #pragma unroll
-      for (int j = 0; j < kVec; ++j) {
-        const uint32_t b = AbsBitsOf(Src::Value(vals[p], j));
-        chunk_max[p] = max(chunk_max[p], b);
-        col_max[j] = max(col_max[j], b);
+        for (int j = 0; j < kVec; ++j) {
+          const uint32_t b = AbsBitsOf(Src::Value(vals[p], j));
+          chunk_max[p] = max(chunk_max[p], b);
+          col_max[j] = max(col_max[j], b);
+        }
+      }
+    }
+    // Every staged value is in registers now (the maxima used them all): the next tile's
+    // copies may overwrite the slots.
+    if constexpr (kStaged) {
+      if (tile + gridDim.x < tiles) {
+        StageTile<kTile, kTile, kPasses, kRowsPerPass>(src, row_tiles, tile + gridDim.x, tiles_c, 1, chunk_row,
+                                                       chunk_col, cols, staged);
       }
     }
 
@@ -286,14 +475,24 @@ __global__ void __launch_bounds__(kThreads, kTile2d ? Src::kMinBlocks2d : Src::k
         if (colwise != nullptr) col_scale_inv[(c0 / kTile) * row_tiles.col2d_ld + rt.scale_col2d] = inv;
       }
     } else {
+      // The kThreadsPerRow lanes of a tile row share its scale: lane q of the group computes
+      // the scale (and writes the scale_inv) of pass q's row, the others get it by shuffle,
+      // so each lane divides once instead of once per pass.
+      static_assert(kPasses <= kThreadsPerRow, "one lane per pass");
+      const int q = threadIdx.x % kThreadsPerRow;
+      uint32_t my_max = 0;
 #pragma unroll
       for (int p = 0; p < kPasses; ++p) {
-        row_scale[p] = Fp8BlockScale(GroupMaxU32<kThreadsPerRow>(chunk_max[p]), Fmt::kMax, pow2);
-        const int64_t r = r0 + p * kRowsPerPass + chunk_row;
-        if (rowwise != nullptr && threadIdx.x % kThreadsPerRow == 0 && r < r_lim) {
-          row_scale_inv[(c0 / kTile) * row_dims.dim1 + r] = ScaleDivRn(1.0f, row_scale[p]);
-        }
+        const uint32_t m = GroupMaxU32<kThreadsPerRow>(chunk_max[p]);
+        my_max = q == p ? m : my_max;
       }
+      const float my_scale = Fp8BlockScale(my_max, Fmt::kMax, pow2);
+      if (q < kPasses) {
+        const int64_t r = r0 + q * kRowsPerPass + chunk_row;
+        if (rowwise != nullptr && r < r_lim) row_scale_inv[(c0 / kTile) * row_dims.dim1 + r] = ScaleDivRn(1.0f, my_scale);
+      }
+#pragma unroll
+      for (int p = 0; p < kPasses; ++p) row_scale[p] = __shfl_sync(0xFFFFFFFFu, my_scale, p, kThreadsPerRow);
       if (colwise != nullptr) {
 #pragma unroll
         for (int j = 0; j < kVec; ++j) col_part[chunk_row][chunk_col + j] = col_max[j];
@@ -314,33 +513,57 @@ __global__ void __launch_bounds__(kThreads, kTile2d ? Src::kMinBlocks2d : Src::k
       }
     }
 
-    // 3. Rowwise codes (for 128x128 also the colwise ones, via shared memory).
-    const bool codes_from_rowwise = kTile2d && colwise != nullptr;
-    if (rowwise != nullptr || codes_from_rowwise) {
+    // 3. Codes. 128x128: the rowwise codes, which are also the colwise ones (via shared
+    // memory). 1x128: per chunk, each value converted once and encoded twice, with its row's
+    // scale (stored straight out) and with its column's (to shared memory).
+    if constexpr (kTile2d) {
+      if (rowwise != nullptr || colwise != nullptr) {
+#pragma unroll
+        for (int p = 0; p < kPasses; ++p) {
+          const int local_row = p * kRowsPerPass + chunk_row;
+          const int64_t r = r0 + local_row;
+          float v[kVec], s[kVec];
+#pragma unroll
+          for (int j = 0; j < kVec; ++j) {
+            v[j] = Src::Value(vals[p], j);
+            s[j] = row_scale[p];
+          }
+          uint32_t words[kVec / 4];
+          EncodeChunkScaled(Fmt{}, v, s, chunk_max[p] <= 0x7F800000u, words);
+          if (Rows::kGrouped && rt.tail) ZeroWords(words);  // both copies group-bound
+          if (rowwise != nullptr && r < r_lim) StoreRowCodes<kVectorIO, kVec>(rowwise + r * cols, c, cols, words);
+          if (colwise != nullptr) {
+#pragma unroll
+            for (int j = 0; j < kVec; j += 4) *reinterpret_cast<uint32_t*>(&codes[local_row][chunk_col + j]) = words[j / 4];
+          }
+        }
+      }
+    } else {
+      float cs[kVec];
+      if (colwise != nullptr) {
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) cs[j] = col_scale[chunk_col + j];
+      }
 #pragma unroll
       for (int p = 0; p < kPasses; ++p) {
         const int local_row = p * kRowsPerPass + chunk_row;
         const int64_t r = r0 + local_row;
-        float v[kVec], s[kVec];
+        const bool no_nan = chunk_max[p] <= 0x7F800000u;
+        float v[kVec];
 #pragma unroll
-        for (int j = 0; j < kVec; ++j) {
-          v[j] = Src::Value(vals[p], j);
-          s[j] = row_scale[p];
-        }
-        uint32_t words[kVec / 4];
-        EncodeChunkScaled(Fmt{}, v, s, chunk_max[p] <= 0x7F800000u, words);
-        if (kTile2d && Rows::kGrouped && rt.tail) ZeroWords(words);  // 128x128: both copies group-bound
-        if (rowwise != nullptr && r < r_lim) {
-          if (kVectorIO && c < cols) {
-            StoreCodes<kVec>(rowwise + r * cols + c, words);
-          } else {
+        for (int j = 0; j < kVec; ++j) v[j] = Src::Value(vals[p], j);
+        if (rowwise != nullptr) {
+          float s[kVec];
 #pragma unroll
-            for (int j = 0; j < kVec; ++j) {
-              if (c + j < cols) rowwise[r * cols + c + j] = CodeOf(words, j);
-            }
-          }
+          for (int j = 0; j < kVec; ++j) s[j] = row_scale[p];
+          uint32_t words[kVec / 4];
+          EncodeChunkScaled(Fmt{}, v, s, no_nan, words);
+          if (r < r_lim) StoreRowCodes<kVectorIO, kVec>(rowwise + r * cols, c, cols, words);
         }
-        if (codes_from_rowwise) {
+        if (colwise != nullptr) {
+          uint32_t words[kVec / 4];
+          EncodeChunkScaled(Fmt{}, v, cs, no_nan, words);
+          if (Rows::kGrouped && rt.tail) ZeroWords(words);
 #pragma unroll
           for (int j = 0; j < kVec; j += 4) *reinterpret_cast<uint32_t*>(&codes[local_row][chunk_col + j]) = words[j / 4];
         }
@@ -349,25 +572,6 @@ __global__ void __launch_bounds__(kThreads, kTile2d ? Src::kMinBlocks2d : Src::k
     if (colwise == nullptr) {  // uniform across the block
       if constexpr (kDbias) __syncthreads();  // lane_sums is rewritten by the next tile
       continue;
-    }
-
-    // 4. 1x128 colwise codes: each value with its column's scale.
-    if constexpr (!kTile2d) {
-      float s[kVec];
-#pragma unroll
-      for (int j = 0; j < kVec; ++j) s[j] = col_scale[chunk_col + j];
-#pragma unroll
-      for (int p = 0; p < kPasses; ++p) {
-        float v[kVec];
-#pragma unroll
-        for (int j = 0; j < kVec; ++j) v[j] = Src::Value(vals[p], j);
-        uint32_t words[kVec / 4];
-        EncodeChunkScaled(Fmt{}, v, s, chunk_max[p] <= 0x7F800000u, words);
-        if (Rows::kGrouped && rt.tail) ZeroWords(words);
-        const int local_row = p * kRowsPerPass + chunk_row;
-#pragma unroll
-        for (int j = 0; j < kVec; j += 4) *reinterpret_cast<uint32_t*>(&codes[local_row][chunk_col + j]) = words[j / 4];
-      }
     }
     __syncthreads();
 
@@ -438,8 +642,9 @@ __global__ void __launch_bounds__(kThreads, kTile2d ? Src::kMinBlocks2d : Src::k
 
 // kVectorIO: the source's chunks are whole 16-byte loads (Src::Load) and rowwise / colwise
 // are 16-byte aligned: every in-range chunk is one kVec-byte store.
-template <typename Src, typename Fmt, bool kVectorIO, bool kDbias, typename Rows>
-__global__ void __launch_bounds__(kThreads, Src::kMinBlocksMxfp8)
+// kStaged: as Fp8BlockTileKernel's.
+template <typename Src, typename Fmt, bool kVectorIO, bool kDbias, bool kStaged, typename Rows>
+__global__ void __launch_bounds__(kThreads, (Mxfp8TileMinBlocks<Src, kDbias>()))
     Mxfp8TileKernel(const Src src, const Rows row_tiles, int64_t rows, int64_t cols,
                         uint8_t* __restrict__ rowwise, uint8_t* __restrict__ row_scale,
                         uint8_t* __restrict__ colwise, uint8_t* __restrict__ col_scale,
@@ -460,6 +665,15 @@ __global__ void __launch_bounds__(kThreads, Src::kMinBlocksMxfp8)
   const int64_t row_ld = Mxfp8ScaleDims(rows, cols, false).dim1;
   const int64_t col_ld = Mxfp8ScaleDims(rows, cols, true).dim1;
   typename Rows::Cursor cursor;
+  static_assert(!kStaged || (kVectorIO && !Rows::kGrouped && Stageable<Src>::value), "staged: plain vector walk");
+  extern __shared__ __align__(16) uint8_t staged_bytes[];  // kStaged: the next tile's chunks
+  uint4* const staged = reinterpret_cast<uint4*>(staged_bytes);
+  if constexpr (kStaged) {
+    if (blockIdx.x < tiles) {
+      StageTile<kTileRows, kTileCols, kPasses, kRowsPerPass>(src, row_tiles, blockIdx.x, tiles_c, kTileRows / kBlock,
+                                                             chunk_row, chunk_col, cols, staged);
+    }
+  }
 
   for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
     const RowTile rt = row_tiles.Tile(tile / tiles_c, kTileRows, kTileRows / kBlock, cursor);
@@ -471,9 +685,15 @@ __global__ void __launch_bounds__(kThreads, Src::kMinBlocksMxfp8)
     typename Src::Cols col_state;
     src.LoadCols(c, cols, col_state);
     typename Src::Chunk vals[kPasses];  // out of range -> 0, which changes no amax
+    if constexpr (kStaged) {
+      CopyAsyncWait<0>();
 #pragma unroll
-    for (int p = 0; p < kPasses; ++p) {
-      src.template Load<kVectorIO>(r0 + p * kRowsPerPass + chunk_row, c, r_lim, cols, col_state, vals[p]);
+      for (int p = 0; p < kPasses; ++p) Src::FromStaged(staged[p * kThreads + threadIdx.x], vals[p]);
+    } else {
+#pragma unroll
+      for (int p = 0; p < kPasses; ++p) {
+        src.template Load<kVectorIO>(r0 + p * kRowsPerPass + chunk_row, c, r_lim, cols, col_state, vals[p]);
+      }
     }
 
     uint32_t chunk_max[kPasses];
@@ -482,12 +702,22 @@ __global__ void __launch_bounds__(kThreads, Src::kMinBlocksMxfp8)
     for (int j = 0; j < kVec; ++j) col_max[0][j] = col_max[1][j] = 0;
 #pragma unroll
     for (int p = 0; p < kPasses; ++p) {
-      chunk_max[p] = 0;
+      if constexpr (Bf16Chunks<Src>::value) {
+        AbsMaxBf16Chunk<kVec>(vals[p], &chunk_max[p], col_max[p / (kPasses / 2)]);
+      } else {
+        chunk_max[p] = 0;
 #pragma unroll
-      for (int j = 0; j < kVec; ++j) {
-        const uint32_t b = AbsBitsOf(Src::Value(vals[p], j));
-        chunk_max[p] = max(chunk_max[p], b);
-        col_max[p / (kPasses / 2)][j] = max(col_max[p / (kPasses / 2)][j], b);
+        for (int j = 0; j < kVec; ++j) {
+          const uint32_t b = AbsBitsOf(Src::Value(vals[p], j));
+          chunk_max[p] = max(chunk_max[p], b);
+          col_max[p / (kPasses / 2)][j] = max(col_max[p / (kPasses / 2)][j], b);
+        }
+      }
+    }
+    if constexpr (kStaged) {  // as in Fp8BlockTileKernel: every staged value is in registers
+      if (tile + gridDim.x < tiles) {
+        StageTile<kTileRows, kTileCols, kPasses, kRowsPerPass>(src, row_tiles, tile + gridDim.x, tiles_c,
+                                                               kTileRows / kBlock, chunk_row, chunk_col, cols, staged);
       }
     }
 
@@ -496,78 +726,82 @@ __global__ void __launch_bounds__(kThreads, Src::kMinBlocksMxfp8)
                                                             lane_sums, dbias_partials);
     }
 
+    // Rowwise E8M0 bytes: the kLanesPerBlock lanes of a 32-value block share it; lane q
+    // computes (and writes) pass q's and shuffles it to the others, one division per lane.
+    uint8_t row_e[kPasses];
     if (rowwise != nullptr) {
+      static_assert(kPasses <= kLanesPerBlock, "one lane per pass");
+      const int q = threadIdx.x % kLanesPerBlock;
+      uint32_t my_max = 0;
 #pragma unroll
       for (int p = 0; p < kPasses; ++p) {
-        const int64_t r = r0 + p * kRowsPerPass + chunk_row;
-        const uint8_t e = Mxfp8ScaleByte(GroupMaxU32<kLanesPerBlock>(chunk_max[p]), Fmt::kMax);
-        if (threadIdx.x % kLanesPerBlock == 0 && r < r_lim && c < cols) row_scale[r * row_ld + c / kBlock] = e;
-        float v[kVec], f[kVec];
-        const float factor = Mxfp8EncodeFactor(e);
+        const uint32_t m = GroupMaxU32<kLanesPerBlock>(chunk_max[p]);
+        my_max = q == p ? m : my_max;
+      }
+      const uint32_t my_e = Mxfp8ScaleByte(my_max, Fmt::kMax);
+      const int64_t c_block = c - q * kVec;  // the block's first column
+      if (q < kPasses) {
+        const int64_t r = r0 + q * kRowsPerPass + chunk_row;
+        if (r < r_lim && c_block < cols) row_scale[r * row_ld + c_block / kBlock] = uint8_t(my_e);
+      }
+#pragma unroll
+      for (int p = 0; p < kPasses; ++p) row_e[p] = uint8_t(__shfl_sync(0xFFFFFFFFu, my_e, p, kLanesPerBlock));
+    }
+
+    // Colwise E8M0 bytes and factors, through shared memory.
+    if (colwise != nullptr) {
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) {
+        col_part[0][chunk_row][chunk_col + j] = col_max[0][j];
+        col_part[1][chunk_row][chunk_col + j] = col_max[1][j];
+      }
+      __syncthreads();
+      {
+        const int half = threadIdx.x / kTileCols, col = threadIdx.x % kTileCols;  // 256 = 2 x 128
+        uint32_t m = 0;
+#pragma unroll
+        for (int g = 0; g < kRowsPerPass; ++g) m = max(m, col_part[half][g][col]);
+        const uint8_t e = Mxfp8ScaleByte(m, Fmt::kMax);
+        col_factor[half][col] = Mxfp8EncodeFactor(e);
+        if (r0 + half * kBlock < r_lim && c0 + col < cols && !rt.tail) col_scale[(rt.scale_row + half) * col_ld + c0 + col] = e;
+      }
+      __syncthreads();
+    }
+
+    // Codes: each value converted once, encoded with its row block's factor and its column
+    // block's, both copies stored in x's layout.
+#pragma unroll
+    for (int p = 0; p < kPasses; ++p) {
+      const int64_t r = r0 + p * kRowsPerPass + chunk_row;
+      float v[kVec];
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) v[j] = Src::Value(vals[p], j);
+      if (rowwise != nullptr) {
+        float f[kVec];
+        const float factor = Mxfp8EncodeFactor(row_e[p]);
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) f[j] = factor;
+        uint32_t words[kVec / 4];
+        EncodeChunkScaled(Fmt{}, v, f, chunk_max[p] <= 0x7F800000u && row_e[p] != 0xFFu, words);
+        if (r < r_lim) StoreRowCodes<kVectorIO, kVec>(rowwise + r * cols, c, cols, words);
+      }
+      if (colwise != nullptr) {
+        float f[kVec];
+        bool factors_ok = true;
 #pragma unroll
         for (int j = 0; j < kVec; ++j) {
-          v[j] = Src::Value(vals[p], j);
-          f[j] = factor;
+          f[j] = col_factor[p / (kPasses / 2)][chunk_col + j];
+          factors_ok &= !IsNanBits(FloatBits(f[j]));
         }
         uint32_t words[kVec / 4];
-        EncodeChunkScaled(Fmt{}, v, f, chunk_max[p] <= 0x7F800000u && e != 0xFFu, words);
-        if (r < r_lim) {
-          if (kVectorIO && c < cols) {
-            StoreCodes<kVec>(rowwise + r * cols + c, words);
-          } else {
-#pragma unroll
-            for (int j = 0; j < kVec; ++j) {
-              if (c + j < cols) rowwise[r * cols + c + j] = CodeOf(words, j);
-            }
-          }
-        }
+        EncodeChunkScaled(Fmt{}, v, f, chunk_max[p] <= 0x7F800000u && factors_ok, words);
+        if (Rows::kGrouped && rt.tail) ZeroWords(words);
+        if (r < r_lim) StoreRowCodes<kVectorIO, kVec>(colwise + r * cols, c, cols, words);
       }
     }
     if (colwise == nullptr) {  // uniform across the block
       if constexpr (kDbias) __syncthreads();  // lane_sums is rewritten by the next tile
       continue;
-    }
-
-#pragma unroll
-    for (int j = 0; j < kVec; ++j) {
-      col_part[0][chunk_row][chunk_col + j] = col_max[0][j];
-      col_part[1][chunk_row][chunk_col + j] = col_max[1][j];
-    }
-    __syncthreads();
-    {
-      const int half = threadIdx.x / kTileCols, col = threadIdx.x % kTileCols;  // 256 = 2 x 128
-      uint32_t m = 0;
-#pragma unroll
-      for (int g = 0; g < kRowsPerPass; ++g) m = max(m, col_part[half][g][col]);
-      const uint8_t e = Mxfp8ScaleByte(m, Fmt::kMax);
-      col_factor[half][col] = Mxfp8EncodeFactor(e);
-      if (r0 + half * kBlock < r_lim && c0 + col < cols && !rt.tail) col_scale[(rt.scale_row + half) * col_ld + c0 + col] = e;
-    }
-    __syncthreads();
-#pragma unroll
-    for (int p = 0; p < kPasses; ++p) {
-      const int64_t r = r0 + p * kRowsPerPass + chunk_row;
-      float v[kVec], f[kVec];
-      bool factors_ok = true;
-#pragma unroll
-      for (int j = 0; j < kVec; ++j) {
-        v[j] = Src::Value(vals[p], j);
-        f[j] = col_factor[p / (kPasses / 2)][chunk_col + j];
-        factors_ok &= !IsNanBits(FloatBits(f[j]));
-      }
-      uint32_t words[kVec / 4];
-      EncodeChunkScaled(Fmt{}, v, f, chunk_max[p] <= 0x7F800000u && factors_ok, words);
-      if (Rows::kGrouped && rt.tail) ZeroWords(words);
-      if (r < r_lim) {
-        if (kVectorIO && c < cols) {
-          StoreCodes<kVec>(colwise + r * cols + c, words);
-        } else {
-#pragma unroll
-          for (int j = 0; j < kVec; ++j) {
-            if (c + j < cols) colwise[r * cols + c + j] = CodeOf(words, j);
-          }
-        }
-      }
     }
     __syncthreads();  // col_part / col_factor are rewritten by the next tile
   }
@@ -605,15 +839,29 @@ Status LaunchFp8BlockTileKernel(const Src& src, bool src_vector_ok, const Rows& 
   static_assert(!(kDbias && Rows::kGrouped), "dbias: the plain walk only");
   if (kDbias != (dbias_partials != nullptr)) return Status::Internal(std::string(op) + ": dbias: workspace mismatch");
   const int64_t tiles = row_tiles.TileRows(kTile) * CeilDivI64(a.cols, kTile);
-  const int blocks = GridStrideBlocks(tiles * kThreads, kThreads, 2 * (kTile2d ? Src::kMinBlocks2d : Src::kMinBlocks));
+  int blocks = GridStrideBlocks(tiles * kThreads, kThreads, 2 * Fp8TileMinBlocks<Src, kTile2d, kDbias>());
   const bool vec_io = src_vector_ok && (a.rowwise == nullptr || Aligned(a.rowwise, 16));
   const bool colwise_vec = a.colwise != nullptr && Aligned(a.colwise, 8) && a.rows % 8 == 0;
+  if constexpr (Stageable<Src>::value && !Rows::kGrouped) {
+    bool staged = false;
+    const bool default_on = !kDbias && !(kTile2d && sizeof(typename Src::T) == 2);
+    LOWBIT_RETURN_IF_ERROR(BlockTileStaging(op, default_on, &staged));
+    if (vec_io && staged) {
+      auto kernel = Fp8BlockTileKernel<Src, Fmt, kTile2d, true, kDbias, true, Rows>;
+      constexpr int kSmem = StagedTileBytes<Src, kTile, kTile>();
+      LOWBIT_RETURN_IF_ERROR(PrepareStagedLaunch(kernel, kSmem, tiles, op, &blocks));
+      kernel<<<blocks, kThreads, kSmem, stream>>>(src, row_tiles, a.rows, a.cols, a.pow2_scales, a.rowwise,
+                                                  a.rowwise_scale_inv, a.colwise, a.colwise_scale_inv, colwise_vec,
+                                                  dbias_partials);
+      return LaunchStatus(op);
+    }
+  }
   if (vec_io) {
-    Fp8BlockTileKernel<Src, Fmt, kTile2d, true, kDbias, Rows><<<blocks, kThreads, 0, stream>>>(
+    Fp8BlockTileKernel<Src, Fmt, kTile2d, true, kDbias, false, Rows><<<blocks, kThreads, 0, stream>>>(
         src, row_tiles, a.rows, a.cols, a.pow2_scales, a.rowwise, a.rowwise_scale_inv, a.colwise,
         a.colwise_scale_inv, colwise_vec, dbias_partials);
   } else {
-    Fp8BlockTileKernel<Src, Fmt, kTile2d, false, kDbias, Rows><<<blocks, kThreads, 0, stream>>>(
+    Fp8BlockTileKernel<Src, Fmt, kTile2d, false, kDbias, false, Rows><<<blocks, kThreads, 0, stream>>>(
         src, row_tiles, a.rows, a.cols, a.pow2_scales, a.rowwise, a.rowwise_scale_inv, a.colwise,
         a.colwise_scale_inv, colwise_vec, dbias_partials);
   }
@@ -641,15 +889,28 @@ Status LaunchMxfp8TileKernel(const Src& src, bool src_vector_ok, const Rows& row
   static_assert(!(kDbias && Rows::kGrouped), "dbias: the plain walk only");
   if (kDbias != (dbias_partials != nullptr)) return Status::Internal(std::string(op) + ": dbias: workspace mismatch");
   const int64_t tiles = row_tiles.TileRows(kTileRows) * CeilDivI64(a.cols, kTileCols);
-  // Twice the resident blocks, as for the FP8 block kernel (4 for 2 resident).
-  const int blocks = GridStrideBlocks(tiles * kThreads, kThreads, 2 * Src::kMinBlocksMxfp8);
+  // Twice the resident blocks, as for the FP8 block kernel (4 for 2 resident); staged: one wave.
+  int blocks = GridStrideBlocks(tiles * kThreads, kThreads, 2 * Mxfp8TileMinBlocks<Src, kDbias>());
   const bool vec_io = src_vector_ok && (a.rowwise == nullptr || Aligned(a.rowwise, 16)) &&
                       (a.colwise == nullptr || Aligned(a.colwise, 16));
+  if constexpr (Stageable<Src>::value && !Rows::kGrouped) {
+    bool staged = false;
+    const bool default_on = kDbias || sizeof(typename Src::T) != 2;
+    LOWBIT_RETURN_IF_ERROR(BlockTileStaging(op, default_on, &staged));
+    if (vec_io && staged) {
+      auto kernel = Mxfp8TileKernel<Src, Fmt, true, kDbias, true, Rows>;
+      constexpr int kSmem = StagedTileBytes<Src, kTileRows, kTileCols>();
+      LOWBIT_RETURN_IF_ERROR(PrepareStagedLaunch(kernel, kSmem, tiles, op, &blocks));
+      kernel<<<blocks, kThreads, kSmem, stream>>>(src, row_tiles, a.rows, a.cols, a.rowwise, a.rowwise_scale,
+                                                  a.colwise, a.colwise_scale, dbias_partials);
+      return LaunchStatus(op);
+    }
+  }
   if (vec_io) {
-    Mxfp8TileKernel<Src, Fmt, true, kDbias, Rows><<<blocks, kThreads, 0, stream>>>(
+    Mxfp8TileKernel<Src, Fmt, true, kDbias, false, Rows><<<blocks, kThreads, 0, stream>>>(
         src, row_tiles, a.rows, a.cols, a.rowwise, a.rowwise_scale, a.colwise, a.colwise_scale, dbias_partials);
   } else {
-    Mxfp8TileKernel<Src, Fmt, false, kDbias, Rows><<<blocks, kThreads, 0, stream>>>(
+    Mxfp8TileKernel<Src, Fmt, false, kDbias, false, Rows><<<blocks, kThreads, 0, stream>>>(
         src, row_tiles, a.rows, a.cols, a.rowwise, a.rowwise_scale, a.colwise, a.colwise_scale, dbias_partials);
   }
   return LaunchStatus(op);
