@@ -271,9 +271,19 @@ constexpr int StagedTileBytes() {
 
 // Sets a staged kernel's dynamic shared memory and returns its grid: one resident wave (every
 // block loops over tiles with the next one's loads in flight; a second wave's blocks would
-// start theirs unstaged), at most one block per tile.
+// start theirs unstaged), at most one block per tile. *fits = false where this device cannot
+// run it (shared memory per block or SM too small): the caller then launches the unstaged
+// form, which computes the same values.
 template <typename Kernel>
-Status PrepareStagedLaunch(Kernel kernel, int smem_bytes, int64_t tiles, const char* op, int* blocks) {
+Status PrepareStagedLaunch(Kernel kernel, int smem_bytes, int64_t tiles, const char* op, int* blocks, bool* fits) {
+  *fits = false;
+  int device = 0, optin = 0;
+  LOWBIT_RETURN_IF_ERROR(CudaStatus(cudaGetDevice(&device), op, "cudaGetDevice"));
+  LOWBIT_RETURN_IF_ERROR(CudaStatus(
+      cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device), op, "cudaDeviceGetAttribute"));
+  cudaFuncAttributes attrs{};
+  LOWBIT_RETURN_IF_ERROR(CudaStatus(cudaFuncGetAttributes(&attrs, kernel), op, "cudaFuncGetAttributes"));
+  if (int64_t(attrs.sharedSizeBytes) + smem_bytes > optin) return Status::Ok();
   LOWBIT_RETURN_IF_ERROR(CudaStatus(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                          smem_bytes),
                                     op, "cudaFuncSetAttribute"));
@@ -284,7 +294,9 @@ Status PrepareStagedLaunch(Kernel kernel, int smem_bytes, int64_t tiles, const c
   LOWBIT_RETURN_IF_ERROR(CudaStatus(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads,
                                                                                   smem_bytes),
                                     op, "cudaOccupancyMaxActiveBlocksPerMultiprocessor"));
-  *blocks = GridStrideBlocks(tiles * kThreads, kThreads, per_sm > 0 ? per_sm : 1);
+  if (per_sm < 1) return Status::Ok();
+  *blocks = GridStrideBlocks(tiles * kThreads, kThreads, per_sm);
+  *fits = true;
   return Status::Ok();
 }
 
@@ -839,7 +851,7 @@ Status LaunchFp8BlockTileKernel(const Src& src, bool src_vector_ok, const Rows& 
   static_assert(!(kDbias && Rows::kGrouped), "dbias: the plain walk only");
   if (kDbias != (dbias_partials != nullptr)) return Status::Internal(std::string(op) + ": dbias: workspace mismatch");
   const int64_t tiles = row_tiles.TileRows(kTile) * CeilDivI64(a.cols, kTile);
-  int blocks = GridStrideBlocks(tiles * kThreads, kThreads, 2 * Fp8TileMinBlocks<Src, kTile2d, kDbias>());
+  const int blocks = GridStrideBlocks(tiles * kThreads, kThreads, 2 * Fp8TileMinBlocks<Src, kTile2d, kDbias>());
   const bool vec_io = src_vector_ok && (a.rowwise == nullptr || Aligned(a.rowwise, 16));
   const bool colwise_vec = a.colwise != nullptr && Aligned(a.colwise, 8) && a.rows % 8 == 0;
   if constexpr (Stageable<Src>::value && !Rows::kGrouped) {
@@ -849,11 +861,15 @@ Status LaunchFp8BlockTileKernel(const Src& src, bool src_vector_ok, const Rows& 
     if (vec_io && staged) {
       auto kernel = Fp8BlockTileKernel<Src, Fmt, kTile2d, true, kDbias, true, Rows>;
       constexpr int kSmem = StagedTileBytes<Src, kTile, kTile>();
-      LOWBIT_RETURN_IF_ERROR(PrepareStagedLaunch(kernel, kSmem, tiles, op, &blocks));
-      kernel<<<blocks, kThreads, kSmem, stream>>>(src, row_tiles, a.rows, a.cols, a.pow2_scales, a.rowwise,
-                                                  a.rowwise_scale_inv, a.colwise, a.colwise_scale_inv, colwise_vec,
-                                                  dbias_partials);
-      return LaunchStatus(op);
+      int staged_blocks = 0;
+      bool fits = false;
+      LOWBIT_RETURN_IF_ERROR(PrepareStagedLaunch(kernel, kSmem, tiles, op, &staged_blocks, &fits));
+      if (fits) {
+        kernel<<<staged_blocks, kThreads, kSmem, stream>>>(src, row_tiles, a.rows, a.cols, a.pow2_scales, a.rowwise,
+                                                           a.rowwise_scale_inv, a.colwise, a.colwise_scale_inv,
+                                                           colwise_vec, dbias_partials);
+        return LaunchStatus(op);
+      }
     }
   }
   if (vec_io) {
@@ -890,7 +906,7 @@ Status LaunchMxfp8TileKernel(const Src& src, bool src_vector_ok, const Rows& row
   if (kDbias != (dbias_partials != nullptr)) return Status::Internal(std::string(op) + ": dbias: workspace mismatch");
   const int64_t tiles = row_tiles.TileRows(kTileRows) * CeilDivI64(a.cols, kTileCols);
   // Twice the resident blocks, as for the FP8 block kernel (4 for 2 resident); staged: one wave.
-  int blocks = GridStrideBlocks(tiles * kThreads, kThreads, 2 * Mxfp8TileMinBlocks<Src, kDbias>());
+  const int blocks = GridStrideBlocks(tiles * kThreads, kThreads, 2 * Mxfp8TileMinBlocks<Src, kDbias>());
   const bool vec_io = src_vector_ok && (a.rowwise == nullptr || Aligned(a.rowwise, 16)) &&
                       (a.colwise == nullptr || Aligned(a.colwise, 16));
   if constexpr (Stageable<Src>::value && !Rows::kGrouped) {
@@ -900,10 +916,14 @@ Status LaunchMxfp8TileKernel(const Src& src, bool src_vector_ok, const Rows& row
     if (vec_io && staged) {
       auto kernel = Mxfp8TileKernel<Src, Fmt, true, kDbias, true, Rows>;
       constexpr int kSmem = StagedTileBytes<Src, kTileRows, kTileCols>();
-      LOWBIT_RETURN_IF_ERROR(PrepareStagedLaunch(kernel, kSmem, tiles, op, &blocks));
-      kernel<<<blocks, kThreads, kSmem, stream>>>(src, row_tiles, a.rows, a.cols, a.rowwise, a.rowwise_scale,
-                                                  a.colwise, a.colwise_scale, dbias_partials);
-      return LaunchStatus(op);
+      int staged_blocks = 0;
+      bool fits = false;
+      LOWBIT_RETURN_IF_ERROR(PrepareStagedLaunch(kernel, kSmem, tiles, op, &staged_blocks, &fits));
+      if (fits) {
+        kernel<<<staged_blocks, kThreads, kSmem, stream>>>(src, row_tiles, a.rows, a.cols, a.rowwise, a.rowwise_scale,
+                                                           a.colwise, a.colwise_scale, dbias_partials);
+        return LaunchStatus(op);
+      }
     }
   }
   if (vec_io) {
