@@ -2,7 +2,8 @@
 
 Tests run on JAX's default backend: the CPU in CI (exercising the C++ references through
 the CPU handlers), the GPU under tools/gpu_check.sh (exercising the CUDA kernels). Tests
-that compare the two backends directly are marked `gpu` and skip without a GPU.
+that compare the two backends directly are marked `gpu` and skip without a GPU; tests of the
+CPU handlers' exact arithmetic are marked `cpu_reference` and run on the CPU everywhere.
 """
 
 from __future__ import annotations
@@ -27,6 +28,18 @@ def gpu_devices():
         return jax.devices("gpu")
     except RuntimeError:
         return []
+
+
+@pytest.fixture(autouse=True)
+def _cpu_reference_on_the_cpu(request):
+    """Tests marked `cpu_reference` assert the CPU handlers' exact arithmetic, which the CUDA
+    paths meet only within the tolerances their own tests state: under a GPU default backend
+    (tools/gpu_check.sh's suite on CUDA) they run with the CPU as default device."""
+    if request.node.get_closest_marker("cpu_reference") is None or jax.default_backend() == "cpu":
+        yield
+        return
+    with jax.default_device(jax.devices("cpu")[0]):
+        yield
 
 
 def pytest_collection_modifyitems(config, items):

@@ -109,6 +109,7 @@ def rng():
 # ---------------------------------------------------------------- CPU emulation
 
 
+@pytest.mark.cpu_reference
 @pytest.mark.parametrize("a_mode,b_mode", PAIRS, ids=PAIR_IDS)
 @pytest.mark.parametrize("m,n,k", [(1, 1, 1), (5, 7, 200), (130, 3, 257), (4, 129, 384)], ids=str)
 def test_cpu_emulation_is_the_documented_formula(a_mode, b_mode, m, n, k, rng):
@@ -118,6 +119,7 @@ def test_cpu_emulation_is_the_documented_formula(a_mode, b_mode, m, n, k, rng):
     assert np.isfinite(got).all()  # the NaN padding of the scale arrays was never read
 
 
+@pytest.mark.cpu_reference
 @pytest.mark.parametrize("a_mode,b_mode", PAIRS, ids=PAIR_IDS)
 @pytest.mark.parametrize("out_dtype", [BF16, F32], ids=str)
 def test_cpu_emulation_bias_and_rounding(a_mode, b_mode, out_dtype, rng):
@@ -129,6 +131,7 @@ def test_cpu_emulation_bias_and_rounding(a_mode, b_mode, out_dtype, rng):
     np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.cpu_reference
 @pytest.mark.parametrize("a_mode,b_mode", PAIRS, ids=PAIR_IDS)
 def test_cpu_emulation_close_to_float64_product(a_mode, b_mode, rng):
     """Larger shape: within fp32 summation error (2*K*u*sum|p|) of the exact product."""
@@ -141,6 +144,7 @@ def test_cpu_emulation_close_to_float64_product(a_mode, b_mode, rng):
     assert np.all(np.abs(got - exact) <= bound)
 
 
+@pytest.mark.cpu_reference
 def test_cpu_emulation_of_quantized_tensors_matches_dequantized_product(rng):
     """End to end with the block quantizers: x (1x128) . w (128x128) is the product of the
     dequantized copies."""
@@ -190,6 +194,7 @@ def test_vmap_maps_over_the_batch(rng):
         np.testing.assert_array_equal(got[i], want)
 
 
+@pytest.mark.cpu_reference
 def test_emulation_notice_is_given_once(rng):
     gemm_mod._NOTICED.clear()
     a, b, sa, sb = operands(rng, 3, 3, 33, Mode.BLOCK_1x128, Mode.BLOCK_1x128)
@@ -338,6 +343,7 @@ def test_cuda_tensor_scaled_fp8_lowering_pads_k_and_n(rng, monkeypatch):
     assert (c.a_scale_mode, c.b_scale_mode) == (0, 0)
 
 
+@pytest.mark.cpu_reference
 @pytest.mark.parametrize("a_mode,b_mode", PAIRS[:3] + PAIRS[4:], ids=PAIR_IDS[:3] + PAIR_IDS[4:])
 @pytest.mark.parametrize("m,n,k", CUDA_SHAPES, ids=str)
 @pytest.mark.parametrize("with_bias", [True, False], ids=str)

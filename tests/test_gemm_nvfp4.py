@@ -100,6 +100,7 @@ def test_jnp_emulation_matches_handler(rng, cpu):
     assert np.all(np.abs(h - e) <= 4 * 70 * 2.0**-24 * (np.abs(a32) @ np.abs(b32).T))
 
 
+@pytest.mark.cpu_reference
 @pytest.mark.parametrize("m,n,k", [(7, 17, 200), (1, 16, 64), (130, 33, 1000), (16, 16, 33)], ids=str)
 @pytest.mark.parametrize("with_bias", [True, False], ids=str)
 def test_cuda_wrapper_padding_on_cpu_handler_is_exact(m, n, k, with_bias, rng):
