@@ -1,4 +1,5 @@
-// cp.async (sm_80+, PTX ISA 7.0: https://docs.nvidia.com/cuda/parallel-thread-execution/#data-movement-and-conversion-instructions-cp-async):
+// cp.async (sm_80+, PTX ISA 7.0; the PTX ISA guide's "cp.async" section:
+// https://docs.nvidia.com/cuda/parallel-thread-execution/#data-movement-and-conversion-instructions-cp-async):
 // 16-byte global -> shared copies that hold no registers while in flight; .cg caches them in
 // L2 only. Used by the kernels that stage their input tiles through shared memory
 // (quantize/quantize_tiled.cuh, quantize/block_tiles.cuh). Below sm_80 the copy is a plain

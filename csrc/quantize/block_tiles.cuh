@@ -59,10 +59,10 @@
 //     its column block's, both copies stored in x's layout (no transpose).
 //   Scale padding is zeroed by a memset first, only when there is any.
 // Staged form (kStaged, both kernels: PlainSource on the plain walk with vector IO; on or off
-//   per kernel by BlockTileStaging): one resident wave of blocks, each thread copying its chunks of the
-//   block's next tile into its own slots of dynamic shared memory (cp.async) as soon as it
-//   holds the current tile's values, so the loads of tile t+1 are in flight while tile t is
-//   encoded. No thread reads another's slots, so the hand-off needs no barrier.
+//   per kernel by BlockTileStaging): one resident wave of blocks, each thread copying its
+//   chunks of the block's next tile into its own slots of dynamic shared memory (cp.async) as
+//   soon as it holds the current tile's values, so the loads of tile t+1 are in flight while
+//   tile t is encoded. No thread reads another's slots, so the hand-off needs no barrier.
 // dbias (both kernels, kDbias: plain walk only, compiled only into the kernels that compute
 //   it, so that the others keep their registers and shared memory): after the loads, each thread
 //   sums its chunk columns over its kPasses rows in pass order, the lane sums go to shared
@@ -149,11 +149,12 @@ template <typename Tag>
 struct PlainSource {
   using T = typename Tag::Storage;
   static constexpr int kVec = 16 / int(sizeof(T));
-  // At 3 blocks (80 registers) the MXFP8 kernel spills <= 40 bytes (vectorized), the FP8
-  // 128x128 kernel none for 16-bit x, the FP8 1x128 kernel (its scales one division per
-  // lane, its values converted once) none staged and <= 24 bytes unstaged for 16-bit x,
-  // but 264-356 bytes with dbias: so 3 for all of them with 16-bit x, the 1x128 dbias
-  // kernels and f32 x 2 (Fp8TileMinBlocks).
+  // Resident blocks an SM the tile kernels are compiled for (ptxas, 2026-11-27): for 16-bit
+  // x, the FP8 128x128 kernel fits 80 registers (3 blocks) without spills, the FP8 1x128
+  // kernel (one scale division per lane, each value converted once) too when staged and with
+  // <= 24 bytes of spills unstaged, the MXFP8 kernel 64 (4 blocks) with <= 4 bytes; their
+  // dbias forms would spill 264-356 bytes there, so they take 2 and 3 (Fp8TileMinBlocks,
+  // Mxfp8TileMinBlocks); f32 x takes 2 (FP8) and 3 (MXFP8).
   static constexpr int kMinBlocks = sizeof(T) == 2 ? 3 : 2, kMinBlocks2d = sizeof(T) == 2 ? 3 : 2,
                        kMinBlocksMxfp8 = sizeof(T) == 2 ? 4 : 3;
   struct Chunk {
@@ -368,7 +369,8 @@ __device__ __forceinline__ void TransposeBytes8x4(const uint32_t (&w)[8], uint32
 // Stores a chunk's kVec codes at columns [c, c + kVec) of a rowwise row: one kVec-byte store
 // (kVectorIO: aligned, and c < cols implies the whole chunk is in range), else byte by byte.
 template <bool kVectorIO, int kVec>
-__device__ __forceinline__ void StoreRowCodes(uint8_t* row, int64_t c, int64_t cols, const uint32_t (&words)[kVec / 4]) {
+__device__ __forceinline__ void StoreRowCodes(uint8_t* row, int64_t c, int64_t cols,
+                                              const uint32_t (&words)[kVec / 4]) {
   if (kVectorIO && c < cols) {
     StoreCodes<kVec>(row + c, words);
   } else {
@@ -501,7 +503,9 @@ __global__ void __launch_bounds__(kThreads, (Fp8TileMinBlocks<Src, kTile2d, kDbi
       const float my_scale = Fp8BlockScale(my_max, Fmt::kMax, pow2);
       if (q < kPasses) {
         const int64_t r = r0 + q * kRowsPerPass + chunk_row;
-        if (rowwise != nullptr && r < r_lim) row_scale_inv[(c0 / kTile) * row_dims.dim1 + r] = ScaleDivRn(1.0f, my_scale);
+        if (rowwise != nullptr && r < r_lim) {
+          row_scale_inv[(c0 / kTile) * row_dims.dim1 + r] = ScaleDivRn(1.0f, my_scale);
+        }
       }
 #pragma unroll
       for (int p = 0; p < kPasses; ++p) row_scale[p] = __shfl_sync(0xFFFFFFFFu, my_scale, p, kThreadsPerRow);
