@@ -149,12 +149,13 @@ template <typename Tag>
 struct PlainSource {
   using T = typename Tag::Storage;
   static constexpr int kVec = 16 / int(sizeof(T));
-  // Resident blocks an SM the tile kernels are compiled for (ptxas, 2026-11-27): for 16-bit
-  // x, the FP8 128x128 kernel fits 80 registers (3 blocks) without spills, the FP8 1x128
-  // kernel (one scale division per lane, each value converted once) too when staged and with
-  // <= 24 bytes of spills unstaged, the MXFP8 kernel 64 (4 blocks) with <= 4 bytes; their
-  // dbias forms would spill 264-356 bytes there, so they take 2 and 3 (Fp8TileMinBlocks,
-  // Mxfp8TileMinBlocks); f32 x takes 2 (FP8) and 3 (MXFP8).
+  // Resident blocks an SM the tile kernels are compiled for (ptxas, 2026-11-27, vector IO):
+  // for 16-bit x, the FP8 128x128 kernel fits 80 registers (3 blocks) without spills; the FP8
+  // 1x128 kernel (one scale division per lane, each value converted once) fits 80 with no
+  // spills staged for bf16 and <= 44 bytes otherwise, but its dbias form would spill 264-356
+  // bytes there, so that one takes 2 (Fp8TileMinBlocks); the MXFP8 kernel fits 64 (4 blocks)
+  // with <= 4 bytes of spills for bf16 and <= 60 for f16, its dbias form is kept at 3
+  // (Mxfp8TileMinBlocks; 4 not tried). f32 x takes 2 (FP8) and 3 (MXFP8).
   static constexpr int kMinBlocks = sizeof(T) == 2 ? 3 : 2, kMinBlocks2d = sizeof(T) == 2 ? 3 : 2,
                        kMinBlocksMxfp8 = sizeof(T) == 2 ? 4 : 3;
   struct Chunk {
