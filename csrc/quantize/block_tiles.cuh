@@ -174,7 +174,7 @@ struct PlainSource {
     if constexpr (kVectorIO) {
       uint4 packed = make_uint4(0, 0, 0, 0);
       if (r < rows && c < cols) packed = __ldg(reinterpret_cast<const uint4*>(x + r * cols + c));
-      memcpy(out.v, &packed, sizeof(packed));
+      FromStaged(packed, out);
     } else {
 #pragma unroll
       for (int j = 0; j < kVec; ++j) out.v[j] = (r < rows && c + j < cols) ? x[r * cols + c + j] : T(0);
@@ -183,7 +183,8 @@ struct PlainSource {
   __device__ __forceinline__ static float Value(const Chunk& chunk, int j) { return LoadAsFloatFast(Tag{}, chunk.v[j]); }
 
   // Staged loads (the kernels' kStaged form, vector IO only): the chunk at (r, c) copied into
-  // `slot` by cp.async, or zeros outside x; FromStaged is Load's conversion of the 16 bytes.
+  // `slot` by cp.async, or zeros outside x; FromStaged turns 16 loaded bytes into a chunk
+  // (Load's vector path too).
   static constexpr bool kStageable = true;
   // bf16: Value's fp32 bits are the element's bits << 16, so the |x| bits of a chunk compare
   // as its 16-bit |x| halves do (AbsMaxBf16Chunk); other types take Value.
@@ -271,14 +272,15 @@ constexpr int StagedTileBytes() {
   return kTileH * kTileW / Src::kVec * 16;
 }
 
-// Sets a staged kernel's dynamic shared memory and returns its grid: one resident wave (every
-// block loops over tiles with the next one's loads in flight; a second wave's blocks would
-// start theirs unstaged), at most one block per tile. *fits = false where this device cannot
-// run it (shared memory per block or SM too small): the caller then launches the unstaged
-// form, which computes the same values.
-template <typename Kernel>
-Status PrepareStagedLaunch(Kernel kernel, int smem_bytes, int64_t tiles, const char* op, int* blocks, bool* fits) {
-  *fits = false;
+// Launches a staged kernel (dynamic shared memory smem_bytes) where this device can run it:
+// one resident wave (every block loops over tiles with the next one's loads in flight; a
+// second wave's blocks would start theirs unstaged), at most one block per tile. *launched =
+// false where it cannot (shared memory per block or SM too small): the caller then launches
+// the unstaged form, which computes the same values.
+template <typename Kernel, typename... Args>
+Status LaunchStagedIfFits(Kernel kernel, int smem_bytes, int64_t tiles, const char* op, GpuStream stream,
+                          bool* launched, const Args&... args) {
+  *launched = false;
   int device = 0, optin = 0;
   LOWBIT_RETURN_IF_ERROR(CudaStatus(cudaGetDevice(&device), op, "cudaGetDevice"));
   LOWBIT_RETURN_IF_ERROR(CudaStatus(
@@ -297,9 +299,10 @@ Status PrepareStagedLaunch(Kernel kernel, int smem_bytes, int64_t tiles, const c
                                                                                   smem_bytes),
                                     op, "cudaOccupancyMaxActiveBlocksPerMultiprocessor"));
   if (per_sm < 1) return Status::Ok();
-  *blocks = GridStrideBlocks(tiles * kThreads, kThreads, per_sm);
-  *fits = true;
-  return Status::Ok();
+  const int blocks = GridStrideBlocks(tiles * kThreads, kThreads, per_sm);
+  kernel<<<blocks, kThreads, smem_bytes, stream>>>(args...);
+  *launched = true;
+  return LaunchStatus(op);
 }
 
 // Issues this thread's cp.async copies of tile t (kTileH x kTileW, plain walk) into its slots
@@ -816,11 +819,9 @@ __global__ void __launch_bounds__(kThreads, (Mxfp8TileMinBlocks<Src, kDbias>()))
         if (r < r_lim) StoreRowCodes<kVectorIO, kVec>(colwise + r * cols, c, cols, words);
       }
     }
-    if (colwise == nullptr) {  // uniform across the block
-      if constexpr (kDbias) __syncthreads();  // lane_sums is rewritten by the next tile
-      continue;
-    }
-    __syncthreads();  // col_part / col_factor are rewritten by the next tile
+    // col_part / col_factor (colwise) and lane_sums (dbias) are rewritten by the next tile;
+    // colwise is uniform across the block.
+    if (colwise != nullptr || kDbias) __syncthreads();
   }
 }
 
@@ -856,7 +857,6 @@ Status LaunchFp8BlockTileKernel(const Src& src, bool src_vector_ok, const Rows& 
   static_assert(!(kDbias && Rows::kGrouped), "dbias: the plain walk only");
   if (kDbias != (dbias_partials != nullptr)) return Status::Internal(std::string(op) + ": dbias: workspace mismatch");
   const int64_t tiles = row_tiles.TileRows(kTile) * CeilDivI64(a.cols, kTile);
-  const int blocks = GridStrideBlocks(tiles * kThreads, kThreads, 2 * Fp8TileMinBlocks<Src, kTile2d, kDbias>());
   const bool vec_io = src_vector_ok && (a.rowwise == nullptr || Aligned(a.rowwise, 16));
   const bool colwise_vec = a.colwise != nullptr && Aligned(a.colwise, 8) && a.rows % 8 == 0;
   if constexpr (Stageable<Src>::value && !Rows::kGrouped) {
@@ -864,19 +864,17 @@ Status LaunchFp8BlockTileKernel(const Src& src, bool src_vector_ok, const Rows& 
     const bool default_on = !kDbias && !(kTile2d && sizeof(typename Src::T) == 2);
     LOWBIT_RETURN_IF_ERROR(BlockTileStaging(op, default_on, &staged));
     if (vec_io && staged) {
-      auto kernel = Fp8BlockTileKernel<Src, Fmt, kTile2d, true, kDbias, true, Rows>;
-      constexpr int kSmem = StagedTileBytes<Src, kTile, kTile>();
-      int staged_blocks = 0;
-      bool fits = false;
-      LOWBIT_RETURN_IF_ERROR(PrepareStagedLaunch(kernel, kSmem, tiles, op, &staged_blocks, &fits));
-      if (fits) {
-        kernel<<<staged_blocks, kThreads, kSmem, stream>>>(src, row_tiles, a.rows, a.cols, a.pow2_scales, a.rowwise,
-                                                           a.rowwise_scale_inv, a.colwise, a.colwise_scale_inv,
-                                                           colwise_vec, dbias_partials);
-        return LaunchStatus(op);
-      }
+      bool launched = false;
+      LOWBIT_RETURN_IF_ERROR(LaunchStagedIfFits(Fp8BlockTileKernel<Src, Fmt, kTile2d, true, kDbias, true, Rows>,
+                                                StagedTileBytes<Src, kTile, kTile>(), tiles, op, stream, &launched,
+                                                src, row_tiles, a.rows, a.cols, a.pow2_scales, a.rowwise,
+                                                a.rowwise_scale_inv, a.colwise, a.colwise_scale_inv, colwise_vec,
+                                                dbias_partials));
+      if (launched) return Status::Ok();
     }
   }
+  // Unstaged: twice the resident blocks, so that blocks loading overlap blocks encoding.
+  const int blocks = GridStrideBlocks(tiles * kThreads, kThreads, 2 * Fp8TileMinBlocks<Src, kTile2d, kDbias>());
   if (vec_io) {
     Fp8BlockTileKernel<Src, Fmt, kTile2d, true, kDbias, false, Rows><<<blocks, kThreads, 0, stream>>>(
         src, row_tiles, a.rows, a.cols, a.pow2_scales, a.rowwise, a.rowwise_scale_inv, a.colwise,
@@ -910,8 +908,6 @@ Status LaunchMxfp8TileKernel(const Src& src, bool src_vector_ok, const Rows& row
   static_assert(!(kDbias && Rows::kGrouped), "dbias: the plain walk only");
   if (kDbias != (dbias_partials != nullptr)) return Status::Internal(std::string(op) + ": dbias: workspace mismatch");
   const int64_t tiles = row_tiles.TileRows(kTileRows) * CeilDivI64(a.cols, kTileCols);
-  // Twice the resident blocks, as for the FP8 block kernel (4 for 2 resident); staged: one wave.
-  const int blocks = GridStrideBlocks(tiles * kThreads, kThreads, 2 * Mxfp8TileMinBlocks<Src, kDbias>());
   const bool vec_io = src_vector_ok && (a.rowwise == nullptr || Aligned(a.rowwise, 16)) &&
                       (a.colwise == nullptr || Aligned(a.colwise, 16));
   if constexpr (Stageable<Src>::value && !Rows::kGrouped) {
@@ -919,18 +915,16 @@ Status LaunchMxfp8TileKernel(const Src& src, bool src_vector_ok, const Rows& row
     const bool default_on = kDbias || sizeof(typename Src::T) != 2;
     LOWBIT_RETURN_IF_ERROR(BlockTileStaging(op, default_on, &staged));
     if (vec_io && staged) {
-      auto kernel = Mxfp8TileKernel<Src, Fmt, true, kDbias, true, Rows>;
-      constexpr int kSmem = StagedTileBytes<Src, kTileRows, kTileCols>();
-      int staged_blocks = 0;
-      bool fits = false;
-      LOWBIT_RETURN_IF_ERROR(PrepareStagedLaunch(kernel, kSmem, tiles, op, &staged_blocks, &fits));
-      if (fits) {
-        kernel<<<staged_blocks, kThreads, kSmem, stream>>>(src, row_tiles, a.rows, a.cols, a.rowwise, a.rowwise_scale,
-                                                           a.colwise, a.colwise_scale, dbias_partials);
-        return LaunchStatus(op);
-      }
+      bool launched = false;
+      LOWBIT_RETURN_IF_ERROR(LaunchStagedIfFits(Mxfp8TileKernel<Src, Fmt, true, kDbias, true, Rows>,
+                                                StagedTileBytes<Src, kTileRows, kTileCols>(), tiles, op, stream,
+                                                &launched, src, row_tiles, a.rows, a.cols, a.rowwise,
+                                                a.rowwise_scale, a.colwise, a.colwise_scale, dbias_partials));
+      if (launched) return Status::Ok();
     }
   }
+  // Unstaged: twice the resident blocks, as for the FP8 block kernel.
+  const int blocks = GridStrideBlocks(tiles * kThreads, kThreads, 2 * Mxfp8TileMinBlocks<Src, kDbias>());
   if (vec_io) {
     Mxfp8TileKernel<Src, Fmt, true, kDbias, false, Rows><<<blocks, kThreads, 0, stream>>>(
         src, row_tiles, a.rows, a.cols, a.rowwise, a.rowwise_scale, a.colwise, a.colwise_scale, dbias_partials);
