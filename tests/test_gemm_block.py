@@ -175,13 +175,23 @@ def test_nan_scale_propagates(rng):
     assert np.isnan(got[1]).all() and np.isfinite(got[[0, 2]]).all()
 
 
+def assert_is_the_product(got, a, b, a_mode, sa, b_mode, sb):
+    """got (f32) is the block-scaled product: the emulation's bits where the default backend
+    is the CPU, else (cuBLASLt or the wgmma kernel) within block_tolerance of them."""
+    want = sequential_ref(a, b, a_mode, sa, b_mode, sb, None, np.float32)
+    if jax.default_backend() == "cpu":
+        np.testing.assert_array_equal(got, want)
+    else:
+        tol = block_tolerance(a, b, a_mode, sa, b_mode, sb, F32)
+        assert np.all(np.abs(got.astype(np.float64) - want) <= tol)
+
+
 def test_multi_dim_operands_use_the_flattened_views(rng):
     m, n, k = 6, 10, 130
     a, b, sa, sb = operands(rng, m, n, k, Mode.BLOCK_1x128, Mode.BLOCK_128x128)
     got = lowbit.ops.gemm(a.reshape(2, 3, k), b.reshape(2, 5, k).reshape(10, k), sa, sb, out_dtype=F32,
                           a_scale_mode=Mode.BLOCK_1x128, b_scale_mode=Mode.BLOCK_128x128)
-    want = sequential_ref(a, b, Mode.BLOCK_1x128, sa, Mode.BLOCK_128x128, sb, None, np.float32)
-    np.testing.assert_array_equal(np.asarray(got).reshape(m, n), want)
+    assert_is_the_product(np.asarray(got).reshape(m, n), a, b, Mode.BLOCK_1x128, sa, Mode.BLOCK_128x128, sb)
 
 
 def test_vmap_maps_over_the_batch(rng):
@@ -190,8 +200,7 @@ def test_vmap_maps_over_the_batch(rng):
     f = jax.vmap(lambda *x: call(*x, Mode.BLOCK_1x128, Mode.BLOCK_1x128))
     got = np.asarray(f(a, b, sa, sb))
     for i in range(3):
-        want = sequential_ref(a[i], b[i], Mode.BLOCK_1x128, sa[i], Mode.BLOCK_1x128, sb[i], None, np.float32)
-        np.testing.assert_array_equal(got[i], want)
+        assert_is_the_product(got[i], a[i], b[i], Mode.BLOCK_1x128, sa[i], Mode.BLOCK_1x128, sb[i])
 
 
 @pytest.mark.cpu_reference
@@ -235,6 +244,26 @@ def test_handler_checks_scale_shapes(rng):
     with pytest.raises(Exception, match=r"lowbit_gemm: a_scale_inv: expected shape \(2, 8\) for scale mode "
                                         r"block_1x128 of a 5 x 200 operand, got \(2, 4\)"):
         jax.block_until_ready(f(a, b, sa[:, :4], sb))
+
+
+@pytest.mark.parametrize("which", ["a", "b"])
+@pytest.mark.parametrize("capability", ["9.0", "8.9"], ids=["cublaslt", "emulated"])
+def test_cuda_lowering_refuses_wrong_scale_shapes(which, capability, rng, monkeypatch):
+    """A gemm_p bound directly with a wrongly shaped block scale array is refused by the CUDA
+    lowering, before its padding could turn it into a valid-looking one (or the emulation
+    broadcast it), in the C++ handler's words."""
+    a, b, sa, sb = operands(rng, 5, 7, 200, Mode.BLOCK_1x128, Mode.BLOCK_128x128)
+    if which == "a":
+        sa, want = sa[:, :4], r"a_scale_inv: expected shape \(2, 8\) for scale mode block_1x128 of a 5 x 200"
+    else:
+        sb, want = np.concatenate([sb, sb]), r"b_scale_inv: expected shape \(1, 4\) for scale mode block_128x128 of a 7 x 200"
+    f = lambda a, b, sa, sb: gemm_mod.gemm_p.bind(  # noqa: E731
+        a, b, sa, sb, jnp.zeros((0,), F32), out_dtype=jnp.dtype(F32), use_split_accumulator=np.bool_(True),
+        a_scale_mode=np.int32(1), b_scale_mode=np.int32(2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the one-time emulation notice
+        with pytest.raises(ValueError, match="lowbit_gemm: " + want + r" operand, got \(2, 4\)"):
+            cuda_gemm_calls(monkeypatch, f, a, b, sa, sb, capability=capability)
 
 
 # ------------------------------------------- the CUDA path's Python side (CPU CI)
