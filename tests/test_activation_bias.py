@@ -104,9 +104,17 @@ def test_bias_is_the_widened_sum(act, gated, dtype, shape, rng):
     want = jax.jit(fwd_bwd(act, gated, 8.0, colwise=True, bias_given=False))(
         dz.astype(np.float32), xb, xb)  # the fp32 op on the sum (its 3rd operand unused)
     if dtype != np.float32 and jax.default_backend() != "cpu":
-        # The CUDA kernels of bf16/f16 and of fp32 sum dbias's tiles in different orders.
-        np.testing.assert_allclose(np.asarray(got[1].dbias, np.float32), np.asarray(want[1].dbias),
-                                   rtol=2 * float(jnp.finfo(dtype).eps), atol=1e-5 * np.sqrt(shape[0]))
+        # The CUDA kernels of bf16/f16 and of fp32 sum dbias's tiles in different orders: the
+        # dtype op's dbias is the fp32 sum rounded once to the dtype (past its max: inf, as
+        # the planted near-max values make it), within the reordering; where the fp32 sum
+        # sits at the dtype's overflow threshold either order may round to inf or to max.
+        w32 = np.asarray(want[1].dbias, np.float32)
+        eps, top = float(jnp.finfo(dtype).eps), float(jnp.finfo(dtype).max)
+        with np.errstate(over="ignore", invalid="ignore"):
+            w = w32.astype(dtype).astype(np.float32)
+            edge = np.abs(np.abs(w32) - top) <= 4 * eps * top
+        np.testing.assert_allclose(np.asarray(got[1].dbias, np.float32)[~edge], w[~edge],
+                                   rtol=2 * eps, atol=1e-5 * np.sqrt(shape[0]))
         got = (got[0], got[1]._replace(dbias=None))
         want = (want[0], want[1]._replace(dbias=None))
     for g, w, what in zip(got, want, ("forward", "backward")):

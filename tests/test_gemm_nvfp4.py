@@ -249,6 +249,7 @@ NVFP4_SHARD_CASES = {  # M, N, K, a spec, b spec, local (a rows, b rows, packed 
 }
 
 
+@pytest.mark.cpu_reference  # the mesh is CPU devices: the unsharded result is the CPU's too
 @pytest.mark.parametrize("psum", ["out", "fp32"])
 @pytest.mark.parametrize("case", list(NVFP4_SHARD_CASES))
 def test_sharded_equals_unsharded(case, psum, rng, monkeypatch):

@@ -30,6 +30,10 @@ from lowbit.ops.quantize_block import quantize_fp8_block, quantize_mxfp8
 from lowbit.quantize import QuantizerFactory
 from lowbit.recipe import Float8BlockScaling
 
+# The meshes are CPU devices: under a GPU default backend (the suite on CUDA) the single-device
+# results they are compared with are computed on the CPU too (conftest's cpu_reference).
+pytestmark = pytest.mark.cpu_reference
+
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
 B, S, H, F = 4, 128, 1024, 512
 
