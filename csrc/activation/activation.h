@@ -21,7 +21,7 @@
 // element bit-identically (activation_math.h); dbias sums differ only in summation order:
 // the reference adds rows in order, the kernel per 256-row tile (the gated backward: 128;
 // 64- or 128-row tiles under LOWBIT_ACT_VARIANT 0-4 / 5 and 8, 256 under 6, 7 and 9:
-// activation.cu; fp32's chunk-row variants 7-9 sum in the order of their tile height's)
+// activation_kernels.cuh; fp32's chunk-row variants 7-9 sum in the order of their tile height's)
 // then the tiles in order (deterministic run to run).
 #pragma once
 
@@ -61,7 +61,7 @@ Status ActForwardRef(const ActArgs& a);
 Status ActBackwardRef(const ActArgs& a);
 
 // CUDA tile: a block handles kActTileRows x kActTileCols (input columns) at a time (or
-// 2 or 4 kActTileRows rows: activation.cu, tall tiles).
+// 2 or 4 kActTileRows rows: activation_kernels.cuh, tall tiles).
 constexpr int64_t kActTileRows = 64;
 constexpr int64_t kActTileCols = 128;
 
@@ -71,7 +71,7 @@ inline int64_t ActBackwardWorkspaceBytes(int64_t rows, int64_t out_cols, bool db
   return BlockDbiasWorkspaceBytes(rows, out_cols, kActTileRows, dbias);
 }
 
-// CUDA launchers (activation.cu): asynchronous on `stream`.
+// CUDA launchers (activation.cu, kernels in activation_kernels.cuh): asynchronous on `stream`.
 Status ActForwardCuda(const ActArgs& a, GpuStream stream);
 Status ActBackwardCuda(const ActArgs& a, void* workspace, GpuStream stream);
 

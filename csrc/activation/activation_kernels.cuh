@@ -1,6 +1,9 @@
-// CUDA activation forward (act + quantize + transpose + amax) and backward (dact + dbias
-// + quantize + transpose + amax), one pass over the data. Layouts and numerics:
-// activation.h; formulas: activation_math.h (shared with the CPU reference, bit-identical).
+// The CUDA activation kernels and their launchers, forward (act + quantize + transpose +
+// amax) and backward (dact + dbias + quantize + transpose + amax), one pass over the data.
+// Layouts and numerics: activation.h; formulas: activation_math.h (shared with the CPU
+// reference, bit-identical). Included by one small .cu per act type (activation_<type>.cu,
+// LOWBIT_DEFINE_ACT_TYPE_LAUNCH), so that nvcc compiles the types' kernels in parallel
+// instead of in one translation unit (the longest of the build); activation.cu dispatches.
 //
 // ActTiledKernel, one per (dtype, direction, gated, act type): the act type and gating are
 // template constants, so the per-element math has no branches and the compiler interleaves
@@ -29,6 +32,8 @@
 // LOWBIT_ACT_VARIANT (benchmark tuning knob, see ActVariant): grid size, cross-tile
 // prefetch, tile height and fp32 chunk rows; identical results but for dbias's summation
 // order (per tile height; the chunk rows keep it).
+#pragma once
+
 #include <cuda_runtime.h>
 
 #include <atomic>
@@ -38,6 +43,7 @@
 #include <type_traits>
 
 #include "activation/activation.h"
+#include "activation/activation_launch.h"
 #include "common/cuda_check.h"
 #include "common/element.h"
 #include "common/reduce.cuh"
@@ -765,55 +771,29 @@ Status Launch(const ActArgs& a, void* workspace, GpuStream stream, const char* o
   return LaunchVariant<Tag, kBackward, kGated, kType, true>(p, bias, variant, stream, op);
 }
 
-// Calls f(std::integral_constant<ActType, type>{}): one kernel per activation type.
-template <typename F>
-Status DispatchActType(ActType type, const char* op, F&& f) {
-  switch (type) {
-    case ActType::kLinear: return f(std::integral_constant<ActType, ActType::kLinear>{});
-    case ActType::kGelu: return f(std::integral_constant<ActType, ActType::kGelu>{});
-    case ActType::kSilu: return f(std::integral_constant<ActType, ActType::kSilu>{});
-    case ActType::kRelu: return f(std::integral_constant<ActType, ActType::kRelu>{});
-    case ActType::kQuickGelu: return f(std::integral_constant<ActType, ActType::kQuickGelu>{});
-    case ActType::kSquaredRelu: return f(std::integral_constant<ActType, ActType::kSquaredRelu>{});
-    case ActType::kClampedSilu: return f(std::integral_constant<ActType, ActType::kClampedSilu>{});
-  }
-  return Status::InvalidArgument(std::string(op) + ": act_type: expected a value in [0, 6], got " +
-                                 std::to_string(int32_t(type)));
-}
-
-Status Run(const ActArgs& a, void* workspace, GpuStream stream, bool backward) {
-  const char* op = backward ? "lowbit_act_backward" : "lowbit_act_forward";
-  if (a.amax == nullptr) return Status::InvalidArgument(std::string(op) + ": amax: missing");
-  const bool quantize = a.q_rowwise != nullptr || a.q_colwise != nullptr;
-  if (quantize && a.scale == nullptr) return Status::InvalidArgument(std::string(op) + ": scale: missing");
-  LOWBIT_RETURN_IF_ERROR(CudaStatus(cudaMemsetAsync(a.amax, 0, sizeof(float), stream), op, "cudaMemsetAsync"));
+// One act type's kernels for every dtype, direction and gating.
+template <ActType kType>
+Status RunActType(const ActArgs& a, void* workspace, GpuStream stream, bool backward, const char* op) {
   return DispatchHighPrecision(a.dtype, op, "x", [&](auto tag) {
     using Tag = decltype(tag);
-    if (a.rows == 0 || a.hidden == 0) {
-      if (!backward || a.dbias == nullptr || a.hidden == 0) return Status::Ok();
-      const size_t bytes = size_t(ActOutCols(a, true)) * sizeof(typename Tag::Storage);
-      return CudaStatus(cudaMemsetAsync(a.dbias, 0, bytes, stream), op, "cudaMemsetAsync");
+    if (backward) {
+      return a.params.gated ? Launch<Tag, true, true, kType>(a, workspace, stream, op)
+                            : Launch<Tag, true, false, kType>(a, workspace, stream, op);
     }
-    return DispatchFp8(quantize ? a.q_dtype : DType::kE4M3, op, "q", [&](auto) {
-      return DispatchActType(a.params.type, op, [&](auto type) {
-        constexpr ActType kType = decltype(type)::value;
-        if (backward) {
-          return a.params.gated ? Launch<Tag, true, true, kType>(a, workspace, stream, op)
-                                : Launch<Tag, true, false, kType>(a, workspace, stream, op);
-        }
-        return a.params.gated ? Launch<Tag, false, true, kType>(a, workspace, stream, op)
-                              : Launch<Tag, false, false, kType>(a, workspace, stream, op);
-      });
-    });
+    return a.params.gated ? Launch<Tag, false, true, kType>(a, workspace, stream, op)
+                          : Launch<Tag, false, false, kType>(a, workspace, stream, op);
   });
 }
 
 }  // namespace
-
-Status ActForwardCuda(const ActArgs& a, GpuStream stream) { return Run(a, nullptr, stream, false); }
-
-Status ActBackwardCuda(const ActArgs& a, void* workspace, GpuStream stream) {
-  return Run(a, workspace, stream, true);
-}
-
 }  // namespace lowbit
+
+// Defines act_cuda::LaunchActType<ActType::TYPE> (activation_launch.h) in the including .cu.
+#define LOWBIT_DEFINE_ACT_TYPE_LAUNCH(TYPE)                                                          \
+  namespace lowbit::act_cuda {                                                                      \
+  template <>                                                                                       \
+  Status LaunchActType<ActType::TYPE>(const ActArgs& a, void* workspace, GpuStream stream, bool backward, \
+                                      const char* op) {                                             \
+    return RunActType<ActType::TYPE>(a, workspace, stream, backward, op);                           \
+  }                                                                                                 \
+  }

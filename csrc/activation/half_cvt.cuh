@@ -1,5 +1,5 @@
 // Device conversions between fp32 and the 16-bit storage types for the elementwise kernels
-// (activation.cu, softmax/softmax.cu): the hardware instructions where they give the
+// (activation_kernels.cuh, softmax/softmax.cu): the hardware instructions where they give the
 // element.h codecs' bits, 16-byte chunks packed for one vector store.
 //
 // cvt.rn.{bf16x2,f16x2}.f32 (sm_80+, PTX ISA) round to nearest even, keep subnormals (no

@@ -19,9 +19,9 @@
 // or rows x H (MXFP8); scales in those headers' layouts. No high-precision output is
 // written (act_forward / norm_forward give it; a norm caller that needs y takes it from the
 // statistics launch).
-// CUDA: block_tiles.cuh's tile kernels with an activation or norm source (fused_block.cu);
-// the reference computes v into a buffer and calls the quantizer references
-// (fused_block_ref.cc).
+// CUDA: block_tiles.cuh's tile kernels with an activation or norm source (fused_block_act.cu,
+// fused_block_norm.cu); the reference computes v into a buffer and calls the quantizer
+// references (fused_block_ref.cc).
 #pragma once
 
 #include <cstdint>
@@ -63,8 +63,8 @@ struct NormQuantizeBlockArgs {
   QuantizeMxfp8Args mx;
 };
 
-// CPU references (fused_block_ref.cc) and CUDA launchers (fused_block.cu: device pointers,
-// asynchronous on `stream`).
+// CPU references (fused_block_ref.cc) and CUDA launchers (fused_block_act.cu,
+// fused_block_norm.cu: device pointers, asynchronous on `stream`).
 Status ActQuantizeBlockRef(const ActQuantizeBlockArgs& a);
 Status ActQuantizeBlockCuda(const ActQuantizeBlockArgs& a, GpuStream stream);
 Status NormQuantizeBlockRef(const NormQuantizeBlockArgs& a);

@@ -1,7 +1,7 @@
 // Device-side FP8 encoding of 16-byte chunks for the quantize kernels (quantize_fp8.cu,
-// quantize_block.cu, quantize_mxfp8.cu) and activation.cu: the hardware conversion where it
-// is bit-identical to the formats.h codecs, the codec elsewhere, plus vector load/store
-// helpers.
+// quantize_block_tiles.cuh, quantize_mxfp8.cu) and activation_kernels.cuh: the hardware
+// conversion where it is bit-identical to the formats.h codecs, the codec elsewhere, plus
+// vector load/store helpers.
 //
 // cvt.rn.satfinite.{e4m3x2,e5m2x2}.f32 (sm_89+, PTX ISA 7.8,
 // https://docs.nvidia.com/cuda/parallel-thread-execution/#data-movement-and-conversion-instructions-cvt)

@@ -3,7 +3,9 @@
 //
 // Quantize: block_tiles.cuh's Fp8BlockTileKernel over x itself (PlainSource): 128 x 128 tiles,
 //   all loads first, per-tile-row / per-column / per-tile amaxes, rowwise codes stored
-//   straight out, colwise codes byte-transposed through shared memory (see there).
+//   straight out, colwise codes byte-transposed through shared memory (see there). The tile
+//   launches live in quantize_block_1x128.cu / _128x128.cu (quantize_block_tiles.h); here the
+//   dbias preparation and finalize around them.
 // DequantizeFp8BlockKernel: grid-stride over 8-code groups of one stored copy.
 #include <cuda_runtime.h>
 
@@ -13,7 +15,7 @@
 #include "common/cuda_check.h"
 #include "common/element.h"
 #include "quantize/block_codec.h"
-#include "quantize/block_tiles.cuh"
+#include "quantize/quantize_block_tiles.h"
 #include "quantize/dbias_finalize.cuh"
 #include "quantize/fp8_cvt.cuh"
 #include "quantize/quantize_block.h"
@@ -51,24 +53,11 @@ Status QuantizeFp8BlockCuda(const QuantizeFp8BlockArgs& a, void* workspace, GpuS
     LOWBIT_RETURN_IF_ERROR(dbias_finalize::PrepareDbias<Tag>(kQuantizeOp, a, workspace, stream, &x_empty));
     if (x_empty) return Status::Ok();  // every output is empty but dbias, zeroed: the sums of no rows
     auto* partials = static_cast<float*>(workspace);
-    return DispatchFp8(a.out_dtype, kQuantizeOp, "out", [&](auto fmt) {
-      using Fmt = decltype(fmt);
-      const block_tiles::PlainSource<Tag> src{static_cast<const typename Tag::Storage*>(a.x)};
-      const bool vec = src.VectorOk(a.cols);
-      using Src = decltype(src);
-      const Status launched =
-          a.dbias != nullptr
-              ? (a.tile_2d ? block_tiles::LaunchFp8BlockTiles<Src, Fmt, true, true>(src, vec, a, kQuantizeOp, stream,
-                                                                                   partials)
-                           : block_tiles::LaunchFp8BlockTiles<Src, Fmt, false, true>(src, vec, a, kQuantizeOp, stream,
-                                                                                    partials))
-              : (a.tile_2d ? block_tiles::LaunchFp8BlockTiles<Src, Fmt, true>(src, vec, a, kQuantizeOp, stream)
-                           : block_tiles::LaunchFp8BlockTiles<Src, Fmt, false>(src, vec, a, kQuantizeOp, stream));
-      LOWBIT_RETURN_IF_ERROR(launched);
-      if (a.dbias == nullptr) return Status::Ok();
-      return dbias_finalize::LaunchDbiasFinalize<Tag>(partials, CeilDivI64(a.rows, kFp8BlockDbiasTileRows), a.cols,
-                                                      a.dbias, a.dbias_dtype, kQuantizeOp, stream);
-    });
+    LOWBIT_RETURN_IF_ERROR(a.tile_2d ? fp8_block_cuda::LaunchPlainTiles<true>(a, partials, kQuantizeOp, stream)
+                                     : fp8_block_cuda::LaunchPlainTiles<false>(a, partials, kQuantizeOp, stream));
+    if (a.dbias == nullptr) return Status::Ok();
+    return dbias_finalize::LaunchDbiasFinalize<Tag>(partials, CeilDivI64(a.rows, kFp8BlockDbiasTileRows), a.cols,
+                                                    a.dbias, a.dbias_dtype, kQuantizeOp, stream);
   });
 }
 

@@ -1,0 +1,5 @@
+// The CUDA activation kernels of act type kLinear (activation_kernels.cuh), a translation unit
+// of their own so that the build compiles the act types in parallel.
+#include "activation/activation_kernels.cuh"
+
+LOWBIT_DEFINE_ACT_TYPE_LAUNCH(kLinear)
