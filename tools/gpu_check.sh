@@ -2,10 +2,10 @@
 # One command for the GPU machine (run through the device tool from the repository root):
 # builds lowbit for sm_90a, prints the environment report, runs the GPU tests and a quick
 # benchmark (lowbit's Dense vs bf16 vs Flax's FP8, side by side). Logs go to $OUT (at most 8
-# files come back: keep it that way). The default stages fit one device call (600 s): on an
-# H200 (2026-11-27) the build takes ~N s since the activation, fused-block and block-quantize
-# kernels compile as separate translation units (it took ~270 s as one each), the ~4540 GPU
-# tests ~320 s with 15 workers, the quick benchmark ~60 s.
+# files come back: keep it that way). The default stages fit one device call (600 s): on a
+# fresh H200 machine (2026-11-27) 470 s in all: the build 93 s (~270 s before the activation,
+# fused-block and block-quantize kernels compiled as several translation units each), the
+# 4543 GPU tests 316 s with 15 workers, the quick benchmark 58 s.
 #
 #   tools/gpu_check.sh                 # build test bench (the quick benchmark)
 #   tools/gpu_check.sh build suite     # the whole suite on the CUDA backend (~220 s)
