@@ -246,24 +246,33 @@ def test_handler_checks_scale_shapes(rng):
         jax.block_until_ready(f(a, b, sa[:, :4], sb))
 
 
-@pytest.mark.parametrize("which", ["a", "b"])
+@pytest.mark.parametrize("which", ["a", "b", "bias"])
 @pytest.mark.parametrize("capability", ["9.0", "8.9"], ids=["cublaslt", "emulated"])
-def test_cuda_lowering_refuses_wrong_scale_shapes(which, capability, rng, monkeypatch):
-    """A gemm_p bound directly with a wrongly shaped block scale array is refused by the CUDA
-    lowering, before its padding could turn it into a valid-looking one (or the emulation
-    broadcast it), in the C++ handler's words."""
+def test_cuda_lowering_refuses_wrong_shapes(which, capability, rng, monkeypatch):
+    """A gemm_p bound directly with a wrongly shaped block scale array or bias is refused by the
+    CUDA lowering, in the C++ handler's words, before its padding could turn the scales into
+    valid-looking ones or the fp32 bias add (f32 out) broadcast a (1,) bias over N."""
     a, b, sa, sb = operands(rng, 5, 7, 200, Mode.BLOCK_1x128, Mode.BLOCK_128x128)
+    bias = np.zeros((0,), np.float32)
     if which == "a":
-        sa, want = sa[:, :4], r"a_scale_inv: expected shape \(2, 8\) for scale mode block_1x128 of a 5 x 200"
+        sa, want = sa[:, :4], (r"a_scale_inv: expected shape \(2, 8\) for scale mode block_1x128 of a 5 x 200 "
+                               r"operand, got \(2, 4\)")
+    elif which == "b":
+        sb, want = np.concatenate([sb, sb]), (r"b_scale_inv: expected shape \(1, 4\) for scale mode "
+                                              r"block_128x128 of a 7 x 200 operand, got \(2, 4\)")
     else:
-        sb, want = np.concatenate([sb, sb]), r"b_scale_inv: expected shape \(1, 4\) for scale mode block_128x128 of a 7 x 200"
-    f = lambda a, b, sa, sb: gemm_mod.gemm_p.bind(  # noqa: E731
-        a, b, sa, sb, jnp.zeros((0,), F32), out_dtype=jnp.dtype(F32), use_split_accumulator=np.bool_(True),
+        bias, want = np.ones((1,), np.float32), r"bias: expected shape \(7,\) or \(0,\), got \(1,\)"
+    f = lambda a, b, sa, sb, bias: gemm_mod.gemm_p.bind(  # noqa: E731
+        a, b, sa, sb, bias, out_dtype=jnp.dtype(F32), use_split_accumulator=np.bool_(True),
         a_scale_mode=np.int32(1), b_scale_mode=np.int32(2))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the one-time emulation notice
-        with pytest.raises(ValueError, match="lowbit_gemm: " + want + r" operand, got \(2, 4\)"):
-            cuda_gemm_calls(monkeypatch, f, a, b, sa, sb, capability=capability)
+        with pytest.raises(ValueError, match="lowbit_gemm: " + want):
+            cuda_gemm_calls(monkeypatch, f, a, b, sa, sb, bias, capability=capability)
+    with warnings.catch_warnings():  # the same call, correctly shaped, lowers
+        warnings.simplefilter("ignore")
+        a, b, sa, sb = operands(rng, 5, 7, 200, Mode.BLOCK_1x128, Mode.BLOCK_128x128)
+        cuda_gemm_calls(monkeypatch, f, a, b, sa, sb, np.ones((7,), np.float32), capability=capability)
 
 
 # ------------------------------------------- the CUDA path's Python side (CPU CI)

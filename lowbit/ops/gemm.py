@@ -500,12 +500,17 @@ def block_on_cublaslt(modes, capability: str) -> bool:
     return modes in CUBLASLT_BLOCK_PAIRS and capability == "9.0"
 
 
-def _check_bound_scale_shapes(avals, modes) -> None:
-    """The C++ handler's scale-shape check (csrc/ffi/gemm_ffi.cc CheckScale), made before the
+def _check_bound_shapes(avals, modes) -> None:
+    """The C++ handler's scale and bias shape checks (csrc/ffi/gemm_ffi.cc), made before the
     CUDA lowering pads or emulates: a gemm_p bound directly with a wrongly shaped block scale
-    array would otherwise be padded into a valid-looking one (its missing rows scaled by 0)
-    instead of refused. gemm() checks the same in its own words first (_scale_arg)."""
+    array would otherwise be padded into a valid-looking one (its missing rows scaled by 0),
+    and a (1,) bias broadcast over N where it is added in fp32 after the GEMM, instead of
+    refused. gemm() checks the same in its own words first (_scale_arg)."""
     (m, k), n = avals[0].shape, avals[1].shape[0]
+    bias = tuple(avals[4].shape)
+    if len(bias) != 1 or bias[0] not in (0, n):
+        got = "(" + ", ".join(str(d) for d in bias) + ("," if len(bias) == 1 else "") + ")"
+        raise ValueError(f"lowbit_gemm: bias: expected shape ({n},) or (0,), got {got}")
     for name, aval, mode, rows in (("a_scale_inv", avals[2], modes[0], m),
                                    ("b_scale_inv", avals[3], modes[1], n)):
         if mode == GemmScaleMode.TENSOR:
@@ -522,7 +527,7 @@ def _cuda_lowering(ctx, a, b, a_scale_inv, b_scale_inv, bias, *, out_dtype, use_
     a_aval, b_aval = ctx.avals_in[0], ctx.avals_in[1]
     (m, k), n = a_aval.shape, b_aval.shape[0]
     modes = (GemmScaleMode(int(a_scale_mode)), GemmScaleMode(int(b_scale_mode)))
-    _check_bound_scale_shapes(ctx.avals_in, modes)
+    _check_bound_shapes(ctx.avals_in, modes)
     kw = dict(out_dtype=out_dtype, a_scale_mode=a_scale_mode, b_scale_mode=b_scale_mode)
     lower = functools.partial(mlir.lower_fun, multiple_results=False)
     if modes[0] != GemmScaleMode.TENSOR:
