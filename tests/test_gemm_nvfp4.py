@@ -150,6 +150,31 @@ def test_cuda_lowering_emulates_off_sm100(capability, rng, monkeypatch):
         assert cuda_calls(monkeypatch, lambda *x: call(x[:3], x[3:], k=100), *a, *b, capability=capability) == []
 
 
+@pytest.mark.parametrize("which", ["a_scale", "b_scale", "bias"])
+@pytest.mark.parametrize("capability", ["10.0", "9.0"], ids=["cublaslt", "emulated"])
+def test_cuda_lowering_refuses_wrong_shapes(which, capability, rng, monkeypatch):
+    """gemm_nvfp4_p bound directly with a wrongly shaped block scale array or bias is refused by
+    the CUDA lowering, in the C++ handler's words, before its padding or emulation could slice
+    the scales or broadcast a (1,) bias over N."""
+    k = 100
+    a, b = list(random_operand(rng, 7, k)), list(random_operand(rng, 9, k))
+    bias = np.zeros((0,), F32)
+    if which == "a_scale":
+        a[1], want = a[1][:, :4], r"a_scale: expected e4m3 \(128, 8\), got float8_e4m3fn \(128, 4\)"
+    elif which == "b_scale":
+        b[1], want = b[1][:64], r"b_scale: expected e4m3 \(128, 8\), got float8_e4m3fn \(64, 8\)"
+    else:
+        bias, want = np.ones((1,), F32), r"bias: expected \(9,\) or \(0,\), got \(1,\)"
+    f = lambda *x: gemm_mod.gemm_nvfp4_p.bind(  # noqa: E731
+        x[0], x[3], x[1], x[4], x[2], x[5], x[6], out_dtype=jnp.dtype(F32), k=np.int64(k), algo=np.int32(0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the one-time emulation notice
+        with pytest.raises(ValueError, match="lowbit_gemm_nvfp4: " + want):
+            cuda_calls(monkeypatch, f, *a, *b, bias, capability=capability)
+        a, b = random_operand(rng, 7, k), random_operand(rng, 9, k)  # correctly shaped: lowers
+        cuda_calls(monkeypatch, f, *a, *b, np.ones((9,), F32), capability=capability)
+
+
 @pytest.mark.parametrize("bad,match", [
     (dict(a_data=np.zeros((4, 3), np.uint8)), "a: expected packed E2M1 uint8 \\(rows, 5\\)"),
     (dict(a_data=np.zeros((4, 5), np.int8)), "a: expected packed E2M1"),

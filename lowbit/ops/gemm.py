@@ -1068,8 +1068,27 @@ def nvfp4_emulation_lowering(ctx, *args, out_dtype, k, algo=0):
     return mlir.lower_fun(fn, multiple_results=False)(ctx, *args)
 
 
+def _check_bound_nvfp4_shapes(avals, k: int) -> None:
+    """The C++ handler's block scale and bias shape checks (csrc/ffi/gemm_ffi.cc
+    Nvfp4ArgsFromBuffers), made before the CUDA lowering pads or emulates: there a gemm_nvfp4_p
+    bound directly with a (1,) bias would be broadcast over N (it is added in fp32 after the
+    GEMM) and a wrongly shaped scale array sliced or padded, instead of refused. nvfp4_gemm()
+    checks the same first."""
+    n = avals[1].shape[0]
+    shape = lambda aval: "(" + ", ".join(str(d) for d in aval.shape) + ("," if aval.ndim == 1 else "") + ")"  # noqa: E731
+    for name, aval, rows in (("a_scale", avals[2], avals[0].shape[0]), ("b_scale", avals[3], n)):
+        want = nvfp4_scale_shape(rows, k)
+        if tuple(aval.shape) != want:
+            raise ValueError(f"lowbit_gemm_nvfp4: {name}: expected e4m3 ({want[0]}, {want[1]}), got "
+                             f"{aval.dtype} {shape(aval)}")
+    bias = avals[6]
+    if bias.ndim != 1 or bias.shape[0] not in (0, n):
+        raise ValueError(f"lowbit_gemm_nvfp4: bias: expected ({n},) or (0,), got {shape(bias)}")
+
+
 def _nvfp4_cuda_lowering(ctx, a, b, a_scale, b_scale, a_gsi, b_gsi, bias, *, out_dtype, k, algo=0):
     m, n = ctx.avals_in[0].shape[0], ctx.avals_in[1].shape[0]
+    _check_bound_nvfp4_shapes(ctx.avals_in, int(k))
     lower = functools.partial(mlir.lower_fun, multiple_results=False)
     args = (a, b, a_scale, b_scale, a_gsi, b_gsi, bias)
     if not mxfp8_on_cublaslt(_cuda_capability()):
