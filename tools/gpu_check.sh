@@ -8,7 +8,7 @@
 # 4543 GPU tests 316 s with 15 workers, the quick benchmark 58 s.
 #
 #   tools/gpu_check.sh                 # build test bench (the quick benchmark)
-#   tools/gpu_check.sh build suite     # the whole suite on the CUDA backend (~220 s)
+#   tools/gpu_check.sh build suite     # the rest of the suite on the CUDA backend (175 s, H100)
 #   tools/gpu_check.sh build sanitize  # compute-sanitizer memcheck over the kernel tests
 #   BENCH=all tools/gpu_check.sh build bench   # every benchmark and the seed tutorials (long)
 #   BENCH="bench/bench_quantize.py bench/bench_gemm.py" tools/gpu_check.sh build bench

@@ -500,6 +500,11 @@ def block_on_cublaslt(modes, capability: str) -> bool:
     return modes in CUBLASLT_BLOCK_PAIRS and capability == "9.0"
 
 
+def _shape_text(shape) -> str:
+    """A shape as the C++ handlers print it: (2, 4), (7,), ()."""
+    return "(" + ", ".join(str(d) for d in shape) + ("," if len(shape) == 1 else "") + ")"
+
+
 def _check_bound_shapes(avals, modes) -> None:
     """The C++ handler's scale and bias shape checks (csrc/ffi/gemm_ffi.cc), made before the
     CUDA lowering pads or emulates: a gemm_p bound directly with a wrongly shaped block scale
@@ -509,17 +514,15 @@ def _check_bound_shapes(avals, modes) -> None:
     (m, k), n = avals[0].shape, avals[1].shape[0]
     bias = tuple(avals[4].shape)
     if len(bias) != 1 or bias[0] not in (0, n):
-        got = "(" + ", ".join(str(d) for d in bias) + ("," if len(bias) == 1 else "") + ")"
-        raise ValueError(f"lowbit_gemm: bias: expected shape ({n},) or (0,), got {got}")
+        raise ValueError(f"lowbit_gemm: bias: expected shape ({n},) or (0,), got {_shape_text(bias)}")
     for name, aval, mode, rows in (("a_scale_inv", avals[2], modes[0], m),
                                    ("b_scale_inv", avals[3], modes[1], n)):
         if mode == GemmScaleMode.TENSOR:
             continue
         want = scale_shape(mode, rows, k)
         if tuple(aval.shape) != want:
-            got = "(" + ", ".join(str(d) for d in aval.shape) + ")"
             raise ValueError(f"lowbit_gemm: {name}: expected shape ({want[0]}, {want[1]}) for scale "
-                             f"mode {mode.name.lower()} of a {rows} x {k} operand, got {got}")
+                             f"mode {mode.name.lower()} of a {rows} x {k} operand, got {_shape_text(aval.shape)}")
 
 
 def _cuda_lowering(ctx, a, b, a_scale_inv, b_scale_inv, bias, *, out_dtype, use_split_accumulator,
@@ -1075,15 +1078,14 @@ def _check_bound_nvfp4_shapes(avals, k: int) -> None:
     GEMM) and a wrongly shaped scale array sliced or padded, instead of refused. nvfp4_gemm()
     checks the same first."""
     n = avals[1].shape[0]
-    shape = lambda aval: "(" + ", ".join(str(d) for d in aval.shape) + ("," if aval.ndim == 1 else "") + ")"  # noqa: E731
     for name, aval, rows in (("a_scale", avals[2], avals[0].shape[0]), ("b_scale", avals[3], n)):
         want = nvfp4_scale_shape(rows, k)
         if tuple(aval.shape) != want:
             raise ValueError(f"lowbit_gemm_nvfp4: {name}: expected e4m3 ({want[0]}, {want[1]}), got "
-                             f"{aval.dtype} {shape(aval)}")
+                             f"{aval.dtype} {_shape_text(aval.shape)}")
     bias = avals[6]
     if bias.ndim != 1 or bias.shape[0] not in (0, n):
-        raise ValueError(f"lowbit_gemm_nvfp4: bias: expected ({n},) or (0,), got {shape(bias)}")
+        raise ValueError(f"lowbit_gemm_nvfp4: bias: expected ({n},) or (0,), got {_shape_text(bias.shape)}")
 
 
 def _nvfp4_cuda_lowering(ctx, a, b, a_scale, b_scale, a_gsi, b_gsi, bias, *, out_dtype, k, algo=0):
