@@ -10,9 +10,12 @@
 #   then, through the device tool: carry ["build/cuda/liblowbit_cuda.so", "build/cuda/liblowbit.so"],
 #   command "LIB_DIR=build/cuda TESTS=... tools/gpu_round.sh" (falls back to building there
 #   when the carried libraries do not load).
+# BUILD_DIR (default build/cuda) builds elsewhere, e.g. a second build of a variant for an A/B
+# run in one device call: the two libraries (~23 MB each) fit the carry's 64 MiB together;
+# run the benchmark once per LOWBIT_LIBRARY_DIR there.
 set -euo pipefail
 PY=${PYTHON:-python3}
-B=build/cuda
+B=${BUILD_DIR:-build/cuda}
 ARCH=${LOWBIT_CUDA_ARCH_FLAGS:--gencode=arch=compute_90a,code=sm_90a}
 if [ ! -f "$B/build.ninja" ]; then
   cmake -S . -B "$B" -G Ninja -DCMAKE_BUILD_TYPE=Release -DLOWBIT_CUDA=ON \
