@@ -218,14 +218,19 @@ def test_mxfp8_equals_reference(shape, axis, dtype, rng):
         assert_bits_equal(got.colwise_scale, want[3])
 
 
-def _quantize_with_dbias(kind, rowwise, colwise, axis, fp8=jnp.float8_e4m3fn, pow2=False):
+def _quantize(kind, rowwise, colwise, axis=-1, fp8=jnp.float8_e4m3fn, pow2=False, compute_dbias=False):
+    """The block quantizer of `kind` ("1x128", "128x128" or "mxfp8") as a function of x."""
     def f(v):
         if kind == "mxfp8":
             return quantize_mxfp8(v, out_dtype=fp8, rowwise=rowwise, colwise=colwise, flatten_axis=axis,
-                                  compute_dbias=True)
+                                  compute_dbias=compute_dbias)
         return quantize_fp8_block(v, out_dtype=fp8, tile_2d=kind == "128x128", pow2_scales=pow2, rowwise=rowwise,
-                                  colwise=colwise, flatten_axis=axis, compute_dbias=True)
+                                  colwise=colwise, flatten_axis=axis, compute_dbias=compute_dbias)
     return f
+
+
+def _quantize_with_dbias(kind, rowwise, colwise, axis, fp8=jnp.float8_e4m3fn, pow2=False):
+    return _quantize(kind, rowwise, colwise, axis, fp8, pow2, compute_dbias=True)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=ids)
@@ -476,14 +481,7 @@ def test_cuda_equals_cpu(shape, axis, dtype, rng, cpu, gpu):
                ("128x128", True, True), ("128x128", False, True), ("mxfp8", True, True),
                ("mxfp8", True, False), ("mxfp8", False, True)]
     for i, (kind, rowwise, colwise) in enumerate(configs):
-        fp8, pow2 = FP8[i % 2], bool(i % 3 == 0)
-
-        def f(v):
-            if kind == "mxfp8":
-                return quantize_mxfp8(v, out_dtype=fp8, rowwise=rowwise, colwise=colwise, flatten_axis=axis)
-            return quantize_fp8_block(v, out_dtype=fp8, tile_2d=kind == "128x128", pow2_scales=pow2,
-                                      rowwise=rowwise, colwise=colwise, flatten_axis=axis)
-
+        f = _quantize(kind, rowwise, colwise, axis, FP8[i % 2], bool(i % 3 == 0))
         g, c = run_on(gpu, f, x), run_on(cpu, f, x)
         for a, b in zip(g, c):
             assert (a is None) == (b is None)
@@ -505,7 +503,7 @@ def test_cuda_staged_and_unstaged_tiles_equal_cpu(shape, dtype, staged, rng, cpu
                ("mxfp8", False, True)]
     for i, (kind, rowwise, colwise) in enumerate(configs):
         for f in (_quantize_with_dbias(kind, rowwise, colwise, -1, FP8[i % 2], bool(i % 2 == 0)),
-                  _quantize_without_dbias(kind, rowwise, colwise, FP8[(i + 1) % 2], bool(i % 2 == 1))):
+                  _quantize(kind, rowwise, colwise, -1, FP8[(i + 1) % 2], bool(i % 2 == 1))):
             for a, b in zip(jax.tree.leaves(run_on(gpu, f, x)), jax.tree.leaves(run_on(cpu, f, x))):
                 np.testing.assert_array_equal(_bits(a), _bits(b), err_msg=f"{kind} {rowwise} {colwise}")
 
@@ -518,13 +516,6 @@ def test_cuda_bad_staging_knob_is_an_error(gpu, monkeypatch):
               lambda v: quantize_mxfp8(v, rowwise=True, colwise=True)):
         with pytest.raises(Exception, match=r"LOWBIT_BLOCK_TILE_STAGED=\"yes\": expected 0 or 1"):
             run_on(gpu, f, x)
-
-
-def _quantize_without_dbias(kind, rowwise, colwise, fp8, pow2):
-    if kind == "mxfp8":
-        return lambda v: quantize_mxfp8(v, out_dtype=fp8, rowwise=rowwise, colwise=colwise)
-    return lambda v: quantize_fp8_block(v, out_dtype=fp8, tile_2d=kind == "128x128", pow2_scales=pow2,
-                                        rowwise=rowwise, colwise=colwise)
 
 
 @pytest.mark.gpu
