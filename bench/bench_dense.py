@@ -81,7 +81,8 @@ def variants():
 
 
 def gemm_floor(m, k, n, iters):
-    """Seconds of the step's three FP8 GEMMs alone (fwd fast accumulation, bwd split)."""
+    """Seconds of the step's three FP8 GEMMs alone (fwd fast accumulation, bwd split; the
+    wgrad written in f32, as lowbit's module writes an f32 kernel's gradient)."""
     key = jax.random.PRNGKey(3)
     f8 = jnp.float8_e4m3fn
     e5 = jnp.float8_e5m2
@@ -95,13 +96,14 @@ def gemm_floor(m, k, n, iters):
     g = lowbit.ops.gemm
     t_fwd = common.time_fn(lambda a, b: g(a, b, one, one, out_dtype=jnp.bfloat16, use_split_accumulator=False), [(a, w_t)], iters)
     t_dgrad = common.time_fn(lambda a, b: g(a, b, one, one, out_dtype=jnp.bfloat16), [(dy, w)], iters)
-    t_wgrad = common.time_fn(lambda a, b: g(a, b, one, one, out_dtype=jnp.bfloat16), [(a_t, dy_t)], iters)
+    t_wgrad = common.time_fn(lambda a, b: g(a, b, one, one, out_dtype=jnp.float32), [(a_t, dy_t)], iters)
     return t_fwd, t_dgrad, t_wgrad
 
 
 def block_gemm_floor(m, k, n, iters):
     """Seconds of Float8BlockScaling's three GEMMs alone at the step's shapes: fwd and dgrad
-    1x128 x 128x128 (activation/gradient tiles x weight tiles), wgrad 1x128 x 1x128."""
+    1x128 x 128x128 (activation/gradient tiles x weight tiles, bf16 out), wgrad 1x128 x 1x128
+    (f32 out, as the module's step writes it)."""
     key = jax.random.PRNGKey(4)
     f8 = jnp.float8_e4m3fn
     B1, B2 = GemmScaleMode.BLOCK_1x128, GemmScaleMode.BLOCK_128x128
@@ -110,14 +112,14 @@ def block_gemm_floor(m, k, n, iters):
         data = jax.random.normal(key, (rows, cols)).astype(f8)
         return data, jnp.ones(scale_shape(mode, rows, cols), jnp.float32)
 
-    def time_pair(a, b, ma, mb):
+    def time_pair(a, b, ma, mb, out=jnp.bfloat16):
         return common.time_fn(lambda a, b, sa, sb: lowbit.ops.gemm(
-            a, b, sa, sb, out_dtype=jnp.bfloat16, a_scale_mode=ma, b_scale_mode=mb),
+            a, b, sa, sb, out_dtype=out, a_scale_mode=ma, b_scale_mode=mb),
             [(a[0], b[0], a[1], b[1])], iters)
 
     t_fwd = time_pair(operand(m, k, B1), operand(n, k, B2), B1, B2)      # x rowwise, kernel colwise
     t_dgrad = time_pair(operand(m, n, B1), operand(k, n, B2), B1, B2)    # dy rowwise, kernel rowwise
-    t_wgrad = time_pair(operand(k, m, B1), operand(n, m, B1), B1, B1)    # x colwise, dy colwise
+    t_wgrad = time_pair(operand(k, m, B1), operand(n, m, B1), B1, B1, jnp.float32)  # x colwise, dy colwise
     return t_fwd, t_dgrad, t_wgrad
 
 

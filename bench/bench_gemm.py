@@ -14,6 +14,8 @@ lowbit.dense runs it (fast accumulation forward, split dgrad / wgrad) and FP8 bl
 (x 1x128 with W 128x128 forward and dgrad, 1x128 x 1x128 wgrad). Per (shape, kind) it walks
 indices 0, 1, ... until cuBLASLt has no more (or --max-algo), prints TFLOP/s per index and
 the best index against index 0: what DEFAULT_ALGO in lowbit/ops/gemm.py should hold.
+`--out-dtype float32` sweeps with the f32 output lowbit's module writes an f32 kernel's
+wgrad in (cuBLASLt's heuristic orders the algorithms per output type).
 
   python bench/bench_gemm.py            # GPU
   python bench/bench_gemm.py --algo-sweep [--max-algo 16]
@@ -114,7 +116,8 @@ def algo_sweep(args, table, iters, repeats):
             times = {}
             for algo in range(args.max_algo):
                 fn = (lambda a, b, sa, sb, algo=algo: lowbit.ops.gemm(
-                    a, b, sa, sb, out_dtype=BF16, use_split_accumulator=split, algo=algo, **mode_kw))
+                    a, b, sa, sb, out_dtype=args.out_dtype, use_split_accumulator=split, algo=algo,
+                    **mode_kw))
                 try:
                     t = time_fn(fn, sets, iters=iters, repeats=repeats, warmup=1 if args.small else 3)
                 except Exception as e:  # noqa: BLE001 (XlaRuntimeError)
@@ -128,6 +131,7 @@ def algo_sweep(args, table, iters, repeats):
                 print(f"{name} {label} algo {algo}: {t * 1e3:.3f} ms, {flops / t / 1e12:.0f} TFLOP/s",
                       flush=True)
                 rows.append({"shape": name, "M": m, "N": n, "K": k, "kind": kind, "modes": label,
+                             "out_dtype": jnp.dtype(args.out_dtype).name,
                              "algo": algo, "time_ms": t * 1e3, "tflops": flops / t / 1e12,
                              "x_algo0": times[0] / t if 0 in times else None})
             if times:
@@ -148,6 +152,8 @@ def main():
     parser.add_argument("--algo-sweep", action="store_true",
                         help="time every cuBLASLt heuristic index instead (see the module docstring)")
     parser.add_argument("--max-algo", type=int, default=16, help="--algo-sweep: indices 0..N-1 at most")
+    parser.add_argument("--out-dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                        help="--algo-sweep: the GEMMs' output dtype")
     args = parser.parse_args()
     table = SMALL_SHAPES if args.small else SHAPES
     iters = args.iters or (2 if args.small else 20)
@@ -157,7 +163,7 @@ def main():
             args.max_algo = min(args.max_algo, 2)
         rows = algo_sweep(args, table, iters, repeats)
         print_table(rows, ["shape", "M", "N", "K", "modes", "algo", "time_ms", "tflops", "x_algo0"])
-        path = write_results("gemm_algo_sweep", {"rows": rows, "small": args.small, "iters": iters,
+        path = write_results("gemm_algo_sweep" + ("_f32" if args.out_dtype == "float32" else ""), {"rows": rows, "small": args.small, "iters": iters,
                                                  "repeats": repeats})
         print(f"wrote {path}")
         return
