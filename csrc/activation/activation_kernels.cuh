@@ -105,36 +105,6 @@ struct ActKernelArgs {
   void* dbias_out;   // dbias (T), written by the finalize kernel; null without dbias
 };
 
-// kVec FP8 codes of v * scale as little-endian words (EncodeScaled's bits). hw_ok: no
-// product can be NaN (no NaN in v, scale finite and non-zero); then the hardware
-// conversion is exact (quantize/fp8_cvt.cuh).
-template <int kVec>
-__device__ __forceinline__ void EncodeChunk(bool e5m2, const float (&v)[kVec], float scale, bool hw_ok,
-                                            uint32_t (&words)[kVec / 4]) {
-#if LOWBIT_HAS_CVT_FP8X2
-  if (hw_ok) {
-#pragma unroll
-    for (int j = 0; j < kVec; j += 4) {
-      const float a = __fmul_rn(v[j], scale), b = __fmul_rn(v[j + 1], scale);
-      const float c = __fmul_rn(v[j + 2], scale), d = __fmul_rn(v[j + 3], scale);
-      words[j / 4] = e5m2 ? CvtPair(E5m2Fmt{}, a, b) | (CvtPair(E5m2Fmt{}, c, d) << 16)
-                          : CvtPair(E4m3Fmt{}, a, b) | (CvtPair(E4m3Fmt{}, c, d) << 16);
-    }
-    return;
-  }
-#endif
-#pragma unroll
-  for (int j = 0; j < kVec; j += 4) {
-    uint32_t w = 0;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const uint32_t q = e5m2 ? EncodeScaled(E5m2Fmt{}, v[j + i], scale) : EncodeScaled(E4m3Fmt{}, v[j + i], scale);
-      w |= q << (8 * i);
-    }
-    words[j / 4] = w;
-  }
-}
-
 // max(|a|, b), NaN if either is NaN (max.NaN, sm_80+): a chunk's amax and NaN test in one
 // instruction per element.
 __device__ __forceinline__ float AbsMaxNan(float a, float b) {
@@ -429,7 +399,8 @@ __global__ void LOWBIT_ACT_LAUNCH_BOUNDS(kBackward, kGated, kChunkRows) ActTiled
           }
         }
         uint32_t q[kElems / 4] = {};
-        if (quantize) EncodeChunk<kElems>(p.e5m2, v[k], scale, no_nan && scale_ok, q);
+        if (quantize && p.e5m2) EncodeChunk(E5m2Fmt{}, v[k], scale, no_nan && scale_ok, q);
+        if (quantize && !p.e5m2) EncodeChunk(E4m3Fmt{}, v[k], scale, no_nan && scale_ok, q);
 #pragma unroll
         for (int i = 0; i < kChunkRows; ++i) {
           // Chunk row i's values and codes (views, not copies: with kChunkRows = 1 the

@@ -370,6 +370,78 @@ __device__ __forceinline__ void TransposeBytes8x4(const uint32_t (&w)[8], uint32
   hi[3] = __byte_perm(e_hi, f_hi, 0x7632);
 }
 
+// The first step of both tile kernels: this thread's kPasses chunks of the tile (rows r0 +
+// p * kRowsPerPass + chunk_row, columns [c, c + kVec)), out of range -> 0, which changes no
+// amax. kStaged: from its own slots of `staged`, once its copies have landed.
+template <bool kStaged, bool kVectorIO, int kPasses, int kRowsPerPass, typename Src>
+__device__ __forceinline__ void LoadTileChunks(const Src& src, int64_t r0, int64_t c, int64_t r_lim, int64_t cols,
+                                               int chunk_row, const uint4* staged,
+                                               typename Src::Chunk (&vals)[kPasses]) {
+  typename Src::Cols col_state;
+  src.LoadCols(c, cols, col_state);
+  if constexpr (kStaged) {
+    CopyAsyncWait<0>();
+#pragma unroll
+    for (int p = 0; p < kPasses; ++p) Src::FromStaged(staged[p * kThreads + threadIdx.x], vals[p]);
+  } else {
+#pragma unroll
+    for (int p = 0; p < kPasses; ++p) {
+      src.template Load<kVectorIO>(r0 + p * kRowsPerPass + chunk_row, c, r_lim, cols, col_state, vals[p]);
+    }
+  }
+}
+
+// The amaxes (|x| bits) of a thread's chunks: per chunk (also the chunk's "no NaN" test) and
+// per column within each of kColGroups equal runs of passes (the colwise blocks the tile's
+// rows fall in: 1 for a 128-row FP8 block, 2 for MXFP8's two 32-row blocks).
+template <int kColGroups, int kPasses, int kVec, typename Src>
+__device__ __forceinline__ void ChunkAndColumnMaxima(const typename Src::Chunk (&vals)[kPasses],
+                                                     uint32_t (&chunk_max)[kPasses],
+                                                     uint32_t (&col_max)[kColGroups][kVec]) {
+  static_assert(kPasses % kColGroups == 0, "whole passes per column group");
+#pragma unroll
+  for (int g = 0; g < kColGroups; ++g) {
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) col_max[g][j] = 0;
+  }
+#pragma unroll
+  for (int p = 0; p < kPasses; ++p) {
+    uint32_t (&cm)[kVec] = col_max[p / (kPasses / kColGroups)];
+    if constexpr (Bf16Chunks<Src>::value) {
+      AbsMaxBf16Chunk<kVec>(vals[p], &chunk_max[p], cm);
+    } else {
+      chunk_max[p] = 0;
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) {
+        const uint32_t b = AbsBitsOf(Src::Value(vals[p], j));
+        chunk_max[p] = max(chunk_max[p], b);
+        cm[j] = max(cm[j], b);
+      }
+    }
+  }
+}
+
+// A rowwise block's value (its scale, or E8M0 byte) for each of a thread's passes, where the
+// block's chunks are spread over kLanes consecutive lanes: lane q of each group reduces pass
+// q's chunk maxima over the group and computes `of(max)` for it alone, then every lane gets
+// every pass's value by shuffle, so each lane computes one value instead of one per pass.
+// Returns the lane's own value (pass q's, for q < kPasses), the one a caller writes out.
+template <int kLanes, int kPasses, typename T, typename Of>
+__device__ __forceinline__ T RowBlockValues(const uint32_t (&chunk_max)[kPasses], Of of, T (&per_pass)[kPasses]) {
+  static_assert(kPasses <= kLanes, "one lane per pass");
+  const int q = threadIdx.x % kLanes;
+  uint32_t my_max = 0;
+#pragma unroll
+  for (int p = 0; p < kPasses; ++p) {
+    const uint32_t m = GroupMaxU32<kLanes>(chunk_max[p]);
+    my_max = q == p ? m : my_max;
+  }
+  const T mine = of(my_max);
+#pragma unroll
+  for (int p = 0; p < kPasses; ++p) per_pass[p] = __shfl_sync(0xFFFFFFFFu, mine, p, kLanes);
+  return mine;
+}
+
 // Stores a chunk's kVec codes at columns [c, c + kVec) of a rowwise row: one kVec-byte store
 // (kVectorIO: aligned, and c < cols implies the whole chunk is in range), else byte by byte.
 template <bool kVectorIO, int kVec>
@@ -430,41 +502,12 @@ __global__ void __launch_bounds__(kThreads, (Fp8TileMinBlocks<Src, kTile2d, kDbi
     const int64_t c0 = tile % tiles_c * kTile;
     const int64_t c = c0 + chunk_col;
 
-    // 1. All loads first (out of range -> 0, which changes no amax); staged: this thread's
-    // own slots, once its copies have landed.
-    typename Src::Cols col_state;
-    src.LoadCols(c, cols, col_state);
+    // 1. All loads first, 2. the amaxes.
     typename Src::Chunk vals[kPasses];
-    if constexpr (kStaged) {
-      CopyAsyncWait<0>();
-#pragma unroll
-      for (int p = 0; p < kPasses; ++p) Src::FromStaged(staged[p * kThreads + threadIdx.x], vals[p]);
-    } else {
-#pragma unroll
-      for (int p = 0; p < kPasses; ++p) {
-        src.template Load<kVectorIO>(r0 + p * kRowsPerPass + chunk_row, c, r_lim, cols, col_state, vals[p]);
-      }
-    }
-
-    // 2. amaxes (|x| bits): per chunk (also the chunk's "no NaN" test) and per column.
+    LoadTileChunks<kStaged, kVectorIO, kPasses, kRowsPerPass>(src, r0, c, r_lim, cols, chunk_row, staged, vals);
     uint32_t chunk_max[kPasses];
-    uint32_t col_max[kVec];
-#pragma unroll
-    for (int j = 0; j < kVec; ++j) col_max[j] = 0;
-#pragma unroll
-    for (int p = 0; p < kPasses; ++p) {
-      if constexpr (Bf16Chunks<Src>::value) {
-        AbsMaxBf16Chunk<kVec>(vals[p], &chunk_max[p], col_max);
-      } else {
-        chunk_max[p] = 0;
-#pragma unroll
-        for (int j = 0; j < kVec; ++j) {
-          const uint32_t b = AbsBitsOf(Src::Value(vals[p], j));
-          chunk_max[p] = max(chunk_max[p], b);
-          col_max[j] = max(col_max[j], b);
-        }
-      }
-    }
+    uint32_t col_max[1][kVec];
+    ChunkAndColumnMaxima<1, kPasses, kVec, Src>(vals, chunk_max, col_max);
     // Every staged value is in registers now (the maxima used them all): the next tile's
     // copies may overwrite the slots.
     if constexpr (kStaged) {
@@ -493,29 +536,20 @@ __global__ void __launch_bounds__(kThreads, (Fp8TileMinBlocks<Src, kTile2d, kDbi
         if (colwise != nullptr) col_scale_inv[(c0 / kTile) * row_tiles.col2d_ld + rt.scale_col2d] = inv;
       }
     } else {
-      // The kThreadsPerRow lanes of a tile row share its scale: lane q of the group computes
-      // the scale (and writes the scale_inv) of pass q's row, the others get it by shuffle,
-      // so each lane divides once instead of once per pass.
-      static_assert(kPasses <= kThreadsPerRow, "one lane per pass");
+      // The kThreadsPerRow lanes of a tile row share its scale (RowBlockValues); lane q also
+      // writes pass q's scale_inv.
+      const float my_scale = RowBlockValues<kThreadsPerRow>(
+          chunk_max, [&](uint32_t m) { return Fp8BlockScale(m, Fmt::kMax, pow2); }, row_scale);
       const int q = threadIdx.x % kThreadsPerRow;
-      uint32_t my_max = 0;
-#pragma unroll
-      for (int p = 0; p < kPasses; ++p) {
-        const uint32_t m = GroupMaxU32<kThreadsPerRow>(chunk_max[p]);
-        my_max = q == p ? m : my_max;
-      }
-      const float my_scale = Fp8BlockScale(my_max, Fmt::kMax, pow2);
       if (q < kPasses) {
         const int64_t r = r0 + q * kRowsPerPass + chunk_row;
         if (rowwise != nullptr && r < r_lim) {
           row_scale_inv[(c0 / kTile) * row_dims.dim1 + r] = ScaleDivRn(1.0f, my_scale);
         }
       }
-#pragma unroll
-      for (int p = 0; p < kPasses; ++p) row_scale[p] = __shfl_sync(0xFFFFFFFFu, my_scale, p, kThreadsPerRow);
       if (colwise != nullptr) {
 #pragma unroll
-        for (int j = 0; j < kVec; ++j) col_part[chunk_row][chunk_col + j] = col_max[j];
+        for (int j = 0; j < kVec; ++j) col_part[chunk_row][chunk_col + j] = col_max[0][j];
         __syncthreads();
         if (threadIdx.x < kTile) {
           uint32_t m = 0;
@@ -702,38 +736,11 @@ __global__ void __launch_bounds__(kThreads, (Mxfp8TileMinBlocks<Src, kDbias>()))
     const int64_t c0 = tile % tiles_c * kTileCols;
     const int64_t c = c0 + chunk_col;
 
-    typename Src::Cols col_state;
-    src.LoadCols(c, cols, col_state);
-    typename Src::Chunk vals[kPasses];  // out of range -> 0, which changes no amax
-    if constexpr (kStaged) {
-      CopyAsyncWait<0>();
-#pragma unroll
-      for (int p = 0; p < kPasses; ++p) Src::FromStaged(staged[p * kThreads + threadIdx.x], vals[p]);
-    } else {
-#pragma unroll
-      for (int p = 0; p < kPasses; ++p) {
-        src.template Load<kVectorIO>(r0 + p * kRowsPerPass + chunk_row, c, r_lim, cols, col_state, vals[p]);
-      }
-    }
-
+    typename Src::Chunk vals[kPasses];
+    LoadTileChunks<kStaged, kVectorIO, kPasses, kRowsPerPass>(src, r0, c, r_lim, cols, chunk_row, staged, vals);
     uint32_t chunk_max[kPasses];
-    uint32_t col_max[2][kVec];
-#pragma unroll
-    for (int j = 0; j < kVec; ++j) col_max[0][j] = col_max[1][j] = 0;
-#pragma unroll
-    for (int p = 0; p < kPasses; ++p) {
-      if constexpr (Bf16Chunks<Src>::value) {
-        AbsMaxBf16Chunk<kVec>(vals[p], &chunk_max[p], col_max[p / (kPasses / 2)]);
-      } else {
-        chunk_max[p] = 0;
-#pragma unroll
-        for (int j = 0; j < kVec; ++j) {
-          const uint32_t b = AbsBitsOf(Src::Value(vals[p], j));
-          chunk_max[p] = max(chunk_max[p], b);
-          col_max[p / (kPasses / 2)][j] = max(col_max[p / (kPasses / 2)][j], b);
-        }
-      }
-    }
+    uint32_t col_max[2][kVec];  // the tile's two 32-row blocks
+    ChunkAndColumnMaxima<2, kPasses, kVec, Src>(vals, chunk_max, col_max);
     if constexpr (kStaged) {  // as in Fp8BlockTileKernel: every staged value is in registers
       if (tile + gridDim.x < tiles) {
         StageTile<kTileRows, kTileCols, kPasses, kRowsPerPass>(src, row_tiles, tile + gridDim.x, tiles_c,
@@ -746,26 +753,18 @@ __global__ void __launch_bounds__(kThreads, (Mxfp8TileMinBlocks<Src, kDbias>()))
                                                             lane_sums, dbias_partials);
     }
 
-    // Rowwise E8M0 bytes: the kLanesPerBlock lanes of a 32-value block share it; lane q
-    // computes (and writes) pass q's and shuffles it to the others, one division per lane.
-    uint8_t row_e[kPasses];
+    // Rowwise E8M0 bytes: the kLanesPerBlock lanes of a 32-value block share it
+    // (RowBlockValues); lane q also writes pass q's.
+    uint32_t row_e[kPasses];
     if (rowwise != nullptr) {
-      static_assert(kPasses <= kLanesPerBlock, "one lane per pass");
+      const uint32_t my_e = RowBlockValues<kLanesPerBlock>(
+          chunk_max, [](uint32_t m) { return uint32_t(Mxfp8ScaleByte(m, Fmt::kMax)); }, row_e);
       const int q = threadIdx.x % kLanesPerBlock;
-      uint32_t my_max = 0;
-#pragma unroll
-      for (int p = 0; p < kPasses; ++p) {
-        const uint32_t m = GroupMaxU32<kLanesPerBlock>(chunk_max[p]);
-        my_max = q == p ? m : my_max;
-      }
-      const uint32_t my_e = Mxfp8ScaleByte(my_max, Fmt::kMax);
       const int64_t c_block = c - q * kVec;  // the block's first column
       if (q < kPasses) {
         const int64_t r = r0 + q * kRowsPerPass + chunk_row;
         if (r < r_lim && c_block < cols) row_scale[r * row_ld + c_block / kBlock] = uint8_t(my_e);
       }
-#pragma unroll
-      for (int p = 0; p < kPasses; ++p) row_e[p] = uint8_t(__shfl_sync(0xFFFFFFFFu, my_e, p, kLanesPerBlock));
     }
 
     // Colwise E8M0 bytes and factors, through shared memory.

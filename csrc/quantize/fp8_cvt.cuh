@@ -1,7 +1,7 @@
-// Device-side FP8 encoding of 16-byte chunks for the quantize kernels (quantize_fp8.cu,
-// quantize_block_tiles.cuh, quantize_mxfp8.cu) and activation_kernels.cuh: the hardware
-// conversion where it is bit-identical to the formats.h codecs, the codec elsewhere, plus
-// vector load/store helpers.
+// Device-side FP8 encoding of 16-byte chunks for the quantize kernels (quantize_tiled.cuh,
+// block_tiles.cuh) and activation_kernels.cuh: EncodeChunk (one scale) and EncodeChunkScaled
+// (a factor per value), the hardware conversion where it is bit-identical to the formats.h
+// codecs, the codec elsewhere, plus vector load/store helpers.
 //
 // cvt.rn.satfinite.{e4m3x2,e5m2x2}.f32 (sm_89+, PTX ISA 7.8,
 // https://docs.nvidia.com/cuda/parallel-thread-execution/#data-movement-and-conversion-instructions-cvt)
@@ -55,6 +55,29 @@ __device__ __forceinline__ float LoadAsFloatFast(F16, uint16_t v) {
 
 __device__ __forceinline__ uint32_t PackCodes4(uint8_t a, uint8_t b, uint8_t c, uint8_t d) {
   return uint32_t(a) | (uint32_t(b) << 8) | (uint32_t(c) << 16) | (uint32_t(d) << 24);
+}
+
+// Encodes v[j] * scale (kN a multiple of 4) into kN / 4 little-endian words of codes.
+// `no_nan`: no product can be NaN (finite non-zero scale, no NaN in v), so the hardware
+// conversion gives the formats.h codec's bits.
+template <typename Fmt, int kN>
+__device__ __forceinline__ void EncodeChunk(Fmt fmt, const float (&v)[kN], float scale, bool no_nan,
+                                            uint32_t (&words)[kN / 4]) {
+#if LOWBIT_HAS_CVT_FP8X2
+  if (no_nan) {
+#pragma unroll
+    for (int j = 0; j < kN; j += 4) {
+      words[j / 4] = CvtPair(fmt, v[j] * scale, v[j + 1] * scale) |
+                     (CvtPair(fmt, v[j + 2] * scale, v[j + 3] * scale) << 16);
+    }
+    return;
+  }
+#endif
+  uint8_t q[kN];
+#pragma unroll
+  for (int j = 0; j < kN; ++j) q[j] = EncodeScaled(fmt, v[j], scale);
+#pragma unroll
+  for (int j = 0; j < kN; j += 4) words[j / 4] = PackCodes4(q[j], q[j + 1], q[j + 2], q[j + 3]);
 }
 
 // Encodes v[j] * s[j] (kN a multiple of 4) into kN / 4 little-endian words of codes.

@@ -80,29 +80,6 @@ __device__ __forceinline__ bool ScaleKeepsFinite(float scale) {
   return bits != 0 && bits < 0x7F800000u;
 }
 
-// Encodes kN values (a multiple of 4) into kN / 4 little-endian words of codes.
-// `no_nan`: no product can be NaN (finite non-zero scale, no NaN in v), so the hardware
-// conversion gives the formats.h codec's bits.
-template <typename Fmt, int kN>
-__device__ __forceinline__ void EncodeChunk(Fmt fmt, const float (&v)[kN], float scale, bool no_nan,
-                                            uint32_t (&words)[kN / 4]) {
-#if LOWBIT_HAS_CVT_FP8X2
-  if (no_nan) {
-#pragma unroll
-    for (int j = 0; j < kN; j += 4) {
-      words[j / 4] = CvtPair(fmt, v[j] * scale, v[j + 1] * scale) |
-                     (CvtPair(fmt, v[j + 2] * scale, v[j + 3] * scale) << 16);
-    }
-    return;
-  }
-#endif
-  uint8_t q[kN];
-#pragma unroll
-  for (int j = 0; j < kN; ++j) q[j] = EncodeScaled(fmt, v[j], scale);
-#pragma unroll
-  for (int j = 0; j < kN; j += 4) words[j / 4] = PackCodes4(q[j], q[j + 1], q[j + 2], q[j + 3]);
-}
-
 // ---------------------------------------------------------------- tiled kernel
 // One kRows x 128 tile per loop step (kRows = 64 or 128), 4 * kRows threads, and ONE
 // __syncthreads per tile. Step i, after that barrier:
