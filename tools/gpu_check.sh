@@ -5,7 +5,8 @@
 # files come back: keep it that way). The default stages fit one device call (600 s): on a
 # fresh H200 machine (2026-11-27) 470 s in all: the build 93 s (~270 s before the activation,
 # fused-block and block-quantize kernels compiled as several translation units each), the
-# 4543 GPU tests 316 s with 15 workers, the quick benchmark 58 s.
+# 4543 GPU tests 316 s with 15 workers, the quick benchmark 58 s; on a fresh H100 535 s
+# (bench/results/gpu_check_*_2026-11-27.log).
 #
 #   tools/gpu_check.sh                 # build test bench (the quick benchmark)
 #   tools/gpu_check.sh build suite     # the rest of the suite on the CUDA backend (175 s, H100)
