@@ -13,6 +13,9 @@ dbias, the state) exactly.
 
 from __future__ import annotations
 
+import importlib
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -27,6 +30,8 @@ from lowbit.sharding import MeshResource, global_shard_guard
 from lowbit.ops.dense_backward import dense_backward_fp8, dense_backward_fp8_p, dense_backward_plan
 from lowbit.quantize import QuantizerFactory
 from lowbit.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling
+
+gemm_mod = importlib.import_module("lowbit.ops.gemm")
 
 # (x shape, features): (m, n, k) = (prod(x.shape[:-1]), features, x.shape[-1]).
 # The first is the seed Dense's proportions scaled down (m = 2k, n = 4k: 8 slices), the
@@ -176,6 +181,25 @@ def test_op_errors_name_the_argument(rng):
         jax.block_until_ready(dense_backward_fp8_p.bind(
             dy, x_col, jnp.ones((256, 1008), f8), one, one, one, one, q_dtype=np.int32(5),
             dx_dtype=jnp.dtype(jnp.bfloat16), dk_dtype=jnp.dtype(f32), dbias=False))
+    with pytest.raises(Exception, match="lowbit_dense_backward_fp8: wgrad_algo"):  # past kGemmMaxAlgo
+        jax.block_until_ready(dense_backward_fp8_p.bind(
+            dy, x_col, jnp.ones((256, 1024), f8), one, one, one, one, q_dtype=np.int32(5),
+            dx_dtype=jnp.dtype(jnp.bfloat16), dk_dtype=jnp.dtype(f32), dbias=False, wgrad_algo=32))
+
+
+def test_op_takes_the_unfused_gemms_algorithms(rng, monkeypatch):
+    """The fused op's two GEMM launches run at the cuBLASLt heuristic indices the unfused
+    ops' GEMMs would (LOWBIT_GEMM_ALGO by kind: the dgrad writes bf16, fp8_split; the wgrad
+    of an f32 kernel writes f32, fp8_split_f32), passed to the handler as attributes."""
+    monkeypatch.setattr(gemm_mod, "_env_algo", lambda: gemm_mod.parse_algo("fp8_split=3,fp8_split_f32=5"))
+    f8, f32 = jnp.float8_e4m3fn, jnp.float32
+    dy = jnp.asarray(rng.standard_normal((512, 1024)), jnp.bfloat16)
+    one = jnp.ones((1,), f32)
+    fn = lambda dy: dense_backward_fp8(dy, jnp.ones((256, 512), f8), jnp.ones((256, 1024), f8), one, one, one,  # noqa: E731
+                                       one, q_dtype=jnp.float8_e5m2, dx_dtype=jnp.bfloat16, dk_dtype=f32,
+                                       compute_dbias=False)
+    text = jax.jit(fn).lower(dy).as_text()
+    assert re.search(r"dgrad_algo = 3 : i32", text) and re.search(r"wgrad_algo = 5 : i32", text), text[-2000:]
 
 
 def test_vmap_maps_the_op(rng):

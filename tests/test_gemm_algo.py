@@ -64,12 +64,26 @@ def test_environment_is_read_once(monkeypatch):
     assert gemm_mod.resolve_algo(None, E4M3, Mode.BLOCK_1x128, True) == 5
 
 
+def test_split_f32_output_is_its_own_kind(monkeypatch):
+    """cuBLASLt's heuristic list depends on the output type, so a split-accumulation GEMM with
+    an f32 output (an f32 kernel's wgrad) takes fp8_split_f32's index, not fp8_split's."""
+    monkeypatch.setenv("LOWBIT_GEMM_ALGO", "fp8_split=2,fp8_split_f32=4")
+    r = gemm_mod.resolve_algo
+    assert r(None, E4M3, Mode.TENSOR, True, jnp.float32) == 4
+    assert r(None, E4M3, Mode.TENSOR, True, jnp.bfloat16) == 2
+    assert r(None, E4M3, Mode.TENSOR, True) == 2  # no output dtype given: fp8_split
+    assert r(None, E4M3, Mode.TENSOR, False, jnp.float32) == 0  # fast accumulation: fp8_fast
+    assert gemm_mod.algo_kind(E4M3, Mode.BLOCK_1x128, True, jnp.float32) == "block"
+
+
 def test_resolve_algo_kinds_and_defaults(monkeypatch):
     monkeypatch.setenv("LOWBIT_GEMM_ALGO", "fp8_split=3")
     monkeypatch.setitem(gemm_mod.DEFAULT_ALGO, "fp8_fast", 2)  # a per-kind default, as the lead may set
     r = gemm_mod.resolve_algo
     assert r(None, E4M3, Mode.TENSOR, False) == 2
     assert r(None, E5M2, Mode.TENSOR, True) == 3
+    assert r(None, E5M2, Mode.TENSOR, True, jnp.bfloat16) == 3
+    assert r(None, E4M3, Mode.TENSOR, True, jnp.float32) == 0  # fp8_split_f32: its own kind
     assert r(None, E4M3, Mode.BLOCK_128x128, True) == 0
     assert r(None, E4M3, Mode.MXFP8, True) == 0
     assert r(None, BF16, Mode.TENSOR, True) == 0  # 16-bit GEMMs: always cuBLASLt's choice

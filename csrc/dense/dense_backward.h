@@ -195,6 +195,9 @@ struct DenseBwdArgs {
   float* amax = nullptr;  // dy's amax, one f32
   uint8_t* scratch = nullptr;  // plan.scratch_bytes, 256-byte aligned
   int64_t m = 0, n = 0, k = 0;
+  // cuBLASLt heuristic indices of the dgrad and the wgrad launches (GemmArgs::algo; the
+  // unfused ops' lowbit.ops.gemm kinds, LOWBIT_GEMM_ALGO): the reference ignores them.
+  int32_t dgrad_algo = 0, wgrad_algo = 0;
 };
 
 // The pieces both executors start from: the plan for `a` (gemm_workspace_bytes as in
@@ -230,6 +233,7 @@ inline GemmArgs DenseBwdDgradArgs(const DenseBwdArgs& a) {
   g.b_scale_inv = a.k_scale_inv;
   g.out_type = a.dx_dtype;
   g.n = a.k, g.k = a.n;
+  g.algo = a.dgrad_algo;
   return g;
 }
 
@@ -243,6 +247,7 @@ inline GemmArgs DenseBwdWgradArgs(const DenseBwdArgs& a) {
   g.b_scale_inv = a.dy_scale_inv;
   g.out_type = a.dk_dtype;
   g.m = a.k, g.k = a.m;
+  g.algo = a.wgrad_algo;
   return g;
 }
 

@@ -2,6 +2,7 @@
 // per-tensor FP8 dense layer with dy's copies placed inside dk. Compiled twice (CPU handler
 // over DenseBwdRef, CUDA handler over DenseBwdCuda); both validate identically.
 #include <string>
+#include <utility>
 
 #include "dense/dense_backward.h"
 #include "ffi/ffi_util.h"
@@ -18,7 +19,8 @@ Status DenseBwdArgsFromBuffers(const ffi::AnyBuffer& dy, const ffi::AnyBuffer& x
                                const ffi::AnyBuffer& x_scale_inv, const ffi::AnyBuffer& k_scale_inv,
                                ffi::Result<ffi::AnyBuffer>& dx, ffi::Result<ffi::AnyBuffer>& dk,
                                ffi::Result<ffi::AnyBuffer>& dbias, ffi::Result<ffi::AnyBuffer>& amax,
-                               ffi::Result<ffi::AnyBuffer>& scratch, int32_t q_dtype_code, DenseBwdArgs* a) {
+                               ffi::Result<ffi::AnyBuffer>& scratch, int32_t q_dtype_code, int32_t dgrad_algo,
+                               int32_t wgrad_algo, DenseBwdArgs* a) {
   const char* op = kDenseBwdOp;
   LOWBIT_RETURN_IF_ERROR(ExpectHighPrecision(op, "dy", dy));
   const Dims dy_dims = DimsOf(dy);
@@ -54,6 +56,13 @@ Status DenseBwdArgsFromBuffers(const ffi::AnyBuffer& dy, const ffi::AnyBuffer& x
   LOWBIT_RETURN_IF_ERROR(ExpectScalarF32(op, "amax", *amax));
   const DType q_dtype = DType(q_dtype_code);
   if (!IsFp8(q_dtype)) return Invalid(op, "q_dtype", "expected f8e4m3fn or f8e5m2");
+  for (auto [name, algo] : {std::pair<const char*, int32_t>{"dgrad_algo", dgrad_algo}, {"wgrad_algo", wgrad_algo}}) {
+    if (algo < 0 || algo >= kGemmMaxAlgo) {
+      return Invalid(op, name, "expected a cuBLASLt heuristic index 0.." + std::to_string(kGemmMaxAlgo - 1) +
+                                   ", got " + std::to_string(algo));
+    }
+  }
+  a->dgrad_algo = dgrad_algo, a->wgrad_algo = wgrad_algo;
   a->m = m, a->n = n, a->k = k;
   a->dy = dy.untyped_data();
   a->dy_dtype = ToDType(dy.element_type());
@@ -98,10 +107,11 @@ ffi::Error DenseBwdCpu(ffi::AnyBuffer dy, ffi::AnyBuffer x_col, ffi::AnyBuffer k
                        ffi::AnyBuffer dy_scale_inv, ffi::AnyBuffer x_scale_inv, ffi::AnyBuffer k_scale_inv,
                        ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::AnyBuffer> dk,
                        ffi::Result<ffi::AnyBuffer> dbias, ffi::Result<ffi::AnyBuffer> amax,
-                       ffi::Result<ffi::AnyBuffer> scratch, int32_t q_dtype) {
+                       ffi::Result<ffi::AnyBuffer> scratch, int32_t q_dtype, int32_t dgrad_algo,
+                       int32_t wgrad_algo) {
   DenseBwdArgs a;
   Status s = DenseBwdArgsFromBuffers(dy, x_col, k_row, dy_scale, dy_scale_inv, x_scale_inv, k_scale_inv, dx, dk,
-                                     dbias, amax, scratch, q_dtype, &a);
+                                     dbias, amax, scratch, q_dtype, dgrad_algo, wgrad_algo, &a);
   if (s.ok()) s = DenseBwdRef(a);
   return ToFfiError(s);
 }
@@ -112,10 +122,11 @@ ffi::Error DenseBwdGpu(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuff
                        ffi::AnyBuffer k_row, ffi::AnyBuffer dy_scale, ffi::AnyBuffer dy_scale_inv,
                        ffi::AnyBuffer x_scale_inv, ffi::AnyBuffer k_scale_inv, ffi::Result<ffi::AnyBuffer> dx,
                        ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dbias,
-                       ffi::Result<ffi::AnyBuffer> amax, ffi::Result<ffi::AnyBuffer> scratch, int32_t q_dtype) {
+                       ffi::Result<ffi::AnyBuffer> amax, ffi::Result<ffi::AnyBuffer> scratch, int32_t q_dtype,
+                       int32_t dgrad_algo, int32_t wgrad_algo) {
   DenseBwdArgs a;
   Status s = DenseBwdArgsFromBuffers(dy, x_col, k_row, dy_scale, dy_scale_inv, x_scale_inv, k_scale_inv, dx, dk,
-                                     dbias, amax, scratch, q_dtype, &a);
+                                     dbias, amax, scratch, q_dtype, dgrad_algo, wgrad_algo, &a);
   if (s.ok()) s = DenseBwdCuda(a, device_ordinal, stream);
   return ToFfiError(s);
 }
@@ -143,4 +154,6 @@ LOWBIT_FFI_BACKEND_HANDLER(LowbitDenseBackwardFp8, lowbit::DenseBwd,
                                .Ret<xffi::AnyBuffer>()  // dbias: (n,) dy's dtype or f32, or (0,)
                                .Ret<xffi::AnyBuffer>()  // amax: f32 (1,), dy's
                                .Ret<xffi::AnyBuffer>()  // scratch: u8 (plan.scratch_bytes,); CUDA: with the cuBLASLt workspace, 256-B aligned
-                               .Attr<int32_t>("q_dtype"));  // dy's FP8 dtype as lowbit::DType (kE4M3 = 4, kE5M2 = 5)
+                               .Attr<int32_t>("q_dtype")  // dy's FP8 dtype as lowbit::DType (kE4M3 = 4, kE5M2 = 5)
+                               .Attr<int32_t>("dgrad_algo")  // cuBLASLt heuristic index of the dgrad (0..31)
+                               .Attr<int32_t>("wgrad_algo"));  // and of the wgrad launches

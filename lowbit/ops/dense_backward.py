@@ -76,8 +76,8 @@ def dense_backward_plan(m: int, n: int, k: int, dk_dtype, dx_dtype, dbias: bool,
 
 
 def _abstract(dy, x_col, k_row, dy_scale, dy_scale_inv, x_scale_inv, k_scale_inv, *, q_dtype, dx_dtype,
-              dk_dtype, dbias, dbias_dtype=None):
-    del dy_scale, dy_scale_inv, x_scale_inv, k_scale_inv, q_dtype
+              dk_dtype, dbias, dbias_dtype=None, dgrad_algo=0, wgrad_algo=0):
+    del dy_scale, dy_scale_inv, x_scale_inv, k_scale_inv, q_dtype, dgrad_algo, wgrad_algo
     (m, n), k = dy.shape, x_col.shape[0]
     return (
         jax.core.ShapedArray((m, k), dx_dtype),
@@ -96,12 +96,13 @@ dense_backward_fp8_p = ffi_primitive(
     "lowbit_dense_backward_fp8",
     _abstract,
     multiple_results=True,
-    attrs=("q_dtype",),
+    attrs=("q_dtype", "dgrad_algo", "wgrad_algo"),
 )
 _ffi_lowering = jax.ffi.ffi_lowering("lowbit_dense_backward_fp8")
 
 
-def _lowering(ctx, *args, platform, q_dtype, dx_dtype, dk_dtype, dbias, dbias_dtype=None):
+def _lowering(ctx, *args, platform, q_dtype, dx_dtype, dk_dtype, dbias, dbias_dtype=None, dgrad_algo=0,
+              wgrad_algo=0):
     _ffi.require_platform("lowbit_dense_backward_fp8", platform)
     dy, x_col = ctx.avals_in[:2]
     (m, n), k = dy.shape, x_col.shape[0]
@@ -110,7 +111,16 @@ def _lowering(ctx, *args, platform, q_dtype, dx_dtype, dk_dtype, dbias, dbias_dt
         raise ValueError(f"lowbit.ops.dense_backward_fp8: dy {dy.shape}, x_col {x_col.shape}: no placement of "
                          "dy's copies fits dk (csrc/dense/dense_backward.h)")
     scratch = jax.core.ShapedArray((plan[1],), jnp.uint8)
-    return _ffi_lowering(ctx.replace(avals_out=[*ctx.avals_out, scratch]), *args, q_dtype=q_dtype)[:4]
+    return _ffi_lowering(ctx.replace(avals_out=[*ctx.avals_out, scratch]), *args, q_dtype=q_dtype,
+                         dgrad_algo=np.int32(dgrad_algo), wgrad_algo=np.int32(wgrad_algo))[:4]
+
+
+def _algos(q_dtype, x_dtype, dx_dtype, dk_dtype) -> dict:
+    """The dgrad's and the wgrad's cuBLASLt heuristic indices, as the unfused ops' GEMMs
+    (split accumulation) resolve them: LOWBIT_GEMM_ALGO or DEFAULT_ALGO, by output dtype."""
+    tensor = gemm_mod.GemmScaleMode.TENSOR
+    return dict(dgrad_algo=np.int32(gemm_mod.resolve_algo(None, q_dtype, tensor, True, dx_dtype)),
+                wgrad_algo=np.int32(gemm_mod.resolve_algo(None, x_dtype, tensor, True, dk_dtype)))
 
 
 for _platform in ("cpu", "cuda"):
@@ -141,7 +151,7 @@ def dense_backward_fp8(dy, x_col, k_row, dy_scale, dy_scale_inv, x_scale_inv, k_
     dx, dk, dbias, amax = dense_backward_fp8_p.bind(
         dy, x_col, k_row, dy_scale, dy_scale_inv, x_scale_inv, k_scale_inv,
         q_dtype=np.int32(_q_code(q_dtype)), dx_dtype=jnp.dtype(dx_dtype), dk_dtype=jnp.dtype(dk_dtype),
-        dbias=compute_dbias)
+        dbias=compute_dbias, **_algos(q_dtype, x_col.dtype, dx_dtype, dk_dtype))
     return dx, dk, (dbias if compute_dbias else None), amax
 
 
@@ -153,16 +163,18 @@ def _local(dy, x_col, k_row, s, si, xs, ks, *, q_code, dx_dtype, dk_dtype, dbias
     fits, else the unfused ops' primitives (quantize_fp8_p, then the dgrad and wgrad
     gemm_p calls with split accumulation), which give the same values."""
     (m, n), k = dy.shape, x_col.shape[0]
+    q_dtype = _FP8_OF_CODE[q_code]
+    algos = _algos(q_dtype, x_col.dtype, dx_dtype, dk_dtype)
     if dense_backward_plan(m, n, k, dk_dtype, dx_dtype, dbias) is not None:
         return tuple(dense_backward_fp8_p.bind(dy, x_col, k_row, s, si, xs, ks, q_dtype=np.int32(q_code),
                                                dx_dtype=dx_dtype, dk_dtype=dk_dtype, dbias=dbias,
-                                               dbias_dtype=dbias_dtype))
-    q_dtype = _FP8_OF_CODE[q_code]
+                                               dbias_dtype=dbias_dtype, **algos))
     row, col, amax, db = quantize_fp8_p.bind(dy, s, flatten_axis=np.int32(1), out_dtype=q_dtype, rowwise=True,
                                              colwise=True, dbias_dtype=dbias_dtype if dbias else None)
-    algo = gemm_mod.resolve_algo(None, q_dtype, gemm_mod.GemmScaleMode.TENSOR, True)
-    dx = gemm_mod._gemm_2d(row, k_row, si, ks, jnp.zeros((0,), dx_dtype), dx_dtype, True, algo=algo)
-    dk = gemm_mod._gemm_2d(x_col, col, xs, si, jnp.zeros((0,), dk_dtype), dk_dtype, True, algo=algo)
+    dx = gemm_mod._gemm_2d(row, k_row, si, ks, jnp.zeros((0,), dx_dtype), dx_dtype, True,
+                           algo=int(algos["dgrad_algo"]))
+    dk = gemm_mod._gemm_2d(x_col, col, xs, si, jnp.zeros((0,), dk_dtype), dk_dtype, True,
+                           algo=int(algos["wgrad_algo"]))
     return dx, dk, db, amax
 
 

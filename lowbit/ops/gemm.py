@@ -48,8 +48,10 @@ Algorithm (CUDA): `algo` picks entry `algo` of the list of algorithms cuBLASLt's
 heuristic returns (0 = its first choice; a plan-cache key in C++). `gemm(algo=None)` takes
 it from LOWBIT_GEMM_ALGO, read once per process: "k" for every FP8 kind, or
 "kind=k,kind=k" with kinds fp8_fast (per-tensor, fast accumulation: the forward GEMM),
-fp8_split (per-tensor, split accumulation: dgrad / wgrad), block (FP8 1x128 / 128x128),
-mxfp8 and nvfp4 (nvfp4_gemm); unset kinds take DEFAULT_ALGO (all 0: cuBLASLt's choice). A
+fp8_split (per-tensor, split accumulation, a 16-bit output: dgrad), fp8_split_f32 (the same
+with an f32 output: the wgrad of an f32 kernel; cuBLASLt's heuristic list, which the index
+points into, depends on the output type), block (FP8 1x128 / 128x128), mxfp8 and nvfp4
+(nvfp4_gemm); unset kinds take DEFAULT_ALGO (all 0: cuBLASLt's choice). A
 bad value raises a ValueError naming the variable; an index past what cuBLASLt returns for a
 problem fails that GEMM with the count it did return. bench/bench_gemm.py --algo-sweep times
 every index.
@@ -117,7 +119,7 @@ MAX_ALGO = 32  # kGemmMaxAlgo in csrc/gemm/gemm.h: algo is 0..MAX_ALGO-1
 ALGO_ENV = "LOWBIT_GEMM_ALGO"
 # The cuBLASLt heuristic index each kind of FP8 GEMM runs with unless LOWBIT_GEMM_ALGO says
 # otherwise (0 = cuBLASLt's first choice); bench/bench_gemm.py --algo-sweep measures the others.
-DEFAULT_ALGO = {"fp8_fast": 0, "fp8_split": 0, "block": 0, "mxfp8": 0, "nvfp4": 0}
+DEFAULT_ALGO = {"fp8_fast": 0, "fp8_split": 0, "fp8_split_f32": 0, "block": 0, "mxfp8": 0, "nvfp4": 0}
 
 
 class GemmScaleMode(enum.IntEnum):
@@ -210,7 +212,7 @@ def _env_algo() -> dict[str, int]:
     return parse_algo(os.environ.get(ALGO_ENV, ""))
 
 
-def algo_kind(a_dtype, a_mode: GemmScaleMode, use_split_accumulator: bool) -> str | None:
+def algo_kind(a_dtype, a_mode: GemmScaleMode, use_split_accumulator: bool, out_dtype=None) -> str | None:
     """The DEFAULT_ALGO kind of a GEMM, None for the 16-bit GEMMs (always algo 0)."""
     if jnp.dtype(a_dtype) not in FP8:
         return None
@@ -218,17 +220,21 @@ def algo_kind(a_dtype, a_mode: GemmScaleMode, use_split_accumulator: bool) -> st
         return "mxfp8"
     if a_mode != GemmScaleMode.TENSOR:
         return "block"
-    return "fp8_split" if use_split_accumulator else "fp8_fast"
+    if not use_split_accumulator:
+        return "fp8_fast"
+    f32_out = out_dtype is not None and jnp.dtype(out_dtype) == jnp.float32
+    return "fp8_split_f32" if f32_out else "fp8_split"
 
 
-def resolve_algo(algo, a_dtype, a_mode: GemmScaleMode, use_split_accumulator: bool) -> int:
+def resolve_algo(algo, a_dtype, a_mode: GemmScaleMode, use_split_accumulator: bool, out_dtype=None) -> int:
     """The heuristic index a gemm call runs with: `algo` when given (checked), else
-    LOWBIT_GEMM_ALGO's or DEFAULT_ALGO's for its kind."""
+    LOWBIT_GEMM_ALGO's or DEFAULT_ALGO's for its kind (out_dtype: the GEMM's output dtype,
+    which tells fp8_split_f32 from fp8_split)."""
     if algo is not None:
         if isinstance(algo, bool) or not isinstance(algo, (int, np.integer)) or not 0 <= algo < MAX_ALGO:
             raise ValueError(f"{OP}: algo: expected None or an index 0..{MAX_ALGO - 1}, got {algo!r}")
         return int(algo)
-    kind = algo_kind(a_dtype, a_mode, use_split_accumulator)
+    kind = algo_kind(a_dtype, a_mode, use_split_accumulator, out_dtype)
     if kind is None:
         return 0
     return _env_algo().get(kind, DEFAULT_ALGO[kind])
@@ -960,7 +966,7 @@ def gemm(a, b, a_scale_inv=None, b_scale_inv=None, bias=None, *, out_dtype=jnp.b
         a = gather_rows(a, a.ndim - kd)
     if a_mode != GemmScaleMode.TENSOR:
         use_split_accumulator = True  # block scales have the split accumulation only
-    algo = resolve_algo(algo, a.dtype, a_mode, bool(use_split_accumulator))
+    algo = resolve_algo(algo, a.dtype, a_mode, bool(use_split_accumulator), out_dtype)
     # An f32 bias is one f32 add on the f32 output (the op's formula, fl(acc + bias), so the
     # same bits), left to XLA: it fuses into whatever consumes the output (a residual add, the
     # attention's scaling) instead of a pass of its own. cuBLASLt's FP8 bias epilogue takes no
