@@ -117,25 +117,6 @@ __device__ __forceinline__ float AbsMaxNan(float a, float b) {
 #endif
 }
 
-// 4 x 4 byte transpose: byte c of w[r] becomes byte r of out[c].
-__device__ __forceinline__ void Transpose4x4(uint32_t w0, uint32_t w1, uint32_t w2, uint32_t w3,
-                                             uint32_t* out) {
-  const uint32_t t0 = __byte_perm(w0, w1, 0x5140);  // w0.b0 w1.b0 w0.b1 w1.b1
-  const uint32_t t1 = __byte_perm(w2, w3, 0x5140);
-  const uint32_t t2 = __byte_perm(w0, w1, 0x7362);  // w0.b2 w1.b2 w0.b3 w1.b3
-  const uint32_t t3 = __byte_perm(w2, w3, 0x7362);
-  out[0] = __byte_perm(t0, t1, 0x5410);
-  out[1] = __byte_perm(t0, t1, 0x7632);
-  out[2] = __byte_perm(t2, t3, 0x5410);
-  out[3] = __byte_perm(t2, t3, 0x7632);
-}
-
-// True when scale is finite and non-zero: then x * scale is NaN only where x is NaN.
-__device__ __forceinline__ bool ScaleKeepsFinite(float scale) {
-  const uint32_t bits = AbsBitsOf(scale);
-  return bits != 0 && bits < 0x7F800000u;
-}
-
 template <typename T, int kVec>
 __device__ __forceinline__ void LoadChunk(const T* src, bool valid, T (&dst)[kVec]) {
   uint4 packed = make_uint4(0, 0, 0, 0);
@@ -506,8 +487,8 @@ __global__ void LOWBIT_ACT_LAUNCH_BOUNDS(kBackward, kGated, kChunkRows) ActTiled
 #pragma unroll
         for (int i = 0; i < 8; ++i) in[i] = *reinterpret_cast<const uint32_t*>(&codes[k][row8 * 8 + i][quad * 4]);
         uint32_t lo[4], hi[4];  // rows 0-3 and 4-7 of each column
-        Transpose4x4(in[0], in[1], in[2], in[3], lo);
-        Transpose4x4(in[4], in[5], in[6], in[7], hi);
+        Transpose4x4Bytes(in[0], in[1], in[2], in[3], lo);
+        Transpose4x4Bytes(in[4], in[5], in[6], in[7], hi);
         const int64_t r = r0 + row8 * 8;
 #pragma unroll
         for (int cc = 0; cc < 4; ++cc) {

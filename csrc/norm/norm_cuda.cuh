@@ -24,6 +24,7 @@
 #include "norm/norm.h"
 #include "norm/norm_math.h"
 #include "norm/norm_plan.h"
+#include "quantize/fp8_cvt.cuh"
 
 namespace lowbit {
 namespace norm_cuda {
@@ -243,12 +244,6 @@ __device__ __forceinline__ void EncodeFp8(const float (&y)[kVec], float scale, b
   }
 #pragma unroll
   for (int k = 0; k < kVec; ++k) q[k] = NormQuantize(y[k], scale, e5m2);
-}
-
-// True when scale is finite and non-zero: then y * scale is NaN only where y is NaN.
-__device__ __forceinline__ bool ScaleKeepsFinite(float scale) {
-  const uint32_t bits = AbsBitsOf(scale);
-  return bits != 0 && bits < 0x7F800000u;
 }
 
 // Barrier over the threads of one row group: bar.sync 1 + group (0 is __syncthreads) when

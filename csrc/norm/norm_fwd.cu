@@ -102,18 +102,6 @@ struct FwdParams {
   bool col_words;       // q_col 16-byte aligned, hidden % 4 == 0 (word transposes)
 };
 
-// 4x4 byte transpose: w[i] holds byte j of row i at bits 8j; out[j] holds byte i of column
-// j at bits 8i.
-__device__ __forceinline__ void Transpose4x4(uint32_t w0, uint32_t w1, uint32_t w2, uint32_t w3,
-                                             uint32_t (&out)[4]) {
-  const uint32_t lo01 = __byte_perm(w0, w1, 0x5140), hi01 = __byte_perm(w0, w1, 0x7362);
-  const uint32_t lo23 = __byte_perm(w2, w3, 0x5140), hi23 = __byte_perm(w2, w3, 0x7362);
-  out[0] = __byte_perm(lo01, lo23, 0x5410);
-  out[1] = __byte_perm(lo01, lo23, 0x7632);
-  out[2] = __byte_perm(hi01, hi23, 0x5410);
-  out[3] = __byte_perm(hi01, hi23, 0x7632);
-}
-
 // The staged codes of row rr of the cluster tile: in the shared memory of cluster block
 // rr / tile_rows (distributed shared memory, sm_90+), else of this block.
 __device__ __forceinline__ const uint8_t* CodeRow(const FwdParams& p, const uint8_t* tile, int rr) {
@@ -191,7 +179,7 @@ __device__ __forceinline__ void WriteColumnBlock(const FwdParams& p, const uint8
   for (int m = 0; m < kG / 4; ++m) {
     const uint8_t* src = CodeRow(p, tile, rs + 4 * m) + c;
     uint32_t t[4];
-    Transpose4x4(*reinterpret_cast<const uint32_t*>(src),
+    Transpose4x4Bytes(*reinterpret_cast<const uint32_t*>(src),
                  *reinterpret_cast<const uint32_t*>(src + p.tile_stride),
                  *reinterpret_cast<const uint32_t*>(src + 2 * p.tile_stride),
                  *reinterpret_cast<const uint32_t*>(src + 3 * p.tile_stride), t);

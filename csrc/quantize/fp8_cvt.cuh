@@ -1,7 +1,8 @@
 // Device-side FP8 encoding of 16-byte chunks for the quantize kernels (quantize_tiled.cuh,
-// block_tiles.cuh) and activation_kernels.cuh: EncodeChunk (one scale) and EncodeChunkScaled
-// (a factor per value), the hardware conversion where it is bit-identical to the formats.h
-// codecs, the codec elsewhere, plus vector load/store helpers.
+// block_tiles.cuh), activation_kernels.cuh and the norm kernels (norm_cuda.cuh): EncodeChunk
+// (one scale) and EncodeChunkScaled (a factor per value), the hardware conversion where it is
+// bit-identical to the formats.h codecs, the codec elsewhere, plus the scale check, the 4x4
+// byte transpose of the colwise stores and vector load/store helpers.
 //
 // cvt.rn.satfinite.{e4m3x2,e5m2x2}.f32 (sm_89+, PTX ISA 7.8,
 // https://docs.nvidia.com/cuda/parallel-thread-execution/#data-movement-and-conversion-instructions-cvt)
@@ -51,6 +52,25 @@ __device__ __forceinline__ float LoadAsFloatFast(F16, uint16_t v) {
   const float f = __half2float(__ushort_as_half(v));
   if (!IsNanBits(FloatBits(f))) return f;
   return BitsToFloat((uint32_t(v & 0x8000u) << 16) | 0x7FC00000u);
+}
+
+// True when scale is finite and non-zero: then x * scale is NaN only where x is NaN (the
+// `no_nan` condition of EncodeChunk, given a NaN-free chunk).
+__device__ __forceinline__ bool ScaleKeepsFinite(float scale) {
+  const uint32_t bits = AbsBitsOf(scale);
+  return bits != 0 && bits < 0x7F800000u;
+}
+
+// 4 x 4 byte transpose: byte j of w_i (bits 8j) becomes byte i of out[j] (bits 8i); the
+// colwise stores of the quantize, norm and activation kernels.
+__device__ __forceinline__ void Transpose4x4Bytes(uint32_t w0, uint32_t w1, uint32_t w2, uint32_t w3,
+                                                  uint32_t* out) {
+  const uint32_t lo01 = __byte_perm(w0, w1, 0x5140), hi01 = __byte_perm(w0, w1, 0x7362);
+  const uint32_t lo23 = __byte_perm(w2, w3, 0x5140), hi23 = __byte_perm(w2, w3, 0x7362);
+  out[0] = __byte_perm(lo01, lo23, 0x5410);
+  out[1] = __byte_perm(lo01, lo23, 0x7632);
+  out[2] = __byte_perm(hi01, hi23, 0x5410);
+  out[3] = __byte_perm(hi01, hi23, 0x7632);
 }
 
 __device__ __forceinline__ uint32_t PackCodes4(uint8_t a, uint8_t b, uint8_t c, uint8_t d) {

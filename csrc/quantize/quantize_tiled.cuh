@@ -74,12 +74,6 @@ constexpr int kTileCols = int(kQuantizeTileCols);
 // Hardware FP8 conversion (CvtPair, sm_89+) and the vector helpers: quantize/fp8_cvt.cuh.
 constexpr bool kHasCvtFp8x2 = LOWBIT_HAS_CVT_FP8X2;
 
-// True when scale is finite and non-zero: then x * scale is NaN only where x is NaN.
-__device__ __forceinline__ bool ScaleKeepsFinite(float scale) {
-  const uint32_t bits = AbsBitsOf(scale);
-  return bits != 0 && bits < 0x7F800000u;
-}
-
 // ---------------------------------------------------------------- tiled kernel
 // One kRows x 128 tile per loop step (kRows = 64 or 128), 4 * kRows threads, and ONE
 // __syncthreads per tile. Step i, after that barrier:
@@ -247,16 +241,6 @@ __device__ __forceinline__ void EncodeStepFromShared(Fmt fmt, const uint8_t* row
   }
 }
 
-// Byte transpose of a 4 x 4 block: out[j] = byte j of in[0], in[1], in[2], in[3].
-__device__ __forceinline__ void Transpose4x4Bytes(const uint32_t* in, uint32_t* out) {
-  const uint32_t a_lo = __byte_perm(in[0], in[1], 0x5140), a_hi = __byte_perm(in[0], in[1], 0x7362);
-  const uint32_t b_lo = __byte_perm(in[2], in[3], 0x5140), b_hi = __byte_perm(in[2], in[3], 0x7362);
-  out[0] = __byte_perm(a_lo, b_lo, 0x5410);
-  out[1] = __byte_perm(a_lo, b_lo, 0x7632);
-  out[2] = __byte_perm(a_hi, b_hi, 0x5410);
-  out[3] = __byte_perm(a_hi, b_hi, 0x7632);
-}
-
 // Where a tile lies: its first row and column, and how many of its rows and columns lie
 // inside x.
 struct TileOrigin {
@@ -366,8 +350,8 @@ __global__ void __launch_bounds__(TileShape<typename Tag::Storage, kRows, kStage
 #pragma unroll
         for (int k = 0; k < kTransposeRows; ++k) w[k] = *reinterpret_cast<const uint32_t*>(src + k * kTileCols);
         uint32_t lo[4], hi[4];  // column j: rows row8..+3 in lo[j], row8+4..+7 in hi[j]
-        Transpose4x4Bytes(w, lo);
-        Transpose4x4Bytes(w + 4, hi);
+        Transpose4x4Bytes(w[0], w[1], w[2], w[3], lo);
+        Transpose4x4Bytes(w[4], w[5], w[6], w[7], hi);
         if (row8 < prev.rows_left) {
 #pragma unroll
           for (int j = 0; j < kTransposeCols; ++j) {  // colwise row c0 + col4 + j, from row r0 + row8
