@@ -39,9 +39,10 @@ Blackwell hardware. emulated_nvfp4_gemm (dequantize, transform undone, fp32 dot)
 for a GEMM with exactly one transformed operand, which only a hand-built quantizer set mixing
 use_rht makes (`nvfp4_packed_gemm_ok`).
 
-Accumulation: the forward GEMM uses the fast FP8 accumulation, the two backward GEMMs the
-split (more precise) one, as TransformerEngine does by default (block-scaled GEMMs have only
-the split one). With an empty quantizer set (no recipe) dense is a plain `lax.dot_general`.
+Accumulation: as the quantizer set's `accumulation` says (GemmAccumulation, from the recipe's
+fp8_gemm_* MMParams): by default the forward GEMM uses the fast FP8 accumulation, the two
+backward GEMMs the split (more precise) one, as TransformerEngine does by default (block-scaled
+GEMMs have only the split one, whatever the set says). With an empty quantizer set (no recipe) dense is a plain `lax.dot_general`.
 `forward_gemm` and `backward_gemms` are the pieces layernorm_dense and layernorm_mlp reuse.
 
 Memory (tensor scaling): dense's backward is one op, lowbit.ops.dense_backward_fp8,
@@ -74,6 +75,7 @@ from lowbit.quantize.helper import get_global_mesh_resource
 from lowbit.quantize.quantizer import (
     CurrentScaleQuantizer,
     DelayedScaleQuantizer,
+    GemmAccumulation,
     NVFP4Quantizer,
     QuantizerSet,
     noop_quantizer_set,
@@ -221,20 +223,22 @@ def _gemm(a: ScaledTensor1x, b: ScaledTensor1x, bias, out_dtype, contracting_ndi
     return checkpoint_name(out, GEMM_CHECKPOINT_NAME)
 
 
-def forward_gemm(xq: ScaledTensor2x, kq: ScaledTensor2x, bias, out_dtype, n_contract: int = 1):
+def forward_gemm(xq: ScaledTensor2x, kq: ScaledTensor2x, bias, out_dtype, n_contract: int = 1,
+                 accumulation: GemmAccumulation = GemmAccumulation()):
     """y (M..., N...) = x (M..., K...) . kernel (K..., N...) + bias (N...), from their
-    quantized copies (x's rowwise, the kernel's colwise (N..., K...))."""
-    return _gemm(xq.rowwise_tensor, kq.colwise_tensor, bias, out_dtype, n_contract, False)
+    quantized copies (x's rowwise, the kernel's colwise (N..., K...)), accumulated as
+    accumulation.fprop says."""
+    return _gemm(xq.rowwise_tensor, kq.colwise_tensor, bias, out_dtype, n_contract, accumulation.fprop)
 
 
 def dgrad_wgrad(dyq: ScaledTensor2x, x_col: ScaledTensor1x, k_row: ScaledTensor1x, x_dtype, k_dtype,
-                n_lead: int = 1):
+                n_lead: int = 1, accumulation: GemmAccumulation = GemmAccumulation()):
     """dx (M..., K...) = dy . kernel^T and dw (K..., N...) = x^T . dy from the quantized
     dy (M..., N...) (n_lead M dims), x's colwise copy (K..., M...) and the kernel's rowwise
-    copy (K..., N...)."""
+    copy (K..., N...), accumulated as accumulation.dgrad and .wgrad say."""
     n_out = len(dyq.rowwise_tensor.shape) - n_lead
-    dx = _gemm(dyq.rowwise_tensor, k_row, None, x_dtype, n_out, True)
-    dw = _gemm(x_col, dyq.colwise_tensor, None, k_dtype, n_lead, True, tokens_in_a=False)
+    dx = _gemm(dyq.rowwise_tensor, k_row, None, x_dtype, n_out, accumulation.dgrad)
+    dw = _gemm(x_col, dyq.colwise_tensor, None, k_dtype, n_lead, accumulation.wgrad, tokens_in_a=False)
     if not _mesh_axes():
         # Tied, so that whatever consumes dx waits for dw: the wgrad's operands (x's saved
         # colwise copy, dy's colwise copy) are freed before the backward goes on. Left free,
@@ -254,13 +258,14 @@ def _mesh_axes() -> tuple[str, ...]:
 
 
 def backward_gemms(dy, x_col: ScaledTensor1x, k_row: ScaledTensor1x, dgrad_quantizer,
-                   has_bias: bool, x_dtype, k_dtype, n_lead: int = 1):
+                   has_bias: bool, x_dtype, k_dtype, n_lead: int = 1,
+                   accumulation: GemmAccumulation = GemmAccumulation()):
     """dx (M..., K...), dw (K..., N...), dbias (N...) or None, and dy's amax, from dy
     (M..., N...) with n_lead M dims; dbias comes out of dy's quantize pass."""
     dyq, dbias = dgrad_quantizer.quantize(
         dy, is_rowwise=True, is_colwise=True, flatten_axis=n_lead, compute_dbias=has_bias
     )
-    dx, dw = dgrad_wgrad(dyq, x_col, k_row, x_dtype, k_dtype, n_lead)
+    dx, dw = dgrad_wgrad(dyq, x_col, k_row, x_dtype, k_dtype, n_lead, accumulation)
     return dx, dw, dbias, dyq.amax
 
 
@@ -278,6 +283,7 @@ def check_quantizer_set(op: str, quantizer_set: QuantizerSet) -> bool:
 
 # fold_in tag of the RHT sign key of one GEMM's quantizer set (0, 1, 2 are the SR keys).
 RHT_KEY_TAG = 3
+_SET_FIELDS = ("x", "kernel", "dgrad")  # QuantizerSet.quantizers' order
 
 
 def with_sr_key(quantizer_set: QuantizerSet, key) -> QuantizerSet:
@@ -290,13 +296,14 @@ def with_sr_key(quantizer_set: QuantizerSet, key) -> QuantizerSet:
         return quantizer_set
     if key is not None:
         rht_key = jax.random.fold_in(key, RHT_KEY_TAG)
-        quantizer_set = QuantizerSet(*(
-            q.with_key(jax.random.fold_in(key, i), rht_key=rht_key) if isinstance(q, NVFP4Quantizer) else q
-            for i, q in enumerate(quantizer_set)))
+        quantizer_set = quantizer_set._replace(**{
+            field: q.with_key(jax.random.fold_in(key, i), rht_key=rht_key) if isinstance(q, NVFP4Quantizer) else q
+            for i, (field, q) in enumerate(zip(_SET_FIELDS, quantizer_set.quantizers))})
     shared = quantizer_set.x.rht_key
-    return QuantizerSet(*(
-        dataclasses.replace(q, rht_key=shared) if isinstance(q, NVFP4Quantizer) and q.rht_key is not shared else q
-        for q in quantizer_set))
+    return quantizer_set._replace(**{
+        field: dataclasses.replace(q, rht_key=shared)
+        if isinstance(q, NVFP4Quantizer) and q.rht_key is not shared else q
+        for field, q in zip(_SET_FIELDS, quantizer_set.quantizers)})
 
 
 def dense(
@@ -350,7 +357,7 @@ def _dense_fwd(x, kernel, bias, quantizer_set, static):
     n_lead = x.ndim - static.n_contract
     xq = quantize_2x(quantizer_set.x, x, n_lead)                         # (M..., K...)
     kq = quantize_2x(quantizer_set.kernel, kernel, static.n_contract)    # (K..., N...)
-    y = forward_gemm(xq, kq, bias, x.dtype, static.n_contract)           # (M..., N...)
+    y = forward_gemm(xq, kq, bias, x.dtype, static.n_contract, quantizer_set.accumulation)  # (M..., N...)
     return y, (xq.colwise_tensor, kq.rowwise_tensor, quantizer_set, xq.amax, kq.amax)
 
 
@@ -369,7 +376,8 @@ def _dense_backward_mode() -> str:
     return value
 
 
-def fused_backward(dy, x_col: ScaledTensor1x, k_row: ScaledTensor1x, dgrad_quantizer, static: _Static):
+def fused_backward(dy, x_col: ScaledTensor1x, k_row: ScaledTensor1x, dgrad_quantizer, static: _Static,
+                   accumulation: GemmAccumulation = GemmAccumulation()):
     """(dx, dw, dbias or None, dy's amax) from lowbit.ops.dense_backward_fp8, or None where it
     does not apply (another recipe, no placement for the sizes on one device,
     LOWBIT_DENSE_BACKWARD=unfused, sequence parallelism; under a MeshResource with axes but
@@ -406,7 +414,8 @@ def fused_backward(dy, x_col: ScaledTensor1x, k_row: ScaledTensor1x, dgrad_quant
     dx, dw, dbias, amax = (dense_backward_fp8_sharded if sharded else dense_backward_fp8)(
         jax.lax.stop_gradient(dy2), x_col.data.reshape(k, m), k_row.data.reshape(k, n), scale, scale_inv,
         x_col.scale_inv, k_row.scale_inv, q_dtype=dgrad_quantizer.q_dtype, dx_dtype=static.x_dtype,
-        dk_dtype=static.kernel_dtype, compute_dbias=static.has_bias)
+        dk_dtype=static.kernel_dtype, compute_dbias=static.has_bias,
+        dgrad_split=accumulation.dgrad, wgrad_split=accumulation.wgrad)
     dx = checkpoint_name(dx.reshape(static.x_shape), GEMM_CHECKPOINT_NAME)
     dw = checkpoint_name(dw.reshape(static.kernel_shape), GEMM_CHECKPOINT_NAME)
     if dbias is not None:
@@ -417,15 +426,15 @@ def fused_backward(dy, x_col: ScaledTensor1x, k_row: ScaledTensor1x, dgrad_quant
 def _dense_bwd(static, residuals, dy):
     x_col, k_row, quantizer_set, x_amax, k_amax = residuals
     n_lead = len(static.x_shape) - static.n_contract
-    fused = fused_backward(dy, x_col, k_row, quantizer_set.dgrad, static)
+    fused = fused_backward(dy, x_col, k_row, quantizer_set.dgrad, static, quantizer_set.accumulation)
     if fused is not None:
         dx, dw, dbias, dy_amax = fused
     else:
         dx, dw, dbias, dy_amax = backward_gemms(
             dy, x_col, k_row, quantizer_set.dgrad, static.has_bias, static.x_dtype,
-            static.kernel_dtype, n_lead,
+            static.kernel_dtype, n_lead, quantizer_set.accumulation,
         )
-    new_set = QuantizerSet(
+    new_set = quantizer_set._replace(
         x=quantizer_set.x.update(x_amax),
         kernel=quantizer_set.kernel.update(k_amax),
         dgrad=quantizer_set.dgrad.update(dy_amax),

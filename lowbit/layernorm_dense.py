@@ -134,7 +134,7 @@ def _fwd(x, kernel, gamma, beta, bias, quantizer_set, static):
         fused = norm_quantize(x, gamma, beta, static.cfg, quantizer_set.x, static.return_ln)
     xq, ln, mu, rsigma = fused
     kq = quantize_2x(quantizer_set.kernel, kernel, 1)
-    y = forward_gemm(xq, kq, bias, x.dtype)
+    y = forward_gemm(xq, kq, bias, x.dtype, 1, quantizer_set.accumulation)
     ln = ln if static.return_ln else None
     residuals = (x, mu, rsigma, gamma, xq.colwise_tensor, kq.rowwise_tensor, quantizer_set,
                  xq.amax, kq.amax)
@@ -146,12 +146,12 @@ def _bwd(static, residuals, cotangents):
     x, mu, rsigma, gamma, ln_col, k_row, quantizer_set, x_amax, k_amax = residuals
     dln, dw, dbias, dy_amax = backward_gemms(
         dy, ln_col, k_row, quantizer_set.dgrad, static.has_bias, x.dtype, static.kernel_dtype,
-        len(static.x_shape) - 1,
+        len(static.x_shape) - 1, quantizer_set.accumulation,
     )
     if static.return_ln:
         dln = dln + dln_out.astype(dln.dtype)
     dx, dgamma, dbeta = norm_backward(dln, x, mu, rsigma, gamma, **static.cfg.kwargs())
-    new_set = QuantizerSet(
+    new_set = quantizer_set._replace(
         x=quantizer_set.x.update(x_amax),
         kernel=quantizer_set.kernel.update(k_amax),
         dgrad=quantizer_set.dgrad.update(dy_amax),

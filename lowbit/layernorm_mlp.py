@@ -49,7 +49,7 @@ from lowbit.layernorm import NormConfig, fused_2x, layernorm, norm_quantize
 from lowbit.layernorm_dense import norm_block_quantized
 from lowbit.ops.activation import act_backward, act_forward
 from lowbit.ops.norm import norm_backward
-from lowbit.quantize.quantizer import DelayedScaleQuantizer, QuantizerSet, noop_quantizer_set
+from lowbit.quantize.quantizer import DelayedScaleQuantizer, noop_quantizer_set
 
 __all__ = ["layernorm_mlp"]
 
@@ -170,7 +170,8 @@ def _fwd(x, gamma, beta, wi, wo, wi_bias, wo_bias, qs1, qs2, static):
     wiq = quantize_2x(qs1.kernel, wi, 1)
     wi_bias = None if wi_bias is None else wi_bias.reshape(wi.shape[1:])
     act_bias = wi_bias if _bias_in_activation(wi_bias, x.dtype, qs2.x) else None
-    h = forward_gemm(lnq, wiq, None if act_bias is not None else wi_bias, x.dtype)  # (M..., [2,] F)
+    h = forward_gemm(lnq, wiq, None if act_bias is not None else wi_bias, x.dtype,   # (M..., [2,] F)
+                     1, qs1.accumulation)
     h = checkpoint_name(h, static.ffn1_ckpt_name)
     if isinstance(qs2.x, DelayedScaleQuantizer):
         a = act_forward(h, static.act_type, gated=static.gated, quant_scale=qs2.x.scale.reshape(1),
@@ -184,7 +185,7 @@ def _fwd(x, gamma, beta, wi, wo, wi_bias, wo_bias, qs1, qs2, static):
             a = act_forward(h, static.act_type, gated=static.gated, bias=act_bias)
             aq = quantize_2x(qs2.x, a.y, n_lead)                                     # (M..., F)
     woq = quantize_2x(qs2.kernel, wo, 1)
-    out = forward_gemm(aq, woq, wo_bias, x.dtype)                                   # (M..., H)
+    out = forward_gemm(aq, woq, wo_bias, x.dtype, 1, qs2.accumulation)              # (M..., H)
     out = checkpoint_name(out, static.ffn2_ckpt_name)
     residuals = (x, mu, rsigma, gamma, lnq.colwise_tensor, wiq.rowwise_tensor, h, act_bias,
                  aq.colwise_tensor, woq.rowwise_tensor, qs1, qs2,
@@ -198,7 +199,8 @@ def _bwd(static, residuals, dy):
     n_lead = x.ndim - 1
     has_wi_bias = static.wi_bias_shape is not None
     da, dwo, dwo_bias, dy_amax = backward_gemms(
-        dy, a_col, wo_row, qs2.dgrad, static.has_wo_bias, x.dtype, static.wo_dtype, n_lead)
+        dy, a_col, wo_row, qs2.dgrad, static.has_wo_bias, x.dtype, static.wo_dtype, n_lead,
+        qs2.accumulation)
     if isinstance(qs1.dgrad, DelayedScaleQuantizer):
         g = act_backward(da, h, static.act_type, gated=static.gated,
                          quant_scale=qs1.dgrad.scale.reshape(1), quant_dtype=qs1.dgrad.q_dtype,
@@ -211,11 +213,11 @@ def _bwd(static, residuals, dy):
         dhq, dwi_bias = qs1.dgrad.quantize(g.dx, is_rowwise=True, is_colwise=True,
                                            flatten_axis=n_lead, compute_dbias=has_wi_bias)
         dh_amax = dhq.amax
-    dln, dwi = dgrad_wgrad(dhq, ln_col, wi_row, x.dtype, static.wi_dtype, n_lead)
+    dln, dwi = dgrad_wgrad(dhq, ln_col, wi_row, x.dtype, static.wi_dtype, n_lead, qs1.accumulation)
     dx, dgamma, dbeta = norm_backward(dln, x, mu, rsigma, gamma, **static.cfg.kwargs())
-    new_qs1 = QuantizerSet(x=qs1.x.update(ln_amax), kernel=qs1.kernel.update(wi_amax),
+    new_qs1 = qs1._replace(x=qs1.x.update(ln_amax), kernel=qs1.kernel.update(wi_amax),
                            dgrad=qs1.dgrad.update(dh_amax))
-    new_qs2 = QuantizerSet(x=qs2.x.update(a_amax), kernel=qs2.kernel.update(wo_amax),
+    new_qs2 = qs2._replace(x=qs2.x.update(a_amax), kernel=qs2.kernel.update(wo_amax),
                            dgrad=qs2.dgrad.update(dy_amax))
     if has_wi_bias:
         dwi_bias = dwi_bias.reshape(static.wi_bias_shape)

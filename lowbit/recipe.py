@@ -8,6 +8,16 @@ recipe into quantizers. Every recipe validates its fields on construction and ra
 
 `Format` keeps TE's shape: `Format.HYBRID.value.max_fwd == 448`, `.max_bwd == 57344`; the
 dtypes are `Format.HYBRID.fwd_dtype` (float8_e4m3fn) and `.bwd_dtype` (float8_e5m2).
+
+The per-tensor FP8 recipes (DelayedScaling, Float8CurrentScaling) also say how each of a
+layer's three GEMMs accumulates, with TE's `MMParams` fields `fp8_gemm_fprop`,
+`fp8_gemm_dgrad` and `fp8_gemm_wgrad`: split accumulation (Hopper's FP8 tensor cores
+promote their partial sums to fp32 every few K steps, the precise choice) or fast
+accumulation (fewer promotions: faster, less precise). The defaults, fast for the forward
+GEMM and split for the two backward GEMMs, are TE PyTorch's and Flax FP8's (its backward
+dots run at Precision.HIGHEST). They reach the GEMMs through the quantizer set
+(`QuantizerSet.accumulation`); on the CPU, and for the block recipes, the GEMMs have one
+accumulation only and the choice changes nothing.
 """
 
 from __future__ import annotations
@@ -20,6 +30,7 @@ import jax.numpy as jnp
 
 __all__ = [
     "Format",
+    "MMParams",
     "Recipe",
     "DelayedScaling",
     "Float8CurrentScaling",
@@ -100,6 +111,29 @@ def _check_fp8_format(recipe: str, value) -> None:
         )
 
 
+@dataclasses.dataclass(frozen=True)
+class MMParams:
+    """How one FP8 GEMM accumulates (TE's name): use_split_accumulator=True promotes the
+    tensor cores' partial sums to fp32 often (precise), False is Hopper's fast accumulation."""
+
+    use_split_accumulator: bool = True
+
+    def __post_init__(self):
+        _check_bool("MMParams", "use_split_accumulator", self.use_split_accumulator)
+
+
+# TE's defaults: fast accumulation in the forward GEMM, split in dgrad and wgrad.
+_FPROP_DEFAULT = MMParams(use_split_accumulator=False)
+_BACKWARD_DEFAULT = MMParams(use_split_accumulator=True)
+
+
+def _check_mm_params(recipe) -> None:
+    name = type(recipe).__name__
+    for field in ("fp8_gemm_fprop", "fp8_gemm_dgrad", "fp8_gemm_wgrad"):
+        if not isinstance(getattr(recipe, field), MMParams):
+            _fail(name, field, "a lowbit.recipe.MMParams", getattr(recipe, field))
+
+
 class Recipe:
     """Base class of the recipes: the dtypes of the forward tensors and of the gradients."""
 
@@ -144,6 +178,8 @@ class DelayedScaling(Recipe):
     margin: the scale is divided by 2**margin. amax_history_len: the history length L.
     amax_compute_algo: "max" over the history or "most_recent". reduce_amax: reduce the
     amax over the devices (data parallel) before it enters the history.
+    fp8_gemm_fprop / fp8_gemm_dgrad / fp8_gemm_wgrad: each GEMM's accumulation (MMParams;
+    the module docstring).
     """
 
     margin: int = 0
@@ -151,6 +187,9 @@ class DelayedScaling(Recipe):
     amax_history_len: int = 1024
     amax_compute_algo: str = "max"
     reduce_amax: bool = True
+    fp8_gemm_fprop: MMParams = _FPROP_DEFAULT
+    fp8_gemm_dgrad: MMParams = _BACKWARD_DEFAULT
+    fp8_gemm_wgrad: MMParams = _BACKWARD_DEFAULT
 
     def __post_init__(self):
         name = "DelayedScaling"
@@ -166,6 +205,7 @@ class DelayedScaling(Recipe):
         if self.amax_compute_algo not in AMAX_COMPUTE_ALGOS:
             _fail(name, "amax_compute_algo", f"one of {AMAX_COMPUTE_ALGOS}", self.amax_compute_algo)
         _check_bool(name, "reduce_amax", self.reduce_amax)
+        _check_mm_params(self)
 
     @property
     def is_stateful(self) -> bool:
@@ -175,14 +215,19 @@ class DelayedScaling(Recipe):
 @dataclasses.dataclass(frozen=True)
 class Float8CurrentScaling(Recipe):
     """Per-tensor scales from each tensor's own amax (`scale = max_fp8 / amax`), optionally
-    rounded down to a power of two."""
+    rounded down to a power of two. fp8_gemm_fprop / fp8_gemm_dgrad / fp8_gemm_wgrad: each
+    GEMM's accumulation (MMParams; the module docstring)."""
 
     fp8_format: Format = Format.HYBRID
     use_power_2_scales: bool = False
+    fp8_gemm_fprop: MMParams = _FPROP_DEFAULT
+    fp8_gemm_dgrad: MMParams = _BACKWARD_DEFAULT
+    fp8_gemm_wgrad: MMParams = _BACKWARD_DEFAULT
 
     def __post_init__(self):
         _check_fp8_format("Float8CurrentScaling", self.fp8_format)
         _check_bool("Float8CurrentScaling", "use_power_2_scales", self.use_power_2_scales)
+        _check_mm_params(self)
 
 
 @dataclasses.dataclass(frozen=True)

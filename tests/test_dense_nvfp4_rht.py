@@ -110,9 +110,9 @@ def test_dense_wgrad_operands_share_the_calls_sign_vector(monkeypatch):
     assert len(rec.pairs) == 6 and rec.pairs.count((None, None)) == 4  # fwd and dgrad: no RHT
     # The SR streams stay per quantizer: three different keys, none the sign key.
     bound = with_sr_key(qs, keys[0])
-    words = {tuple(np.asarray(q.key).ravel()) for q in bound}
+    words = {tuple(np.asarray(q.key).ravel()) for q in bound.quantizers}
     assert len(words) == 3 and tuple(np.asarray(bound.x.rht_key).ravel()) not in words
-    assert all(q.rht_key is bound.x.rht_key for q in bound)
+    assert all(q.rht_key is bound.x.rht_key for q in bound.quantizers)
 
 
 def test_keyless_and_hand_built_sets_share_signs(monkeypatch):

@@ -138,7 +138,7 @@ def test_layernorm_mlp(activation_type, recipe, params):
         _, vjp = jax.vjp(lambda q: f(*args, q), qsets)
         (qsets,) = vjp(dy)
         for qs in qsets:
-            for q in qs:
+            for q in qs.quantizers:
                 assert float(jnp.max(q.amax_history)) > 0 and float(q.scale[0]) != 1.0
     y = jax.jit(f)(*args, qsets)
     y_ref = mlp_ref(*args, "layernorm", activation_type)

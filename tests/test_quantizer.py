@@ -306,10 +306,10 @@ def test_bad_input(rng):
 def test_factory(recipe, cls, modes, dtypes):
     qset = QuantizerFactory.create_set(recipe)
     assert isinstance(qset, QuantizerSet)
-    assert all(type(q) is cls for q in qset)
-    assert [q.scaling_mode.name for q in qset] == modes
-    assert [q.q_dtype.name for q in qset] == dtypes
-    assert all(q.q_layout == QuantizeLayout.ROWWISE_COLWISE for q in qset)
+    assert all(type(q) is cls for q in qset.quantizers)
+    assert [q.scaling_mode.name for q in qset.quantizers] == modes
+    assert [q.q_dtype.name for q in qset.quantizers] == dtypes
+    assert all(q.q_layout == QuantizeLayout.ROWWISE_COLWISE for q in qset.quantizers)
     if isinstance(recipe, DelayedScaling):
         assert qset.x.amax_history.shape == (16,) and qset.x.margin == 2
         assert qset.x.scale.shape == (1,) and float(qset.x.scale[0]) == 1.0
@@ -357,7 +357,7 @@ def test_block_quantizers_build_scaled_tensors(recipe, rng):
     from lowbit.ops.quantize_block import quantize_fp8_block, quantize_mxfp8
 
     x = (rng.standard_normal((3, 70, 260)) * 5).astype(ml_dtypes.bfloat16)
-    for q in QuantizerFactory.create_set(recipe):
+    for q in QuantizerFactory.create_set(recipe).quantizers:
         t, dbias = jax.jit(lambda v, q=q: q.quantize(v, is_rowwise=True, is_colwise=True, flatten_axis=2,
                                                      compute_dbias=True))(x)
         assert isinstance(t, ScaledTensor2x) and t.amax is None and t.shape == x.shape

@@ -4,8 +4,9 @@
 //   dy (m, n) f32/f16/bf16 -> rowwise (m, n) and colwise (n, m) FP8 copies (+ amax, dbias),
 //   dx (m, k) = dy . kernel^T = gemm(dy rowwise, k_row)          k_row (k, n) FP8
 //   dk (k, n) = x^T . dy      = gemm(x_col, dy colwise)           x_col (k, m) FP8
-// with lowbit_quantize_fp8's numerics for dy and lowbit_gemm's for the two GEMMs (split
-// accumulation); the values equal the unfused ops' (quantize.h, gemm.h).
+// with lowbit_quantize_fp8's numerics for dy and lowbit_gemm's for the two GEMMs (each with
+// split accumulation or, where dgrad_split / wgrad_split say so, fast); the values equal the
+// unfused ops' (quantize.h, gemm.h).
 //
 // Placement (DenseBwdPlan): unfused, dy's two copies (2 m n bytes) live beside dk and dx. Here
 // they live in dk's own buffer (4 k n bytes for an f32 dk) until the GEMMs overwrite it:
@@ -198,6 +199,9 @@ struct DenseBwdArgs {
   // cuBLASLt heuristic indices of the dgrad and the wgrad launches (GemmArgs::algo; the
   // unfused ops' lowbit.ops.gemm kinds, LOWBIT_GEMM_ALGO): the reference ignores them.
   int32_t dgrad_algo = 0, wgrad_algo = 0;
+  // GemmArgs::use_split_accumulator of the dgrad and the wgrad (lowbit.dense's
+  // GemmAccumulation; false = Hopper's fast FP8 accumulation): the reference ignores them.
+  bool dgrad_split = true, wgrad_split = true;
 };
 
 // The pieces both executors start from: the plan for `a` (gemm_workspace_bytes as in
@@ -223,7 +227,7 @@ inline QuantizeFp8Args DenseBwdQuantizeArgs(const DenseBwdArgs& a) {
   return q;
 }
 
-// dgrad: a = dy's rowwise copy, b = k_row, out = dx (split accumulation, as lowbit.dense's).
+// dgrad: a = dy's rowwise copy, b = k_row, out = dx (accumulated as dgrad_split says).
 inline GemmArgs DenseBwdDgradArgs(const DenseBwdArgs& a) {
   GemmArgs g;
   g.a_type = a.q_dtype;
@@ -234,6 +238,7 @@ inline GemmArgs DenseBwdDgradArgs(const DenseBwdArgs& a) {
   g.out_type = a.dx_dtype;
   g.n = a.k, g.k = a.n;
   g.algo = a.dgrad_algo;
+  g.use_split_accumulator = a.dgrad_split;
   return g;
 }
 
@@ -248,6 +253,7 @@ inline GemmArgs DenseBwdWgradArgs(const DenseBwdArgs& a) {
   g.out_type = a.dk_dtype;
   g.m = a.k, g.k = a.m;
   g.algo = a.wgrad_algo;
+  g.use_split_accumulator = a.wgrad_split;
   return g;
 }
 

@@ -20,7 +20,7 @@ Status DenseBwdArgsFromBuffers(const ffi::AnyBuffer& dy, const ffi::AnyBuffer& x
                                ffi::Result<ffi::AnyBuffer>& dx, ffi::Result<ffi::AnyBuffer>& dk,
                                ffi::Result<ffi::AnyBuffer>& dbias, ffi::Result<ffi::AnyBuffer>& amax,
                                ffi::Result<ffi::AnyBuffer>& scratch, int32_t q_dtype_code, int32_t dgrad_algo,
-                               int32_t wgrad_algo, DenseBwdArgs* a) {
+                               int32_t wgrad_algo, bool dgrad_split, bool wgrad_split, DenseBwdArgs* a) {
   const char* op = kDenseBwdOp;
   LOWBIT_RETURN_IF_ERROR(ExpectHighPrecision(op, "dy", dy));
   const Dims dy_dims = DimsOf(dy);
@@ -63,6 +63,7 @@ Status DenseBwdArgsFromBuffers(const ffi::AnyBuffer& dy, const ffi::AnyBuffer& x
     }
   }
   a->dgrad_algo = dgrad_algo, a->wgrad_algo = wgrad_algo;
+  a->dgrad_split = dgrad_split, a->wgrad_split = wgrad_split;
   a->m = m, a->n = n, a->k = k;
   a->dy = dy.untyped_data();
   a->dy_dtype = ToDType(dy.element_type());
@@ -108,10 +109,11 @@ ffi::Error DenseBwdCpu(ffi::AnyBuffer dy, ffi::AnyBuffer x_col, ffi::AnyBuffer k
                        ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::AnyBuffer> dk,
                        ffi::Result<ffi::AnyBuffer> dbias, ffi::Result<ffi::AnyBuffer> amax,
                        ffi::Result<ffi::AnyBuffer> scratch, int32_t q_dtype, int32_t dgrad_algo,
-                       int32_t wgrad_algo) {
+                       int32_t wgrad_algo, bool dgrad_split, bool wgrad_split) {
   DenseBwdArgs a;
   Status s = DenseBwdArgsFromBuffers(dy, x_col, k_row, dy_scale, dy_scale_inv, x_scale_inv, k_scale_inv, dx, dk,
-                                     dbias, amax, scratch, q_dtype, dgrad_algo, wgrad_algo, &a);
+                                     dbias, amax, scratch, q_dtype, dgrad_algo, wgrad_algo, dgrad_split,
+                                     wgrad_split, &a);
   if (s.ok()) s = DenseBwdRef(a);
   return ToFfiError(s);
 }
@@ -123,10 +125,11 @@ ffi::Error DenseBwdGpu(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuff
                        ffi::AnyBuffer x_scale_inv, ffi::AnyBuffer k_scale_inv, ffi::Result<ffi::AnyBuffer> dx,
                        ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dbias,
                        ffi::Result<ffi::AnyBuffer> amax, ffi::Result<ffi::AnyBuffer> scratch, int32_t q_dtype,
-                       int32_t dgrad_algo, int32_t wgrad_algo) {
+                       int32_t dgrad_algo, int32_t wgrad_algo, bool dgrad_split, bool wgrad_split) {
   DenseBwdArgs a;
   Status s = DenseBwdArgsFromBuffers(dy, x_col, k_row, dy_scale, dy_scale_inv, x_scale_inv, k_scale_inv, dx, dk,
-                                     dbias, amax, scratch, q_dtype, dgrad_algo, wgrad_algo, &a);
+                                     dbias, amax, scratch, q_dtype, dgrad_algo, wgrad_algo, dgrad_split,
+                                     wgrad_split, &a);
   if (s.ok()) s = DenseBwdCuda(a, device_ordinal, stream);
   return ToFfiError(s);
 }
@@ -156,4 +159,6 @@ LOWBIT_FFI_BACKEND_HANDLER(LowbitDenseBackwardFp8, lowbit::DenseBwd,
                                .Ret<xffi::AnyBuffer>()  // scratch: u8 (plan.scratch_bytes,); CUDA: with the cuBLASLt workspace, 256-B aligned
                                .Attr<int32_t>("q_dtype")  // dy's FP8 dtype as lowbit::DType (kE4M3 = 4, kE5M2 = 5)
                                .Attr<int32_t>("dgrad_algo")  // cuBLASLt heuristic index of the dgrad (0..31)
-                               .Attr<int32_t>("wgrad_algo"));  // and of the wgrad launches
+                               .Attr<int32_t>("wgrad_algo")  // and of the wgrad launches
+                               .Attr<bool>("dgrad_split")  // split (true) or fast FP8 accumulation of the dgrad
+                               .Attr<bool>("wgrad_split"));  // and of the wgrad

@@ -66,10 +66,10 @@ def _bind_state(module: nn.Module, quantizer_set: QuantizerSet, postfix: str = "
                                       jnp.zeros, (length,), jnp.float32)
             q = dataclasses.replace(q, scale=scale.value, amax_history=history.value)
         bound[field] = q
-    bound = QuantizerSet(**bound)
+    bound = quantizer_set._replace(**bound)
     # NVFP4's stochastic rounding and RHT signs draw from the "sr_rng" stream when the module
     # has one (apply(..., rngs={"sr_rng": key})); without it SR gradients raise a clear error.
-    if any(hasattr(q, "with_key") for q in bound) and module.has_rng("sr_rng"):
+    if any(hasattr(q, "with_key") for q in bound.quantizers) and module.has_rng("sr_rng"):
         from lowbit.dense import with_sr_key
 
         bound = with_sr_key(bound, module.make_rng("sr_rng"))

@@ -141,8 +141,8 @@ class LowbitModuleBase(nnx.Module):
                         "recipe> or inside the same lowbit.autocast block")
                 q = dataclasses.replace(q, scale=scale[...], amax_history=history[...])
             bound[field] = q
-        bound = QuantizerSet(**bound)
-        if any(hasattr(q, "with_key") for q in bound):
+        bound = quantizer_set._replace(**bound)
+        if any(hasattr(q, "with_key") for q in bound.quantizers):
             if sr_key is None and self.sr_rngs is not None:
                 sr_key = self.sr_rngs()
             bound = with_sr_key(bound, sr_key)

@@ -6,9 +6,10 @@ its dk output until the wgrad overwrites them, so the step holds no separate buf
     dx (m, k) = gemm(dy rowwise, k_row)     k_row (k, n): the kernel's saved rowwise copy
     dk (k, n) = gemm(x_col, dy colwise)     x_col (k, m): x's saved colwise copy
 
-Values: those of lowbit_quantize_fp8 and of lowbit_gemm with split accumulation (on the CPU
-bit for bit the unfused ops'; on CUDA the wgrad runs as S column slices, each a cuBLASLt GEMM
-of its own). `dense_backward_plan` says whether a placement exists for the sizes (through
+Values: those of lowbit_quantize_fp8 and of lowbit_gemm, each GEMM with split accumulation
+unless dgrad_split / wgrad_split say fast (lowbit.dense passes its quantizer set's
+GemmAccumulation) (on the CPU bit for bit the unfused ops'; on CUDA the wgrad runs as S column
+slices, each a cuBLASLt GEMM of its own). `dense_backward_plan` says whether a placement exists for the sizes (through
 the C++ planner, MakeDenseBwdPlan) and how much scratch it needs: one colwise slice of dy
 (n / S x m bytes), on CUDA behind the 32 MiB cuBLASLt workspace (the lowering adds the
 scratch as the custom call's last result, as lowbit.ops.gemm does its workspace).
@@ -76,8 +77,9 @@ def dense_backward_plan(m: int, n: int, k: int, dk_dtype, dx_dtype, dbias: bool,
 
 
 def _abstract(dy, x_col, k_row, dy_scale, dy_scale_inv, x_scale_inv, k_scale_inv, *, q_dtype, dx_dtype,
-              dk_dtype, dbias, dbias_dtype=None, dgrad_algo=0, wgrad_algo=0):
-    del dy_scale, dy_scale_inv, x_scale_inv, k_scale_inv, q_dtype, dgrad_algo, wgrad_algo
+              dk_dtype, dbias, dbias_dtype=None, dgrad_algo=0, wgrad_algo=0, dgrad_split=True,
+              wgrad_split=True):
+    del dy_scale, dy_scale_inv, x_scale_inv, k_scale_inv, q_dtype, dgrad_algo, wgrad_algo, dgrad_split, wgrad_split
     (m, n), k = dy.shape, x_col.shape[0]
     return (
         jax.core.ShapedArray((m, k), dx_dtype),
@@ -96,13 +98,13 @@ dense_backward_fp8_p = ffi_primitive(
     "lowbit_dense_backward_fp8",
     _abstract,
     multiple_results=True,
-    attrs=("q_dtype", "dgrad_algo", "wgrad_algo"),
+    attrs=("q_dtype", "dgrad_algo", "wgrad_algo", "dgrad_split", "wgrad_split"),
 )
 _ffi_lowering = jax.ffi.ffi_lowering("lowbit_dense_backward_fp8")
 
 
 def _lowering(ctx, *args, platform, q_dtype, dx_dtype, dk_dtype, dbias, dbias_dtype=None, dgrad_algo=0,
-              wgrad_algo=0):
+              wgrad_algo=0, dgrad_split=True, wgrad_split=True):
     _ffi.require_platform("lowbit_dense_backward_fp8", platform)
     dy, x_col = ctx.avals_in[:2]
     (m, n), k = dy.shape, x_col.shape[0]
@@ -112,15 +114,17 @@ def _lowering(ctx, *args, platform, q_dtype, dx_dtype, dk_dtype, dbias, dbias_dt
                          "dy's copies fits dk (csrc/dense/dense_backward.h)")
     scratch = jax.core.ShapedArray((plan[1],), jnp.uint8)
     return _ffi_lowering(ctx.replace(avals_out=[*ctx.avals_out, scratch]), *args, q_dtype=q_dtype,
-                         dgrad_algo=np.int32(dgrad_algo), wgrad_algo=np.int32(wgrad_algo))[:4]
+                         dgrad_algo=np.int32(dgrad_algo), wgrad_algo=np.int32(wgrad_algo),
+                         dgrad_split=bool(dgrad_split), wgrad_split=bool(wgrad_split))[:4]
 
 
-def _algos(q_dtype, x_dtype, dx_dtype, dk_dtype) -> dict:
-    """The dgrad's and the wgrad's cuBLASLt heuristic indices, as the unfused ops' GEMMs
-    (split accumulation) resolve them: LOWBIT_GEMM_ALGO or DEFAULT_ALGO, by output dtype."""
+def _gemm_attrs(q_dtype, x_dtype, dx_dtype, dk_dtype, dgrad_split: bool, wgrad_split: bool) -> dict:
+    """The dgrad's and the wgrad's accumulation and cuBLASLt heuristic indices, as the unfused
+    ops' GEMMs resolve them: LOWBIT_GEMM_ALGO or DEFAULT_ALGO, by accumulation and output dtype."""
     tensor = gemm_mod.GemmScaleMode.TENSOR
-    return dict(dgrad_algo=np.int32(gemm_mod.resolve_algo(None, q_dtype, tensor, True, dx_dtype)),
-                wgrad_algo=np.int32(gemm_mod.resolve_algo(None, x_dtype, tensor, True, dk_dtype)))
+    return dict(dgrad_algo=np.int32(gemm_mod.resolve_algo(None, q_dtype, tensor, dgrad_split, dx_dtype)),
+                wgrad_algo=np.int32(gemm_mod.resolve_algo(None, x_dtype, tensor, wgrad_split, dk_dtype)),
+                dgrad_split=bool(dgrad_split), wgrad_split=bool(wgrad_split))
 
 
 for _platform in ("cpu", "cuda"):
@@ -140,10 +144,12 @@ batching.primitive_batchers[dense_backward_fp8_p] = _batch
 
 
 def dense_backward_fp8(dy, x_col, k_row, dy_scale, dy_scale_inv, x_scale_inv, k_scale_inv, *, q_dtype,
-                       dx_dtype, dk_dtype, compute_dbias: bool):
+                       dx_dtype, dk_dtype, compute_dbias: bool, dgrad_split: bool = True,
+                       wgrad_split: bool = True):
     """(dx (m, k), dk (k, n), dbias (n,) in dy's dtype or None, dy's amax (1,)) from dy (m, n)
     f32/f16/bf16, x_col (k, m) and k_row (k, n) FP8 and the four f32 (1,) scales; dy's copies
-    are `q_dtype`. Raises ValueError when no placement fits (dense_backward_plan)."""
+    are `q_dtype`; dgrad_split / wgrad_split: each GEMM's accumulation (lowbit.ops.gemm's
+    use_split_accumulator). Raises ValueError when no placement fits (dense_backward_plan)."""
     (m, n), k = dy.shape, x_col.shape[0]
     if dense_backward_plan(m, n, k, dk_dtype, dx_dtype, compute_dbias) is None:
         raise ValueError(f"lowbit.ops.dense_backward_fp8: dy {dy.shape}, x_col {x_col.shape}: no placement of "
@@ -151,40 +157,42 @@ def dense_backward_fp8(dy, x_col, k_row, dy_scale, dy_scale_inv, x_scale_inv, k_
     dx, dk, dbias, amax = dense_backward_fp8_p.bind(
         dy, x_col, k_row, dy_scale, dy_scale_inv, x_scale_inv, k_scale_inv,
         q_dtype=np.int32(_q_code(q_dtype)), dx_dtype=jnp.dtype(dx_dtype), dk_dtype=jnp.dtype(dk_dtype),
-        dbias=compute_dbias, **_algos(q_dtype, x_col.dtype, dx_dtype, dk_dtype))
+        dbias=compute_dbias, **_gemm_attrs(q_dtype, x_col.dtype, dx_dtype, dk_dtype, dgrad_split, wgrad_split))
     return dx, dk, (dbias if compute_dbias else None), amax
 
 
 _FP8_OF_CODE = {code: dtype for dtype, code in _DTYPE_CODES.items()}
 
 
-def _local(dy, x_col, k_row, s, si, xs, ks, *, q_code, dx_dtype, dk_dtype, dbias, dbias_dtype):
+def _local(dy, x_col, k_row, s, si, xs, ks, *, q_code, dx_dtype, dk_dtype, dbias, dbias_dtype,
+           dgrad_split=True, wgrad_split=True):
     """The op on one device's (or the whole) operands: the fused primitive where a placement
     fits, else the unfused ops' primitives (quantize_fp8_p, then the dgrad and wgrad
-    gemm_p calls with split accumulation), which give the same values."""
+    gemm_p calls with the same accumulation), which give the same values."""
     (m, n), k = dy.shape, x_col.shape[0]
     q_dtype = _FP8_OF_CODE[q_code]
-    algos = _algos(q_dtype, x_col.dtype, dx_dtype, dk_dtype)
+    algos = _gemm_attrs(q_dtype, x_col.dtype, dx_dtype, dk_dtype, dgrad_split, wgrad_split)
     if dense_backward_plan(m, n, k, dk_dtype, dx_dtype, dbias) is not None:
         return tuple(dense_backward_fp8_p.bind(dy, x_col, k_row, s, si, xs, ks, q_dtype=np.int32(q_code),
                                                dx_dtype=dx_dtype, dk_dtype=dk_dtype, dbias=dbias,
                                                dbias_dtype=dbias_dtype, **algos))
     row, col, amax, db = quantize_fp8_p.bind(dy, s, flatten_axis=np.int32(1), out_dtype=q_dtype, rowwise=True,
                                              colwise=True, dbias_dtype=dbias_dtype if dbias else None)
-    dx = gemm_mod._gemm_2d(row, k_row, si, ks, jnp.zeros((0,), dx_dtype), dx_dtype, True,
+    dx = gemm_mod._gemm_2d(row, k_row, si, ks, jnp.zeros((0,), dx_dtype), dx_dtype, dgrad_split,
                            algo=int(algos["dgrad_algo"]))
-    dk = gemm_mod._gemm_2d(x_col, col, xs, si, jnp.zeros((0,), dk_dtype), dk_dtype, True,
+    dk = gemm_mod._gemm_2d(x_col, col, xs, si, jnp.zeros((0,), dk_dtype), dk_dtype, wgrad_split,
                            algo=int(algos["wgrad_algo"]))
     return dx, dk, db, amax
 
 
 @lru_cache(maxsize=None)
-def _sharded_fn(q_code: int, dx_dtype, dk_dtype, dbias: bool):
+def _sharded_fn(q_code: int, dx_dtype, dk_dtype, dbias: bool, dgrad_split: bool = True, wgrad_split: bool = True):
     """The partitioned, vmappable op for one configuration (see the module docstring)."""
+    splits = dict(dgrad_split=dgrad_split, wgrad_split=wgrad_split)
 
     def local(dy, x_col, k_row, s, si, xs, ks):
         return _local(dy, x_col, k_row, s, si, xs, ks, q_code=q_code, dx_dtype=dx_dtype, dk_dtype=dk_dtype,
-                      dbias=dbias, dbias_dtype=dy.dtype if dbias else None)
+                      dbias=dbias, dbias_dtype=dy.dtype if dbias else None, **splits)
 
     def partition(mesh, arg_shapes, result_shape):
         dy_spec, xc_spec = spec_entries(arg_shapes[0].sharding, 2), spec_entries(arg_shapes[1].sharding, 2)
@@ -196,7 +204,7 @@ def _sharded_fn(q_code: int, dx_dtype, dk_dtype, dbias: bool):
         def lower(dy, x_col, k_row, s, si, xs, ks):
             dbias_dtype = (jnp.dtype(jnp.float32) if m_axes else dy.dtype) if dbias else None
             dx, dk, db, amax = _local(dy, x_col, k_row, s, si, xs, ks, q_code=q_code, dx_dtype=dx_dtype,
-                                      dk_dtype=dk_dtype, dbias=dbias, dbias_dtype=dbias_dtype)
+                                      dk_dtype=dk_dtype, dbias=dbias, dbias_dtype=dbias_dtype, **splits)
             if n_axes:
                 dx = jax.lax.psum(dx, n_axes)
             if m_axes:
@@ -229,10 +237,12 @@ def _sharded_fn(q_code: int, dx_dtype, dk_dtype, dbias: bool):
 
 
 def dense_backward_fp8_sharded(dy, x_col, k_row, dy_scale, dy_scale_inv, x_scale_inv, k_scale_inv, *, q_dtype,
-                               dx_dtype, dk_dtype, compute_dbias: bool):
+                               dx_dtype, dk_dtype, compute_dbias: bool, dgrad_split: bool = True,
+                               wgrad_split: bool = True):
     """dense_backward_fp8 (same arguments and results) for operands sharded over a mesh (the
     module docstring's rule): each device runs the op on its blocks, or, where no placement
     fits them, the unfused ops' primitives with the same values."""
-    fn = _sharded_fn(_q_code(q_dtype), jnp.dtype(dx_dtype), jnp.dtype(dk_dtype), bool(compute_dbias))
+    fn = _sharded_fn(_q_code(q_dtype), jnp.dtype(dx_dtype), jnp.dtype(dk_dtype), bool(compute_dbias),
+                     bool(dgrad_split), bool(wgrad_split))
     dx, dk, dbias, amax = fn(dy, x_col, k_row, dy_scale, dy_scale_inv, x_scale_inv, k_scale_inv)
     return dx, dk, (dbias if compute_dbias else None), amax

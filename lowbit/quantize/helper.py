@@ -17,6 +17,7 @@ keeps its traced (unquantized) program inside one. Pass the recipe to functions 
 QuantizerSet per recipe (x, kernel, dgrad):
   DelayedScaling        DelayedScaleQuantizer x3 (fwd, fwd, bwd dtype), fresh state
   Float8CurrentScaling  CurrentScaleQuantizer x3
+                        (both: accumulation from the recipe's fp8_gemm_* MMParams)
   MXFP8BlockScaling     BlockScaleQuantizer(MXFP8_1D_SCALING) x3
   Float8BlockScaling    BlockScaleQuantizer with the recipe's x / w / grad block modes
   NVFP4BlockScaling     NVFP4Quantizer: 1-D x; 2-D kernel unless disable_2d_quantization;
@@ -34,6 +35,7 @@ from lowbit.quantize.quantizer import (
     BlockScaleQuantizer,
     CurrentScaleQuantizer,
     DelayedScaleQuantizer,
+    GemmAccumulation,
     NVFP4Quantizer,
     Quantizer,
     QuantizerSet,
@@ -119,6 +121,13 @@ def _block_mode(block: tuple[int, int]) -> ScalingMode:
     return ScalingMode.FP8_BLOCK_1x128 if block == (1, 128) else ScalingMode.FP8_BLOCK_128x128
 
 
+def _accumulation(recipe: DelayedScaling | Float8CurrentScaling) -> GemmAccumulation:
+    """The set's GemmAccumulation from the recipe's fp8_gemm_* MMParams."""
+    return GemmAccumulation(fprop=recipe.fp8_gemm_fprop.use_split_accumulator,
+                            dgrad=recipe.fp8_gemm_dgrad.use_split_accumulator,
+                            wgrad=recipe.fp8_gemm_wgrad.use_split_accumulator)
+
+
 def _quantizer_set(recipe: Recipe) -> QuantizerSet:
     layout = QuantizeLayout.ROWWISE_COLWISE
     fwd, bwd = recipe.fwd_dtype, recipe.bwd_dtype
@@ -133,7 +142,8 @@ def _quantizer_set(recipe: Recipe) -> QuantizerSet:
                 q_layout=layout,
             )
 
-        return QuantizerSet(x=delayed(fwd), kernel=delayed(fwd), dgrad=delayed(bwd))
+        return QuantizerSet(x=delayed(fwd), kernel=delayed(fwd), dgrad=delayed(bwd),
+                            accumulation=_accumulation(recipe))
     if isinstance(recipe, Float8CurrentScaling):
 
         def current(q_dtype):
@@ -141,7 +151,8 @@ def _quantizer_set(recipe: Recipe) -> QuantizerSet:
                 q_dtype=q_dtype, q_layout=layout, use_power_2_scales=recipe.use_power_2_scales
             )
 
-        return QuantizerSet(x=current(fwd), kernel=current(fwd), dgrad=current(bwd))
+        return QuantizerSet(x=current(fwd), kernel=current(fwd), dgrad=current(bwd),
+                            accumulation=_accumulation(recipe))
     if isinstance(recipe, MXFP8BlockScaling):
 
         def mxfp8(q_dtype):

@@ -58,6 +58,7 @@ __all__ = [
     "CurrentScaleQuantizer",
     "BlockScaleQuantizer",
     "NVFP4Quantizer",
+    "GemmAccumulation",
     "QuantizerSet",
     "noop_quantizer_set",
     "KERNELS_PENDING",
@@ -415,13 +416,39 @@ for _cls, _leaves in (
     jax.tree_util.register_dataclass(_cls, data_fields=_leaves, meta_fields=_static)
 
 
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
+class GemmAccumulation:
+    """Split (True) or fast (False) accumulation of a quantized layer's three FP8 GEMMs: the
+    forward GEMM, dgrad and wgrad (the recipe's fp8_gemm_* MMParams, lowbit.recipe). Static:
+    part of the set's pytree structure, no leaves. It matters to per-tensor FP8 GEMMs on the
+    GPU only (lowbit.ops.gemm's use_split_accumulator)."""
+
+    fprop: bool = False
+    dgrad: bool = True
+    wgrad: bool = True
+
+    def __post_init__(self):
+        for field in ("fprop", "dgrad", "wgrad"):
+            if not isinstance(getattr(self, field), bool):
+                raise ValueError(f"lowbit.quantize.GemmAccumulation: {field}: expected a bool, "
+                                 f"got {getattr(self, field)!r}")
+
+
 class QuantizerSet(NamedTuple):
     """The quantizers of one GEMM: its input x, its kernel and the incoming gradient.
-    None entries mean no quantization."""
+    None entries mean no quantization. `accumulation`: how the layer's GEMMs accumulate
+    (rebuild a set with `_replace` so that it carries over)."""
 
     x: Quantizer | None = None
     kernel: Quantizer | None = None
     dgrad: Quantizer | None = None
+    accumulation: GemmAccumulation = GemmAccumulation()
+
+    @property
+    def quantizers(self) -> tuple[Quantizer | None, Quantizer | None, Quantizer | None]:
+        """(x, kernel, dgrad): the set without its accumulation."""
+        return self.x, self.kernel, self.dgrad
 
 
 noop_quantizer_set = QuantizerSet()
