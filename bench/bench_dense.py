@@ -3,7 +3,9 @@ run: bf16 Flax, Flax's FP8 (`Fp8DirectDotGeneralOp`), and lowbit per recipe (del
 current, Float8BlockScaling as `lowbit_block`), both as the `dot_general` drop-in into Flax's
 Dense (`lowbit_*`) and as lowbit's own Dense module (`module_*`, same params; `*_unfused`: the
 module with LOWBIT_DENSE_BACKWARD=unfused, dy's FP8 copies in buffers of their own instead of
-inside dk's, lowbit.ops.dense_backward). Prints time
+inside dk's, lowbit.ops.dense_backward; `*_fast_bwd`: the module with the recipe's dgrad and
+wgrad at fast accumulation, fp8_gemm_dgrad / fp8_gemm_wgrad = MMParams(False), not the default
+numerics). Prints time
 (variants timed round-robin, common.time_steps), speedup over bf16, the compiled step's peak
 memory, and the GEMM-only floor: the three lowbit FP8 GEMMs of the step (fwd, dgrad, wgrad)
 timed alone, beside the per-tensor FP8 GEMM ceiling and the block-scaled one (1x128 x
@@ -32,7 +34,11 @@ from quickstart_jax_utils import make_step  # noqa: E402
 import lowbit  # noqa: E402
 from lowbit.dense import DENSE_BACKWARD_ENV  # noqa: E402
 from lowbit.ops.gemm import GemmScaleMode, scale_shape  # noqa: E402
-from lowbit.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling  # noqa: E402
+from lowbit.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MMParams  # noqa: E402
+
+# The backward GEMMs at Hopper's fast accumulation (the defaults are split: TE's and Flax FP8's).
+FAST_BWD = dict(fp8_gemm_dgrad=MMParams(use_split_accumulator=False),
+                fp8_gemm_wgrad=MMParams(use_split_accumulator=False))
 
 
 class DenseBlock(nn.Module):
@@ -77,12 +83,15 @@ def variants():
         "module_block": lambda features: LowbitDenseBlock(features, Float8BlockScaling()),
         "module_delayed_unfused": lambda features: LowbitDenseBlock(features, DelayedScaling()),
         "module_current_unfused": lambda features: LowbitDenseBlock(features, Float8CurrentScaling()),
+        "module_delayed_fast_bwd": lambda features: LowbitDenseBlock(features, DelayedScaling(**FAST_BWD)),
+        "module_current_fast_bwd": lambda features: LowbitDenseBlock(features, Float8CurrentScaling(**FAST_BWD)),
     }
 
 
-def gemm_floor(m, k, n, iters):
-    """Seconds of the step's three FP8 GEMMs alone (fwd fast accumulation, bwd split; the
-    wgrad written in f32, as lowbit's module writes an f32 kernel's gradient)."""
+def gemm_floor(m, k, n, iters, backward_split=True):
+    """Seconds of the step's three FP8 GEMMs alone (fwd fast accumulation, bwd split unless
+    backward_split=False; the wgrad written in f32, as lowbit's module writes an f32 kernel's
+    gradient)."""
     key = jax.random.PRNGKey(3)
     f8 = jnp.float8_e4m3fn
     e5 = jnp.float8_e5m2
@@ -95,8 +104,11 @@ def gemm_floor(m, k, n, iters):
     one = jnp.ones((1,), jnp.float32)
     g = lowbit.ops.gemm
     t_fwd = common.time_fn(lambda a, b: g(a, b, one, one, out_dtype=jnp.bfloat16, use_split_accumulator=False), [(a, w_t)], iters)
-    t_dgrad = common.time_fn(lambda a, b: g(a, b, one, one, out_dtype=jnp.bfloat16), [(dy, w)], iters)
-    t_wgrad = common.time_fn(lambda a, b: g(a, b, one, one, out_dtype=jnp.float32), [(a_t, dy_t)], iters)
+    split = backward_split
+    t_dgrad = common.time_fn(lambda a, b: g(a, b, one, one, out_dtype=jnp.bfloat16, use_split_accumulator=split),
+                             [(dy, w)], iters)
+    t_wgrad = common.time_fn(lambda a, b: g(a, b, one, one, out_dtype=jnp.float32, use_split_accumulator=split),
+                             [(a_t, dy_t)], iters)
     return t_fwd, t_dgrad, t_wgrad
 
 
@@ -207,6 +219,9 @@ def main(argv=None):
         row["TFLOP/s"] = results[row["variant"]]["tflops"]
     t_fwd, t_dgrad, t_wgrad = gemm_floor(b * s, h, f, iters)
     floor_ms = (t_fwd + t_dgrad + t_wgrad) * 1e3
+    fast_bwd = any(name.endswith("_fast_bwd") for name in cases)
+    if fast_bwd:
+        fast_floor_ms = sum(gemm_floor(b * s, h, f, iters, backward_split=False)) * 1e3
     b_fwd, b_dgrad, b_wgrad = block_gemm_floor(b * s, h, f, iters)
     block_floor_ms = (b_fwd + b_dgrad + b_wgrad) * 1e3
     size = 1024 if args.small else 8192
@@ -215,6 +230,9 @@ def main(argv=None):
     common.print_table(rows, ["variant", "ms", "TFLOP/s", "x bf16", "peak GiB"])
     print(f"FP8 GEMM-only floor of the step: {floor_ms:.3f} ms (fwd {t_fwd*1e3:.3f}, dgrad "
           f"{t_dgrad*1e3:.3f}, wgrad {t_wgrad*1e3:.3f}) = {flops / (floor_ms / 1e3) / 1e12:.0f} TFLOP/s")
+    if fast_bwd:
+        print(f"FP8 GEMM-only floor, backward at fast accumulation: {fast_floor_ms:.3f} ms = "
+              f"{flops / (fast_floor_ms / 1e3) / 1e12:.0f} TFLOP/s")
     print(f"Float8BlockScaling GEMM-only floor: {block_floor_ms:.3f} ms (fwd {b_fwd*1e3:.3f}, dgrad "
           f"{b_dgrad*1e3:.3f}, wgrad {b_wgrad*1e3:.3f}) = {flops / (block_floor_ms / 1e3) / 1e12:.0f} TFLOP/s")
     common.print_table([
@@ -226,6 +244,7 @@ def main(argv=None):
         "shape": {"batch": b, "seq": s, "hidden": h, "features": f},
         "variants": results, "gemm_floor_ms": floor_ms,
         "gemm_ms": {"fwd": t_fwd * 1e3, "dgrad": t_dgrad * 1e3, "wgrad": t_wgrad * 1e3},
+        "gemm_floor_fast_bwd_ms": fast_floor_ms if fast_bwd else None,
         "block_gemm_floor_ms": block_floor_ms,
         "block_gemm_ms": {"fwd": b_fwd * 1e3, "dgrad": b_dgrad * 1e3, "wgrad": b_wgrad * 1e3},
         "fp8_gemm_ceiling_tflops": ceiling,
