@@ -10,7 +10,7 @@ recipe into quantizers. Every recipe validates its fields on construction and ra
 dtypes are `Format.HYBRID.fwd_dtype` (float8_e4m3fn) and `.bwd_dtype` (float8_e5m2).
 
 The per-tensor FP8 recipes (DelayedScaling, Float8CurrentScaling) also say how each of a
-layer's three GEMMs accumulates, with TE's `MMParams` fields `fp8_gemm_fprop`,
+layer's three GEMMs accumulates (Float8BlockScaling takes the same fields, split only), with TE's `MMParams` fields `fp8_gemm_fprop`,
 `fp8_gemm_dgrad` and `fp8_gemm_wgrad`: split accumulation (Hopper's FP8 tensor cores
 promote their partial sums to fp32 every few K steps, the precise choice) or fast
 accumulation (fewer promotions: faster, less precise). The defaults, fast for the forward
@@ -244,13 +244,18 @@ class MXFP8BlockScaling(Recipe):
 class Float8BlockScaling(Recipe):
     """FP8 with fp32 block scales (DeepSeek-V3 style, runs on Hopper): 1x128 tiles for
     activations and gradients, 128x128 for weights. Power-of-two scales by default, as in
-    TE's PyTorch recipe."""
+    TE's PyTorch recipe. fp8_gemm_fprop / fp8_gemm_dgrad / fp8_gemm_wgrad: TE's fields, which
+    must say split accumulation: block-scaled GEMMs promote every 128-value block (the only
+    accumulation they have), so fast accumulation is refused rather than ignored."""
 
     fp8_format: Format = Format.E4M3
     use_power_2_scales: bool = True
     x_block: tuple[int, int] = (1, 128)
     w_block: tuple[int, int] = (128, 128)
     grad_block: tuple[int, int] = (1, 128)
+    fp8_gemm_fprop: MMParams = _BACKWARD_DEFAULT
+    fp8_gemm_dgrad: MMParams = _BACKWARD_DEFAULT
+    fp8_gemm_wgrad: MMParams = _BACKWARD_DEFAULT
 
     def __post_init__(self):
         name = "Float8BlockScaling"
@@ -262,6 +267,11 @@ class Float8BlockScaling(Recipe):
             if block not in FP8_BLOCKS:
                 _fail(name, field, f"one of {FP8_BLOCKS}", getattr(self, field))
             object.__setattr__(self, field, block)
+        _check_mm_params(self)
+        for field in ("fp8_gemm_fprop", "fp8_gemm_dgrad", "fp8_gemm_wgrad"):
+            if not getattr(self, field).use_split_accumulator:
+                _fail(name, field, "MMParams(use_split_accumulator=True) (block-scaled GEMMs have only "
+                      "the split accumulation)", getattr(self, field))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -72,6 +72,10 @@ def test_recipe_defaults_and_validation():
         Float8CurrentScaling(fp8_gemm_wgrad={"use_split_accumulator": False})
     with pytest.raises(ValueError, match="GemmAccumulation: dgrad: expected a bool"):
         GemmAccumulation(dgrad=None)
+    # Float8BlockScaling takes TE's fields too, split only (its GEMMs have no fast accumulation).
+    assert Float8BlockScaling(fp8_gemm_fprop=SPLIT).fp8_gemm_fprop == SPLIT
+    with pytest.raises(ValueError, match=r"Float8BlockScaling: fp8_gemm_fprop: expected MMParams\(use_split_accumulator=True\)"):
+        Float8BlockScaling(fp8_gemm_fprop=FAST)
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=RECIPE_IDS)
