@@ -42,7 +42,8 @@ use_rht makes (`nvfp4_packed_gemm_ok`).
 Accumulation: as the quantizer set's `accumulation` says (GemmAccumulation, from the recipe's
 fp8_gemm_* MMParams): by default the forward GEMM uses the fast FP8 accumulation, the two
 backward GEMMs the split (more precise) one, as TransformerEngine does by default (block-scaled
-GEMMs have only the split one, whatever the set says). With an empty quantizer set (no recipe) dense is a plain `lax.dot_general`.
+GEMMs have only the split one, whatever the set says). With an empty quantizer set (no
+recipe) dense is a plain `lax.dot_general`.
 `forward_gemm` and `backward_gemms` are the pieces layernorm_dense and layernorm_mlp reuse.
 
 Memory (tensor scaling): dense's backward is one op, lowbit.ops.dense_backward_fp8,

@@ -10,8 +10,8 @@ recipe into quantizers. Every recipe validates its fields on construction and ra
 dtypes are `Format.HYBRID.fwd_dtype` (float8_e4m3fn) and `.bwd_dtype` (float8_e5m2).
 
 The per-tensor FP8 recipes (DelayedScaling, Float8CurrentScaling) also say how each of a
-layer's three GEMMs accumulates (Float8BlockScaling takes the same fields, split only), with TE's `MMParams` fields `fp8_gemm_fprop`,
-`fp8_gemm_dgrad` and `fp8_gemm_wgrad`: split accumulation (Hopper's FP8 tensor cores
+layer's three GEMMs accumulates (Float8BlockScaling takes the same fields, split only), with
+TE's `MMParams` fields `fp8_gemm_fprop`, `fp8_gemm_dgrad` and `fp8_gemm_wgrad`: split accumulation (Hopper's FP8 tensor cores
 promote their partial sums to fp32 every few K steps, the precise choice) or fast
 accumulation (fewer promotions: faster, less precise). The defaults, fast for the forward
 GEMM and split for the two backward GEMMs, are TE PyTorch's and Flax FP8's (its backward

@@ -74,7 +74,8 @@ def test_recipe_defaults_and_validation():
         GemmAccumulation(dgrad=None)
     # Float8BlockScaling takes TE's fields too, split only (its GEMMs have no fast accumulation).
     assert Float8BlockScaling(fp8_gemm_fprop=SPLIT).fp8_gemm_fprop == SPLIT
-    with pytest.raises(ValueError, match=r"Float8BlockScaling: fp8_gemm_fprop: expected MMParams\(use_split_accumulator=True\)"):
+    with pytest.raises(ValueError,
+                       match=r"Float8BlockScaling: fp8_gemm_fprop: expected MMParams\(use_split_accumulator=True\)"):
         Float8BlockScaling(fp8_gemm_fprop=FAST)
 
 

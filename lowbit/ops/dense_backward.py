@@ -8,9 +8,9 @@ its dk output until the wgrad overwrites them, so the step holds no separate buf
 
 Values: those of lowbit_quantize_fp8 and of lowbit_gemm, each GEMM with split accumulation
 unless dgrad_split / wgrad_split say fast (lowbit.dense passes its quantizer set's
-GemmAccumulation) (on the CPU bit for bit the unfused ops'; on CUDA the wgrad runs as S column
-slices, each a cuBLASLt GEMM of its own). `dense_backward_plan` says whether a placement exists for the sizes (through
-the C++ planner, MakeDenseBwdPlan) and how much scratch it needs: one colwise slice of dy
+GemmAccumulation); on the CPU bit for bit the unfused ops'; on CUDA the wgrad runs as S column
+slices, each a cuBLASLt GEMM of its own. `dense_backward_plan` says whether a placement exists
+for the sizes (through the C++ planner, MakeDenseBwdPlan) and how much scratch it needs: one colwise slice of dy
 (n / S x m bytes), on CUDA behind the 32 MiB cuBLASLt workspace (the lowering adds the
 scratch as the custom call's last result, as lowbit.ops.gemm does its workspace).
 
