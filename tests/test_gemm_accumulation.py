@@ -209,3 +209,30 @@ def test_cuda_fused_fast_backward_matches_unfused(monkeypatch, rng, gpu, recipe)
     np.testing.assert_array_equal(np.asarray(db), np.asarray(db_u))
     _, dx_s, dk_s, _, _ = outs["split"]
     assert rel_err(dx, dx_s) < 1e-2 and rel_err(dk, dk_s) < 1e-2
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=RECIPE_IDS)
+def test_sharded_fused_backward_takes_the_accumulation(monkeypatch, rng, recipe):
+    """Under a MeshResource with a tp axis (dense_backward_fp8_sharded, partitioned per
+    device): the per-device ops of the compiled program carry the set's accumulation."""
+    if jax.default_backend() != "cpu":
+        pytest.skip("virtual CPU devices")
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from lowbit.sharding import MeshResource, global_shard_guard
+
+    mesh = jax.make_mesh((2, 2), ("dp", "tp"), devices=jax.devices("cpu")[:4])
+    x = jnp.asarray(rng.standard_normal((2, 256, 256)), jnp.bfloat16)
+    kernel = jnp.asarray(rng.standard_normal((256, 1024)) * 0.05, jnp.float32)
+    bias = jnp.asarray(rng.standard_normal(1024), jnp.bfloat16)
+    dy = jnp.asarray(rng.standard_normal((2, 256, 1024)), jnp.bfloat16)
+    put = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))  # noqa: E731
+    args = (put(x, P("dp")), put(kernel, P(None, "tp")), put(bias, P()), QuantizerFactory.create_set(recipe),
+            put(dy, P("dp", None, "tp")))
+    monkeypatch.setenv(DENSE_BACKWARD_ENV, "fused")
+    with global_shard_guard(MeshResource(dp_resource="dp", tp_resource="tp")):
+        hlo = jax.jit(lambda *a: _dense_step(*a)).lower(*args).compile().as_text()
+    calls = [line for line in hlo.splitlines() if 'custom_call_target="lowbit_dense_backward_fp8"' in line]
+    assert calls, hlo[-3000:]
+    for call in calls:
+        assert re.search(r"dgrad_split\s*=\s*false", call) and re.search(r"wgrad_split\s*=\s*false", call), call
