@@ -1,7 +1,7 @@
 """The recipe's per-GEMM accumulation (lowbit.recipe.MMParams: fp8_gemm_fprop, fp8_gemm_dgrad,
 fp8_gemm_wgrad) reaching every FP8 GEMM of a layer as lowbit_gemm's use_split_accumulator and
 lowbit_dense_backward_fp8's dgrad_split / wgrad_split, through the quantizer set's
-GemmAccumulation, from each entry point: lowbit.dense (fused and unfused backward),
+GemmAccumulation, from each entry point: lowbit.dense (fused, unfused and sharded backward),
 layernorm_dense, layernorm_mlp, the Flax and NNX modules and make_dot_general_cls.
 
 What is checked is the lowered program (the attributes the handlers get); the GPU test checks
