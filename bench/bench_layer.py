@@ -2,7 +2,8 @@
 examples/te_integration_layer.py) forward+backward, side by side in one run: bf16 Flax,
 Flax's FP8 (`Fp8DirectDotGeneralOp` in every Dense), lowbit per recipe through the seed's
 `dot_general` drop-in (`lowbit_*`), and the same layer built from lowbit's fused modules
-(`fused_*`: examples/fused_layer.py, the same params mapped over). Prints time, ratio to bf16
+(`fused_*`: examples/fused_layer.py, the same params mapped over; `fused_delayed_fast_bwd` with
+the backward GEMMs at fast accumulation, not the default numerics). Prints time, ratio to bf16
 and to Flax's FP8, and the compiled step's peak memory. The variants are timed round-robin
 (common.time_steps: an H100 at its power cap runs a step at a speed that depends on how hot
 the card is).
@@ -29,7 +30,11 @@ from fused_layer import FusedTransformerLayer, from_flax_params  # noqa: E402
 from te_integration_layer import FlaxTransformerLayer  # noqa: E402
 
 import lowbit  # noqa: E402
-from lowbit.recipe import DelayedScaling, Float8CurrentScaling  # noqa: E402
+from lowbit.recipe import DelayedScaling, Float8CurrentScaling, MMParams  # noqa: E402
+
+# The backward GEMMs at fast accumulation (not the default numerics: TE's and Flax FP8's split).
+FAST_BWD = dict(fp8_gemm_dgrad=MMParams(use_split_accumulator=False),
+                fp8_gemm_wgrad=MMParams(use_split_accumulator=False))
 
 VARIANTS = {
     "bf16": lambda: None,
@@ -37,7 +42,8 @@ VARIANTS = {
     "lowbit_delayed": lowbit.flax.make_dot_general_cls(DelayedScaling()),
     "lowbit_current": lowbit.flax.make_dot_general_cls(Float8CurrentScaling()),
 }
-FUSED_VARIANTS = {"fused_delayed": DelayedScaling, "fused_current": Float8CurrentScaling}
+FUSED_VARIANTS = {"fused_delayed": DelayedScaling, "fused_current": Float8CurrentScaling,
+                  "fused_delayed_fast_bwd": lambda: DelayedScaling(**FAST_BWD)}
 
 
 def main(argv=None):
