@@ -10,14 +10,15 @@ recipe into quantizers. Every recipe validates its fields on construction and ra
 dtypes are `Format.HYBRID.fwd_dtype` (float8_e4m3fn) and `.bwd_dtype` (float8_e5m2).
 
 The per-tensor FP8 recipes (DelayedScaling, Float8CurrentScaling) also say how each of a
-layer's three GEMMs accumulates (Float8BlockScaling takes the same fields, split only), with
-TE's `MMParams` fields `fp8_gemm_fprop`, `fp8_gemm_dgrad` and `fp8_gemm_wgrad`: split accumulation (Hopper's FP8 tensor cores
-promote their partial sums to fp32 every few K steps, the precise choice) or fast
-accumulation (fewer promotions: faster, less precise). The defaults, fast for the forward
-GEMM and split for the two backward GEMMs, are TE PyTorch's and Flax FP8's (its backward
-dots run at Precision.HIGHEST). They reach the GEMMs through the quantizer set
-(`QuantizerSet.accumulation`); on the CPU, and for the block recipes, the GEMMs have one
-accumulation only and the choice changes nothing.
+layer's three GEMMs accumulates, with TE's `MMParams` fields `fp8_gemm_fprop`,
+`fp8_gemm_dgrad` and `fp8_gemm_wgrad`: split accumulation (Hopper's FP8 tensor cores promote
+their partial sums to fp32 every few K steps, the precise choice) or fast accumulation (fewer
+promotions: faster, less precise). The defaults, fast for the forward GEMM and split for the
+two backward GEMMs, are TE PyTorch's and Flax FP8's (its backward dots run at
+Precision.HIGHEST). They reach the GEMMs through the quantizer set
+(`QuantizerSet.accumulation`); on the CPU the GEMM reference has one accumulation and the
+choice changes nothing. Float8BlockScaling takes the same fields but only split (its GEMMs
+have no other accumulation); the MXFP8 and NVFP4 recipes do not have them.
 """
 
 from __future__ import annotations
@@ -270,8 +271,8 @@ class Float8BlockScaling(Recipe):
         _check_mm_params(self)
         for field in ("fp8_gemm_fprop", "fp8_gemm_dgrad", "fp8_gemm_wgrad"):
             if not getattr(self, field).use_split_accumulator:
-                _fail(name, field, "MMParams(use_split_accumulator=True) (block-scaled GEMMs have only "
-                      "the split accumulation)", getattr(self, field))
+                _fail(name, field, "MMParams(use_split_accumulator=True) (block-scaled GEMMs have "
+                      "only the split accumulation)", getattr(self, field))
 
 
 @dataclasses.dataclass(frozen=True)
