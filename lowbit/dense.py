@@ -284,7 +284,6 @@ def check_quantizer_set(op: str, quantizer_set: QuantizerSet) -> bool:
 
 # fold_in tag of the RHT sign key of one GEMM's quantizer set (0, 1, 2 are the SR keys).
 RHT_KEY_TAG = 3
-_SET_FIELDS = ("x", "kernel", "dgrad")  # QuantizerSet.quantizers' order
 
 
 def with_sr_key(quantizer_set: QuantizerSet, key) -> QuantizerSet:
@@ -299,12 +298,12 @@ def with_sr_key(quantizer_set: QuantizerSet, key) -> QuantizerSet:
         rht_key = jax.random.fold_in(key, RHT_KEY_TAG)
         quantizer_set = quantizer_set._replace(**{
             field: q.with_key(jax.random.fold_in(key, i), rht_key=rht_key) if isinstance(q, NVFP4Quantizer) else q
-            for i, (field, q) in enumerate(zip(_SET_FIELDS, quantizer_set.quantizers))})
+            for i, (field, q) in enumerate(zip(QuantizerSet._fields, quantizer_set.quantizers))})
     shared = quantizer_set.x.rht_key
     return quantizer_set._replace(**{
         field: dataclasses.replace(q, rht_key=shared)
         if isinstance(q, NVFP4Quantizer) and q.rht_key is not shared else q
-        for field, q in zip(_SET_FIELDS, quantizer_set.quantizers)})
+        for field, q in zip(QuantizerSet._fields, quantizer_set.quantizers)})
 
 
 def dense(

@@ -180,9 +180,9 @@ __device__ __forceinline__ void WriteColumnBlock(const FwdParams& p, const uint8
     const uint8_t* src = CodeRow(p, tile, rs + 4 * m) + c;
     uint32_t t[4];
     Transpose4x4Bytes(*reinterpret_cast<const uint32_t*>(src),
-                 *reinterpret_cast<const uint32_t*>(src + p.tile_stride),
-                 *reinterpret_cast<const uint32_t*>(src + 2 * p.tile_stride),
-                 *reinterpret_cast<const uint32_t*>(src + 3 * p.tile_stride), t);
+                      *reinterpret_cast<const uint32_t*>(src + p.tile_stride),
+                      *reinterpret_cast<const uint32_t*>(src + 2 * p.tile_stride),
+                      *reinterpret_cast<const uint32_t*>(src + 3 * p.tile_stride), t);
 #pragma unroll
     for (int j = 0; j < 4; ++j) cols[j][m] = t[j];
   }
