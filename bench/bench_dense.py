@@ -34,11 +34,7 @@ from quickstart_jax_utils import make_step  # noqa: E402
 import lowbit  # noqa: E402
 from lowbit.dense import DENSE_BACKWARD_ENV  # noqa: E402
 from lowbit.ops.gemm import GemmScaleMode, scale_shape  # noqa: E402
-from lowbit.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MMParams  # noqa: E402
-
-# The backward GEMMs at Hopper's fast accumulation (the defaults are split: TE's and Flax FP8's).
-FAST_BWD = dict(fp8_gemm_dgrad=MMParams(use_split_accumulator=False),
-                fp8_gemm_wgrad=MMParams(use_split_accumulator=False))
+from lowbit.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling  # noqa: E402
 
 
 class DenseBlock(nn.Module):
@@ -83,8 +79,8 @@ def variants():
         "module_block": lambda features: LowbitDenseBlock(features, Float8BlockScaling()),
         "module_delayed_unfused": lambda features: LowbitDenseBlock(features, DelayedScaling()),
         "module_current_unfused": lambda features: LowbitDenseBlock(features, Float8CurrentScaling()),
-        "module_delayed_fast_bwd": lambda features: LowbitDenseBlock(features, DelayedScaling(**FAST_BWD)),
-        "module_current_fast_bwd": lambda features: LowbitDenseBlock(features, Float8CurrentScaling(**FAST_BWD)),
+        "module_delayed_fast_bwd": lambda features: LowbitDenseBlock(features, DelayedScaling(**common.FAST_BWD)),
+        "module_current_fast_bwd": lambda features: LowbitDenseBlock(features, Float8CurrentScaling(**common.FAST_BWD)),
     }
 
 

@@ -30,11 +30,7 @@ from fused_layer import FusedTransformerLayer, from_flax_params  # noqa: E402
 from te_integration_layer import FlaxTransformerLayer  # noqa: E402
 
 import lowbit  # noqa: E402
-from lowbit.recipe import DelayedScaling, Float8CurrentScaling, MMParams  # noqa: E402
-
-# The backward GEMMs at fast accumulation (not the default numerics: TE's and Flax FP8's split).
-FAST_BWD = dict(fp8_gemm_dgrad=MMParams(use_split_accumulator=False),
-                fp8_gemm_wgrad=MMParams(use_split_accumulator=False))
+from lowbit.recipe import DelayedScaling, Float8CurrentScaling  # noqa: E402
 
 VARIANTS = {
     "bf16": lambda: None,
@@ -43,7 +39,7 @@ VARIANTS = {
     "lowbit_current": lowbit.flax.make_dot_general_cls(Float8CurrentScaling()),
 }
 FUSED_VARIANTS = {"fused_delayed": DelayedScaling, "fused_current": Float8CurrentScaling,
-                  "fused_delayed_fast_bwd": lambda: DelayedScaling(**FAST_BWD)}
+                  "fused_delayed_fast_bwd": lambda: DelayedScaling(**common.FAST_BWD)}
 
 
 def main(argv=None):

@@ -31,7 +31,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from lowbit.recipe import MMParams
+
 RESULTS = Path(__file__).resolve().parent / "results"
+
+# Recipe keywords for the `*_fast_bwd` variants: dgrad and wgrad at Hopper's fast
+# accumulation (not the default numerics: split, as TE's and Flax FP8's).
+FAST_BWD = dict(fp8_gemm_dgrad=MMParams(use_split_accumulator=False),
+                fp8_gemm_wgrad=MMParams(use_split_accumulator=False))
 
 
 def device_name() -> str:
