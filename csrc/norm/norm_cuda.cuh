@@ -179,60 +179,32 @@ __device__ __forceinline__ void StoreChunkFast(typename Tag::Storage* p, const f
 
 // FP8 codes of v * scale (Fp32Mul: the product of NormQuantize), packed little-endian into
 // 32-bit words (kVec a multiple of 4) or bytes. `hw_ok`: scale is finite and non-zero and no v
-// is NaN, so no product is NaN and cvt.rn.satfinite gives the FloatToE4m3/E5m2 bits (sm_89+;
-// this is the conversion quantize_fp8.cu relies on too).
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
-#define LOWBIT_NORM_HW_FP8 1
-#else
-#define LOWBIT_NORM_HW_FP8 0
-#endif
-
+// is NaN, so no product is NaN and cvt.rn.satfinite gives the FloatToE4m3/E5m2 bits (sm_89+:
+// fp8_cvt.cuh's CvtPair and CvtQuad, the conversion the quantize kernels rely on too).
 __device__ __forceinline__ uint32_t CvtFp8PairHw(bool e5m2, float lo, float hi) {
-#if LOWBIT_NORM_HW_FP8
-  uint16_t pair;
-  if (e5m2) {
-    asm("cvt.rn.satfinite.e5m2x2.f32 %0, %1, %2;" : "=h"(pair) : "f"(hi), "f"(lo));
-  } else {
-    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(pair) : "f"(hi), "f"(lo));
-  }
-  return pair;
+#if LOWBIT_HAS_CVT_FP8X2
+  return e5m2 ? CvtPair(E5m2Fmt{}, lo, hi) : CvtPair(E4m3Fmt{}, lo, hi);
 #else
   return uint32_t(NormQuantize(lo, 1.0f, e5m2)) | (uint32_t(NormQuantize(hi, 1.0f, e5m2)) << 8);
 #endif
 }
 
-// Four FP8 codes (a, b, c, d: bytes 0..3) of one format (kE5m2) as one 32-bit word, by two
-// cvt.rn.satfinite pairs packed in the same asm (the bits of CvtFp8PairHw's pairs joined
-// with __byte_perm(lo, hi, 0x5410), without masking the 16-bit results; `hw_ok` callers
-// only, sm_89+).
+// Four FP8 codes (a, b, c, d: bytes 0..3) of one format (kE5m2) as one 32-bit word (CvtQuad;
+// `hw_ok` callers only).
 template <bool kE5m2>
 __device__ __forceinline__ uint32_t CvtFp8QuadHw(float a, float b, float c, float d) {
-  uint32_t w;
-#if LOWBIT_NORM_HW_FP8
-  if constexpr (kE5m2) {
-    asm("{.reg .b16 lo, hi;\n"
-        "cvt.rn.satfinite.e5m2x2.f32 lo, %2, %1;\n"
-        "cvt.rn.satfinite.e5m2x2.f32 hi, %4, %3;\n"
-        "mov.b32 %0, {lo, hi};}"
-        : "=r"(w) : "f"(a), "f"(b), "f"(c), "f"(d));
-  } else {
-    asm("{.reg .b16 lo, hi;\n"
-        "cvt.rn.satfinite.e4m3x2.f32 lo, %2, %1;\n"
-        "cvt.rn.satfinite.e4m3x2.f32 hi, %4, %3;\n"
-        "mov.b32 %0, {lo, hi};}"
-        : "=r"(w) : "f"(a), "f"(b), "f"(c), "f"(d));
-  }
+#if LOWBIT_HAS_CVT_FP8X2
+  return CvtQuad(std::conditional_t<kE5m2, E5m2Fmt, E4m3Fmt>{}, a, b, c, d);
 #else
-  w = CvtFp8PairHw(kE5m2, a, b) | (CvtFp8PairHw(kE5m2, c, d) << 16);
+  return CvtFp8PairHw(kE5m2, a, b) | (CvtFp8PairHw(kE5m2, c, d) << 16);
 #endif
-  return w;
 }
 
 template <int kVec>
 __device__ __forceinline__ void EncodeFp8(const float (&y)[kVec], float scale, bool e5m2,
                                           bool hw_ok, uint8_t (&q)[kVec]) {
   if constexpr (kVec % 2 == 0) {
-    if (LOWBIT_NORM_HW_FP8 && hw_ok) {
+    if (LOWBIT_HAS_CVT_FP8X2 && hw_ok) {
 #pragma unroll
       for (int k = 0; k < kVec; k += 2) {
         const uint32_t pair = CvtFp8PairHw(e5m2, Fp32Mul(y[k], scale), Fp32Mul(y[k + 1], scale));

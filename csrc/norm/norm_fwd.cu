@@ -234,14 +234,14 @@ __device__ __forceinline__ void WriteTransposed(const FwdParams& p, const uint8_
 template <int kVec>
 __device__ __forceinline__ void EncodeFp8Words(const float (&y)[kVec], float scale, bool e5m2,
                                                bool hw_ok, uint32_t (&w)[kVec / 4]) {
-  if (LOWBIT_NORM_HW_FP8 && hw_ok && kVec < 8) {
+  if (LOWBIT_HAS_CVT_FP8X2 && hw_ok && kVec < 8) {
 #pragma unroll
     for (int m = 0; m < kVec / 4; ++m) {
       const uint32_t lo = CvtFp8PairHw(e5m2, Fp32Mul(y[4 * m], scale), Fp32Mul(y[4 * m + 1], scale));
       const uint32_t hi = CvtFp8PairHw(e5m2, Fp32Mul(y[4 * m + 2], scale), Fp32Mul(y[4 * m + 3], scale));
       w[m] = __byte_perm(lo, hi, 0x5410);
     }
-  } else if (LOWBIT_NORM_HW_FP8 && hw_ok) {
+  } else if (LOWBIT_HAS_CVT_FP8X2 && hw_ok) {
     // 2-byte x (8 codes per chunk): one branch per chunk on the format (uniform) and the
     // pairs packed by the cvt, not a select per pair and masked halves (f32 x keeps the
     // select: the branch costs its kernels spills).

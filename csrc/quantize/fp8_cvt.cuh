@@ -40,6 +40,26 @@ __device__ __forceinline__ uint32_t CvtPair(E5m2Fmt, float lo, float hi) {
   asm("cvt.rn.satfinite.e5m2x2.f32 %0, %1, %2;" : "=h"(pair) : "f"(hi), "f"(lo));
   return pair;
 }
+// Four codes (a, b, c, d in bytes 0..3) as one word: CvtPair's two pairs joined in the same
+// asm, so their 16-bit results need no masking (the norm kernels' 2-byte inputs).
+__device__ __forceinline__ uint32_t CvtQuad(E4m3Fmt, float a, float b, float c, float d) {
+  uint32_t w;
+  asm("{.reg .b16 lo, hi;\n"
+      "cvt.rn.satfinite.e4m3x2.f32 lo, %2, %1;\n"
+      "cvt.rn.satfinite.e4m3x2.f32 hi, %4, %3;\n"
+      "mov.b32 %0, {lo, hi};}"
+      : "=r"(w) : "f"(a), "f"(b), "f"(c), "f"(d));
+  return w;
+}
+__device__ __forceinline__ uint32_t CvtQuad(E5m2Fmt, float a, float b, float c, float d) {
+  uint32_t w;
+  asm("{.reg .b16 lo, hi;\n"
+      "cvt.rn.satfinite.e5m2x2.f32 lo, %2, %1;\n"
+      "cvt.rn.satfinite.e5m2x2.f32 hi, %4, %3;\n"
+      "mov.b32 %0, {lo, hi};}"
+      : "=r"(w) : "f"(a), "f"(b), "f"(c), "f"(d));
+  return w;
+}
 #endif
 
 // LoadAsFloat (element.h) with the hardware f16 -> f32 conversion (exact, subnormals
