@@ -10,13 +10,13 @@
 #
 #   tools/gpu_check.sh                 # build test bench (the quick benchmark)
 #   tools/gpu_check.sh build suite     # the rest of the suite on the CUDA backend (175 s, H100)
-#   tools/gpu_check.sh build sanitize  # compute-sanitizer memcheck over the kernel tests
-#     (the default filter now selects more than the 300 s stage gets through under memcheck:
-#     82 tests on an H100 on 2026-11-27; name one family at a time with SANITIZE_K)
+#   tools/gpu_check.sh build sanitize  # compute-sanitizer memcheck, one process per kernel
+#     family of tools/sanitize_families.txt, SANITIZE_JOBS (4) at a time, 240 s each
+#   SANITIZE_FAMILIES="norm gemm" tools/gpu_check.sh build sanitize   # some of the families
 #   BENCH=all tools/gpu_check.sh build bench   # every benchmark and the seed tutorials (long)
 #   BENCH="bench/bench_quantize.py bench/bench_gemm.py" tools/gpu_check.sh build bench
 #   PROFILE_OPS="norm softmax" tools/gpu_check.sh build profile   # ncu over the kernels
-#   SANITIZE_K="amax or codecs" tools/gpu_check.sh build sanitize
+#   SANITIZE_K="amax or codecs" tools/gpu_check.sh build sanitize     # one -k over all tests
 # On a 4-GPU machine (device kind nvidia-h100-x4) the GPU tests include the seed tutorial's
 # DP=2/TP=2 step against one GPU (tests/test_sharding_gpu.py) and BENCH=all times it
 # (bench/bench_dense_multi.py, ~5 minutes); with fewer GPUs both skip.
@@ -62,11 +62,40 @@ fi
 if has sanitize; then
   # One buffer per allocation, so memcheck sees out-of-bounds accesses of our kernels
   # instead of hits inside XLA's memory pool.
-  export XLA_PYTHON_CLIENT_ALLOCATOR=platform
-  step "compute-sanitizer memcheck" sanitizer.log 300 compute-sanitizer --tool memcheck \
-    --error-exitcode 3 $PY -m pytest -q -m gpu -p no:cacheprovider -k "${SANITIZE_K:-(unaligned or misaligned or nan or variants or odd_shapes or vmap_rows or device_codecs or dbias_deterministic) and not tile_variants and not tuning_variants}" tests
-  grep -E "ERROR SUMMARY|passed|failed" "$OUT/sanitizer.log" | tail -5
-  unset XLA_PYTHON_CLIENT_ALLOCATOR
+  export XLA_PYTHON_CLIENT_ALLOCATOR=platform XLA_PYTHON_CLIENT_PREALLOCATE=false
+  if [ -n "${SANITIZE_K:-}" ]; then  # one filter over the whole suite, as before the families
+    step "compute-sanitizer memcheck" sanitizer.log 300 compute-sanitizer --tool memcheck --error-exitcode 3 \
+      $PY -m pytest -q -m gpu -p no:cacheprovider -k "$SANITIZE_K" tests
+    grep -E "ERROR SUMMARY|passed|failed" "$OUT/sanitizer.log" | tail -5
+  else
+    # The kernel families of tools/sanitize_families.txt (SANITIZE_FAMILIES: some of their
+    # names), SANITIZE_JOBS processes at a time, each under its own limit; their logs are
+    # joined into sanitizer.log in the families' order.
+    mkdir -p /tmp/sanitize && rm -f /tmp/sanitize/*.log
+    names=()
+    while IFS= read -r line; do
+      [[ -z $line || $line == \#* ]] && continue
+      name=${line%%:*}
+      [ -n "${SANITIZE_FAMILIES:-}" ] && [[ " $SANITIZE_FAMILIES " != *" $name "* ]] && continue
+      names+=("$name")
+      eval "args=(${line#*:})"
+      while [ "$(jobs -rp | wc -l)" -ge "${SANITIZE_JOBS:-4}" ]; do wait -n; done
+      (
+        echo "=== memcheck $name ($(date +%T), limit ${SANITIZE_LIMIT:-240}s): ${line#*: }"
+        timeout "${SANITIZE_LIMIT:-240}" compute-sanitizer --tool memcheck --error-exitcode 3 \
+          $PY -m pytest -q -m gpu -p no:cacheprovider "${args[@]}"
+        echo "=== memcheck $name: rc=$?"
+      ) </dev/null >"/tmp/sanitize/$name.log" 2>&1 &
+    done < tools/sanitize_families.txt
+    wait
+    for name in "${names[@]}"; do
+      cat "/tmp/sanitize/$name.log" >>"$OUT/sanitizer.log"
+      grep -q "^=== memcheck $name: rc=0$" "/tmp/sanitize/$name.log" || status=1
+      printf '%-16s %s | %s\n' "$name" "$(grep -E "^=== memcheck $name: rc=" "/tmp/sanitize/$name.log" | sed 's/.*: //')" \
+        "$(grep -hE "ERROR SUMMARY|[0-9]+ (passed|failed|skipped)" "/tmp/sanitize/$name.log" | tr '\n' ' ')"
+    done
+  fi
+  unset XLA_PYTHON_CLIENT_ALLOCATOR XLA_PYTHON_CLIENT_PREALLOCATE
 fi
 
 if has profile; then  # Nsight Compute over the memory-bound kernels (tools/profile_ops.py)
