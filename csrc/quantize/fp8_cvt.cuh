@@ -29,37 +29,29 @@ namespace lowbit {
 #endif
 
 #if LOWBIT_HAS_CVT_FP8X2
-// Two codes in the low 16 bits: `lo` in bits 0-7, `hi` in bits 8-15.
-__device__ __forceinline__ uint32_t CvtPair(E4m3Fmt, float lo, float hi) {
-  uint16_t pair;
-  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(pair) : "f"(hi), "f"(lo));
-  return pair;
-}
-__device__ __forceinline__ uint32_t CvtPair(E5m2Fmt, float lo, float hi) {
-  uint16_t pair;
-  asm("cvt.rn.satfinite.e5m2x2.f32 %0, %1, %2;" : "=h"(pair) : "f"(hi), "f"(lo));
-  return pair;
-}
-// Four codes (a, b, c, d in bytes 0..3) as one word: CvtPair's two pairs joined in the same
-// asm, so their 16-bit results need no masking (the norm kernels' 2-byte inputs).
-__device__ __forceinline__ uint32_t CvtQuad(E4m3Fmt, float a, float b, float c, float d) {
-  uint32_t w;
-  asm("{.reg .b16 lo, hi;\n"
-      "cvt.rn.satfinite.e4m3x2.f32 lo, %2, %1;\n"
-      "cvt.rn.satfinite.e4m3x2.f32 hi, %4, %3;\n"
-      "mov.b32 %0, {lo, hi};}"
-      : "=r"(w) : "f"(a), "f"(b), "f"(c), "f"(d));
-  return w;
-}
-__device__ __forceinline__ uint32_t CvtQuad(E5m2Fmt, float a, float b, float c, float d) {
-  uint32_t w;
-  asm("{.reg .b16 lo, hi;\n"
-      "cvt.rn.satfinite.e5m2x2.f32 lo, %2, %1;\n"
-      "cvt.rn.satfinite.e5m2x2.f32 hi, %4, %3;\n"
-      "mov.b32 %0, {lo, hi};}"
-      : "=r"(w) : "f"(a), "f"(b), "f"(c), "f"(d));
-  return w;
-}
+// Per format (ptx_type "e4m3" or "e5m2"):
+//   CvtPair(fmt, lo, hi): two codes in the low 16 bits, `lo` in bits 0-7, `hi` in bits 8-15;
+//   CvtQuad(fmt, a, b, c, d): four codes (a, b, c, d in bytes 0..3) as one word, the two pairs
+//   joined in the same asm so their 16-bit results need no masking (the norm kernels).
+#define LOWBIT_CVT_FP8_FOR(Fmt, ptx_type)                                                          \
+  __device__ __forceinline__ uint32_t CvtPair(Fmt, float lo, float hi) {                          \
+    uint16_t pair;                                                                                 \
+    asm("cvt.rn.satfinite." ptx_type "x2.f32 %0, %1, %2;" : "=h"(pair) : "f"(hi), "f"(lo));       \
+    return pair;                                                                                   \
+  }                                                                                                \
+  __device__ __forceinline__ uint32_t CvtQuad(Fmt, float a, float b, float c, float d) {          \
+    uint32_t w;                                                                                    \
+    asm("{.reg .b16 lo, hi;\n"                                                                     \
+        "cvt.rn.satfinite." ptx_type "x2.f32 lo, %2, %1;\n"                                        \
+        "cvt.rn.satfinite." ptx_type "x2.f32 hi, %4, %3;\n"                                        \
+        "mov.b32 %0, {lo, hi};}"                                                                   \
+        : "=r"(w)                                                                                  \
+        : "f"(a), "f"(b), "f"(c), "f"(d));                                                         \
+    return w;                                                                                      \
+  }
+LOWBIT_CVT_FP8_FOR(E4m3Fmt, "e4m3")
+LOWBIT_CVT_FP8_FOR(E5m2Fmt, "e5m2")
+#undef LOWBIT_CVT_FP8_FOR
 #endif
 
 // LoadAsFloat (element.h) with the hardware f16 -> f32 conversion (exact, subnormals
