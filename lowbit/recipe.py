@@ -126,11 +126,12 @@ class MMParams:
 # TE's defaults: fast accumulation in the forward GEMM, split in dgrad and wgrad.
 _FPROP_DEFAULT = MMParams(use_split_accumulator=False)
 _BACKWARD_DEFAULT = MMParams(use_split_accumulator=True)
+_MM_FIELDS = ("fp8_gemm_fprop", "fp8_gemm_dgrad", "fp8_gemm_wgrad")
 
 
 def _check_mm_params(recipe) -> None:
     name = type(recipe).__name__
-    for field in ("fp8_gemm_fprop", "fp8_gemm_dgrad", "fp8_gemm_wgrad"):
+    for field in _MM_FIELDS:
         if not isinstance(getattr(recipe, field), MMParams):
             _fail(name, field, "a lowbit.recipe.MMParams", getattr(recipe, field))
 
@@ -269,7 +270,7 @@ class Float8BlockScaling(Recipe):
                 _fail(name, field, f"one of {FP8_BLOCKS}", getattr(self, field))
             object.__setattr__(self, field, block)
         _check_mm_params(self)
-        for field in ("fp8_gemm_fprop", "fp8_gemm_dgrad", "fp8_gemm_wgrad"):
+        for field in _MM_FIELDS:
             if not getattr(self, field).use_split_accumulator:
                 _fail(name, field, "MMParams(use_split_accumulator=True) (block-scaled GEMMs have "
                       "only the split accumulation)", getattr(self, field))
