@@ -80,8 +80,9 @@ def gpu():
 
 @pytest.fixture
 def rng():
-    """A fresh numpy Generator per test; the seed is printed on failure via the test id."""
-    seed = int.from_bytes(os.urandom(4), "little")
+    """A fresh numpy Generator per test. The seed is printed (pytest shows it for a failing
+    test); LOWBIT_TEST_SEED=<seed> replays it."""
+    seed = int(os.environ.get("LOWBIT_TEST_SEED") or int.from_bytes(os.urandom(4), "little"))
     print(f"numpy seed {seed}")
     return np.random.default_rng(seed)
 

@@ -2,7 +2,8 @@
 
 Without a recipe they must equal the plain jnp model up to fp32 rounding (values and
 gradients). With a recipe the quantization error is FP8's: outputs within 8% (RMS-relative)
-of the unquantized model, gradients within 15% (E5M2 gradients: 2^-3 relative rounding).
+of the unquantized model, gradients within 15% (E5M2 gradients: 2^-3 relative rounding), the
+MLP's dgamma and dbeta within NORM_PARAM_GRAD_TOL.
 The delayed-scaling path (fused norm/activation + quantize) is checked against the current
 scaling path after the state has seen one step: both then cast with amax-derived scales.
 """
@@ -42,6 +43,14 @@ def mlp_ref(x, gamma, beta, wi, wo, bi, bo, norm_type, activation_type):
     if len(activation_type) == 2:
         a = a * acts[activation_type[1]](h[..., 1, :])
     return a @ wo + bo
+
+
+# dgamma and dbeta of layernorm_mlp sum the norm's output gradient, which went through two E5M2
+# casts (dy, then the activation's gradient), over the rows: 64 entries whose RMS-relative error
+# is a noisy statistic. Over 1800 seeded runs (300 seeds x 3 activations x 2 recipes) it had mean
+# 0.09, 99th percentile 0.13 and maximum 0.14, and one CI run reached 0.155 against the general
+# 0.15, so these two get a wider bound. A wrong term or scale shows as an error near 1.
+NORM_PARAM_GRAD_TOL = 0.2
 
 
 def rel(a, b):
@@ -147,7 +156,8 @@ def test_layernorm_mlp(activation_type, recipe, params):
     grads_ref = jax.vjp(lambda *a: mlp_ref(*a, "layernorm", activation_type), *args)[1](dy)
     for name, g, gr in zip(["dx", "dgamma", "dbeta", "dwi", "dwo", "dbi", "dbo"], grads, grads_ref):
         assert g.shape == gr.shape, name
-        assert rel(g, gr) < (1e-4 if recipe is None else 0.15), name
+        assert rel(g, gr) < (1e-4 if recipe is None else NORM_PARAM_GRAD_TOL if name in ("dgamma", "dbeta")
+                             else 0.15), name
 
 
 def test_layernorm_mlp_rejects_bad_kernels(params):
