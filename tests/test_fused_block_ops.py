@@ -192,9 +192,9 @@ def test_public_activation_with_block_quantizers(rng, monkeypatch):
         clean = np.isfinite(y32).reshape(-1, y32.shape[-1] // block, block).all(-1)
         ok = np.repeat(clean, block, axis=-1).reshape(y32.shape) & np.isfinite(dq)
         # x has planted near-max values: the other values of such a block are coded under its
-        # scale and lose relative precision (one CI seed measured 0.057); a wrong scale or
-        # layout gives O(1).
-        assert ok.mean() > 0.9 and rel_err(dq[ok], y32[ok]) < 0.1
+        # scale and lose relative precision, a long tail: over 8000 seeds (both formats)
+        # median 0.022, 99.9th percentile 0.058, maximum 0.081. A wrong scale or layout gives O(1).
+        assert ok.mean() > 0.9 and rel_err(dq[ok], y32[ok]) < 0.12
 
 
 def test_bad_input():
