@@ -14,6 +14,8 @@ timed alone, beside the per-tensor FP8 GEMM ceiling and the block-scaled one (1x
     python bench/bench_dense.py            # GPU, seed shape
     python bench/bench_dense.py --small    # CPU smoke run
     python bench/bench_dense.py --block-paths cublaslt,wgmma   # block GEMM floor per kernel
+    python bench/bench_dense.py --variants module_delayed --algo fused_dgrad=1
+        # each lowbit variant also as <variant>@algo, traced with LOWBIT_GEMM_ALGO=fused_dgrad=1
 """
 
 from __future__ import annotations
@@ -182,6 +184,7 @@ def main(argv=None):
                         help="only the Float8BlockScaling GEMM floor, per LOWBIT_BLOCK_GEMM path "
                         "(comma-separated, e.g. cublaslt,wgmma,wgmma:n8; wgmma:G sets the raster order "
                         "LOWBIT_BLOCK_GEMM_GROUP=G), --rounds rounds round-robin")
+    common.add_algo_argument(parser)
     args = parser.parse_args(argv)
     chosen = set(args.variants.split(",")) | {"bf16"} if args.variants else None
     if chosen is not None and chosen - set(variants()):
@@ -195,18 +198,20 @@ def main(argv=None):
     dy = jax.random.normal(jax.random.PRNGKey(1), (b, s, f), jnp.bfloat16)
     flops = 3 * 2 * b * s * h * f
 
-    cases, params = {}, None
+    def build_step(name, model):
+        step = make_step(model.apply, {})
+        return common.with_env(step, DENSE_BACKWARD_ENV, "unfused") if name.endswith("_unfused") else step
+
+    cases, models, params = {}, {}, None
     for name, make in variants().items():
         if chosen is not None and name not in chosen:
             continue
-        model = make(f)
+        model = models[name] = make(f)
         variables = model.init(key, x)
         if params is None:
             params = variables["params"]
-        step = make_step(model.apply, {})
-        if name.endswith("_unfused"):
-            step = common.with_env(step, DENSE_BACKWARD_ENV, "unfused")
-        cases[name] = (step, {**variables, "params": params}, x, dy)
+        cases[name] = (build_step(name, model), {**variables, "params": params}, x, dy)
+    cases = common.add_algo_twins(cases, args.algo, lambda name: build_step(name, models[name]))
     results = common.time_steps(cases, iters, rounds=1 if args.small else args.rounds)
     for r in results.values():
         r["tflops"] = flops / r["ms"] * 1e3 / 1e12
@@ -238,7 +243,7 @@ def main(argv=None):
     ], ["GEMM at %d^3" % size, "TFLOP/s", "x per-tensor"])
     path = common.write_results("dense" + ("_small" if args.small else ""), {
         "shape": {"batch": b, "seq": s, "hidden": h, "features": f},
-        "variants": results, "gemm_floor_ms": floor_ms,
+        "variants": results, "algo_twins": args.algo, "gemm_floor_ms": floor_ms,
         "gemm_ms": {"fwd": t_fwd * 1e3, "dgrad": t_dgrad * 1e3, "wgrad": t_wgrad * 1e3},
         "gemm_floor_fast_bwd_ms": fast_floor_ms if fast_bwd else None,
         "block_gemm_floor_ms": block_floor_ms,

@@ -10,6 +10,8 @@ the card is).
 
     python bench/bench_layer.py            # GPU, seed shape
     python bench/bench_layer.py --small    # CPU smoke run
+    python bench/bench_layer.py --variants flax_fp8,fused_delayed --algo fused_dgrad=1
+        # each lowbit variant also as <variant>@algo, traced with LOWBIT_GEMM_ALGO=fused_dgrad=1
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ def main(argv=None):
     parser.add_argument("--variants", default=None,
                         help="comma-separated subset of " + ",".join([*VARIANTS, *FUSED_VARIANTS])
                         + " (bf16 always runs: the ratios need it)")
+    common.add_algo_argument(parser)
     args = parser.parse_args(argv)
     b, s, h, f, heads = (2, 64, 128, 512, 4) if args.small else (4, 2048, 4096, 16384, 32)
     iters = args.iters or (2 if args.small else 20)
@@ -62,7 +65,7 @@ def main(argv=None):
     unknown = (chosen or set()) - {*VARIANTS, *FUSED_VARIANTS}
     if unknown:
         parser.error(f"--variants: unknown {sorted(unknown)}")
-    cases, params = {}, None
+    cases, layers, params = {}, {}, None
     for name, cls in VARIANTS.items():
         if chosen is not None and name not in chosen:
             continue
@@ -72,6 +75,7 @@ def main(argv=None):
         if params is None:
             params = variables["params"]
         variables = {**variables, "params": params}
+        layers[name] = layer
         cases[name] = (make_step(layer.apply, kwargs, rngs={"dropout": dropout_key}), variables, x, dy)
     for name, recipe in FUSED_VARIANTS.items():
         if chosen is not None and name not in chosen:
@@ -80,13 +84,17 @@ def main(argv=None):
                                       quantization_recipe=recipe())
         variables = layer.init(key, x, attention_mask=None, deterministic=False)
         variables = {**variables, "params": from_flax_params(params)}
+        layers[name] = layer
         cases[name] = (make_step(layer.apply, kwargs, rngs={"dropout": dropout_key}), variables, x, dy)
+    cases = common.add_algo_twins(
+        cases, args.algo, lambda name: make_step(layers[name].apply, kwargs, rngs={"dropout": dropout_key}))
     results = common.time_steps(cases, iters, rounds=1 if args.small else args.rounds)
     for name, r in results.items():
         print(f"{name}: {r['ms']:.3f} ms (rounds: {', '.join(f'{t:.2f}' for t in r['ms_rounds'])})", flush=True)
     common.print_table(common.speedup_table(results), ["variant", "ms", "x bf16", "x flax_fp8", "peak GiB"])
     path = common.write_results("layer" + ("_small" if args.small else ""), {
-        "shape": {"batch": b, "seq": s, "hidden": h, "ffn": f, "heads": heads}, "variants": results})
+        "shape": {"batch": b, "seq": s, "hidden": h, "ffn": f, "heads": heads}, "variants": results,
+        "algo_twins": args.algo})
     print(f"wrote {path}")
 
 

@@ -141,6 +141,31 @@ def with_env(step, name: str, value: str):
     return wrapped
 
 
+ALGO_TWIN_SUFFIX = "@algo"
+
+
+def add_algo_argument(parser) -> None:
+    """--algo TEXT: every lowbit variant chosen gets a twin, `<variant>@algo`, traced with
+    LOWBIT_GEMM_ALGO=TEXT (lowbit/ops/gemm.py), timed in the same rounds as the variant."""
+    parser.add_argument("--algo", default=None, metavar="TEXT",
+                        help="also time each lowbit variant with LOWBIT_GEMM_ALGO=TEXT (as <variant>@algo)")
+
+
+def add_algo_twins(cases: dict, text: str | None, fresh_step, baselines=("bf16", "flax_fp8")) -> dict:
+    """cases with, after each lowbit case, its twin under LOWBIT_GEMM_ALGO=text (see
+    add_algo_argument); unchanged when text is None. fresh_step(name) builds the variant's step
+    anew: the twin cannot share the case's jitted function, whose trace cache would hand it
+    the executable traced under the other value."""
+    if text is None:
+        return cases
+    out = {}
+    for name, (step, *rest) in cases.items():
+        out[name] = (step, *rest)
+        if name not in baselines:
+            out[name + ALGO_TWIN_SUFFIX] = (with_env(fresh_step(name), "LOWBIT_GEMM_ALGO", text), *rest)
+    return out
+
+
 def time_step(step, variables, x, dy, iters: int) -> dict:
     """A training step (examples/quickstart_jax_utils.make_step) timed and measured:
     {"ms": median ms per step, "peak_bytes": the compiled step's peak device memory}."""

@@ -187,19 +187,33 @@ def test_op_errors_name_the_argument(rng):
             dx_dtype=jnp.dtype(jnp.bfloat16), dk_dtype=jnp.dtype(f32), dbias=False, wgrad_algo=32))
 
 
-def test_op_takes_the_unfused_gemms_algorithms(rng, monkeypatch):
-    """The fused op's two GEMM launches run at the cuBLASLt heuristic indices the unfused
-    ops' GEMMs would (LOWBIT_GEMM_ALGO by kind: the dgrad writes bf16, fp8_split; the wgrad
-    of an f32 kernel writes f32, fp8_split_f32), passed to the handler as attributes."""
-    monkeypatch.setattr(gemm_mod, "_env_algo", lambda: gemm_mod.parse_algo("fp8_split=3,fp8_split_f32=5"))
+@pytest.mark.parametrize("dgrad_split", [True, False], ids=["split", "fast"])
+def test_op_takes_the_gemm_algorithms_by_kind(rng, monkeypatch, dgrad_split):
+    """The fused op's two GEMM launches run at the cuBLASLt heuristic indices of their kinds
+    (LOWBIT_GEMM_ALGO), passed to the handler as attributes: the wgrad of an f32 kernel writes
+    f32 at split accumulation, fp8_split_f32 as the unfused wgrad; the dgrad at split
+    accumulation has its own kind, fused_dgrad (dy's rowwise copy read at dk's pitch), not the
+    standalone dgrad's fp8_split; at fast accumulation it takes fp8_fast."""
+    monkeypatch.setenv("LOWBIT_GEMM_ALGO", "fp8_split=3,fp8_split_f32=5,fused_dgrad=6,fp8_fast=7")
     f8, f32 = jnp.float8_e4m3fn, jnp.float32
     dy = jnp.asarray(rng.standard_normal((512, 1024)), jnp.bfloat16)
     one = jnp.ones((1,), f32)
     fn = lambda dy: dense_backward_fp8(dy, jnp.ones((256, 512), f8), jnp.ones((256, 1024), f8), one, one, one,  # noqa: E731
                                        one, q_dtype=jnp.float8_e5m2, dx_dtype=jnp.bfloat16, dk_dtype=f32,
-                                       compute_dbias=False)
+                                       compute_dbias=False, dgrad_split=dgrad_split)
     text = jax.jit(fn).lower(dy).as_text()
-    assert re.search(r"dgrad_algo = 3 : i32", text) and re.search(r"wgrad_algo = 5 : i32", text), text[-2000:]
+    want = 6 if dgrad_split else 7
+    assert re.search(rf"dgrad_algo = {want} : i32", text) and re.search(r"wgrad_algo = 5 : i32", text), text[-2000:]
+
+
+def test_unfused_fallback_dgrad_takes_the_standalone_kind(monkeypatch):
+    """Where no placement fits and the op runs the unfused GEMMs, its dgrad is a standalone
+    GEMM again and takes fp8_split's index, not fused_dgrad's."""
+    monkeypatch.setenv("LOWBIT_GEMM_ALGO", "fp8_split=3,fused_dgrad=6")
+    attrs = importlib.import_module("lowbit.ops.dense_backward")._gemm_attrs
+    args = (jnp.float8_e5m2, jnp.float8_e4m3fn, jnp.bfloat16, jnp.float32, True, True)
+    assert int(attrs(*args)["dgrad_algo"]) == 6
+    assert int(attrs(*args, fused=False)["dgrad_algo"]) == 3
 
 
 def test_vmap_maps_the_op(rng):

@@ -25,14 +25,6 @@ E4M3, E5M2, BF16, F32 = jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.bfloat16, jnp.fl
 KINDS = tuple(gemm_mod.DEFAULT_ALGO)
 
 
-@pytest.fixture(autouse=True)
-def fresh_env_parse():
-    """LOWBIT_GEMM_ALGO is parsed once per process: forget it around each test."""
-    gemm_mod._env_algo.cache_clear()
-    yield
-    gemm_mod._env_algo.cache_clear()
-
-
 @pytest.mark.parametrize("text,want", [
     ("", {}), ("  ", {}), ("0", {k: 0 for k in KINDS}), ("3", {k: 3 for k in KINDS}),
     ("31", {k: 31 for k in KINDS}), ("fp8_fast=2", {"fp8_fast": 2}),
@@ -57,11 +49,15 @@ def test_bad_environment_value_fails_the_first_fp8_gemm(monkeypatch, rng):
         lowbit.ops.gemm(a, a)
 
 
-def test_environment_is_read_once(monkeypatch):
+def test_environment_is_read_at_trace_time(monkeypatch):
+    """Each trace reads the variable as it is then (a benchmark traces variants under
+    different values in one process); unset, the kinds fall back to DEFAULT_ALGO."""
     monkeypatch.setenv("LOWBIT_GEMM_ALGO", "block=5")
     assert gemm_mod.resolve_algo(None, E4M3, Mode.BLOCK_1x128, True) == 5
     monkeypatch.setenv("LOWBIT_GEMM_ALGO", "block=6")
-    assert gemm_mod.resolve_algo(None, E4M3, Mode.BLOCK_1x128, True) == 5
+    assert gemm_mod.resolve_algo(None, E4M3, Mode.BLOCK_1x128, True) == 6
+    monkeypatch.delenv("LOWBIT_GEMM_ALGO")
+    assert gemm_mod.resolve_algo(None, E4M3, Mode.BLOCK_1x128, True) == gemm_mod.DEFAULT_ALGO["block"]
 
 
 def test_split_f32_output_is_its_own_kind(monkeypatch):
@@ -113,7 +109,6 @@ def test_algo_reaches_the_custom_call(monkeypatch, rng):
     assert cuda_algo_attrs(monkeypatch, lambda a, b: lowbit.ops.gemm(a, b, sa, sb), a, b) == [0]
     assert cuda_algo_attrs(monkeypatch, lambda a, b: lowbit.ops.gemm(a, b, sa, sb, algo=5), a, b) == [5]
     monkeypatch.setenv("LOWBIT_GEMM_ALGO", "fp8_fast=4,fp8_split=2,block=3")
-    gemm_mod._env_algo.cache_clear()  # read once per process: this test starts a new one
     fast = lambda a, b: lowbit.ops.gemm(a, b, sa, sb, use_split_accumulator=False)  # noqa: E731
     assert cuda_algo_attrs(monkeypatch, fast, a, b) == [4]
     assert cuda_algo_attrs(monkeypatch, lambda a, b: lowbit.ops.gemm(a, b, sa, sb), a, b) == [2]

@@ -118,11 +118,17 @@ def _lowering(ctx, *args, platform, q_dtype, dx_dtype, dk_dtype, dbias, dbias_dt
                          dgrad_split=bool(dgrad_split), wgrad_split=bool(wgrad_split))[:4]
 
 
-def _gemm_attrs(q_dtype, x_dtype, dx_dtype, dk_dtype, dgrad_split: bool, wgrad_split: bool) -> dict:
-    """The dgrad's and the wgrad's accumulation and cuBLASLt heuristic indices, as the unfused
-    ops' GEMMs resolve them: LOWBIT_GEMM_ALGO or DEFAULT_ALGO, by accumulation and output dtype."""
+def _gemm_attrs(q_dtype, x_dtype, dx_dtype, dk_dtype, dgrad_split: bool, wgrad_split: bool,
+                fused: bool = True) -> dict:
+    """The dgrad's and the wgrad's accumulation and cuBLASLt heuristic indices: LOWBIT_GEMM_ALGO
+    or DEFAULT_ALGO, by accumulation and output dtype as the unfused ops' GEMMs resolve them,
+    except the fused op's dgrad at split accumulation, which has a kind of its own,
+    fused_dgrad (dy's rowwise copy at dk's row pitch, batched over its segments: cuBLASLt
+    ranks its algorithms apart from the standalone dgrad's)."""
     tensor = gemm_mod.GemmScaleMode.TENSOR
-    return dict(dgrad_algo=np.int32(gemm_mod.resolve_algo(None, q_dtype, tensor, dgrad_split, dx_dtype)),
+    dgrad_algo = (gemm_mod.kind_algo("fused_dgrad") if dgrad_split and fused
+                  else gemm_mod.resolve_algo(None, q_dtype, tensor, dgrad_split, dx_dtype))
+    return dict(dgrad_algo=np.int32(dgrad_algo),
                 wgrad_algo=np.int32(gemm_mod.resolve_algo(None, x_dtype, tensor, wgrad_split, dk_dtype)),
                 dgrad_split=bool(dgrad_split), wgrad_split=bool(wgrad_split))
 
@@ -171,8 +177,9 @@ def _local(dy, x_col, k_row, s, si, xs, ks, *, q_code, dx_dtype, dk_dtype, dbias
     gemm_p calls with the same accumulation), which give the same values."""
     (m, n), k = dy.shape, x_col.shape[0]
     q_dtype = _FP8_OF_CODE[q_code]
-    algos = _gemm_attrs(q_dtype, x_col.dtype, dx_dtype, dk_dtype, dgrad_split, wgrad_split)
-    if dense_backward_plan(m, n, k, dk_dtype, dx_dtype, dbias) is not None:
+    fits = dense_backward_plan(m, n, k, dk_dtype, dx_dtype, dbias) is not None
+    algos = _gemm_attrs(q_dtype, x_col.dtype, dx_dtype, dk_dtype, dgrad_split, wgrad_split, fused=fits)
+    if fits:
         return tuple(dense_backward_fp8_p.bind(dy, x_col, k_row, s, si, xs, ks, q_dtype=np.int32(q_code),
                                                dx_dtype=dx_dtype, dk_dtype=dk_dtype, dbias=dbias,
                                                dbias_dtype=dbias_dtype, **algos))

@@ -46,12 +46,15 @@ multiply to the product); emulated_nvfp4_gemm is left for a GEMM with one transf
 
 Algorithm (CUDA): `algo` picks entry `algo` of the list of algorithms cuBLASLt's
 heuristic returns (0 = its first choice; a plan-cache key in C++). `gemm(algo=None)` takes
-it from LOWBIT_GEMM_ALGO, read once per process: "k" for every FP8 kind, or
+it from LOWBIT_GEMM_ALGO, read at trace time: "k" for every FP8 kind, or
 "kind=k,kind=k" with kinds fp8_fast (per-tensor, fast accumulation: the forward GEMM),
 fp8_split (per-tensor, split accumulation, a 16-bit output: dgrad), fp8_split_f32 (the same
 with an f32 output: the wgrad of an f32 kernel; cuBLASLt's heuristic list, which the index
-points into, depends on the output type), block (FP8 1x128 / 128x128), mxfp8 and nvfp4
-(nvfp4_gemm); unset kinds take DEFAULT_ALGO (all 0: cuBLASLt's choice). A
+points into, depends on the output type), fused_dgrad (the dgrad of the fused Dense
+backward, lowbit.ops.dense_backward_fp8, at split accumulation: dy's rowwise copy read at
+dk's row pitch and batched over its row segments, a problem cuBLASLt ranks apart from the
+standalone dgrad), block (FP8 1x128 / 128x128), mxfp8 and nvfp4 (nvfp4_gemm); unset kinds
+take DEFAULT_ALGO (all 0: cuBLASLt's choice). A
 bad value raises a ValueError naming the variable; an index past what cuBLASLt returns for a
 problem fails that GEMM with the count it did return. bench/bench_gemm.py --algo-sweep times
 every index.
@@ -119,7 +122,8 @@ MAX_ALGO = 32  # kGemmMaxAlgo in csrc/gemm/gemm.h: algo is 0..MAX_ALGO-1
 ALGO_ENV = "LOWBIT_GEMM_ALGO"
 # The cuBLASLt heuristic index each kind of FP8 GEMM runs with unless LOWBIT_GEMM_ALGO says
 # otherwise (0 = cuBLASLt's first choice); bench/bench_gemm.py --algo-sweep measures the others.
-DEFAULT_ALGO = {"fp8_fast": 0, "fp8_split": 0, "fp8_split_f32": 0, "block": 0, "mxfp8": 0, "nvfp4": 0}
+DEFAULT_ALGO = {"fp8_fast": 0, "fp8_split": 0, "fp8_split_f32": 0, "fused_dgrad": 0, "block": 0, "mxfp8": 0,
+                "nvfp4": 0}
 
 
 class GemmScaleMode(enum.IntEnum):
@@ -207,9 +211,19 @@ def _sum_k_partials(acc, psum_axes, scatter, bias, out_dtype):
 
 
 @functools.lru_cache(maxsize=None)
+def _parse_algo_cached(text: str) -> tuple[tuple[str, int], ...]:
+    return tuple(parse_algo(text).items())
+
+
 def _env_algo() -> dict[str, int]:
-    """LOWBIT_GEMM_ALGO, parsed once per process."""
-    return parse_algo(os.environ.get(ALGO_ENV, ""))
+    """LOWBIT_GEMM_ALGO as it is now (read at trace time, as the other env knobs, so that a
+    benchmark can trace variants under different values; each value parsed once)."""
+    return dict(_parse_algo_cached(os.environ.get(ALGO_ENV, "")))
+
+
+def kind_algo(kind: str) -> int:
+    """The heuristic index of a DEFAULT_ALGO kind: LOWBIT_GEMM_ALGO's, else DEFAULT_ALGO's."""
+    return _env_algo().get(kind, DEFAULT_ALGO[kind])
 
 
 def algo_kind(a_dtype, a_mode: GemmScaleMode, use_split_accumulator: bool, out_dtype=None) -> str | None:
@@ -235,9 +249,7 @@ def resolve_algo(algo, a_dtype, a_mode: GemmScaleMode, use_split_accumulator: bo
             raise ValueError(f"{OP}: algo: expected None or an index 0..{MAX_ALGO - 1}, got {algo!r}")
         return int(algo)
     kind = algo_kind(a_dtype, a_mode, use_split_accumulator, out_dtype)
-    if kind is None:
-        return 0
-    return _env_algo().get(kind, DEFAULT_ALGO[kind])
+    return 0 if kind is None else kind_algo(kind)
 
 
 def gemm_workspace_bytes(a_mode: GemmScaleMode, m: int, n: int, k: int) -> int:
@@ -1163,7 +1175,7 @@ def nvfp4_gemm(a, b, a_scale, b_scale, a_global_scale_inv, b_global_scale_inv, b
         if bias.shape != (b.shape[0],) or bias.dtype != out_dtype:
             raise ValueError(f"{op}: bias: expected {out_dtype} ({b.shape[0]},), got {bias.dtype}{bias.shape}")
     if algo is None:
-        algo = _env_algo().get("nvfp4", DEFAULT_ALGO["nvfp4"])
+        algo = kind_algo("nvfp4")
     elif isinstance(algo, bool) or not isinstance(algo, (int, np.integer)) or not 0 <= algo < MAX_ALGO:
         raise ValueError(f"{op}: algo: expected None or an index 0..{MAX_ALGO - 1}, got {algo!r}")
     if a.shape[0] == 0 or b.shape[0] == 0 or k == 0:
