@@ -187,14 +187,8 @@ def test_op_errors_name_the_argument(rng):
             dx_dtype=jnp.dtype(jnp.bfloat16), dk_dtype=jnp.dtype(f32), dbias=False, wgrad_algo=32))
 
 
-@pytest.mark.parametrize("dgrad_split", [True, False], ids=["split", "fast"])
-def test_op_takes_the_gemm_algorithms_by_kind(rng, monkeypatch, dgrad_split):
-    """The fused op's two GEMM launches run at the cuBLASLt heuristic indices of their kinds
-    (LOWBIT_GEMM_ALGO), passed to the handler as attributes: the wgrad of an f32 kernel writes
-    f32 at split accumulation, fp8_split_f32 as the unfused wgrad; the dgrad at split
-    accumulation has its own kind, fused_dgrad (dy's rowwise copy read at dk's pitch), not the
-    standalone dgrad's fp8_split; at fast accumulation it takes fp8_fast."""
-    monkeypatch.setenv("LOWBIT_GEMM_ALGO", "fp8_split=3,fp8_split_f32=5,fused_dgrad=6,fp8_fast=7")
+def _fused_attrs(rng, dgrad_split=True):
+    """The fused op's attributes (name -> text) as lowered for dy (512, 1024), an f32 dk."""
     f8, f32 = jnp.float8_e4m3fn, jnp.float32
     dy = jnp.asarray(rng.standard_normal((512, 1024)), jnp.bfloat16)
     one = jnp.ones((1,), f32)
@@ -202,8 +196,39 @@ def test_op_takes_the_gemm_algorithms_by_kind(rng, monkeypatch, dgrad_split):
                                        one, q_dtype=jnp.float8_e5m2, dx_dtype=jnp.bfloat16, dk_dtype=f32,
                                        compute_dbias=False, dgrad_split=dgrad_split)
     text = jax.jit(fn).lower(dy).as_text()
-    want = 6 if dgrad_split else 7
-    assert re.search(rf"dgrad_algo = {want} : i32", text) and re.search(r"wgrad_algo = 5 : i32", text), text[-2000:]
+    names = ("dgrad_algo", "wgrad_algo", "dgrad_algo_or_first", "wgrad_algo_or_first")
+    return {name: re.search(rf"\b{name} = ([^,}}]+)", text).group(1).strip() for name in names}
+
+
+@pytest.mark.parametrize("dgrad_split", [True, False], ids=["split", "fast"])
+def test_op_takes_the_gemm_algorithms_by_kind(rng, monkeypatch, dgrad_split):
+    """The fused op's two GEMM launches run at the cuBLASLt heuristic indices of their kinds
+    (LOWBIT_GEMM_ALGO), passed to the handler as attributes: the wgrad of an f32 kernel writes
+    f32 at split accumulation, fp8_split_f32 as the unfused wgrad; the dgrad at split
+    accumulation has its own kind, fused_dgrad (dy's rowwise copy read at dk's pitch), not the
+    standalone dgrad's fp8_split; at fast accumulation it takes fp8_fast. Indices the user
+    set are strict (no fallback to cuBLASLt's first choice)."""
+    monkeypatch.setenv("LOWBIT_GEMM_ALGO", "fp8_split=3,fp8_split_f32=5,fused_dgrad=6,fp8_fast=7")
+    attrs = _fused_attrs(rng, dgrad_split)
+    assert attrs["dgrad_algo"] == ("6 : i32" if dgrad_split else "7 : i32"), attrs
+    assert attrs["wgrad_algo"] == "5 : i32", attrs
+    assert attrs["dgrad_algo_or_first"] == attrs["wgrad_algo_or_first"] == "false", attrs
+
+
+def test_op_defaults_fall_back_to_the_first_choice(rng, monkeypatch):
+    """Unset, the indices are DEFAULT_ALGO's (fused_dgrad's is not the standalone dgrad's) and
+    marked as library defaults, which the CUDA handler replaces by cuBLASLt's first choice
+    where a problem has no such entry; a kind the user sets is strict, the other stays a
+    default."""
+    monkeypatch.delenv("LOWBIT_GEMM_ALGO", raising=False)
+    attrs = _fused_attrs(rng)
+    assert attrs["dgrad_algo"] == f"{gemm_mod.DEFAULT_ALGO['fused_dgrad']} : i32", attrs
+    assert attrs["wgrad_algo"] == f"{gemm_mod.DEFAULT_ALGO['fp8_split_f32']} : i32", attrs
+    assert attrs["dgrad_algo_or_first"] == attrs["wgrad_algo_or_first"] == "true", attrs
+    monkeypatch.setenv("LOWBIT_GEMM_ALGO", "fused_dgrad=2")
+    attrs = _fused_attrs(rng)
+    assert (attrs["dgrad_algo"], attrs["dgrad_algo_or_first"], attrs["wgrad_algo_or_first"]) == \
+        ("2 : i32", "false", "true"), attrs
 
 
 def test_unfused_fallback_dgrad_takes_the_standalone_kind(monkeypatch):

@@ -202,6 +202,8 @@ struct DenseBwdArgs {
   // GemmArgs::use_split_accumulator of the dgrad and the wgrad (lowbit.dense's
   // GemmAccumulation; false = Hopper's fast FP8 accumulation): the reference ignores them.
   bool dgrad_split = true, wgrad_split = true;
+  // GemmArgs::algo_or_first of the dgrad and the wgrad (the index is a library default).
+  bool dgrad_algo_or_first = false, wgrad_algo_or_first = false;
 };
 
 // The pieces both executors start from: the plan for `a` (gemm_workspace_bytes as in
@@ -238,6 +240,7 @@ inline GemmArgs DenseBwdDgradArgs(const DenseBwdArgs& a) {
   g.out_type = a.dx_dtype;
   g.n = a.k, g.k = a.n;
   g.algo = a.dgrad_algo;
+  g.algo_or_first = a.dgrad_algo_or_first;
   g.use_split_accumulator = a.dgrad_split;
   return g;
 }
@@ -253,6 +256,7 @@ inline GemmArgs DenseBwdWgradArgs(const DenseBwdArgs& a) {
   g.out_type = a.dk_dtype;
   g.m = a.k, g.k = a.m;
   g.algo = a.wgrad_algo;
+  g.algo_or_first = a.wgrad_algo_or_first;
   g.use_split_accumulator = a.wgrad_split;
   return g;
 }

@@ -20,7 +20,8 @@ Status DenseBwdArgsFromBuffers(const ffi::AnyBuffer& dy, const ffi::AnyBuffer& x
                                ffi::Result<ffi::AnyBuffer>& dx, ffi::Result<ffi::AnyBuffer>& dk,
                                ffi::Result<ffi::AnyBuffer>& dbias, ffi::Result<ffi::AnyBuffer>& amax,
                                ffi::Result<ffi::AnyBuffer>& scratch, int32_t q_dtype_code, int32_t dgrad_algo,
-                               int32_t wgrad_algo, bool dgrad_split, bool wgrad_split, DenseBwdArgs* a) {
+                               int32_t wgrad_algo, bool dgrad_split, bool wgrad_split, bool dgrad_algo_or_first,
+                               bool wgrad_algo_or_first, DenseBwdArgs* a) {
   const char* op = kDenseBwdOp;
   LOWBIT_RETURN_IF_ERROR(ExpectHighPrecision(op, "dy", dy));
   const Dims dy_dims = DimsOf(dy);
@@ -63,6 +64,7 @@ Status DenseBwdArgsFromBuffers(const ffi::AnyBuffer& dy, const ffi::AnyBuffer& x
     }
   }
   a->dgrad_algo = dgrad_algo, a->wgrad_algo = wgrad_algo;
+  a->dgrad_algo_or_first = dgrad_algo_or_first, a->wgrad_algo_or_first = wgrad_algo_or_first;
   a->dgrad_split = dgrad_split, a->wgrad_split = wgrad_split;
   a->m = m, a->n = n, a->k = k;
   a->dy = dy.untyped_data();
@@ -109,11 +111,12 @@ ffi::Error DenseBwdCpu(ffi::AnyBuffer dy, ffi::AnyBuffer x_col, ffi::AnyBuffer k
                        ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::AnyBuffer> dk,
                        ffi::Result<ffi::AnyBuffer> dbias, ffi::Result<ffi::AnyBuffer> amax,
                        ffi::Result<ffi::AnyBuffer> scratch, int32_t q_dtype, int32_t dgrad_algo,
-                       int32_t wgrad_algo, bool dgrad_split, bool wgrad_split) {
+                       int32_t wgrad_algo, bool dgrad_split, bool wgrad_split, bool dgrad_algo_or_first,
+                       bool wgrad_algo_or_first) {
   DenseBwdArgs a;
   Status s = DenseBwdArgsFromBuffers(dy, x_col, k_row, dy_scale, dy_scale_inv, x_scale_inv, k_scale_inv, dx, dk,
                                      dbias, amax, scratch, q_dtype, dgrad_algo, wgrad_algo, dgrad_split,
-                                     wgrad_split, &a);
+                                     wgrad_split, dgrad_algo_or_first, wgrad_algo_or_first, &a);
   if (s.ok()) s = DenseBwdRef(a);
   return ToFfiError(s);
 }
@@ -125,11 +128,12 @@ ffi::Error DenseBwdGpu(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuff
                        ffi::AnyBuffer x_scale_inv, ffi::AnyBuffer k_scale_inv, ffi::Result<ffi::AnyBuffer> dx,
                        ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dbias,
                        ffi::Result<ffi::AnyBuffer> amax, ffi::Result<ffi::AnyBuffer> scratch, int32_t q_dtype,
-                       int32_t dgrad_algo, int32_t wgrad_algo, bool dgrad_split, bool wgrad_split) {
+                       int32_t dgrad_algo, int32_t wgrad_algo, bool dgrad_split, bool wgrad_split,
+                       bool dgrad_algo_or_first, bool wgrad_algo_or_first) {
   DenseBwdArgs a;
   Status s = DenseBwdArgsFromBuffers(dy, x_col, k_row, dy_scale, dy_scale_inv, x_scale_inv, k_scale_inv, dx, dk,
                                      dbias, amax, scratch, q_dtype, dgrad_algo, wgrad_algo, dgrad_split,
-                                     wgrad_split, &a);
+                                     wgrad_split, dgrad_algo_or_first, wgrad_algo_or_first, &a);
   if (s.ok()) s = DenseBwdCuda(a, device_ordinal, stream);
   return ToFfiError(s);
 }
@@ -161,4 +165,8 @@ LOWBIT_FFI_BACKEND_HANDLER(LowbitDenseBackwardFp8, lowbit::DenseBwd,
                                .Attr<int32_t>("dgrad_algo")  // cuBLASLt heuristic index of the dgrad (0..31)
                                .Attr<int32_t>("wgrad_algo")  // and of the wgrad launches
                                .Attr<bool>("dgrad_split")  // split (true) or fast FP8 accumulation of the dgrad
-                               .Attr<bool>("wgrad_split"));  // and of the wgrad
+                               .Attr<bool>("wgrad_split")  // and of the wgrad
+                               // true: the dgrad's index is a library default (not LOWBIT_GEMM_ALGO's), and a
+                               // problem cuBLASLt offers no such entry for runs its first choice instead
+                               .Attr<bool>("dgrad_algo_or_first")
+                               .Attr<bool>("wgrad_algo_or_first"));  // the same for the wgrad launches

@@ -183,6 +183,7 @@ struct PlanKey {
   uint32_t align_a, align_b, align_out, align_bias;
   GemmScaleMode a_scale_mode, b_scale_mode;
   int32_t algo;
+  bool algo_or_first;
   int64_t lda, ldb, ldd;  // leading dimensions in elements (GemmArgs' with 0 resolved)
   int32_t batch;
   int64_t batch_stride_a, batch_stride_b, batch_stride_d;
@@ -193,7 +194,7 @@ struct PlanKey {
            fast_accum == o.fast_accum && align_a == o.align_a && align_b == o.align_b &&
            align_out == o.align_out && align_bias == o.align_bias &&
            a_scale_mode == o.a_scale_mode && b_scale_mode == o.b_scale_mode && algo == o.algo &&
-           lda == o.lda && ldb == o.ldb && ldd == o.ldd && batch == o.batch &&
+           algo_or_first == o.algo_or_first && lda == o.lda && ldb == o.ldb && ldd == o.ldd && batch == o.batch &&
            batch_stride_a == o.batch_stride_a && batch_stride_b == o.batch_stride_b &&
            batch_stride_d == o.batch_stride_d;
   }
@@ -211,7 +212,8 @@ struct PlanKeyHash {
         uint64_t(key.bias_epilogue) << 24 | uint64_t(key.fast_accum) << 25);
     mix(uint64_t(key.align_a) | uint64_t(key.align_b) << 16 | uint64_t(key.align_out) << 32 |
         uint64_t(key.align_bias) << 48);
-    mix(uint64_t(key.a_scale_mode) | uint64_t(key.b_scale_mode) << 8 | uint64_t(key.algo) << 16);
+    mix(uint64_t(key.a_scale_mode) | uint64_t(key.b_scale_mode) << 8 | uint64_t(key.algo) << 16 |
+        uint64_t(key.algo_or_first) << 48);
     mix(uint64_t(key.lda));
     mix(uint64_t(key.ldb));
     mix(uint64_t(key.ldd));
@@ -379,18 +381,21 @@ Status BuildPlan(cublasLtHandle_t handle, const PlanKey& key, const GemmArgs& ar
                                      plan->layout_d.get(), plan->layout_d.get(), pref.get(),
                                      key.algo + 1, results, &found),
       "cublasLtMatmulAlgoGetHeuristic", args));
-  if (found == 0 || results[0].state != CUBLAS_STATUS_SUCCESS) {
+  int32_t usable = 0;
+  while (usable < found && results[usable].state == CUBLAS_STATUS_SUCCESS) ++usable;
+  if (usable == 0) {
     return Status::Unimplemented("lowbit_gemm: cuBLASLt has no algorithm for " + Problem(args) +
                                  (key.fast_accum ? " with fast accumulation" : ""));
   }
-  if (found <= key.algo || results[key.algo].state != CUBLAS_STATUS_SUCCESS) {
+  const int32_t index = PickHeuristicIndex(usable, key.algo, key.algo_or_first);
+  if (index < 0) {
     return Status::InvalidArgument(
-        "lowbit_gemm: algo: cuBLASLt returned only " + std::to_string(found) +
+        "lowbit_gemm: algo: cuBLASLt returned only " + std::to_string(usable) +
         " heuristic algorithms for " + Problem(args) + ", so index " + std::to_string(key.algo) +
-        " (LOWBIT_GEMM_ALGO) does not exist; use 0.." + std::to_string(found - 1));
+        " (LOWBIT_GEMM_ALGO) does not exist; use 0.." + std::to_string(usable - 1));
   }
-  plan->algo = results[key.algo].algo;
-  plan->workspace_bytes = results[key.algo].workspaceSize;
+  plan->algo = results[index].algo;
+  plan->workspace_bytes = results[index].workspaceSize;
   return Status::Ok();
 }
 
@@ -592,7 +597,7 @@ Status GemmCuda(const GemmArgs& args, int device_ordinal, void* workspace, GpuSt
                     args.out_type, bias_epilogue, fp8 && !block && !args.use_split_accumulator,
                     Alignment(args.a), Alignment(args.b), Alignment(args.out),
                     bias_epilogue ? Alignment(args.bias) : 0u, args.a_scale_mode,
-                    args.b_scale_mode, args.algo, args.lda ? args.lda : args.k,
+                    args.b_scale_mode, args.algo, args.algo_or_first, args.lda ? args.lda : args.k,
                     args.ldb ? args.ldb : args.k, args.ldd ? args.ldd : args.n, args.batch,
                     args.batch_stride_a, args.batch_stride_b, args.batch_stride_d};
 

@@ -114,6 +114,9 @@ struct GemmArgs {
   // CUDA only: which of cuBLASLt's heuristic results to run, 0 = its first choice (see
   // kGemmMaxAlgo; lowbit/ops/gemm.py takes it from LOWBIT_GEMM_ALGO). Ignored on the CPU.
   int32_t algo = 0;
+  // CUDA only: when cuBLASLt returns no entry `algo` for this problem, run its first choice
+  // instead of failing (for an index that is a library default, not the user's choice).
+  bool algo_or_first = false;
   // CUDA, tensor scale mode only: leading dimensions (elements between rows) of a, b and out
   // when they are rows of larger arrays (lowbit_dense_backward_fp8); 0 = dense (k, k, n).
   // Multiples of 16. The CPU reference takes dense operands only.
@@ -126,8 +129,16 @@ struct GemmArgs {
 
 // algo is an index into the list cublasLtMatmulAlgoGetHeuristic returns, 0..kGemmMaxAlgo-1.
 // The CUDA launcher asks for algo + 1 results and fails (naming the count it got) when
-// cuBLASLt returns fewer; the index is part of the plan key.
+// cuBLASLt returns fewer, unless algo_or_first; both are part of the plan key.
 constexpr int32_t kGemmMaxAlgo = 32;
+
+// The heuristic entry a plan runs, given the `usable` leading entries cuBLASLt returned
+// (found, each with a success state): `algo` when it is one of them, else 0 with
+// `or_first` (and at least one entry), else -1 (the caller's error).
+inline int32_t PickHeuristicIndex(int32_t usable, int32_t algo, bool or_first) {
+  if (algo >= 0 && algo < usable) return algo;
+  return or_first && usable > 0 ? 0 : -1;
+}
 
 // The scale-mode rules above, shared by both handlers.
 inline Status CheckGemmScaleModes(GemmScaleMode a_mode, GemmScaleMode b_mode, DType a_type) {

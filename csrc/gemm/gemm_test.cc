@@ -178,5 +178,20 @@ TEST(GemmRef, TypeRules) {
   EXPECT_FALSE(CheckGemmTypes(DType::kF32, DType::kF32, DType::kF32).ok());
 }
 
+TEST(GemmPlan, PickHeuristicIndex) {
+  // Entry `algo` when cuBLASLt returned it.
+  EXPECT_EQ(PickHeuristicIndex(3, 0, false), 0);
+  EXPECT_EQ(PickHeuristicIndex(3, 2, false), 2);
+  EXPECT_EQ(PickHeuristicIndex(3, 2, true), 2);
+  // Past the list: the caller's error, or with or_first (a library default) the first choice.
+  EXPECT_EQ(PickHeuristicIndex(1, 1, false), -1);
+  EXPECT_EQ(PickHeuristicIndex(1, 1, true), 0);
+  EXPECT_EQ(PickHeuristicIndex(2, 31, true), 0);
+  // Nothing usable: nothing to fall back to.
+  EXPECT_EQ(PickHeuristicIndex(0, 0, true), -1);
+  EXPECT_EQ(PickHeuristicIndex(0, 1, true), -1);
+  EXPECT_EQ(PickHeuristicIndex(3, -1, false), -1);
+}
+
 }  // namespace
 }  // namespace lowbit

@@ -78,8 +78,9 @@ def dense_backward_plan(m: int, n: int, k: int, dk_dtype, dx_dtype, dbias: bool,
 
 def _abstract(dy, x_col, k_row, dy_scale, dy_scale_inv, x_scale_inv, k_scale_inv, *, q_dtype, dx_dtype,
               dk_dtype, dbias, dbias_dtype=None, dgrad_algo=0, wgrad_algo=0, dgrad_split=True,
-              wgrad_split=True):
+              wgrad_split=True, dgrad_algo_or_first=False, wgrad_algo_or_first=False):
     del dy_scale, dy_scale_inv, x_scale_inv, k_scale_inv, q_dtype, dgrad_algo, wgrad_algo, dgrad_split, wgrad_split
+    del dgrad_algo_or_first, wgrad_algo_or_first
     (m, n), k = dy.shape, x_col.shape[0]
     return (
         jax.core.ShapedArray((m, k), dx_dtype),
@@ -98,13 +99,15 @@ dense_backward_fp8_p = ffi_primitive(
     "lowbit_dense_backward_fp8",
     _abstract,
     multiple_results=True,
-    attrs=("q_dtype", "dgrad_algo", "wgrad_algo", "dgrad_split", "wgrad_split"),
+    attrs=("q_dtype", "dgrad_algo", "wgrad_algo", "dgrad_split", "wgrad_split", "dgrad_algo_or_first",
+           "wgrad_algo_or_first"),
 )
 _ffi_lowering = jax.ffi.ffi_lowering("lowbit_dense_backward_fp8")
 
 
 def _lowering(ctx, *args, platform, q_dtype, dx_dtype, dk_dtype, dbias, dbias_dtype=None, dgrad_algo=0,
-              wgrad_algo=0, dgrad_split=True, wgrad_split=True):
+              wgrad_algo=0, dgrad_split=True, wgrad_split=True, dgrad_algo_or_first=False,
+              wgrad_algo_or_first=False):
     _ffi.require_platform("lowbit_dense_backward_fp8", platform)
     dy, x_col = ctx.avals_in[:2]
     (m, n), k = dy.shape, x_col.shape[0]
@@ -115,7 +118,9 @@ def _lowering(ctx, *args, platform, q_dtype, dx_dtype, dk_dtype, dbias, dbias_dt
     scratch = jax.core.ShapedArray((plan[1],), jnp.uint8)
     return _ffi_lowering(ctx.replace(avals_out=[*ctx.avals_out, scratch]), *args, q_dtype=q_dtype,
                          dgrad_algo=np.int32(dgrad_algo), wgrad_algo=np.int32(wgrad_algo),
-                         dgrad_split=bool(dgrad_split), wgrad_split=bool(wgrad_split))[:4]
+                         dgrad_split=bool(dgrad_split), wgrad_split=bool(wgrad_split),
+                         dgrad_algo_or_first=bool(dgrad_algo_or_first),
+                         wgrad_algo_or_first=bool(wgrad_algo_or_first))[:4]
 
 
 def _gemm_attrs(q_dtype, x_dtype, dx_dtype, dk_dtype, dgrad_split: bool, wgrad_split: bool,
@@ -124,13 +129,18 @@ def _gemm_attrs(q_dtype, x_dtype, dx_dtype, dk_dtype, dgrad_split: bool, wgrad_s
     or DEFAULT_ALGO, by accumulation and output dtype as the unfused ops' GEMMs resolve them,
     except the fused op's dgrad at split accumulation, which has a kind of its own,
     fused_dgrad (dy's rowwise copy at dk's row pitch, batched over its segments: cuBLASLt
-    ranks its algorithms apart from the standalone dgrad's)."""
+    ranks its algorithms apart from the standalone dgrad's). An index from DEFAULT_ALGO (not
+    the user's) falls back to cuBLASLt's first choice on a problem with no such entry
+    (*_algo_or_first)."""
     tensor = gemm_mod.GemmScaleMode.TENSOR
-    dgrad_algo = (gemm_mod.kind_algo("fused_dgrad") if dgrad_split and fused
-                  else gemm_mod.resolve_algo(None, q_dtype, tensor, dgrad_split, dx_dtype))
-    return dict(dgrad_algo=np.int32(dgrad_algo),
-                wgrad_algo=np.int32(gemm_mod.resolve_algo(None, x_dtype, tensor, wgrad_split, dk_dtype)),
-                dgrad_split=bool(dgrad_split), wgrad_split=bool(wgrad_split))
+    dgrad_kind = ("fused_dgrad" if dgrad_split and fused
+                  else gemm_mod.algo_kind(q_dtype, tensor, dgrad_split, dx_dtype))
+    wgrad_kind = gemm_mod.algo_kind(x_dtype, tensor, wgrad_split, dk_dtype)
+    return dict(dgrad_algo=np.int32(gemm_mod.kind_algo(dgrad_kind)),
+                wgrad_algo=np.int32(gemm_mod.kind_algo(wgrad_kind)),
+                dgrad_split=bool(dgrad_split), wgrad_split=bool(wgrad_split),
+                dgrad_algo_or_first=not gemm_mod.algo_from_env(dgrad_kind),
+                wgrad_algo_or_first=not gemm_mod.algo_from_env(wgrad_kind))
 
 
 for _platform in ("cpu", "cuda"):

@@ -54,10 +54,11 @@ points into, depends on the output type), fused_dgrad (the dgrad of the fused De
 backward, lowbit.ops.dense_backward_fp8, at split accumulation: dy's rowwise copy read at
 dk's row pitch and batched over its row segments, a problem cuBLASLt ranks apart from the
 standalone dgrad), block (FP8 1x128 / 128x128), mxfp8 and nvfp4 (nvfp4_gemm); unset kinds
-take DEFAULT_ALGO (all 0: cuBLASLt's choice). A
+take DEFAULT_ALGO (0, cuBLASLt's first choice, but fused_dgrad: 1). A
 bad value raises a ValueError naming the variable; an index past what cuBLASLt returns for a
-problem fails that GEMM with the count it did return. bench/bench_gemm.py --algo-sweep times
-every index.
+problem fails that GEMM with the count it did return (an index the user set; the fused Dense
+backward's library defaults fall back to entry 0 there). bench/bench_gemm.py --algo-sweep
+times every index.
 
 Workspace: the lowbit_gemm custom call has a second result, a u8 workspace that XLA's buffer
 assignment plans like any temp (XLA's FFI scratch allocator hands out nothing in jax 0.11):
@@ -122,7 +123,11 @@ MAX_ALGO = 32  # kGemmMaxAlgo in csrc/gemm/gemm.h: algo is 0..MAX_ALGO-1
 ALGO_ENV = "LOWBIT_GEMM_ALGO"
 # The cuBLASLt heuristic index each kind of FP8 GEMM runs with unless LOWBIT_GEMM_ALGO says
 # otherwise (0 = cuBLASLt's first choice); bench/bench_gemm.py --algo-sweep measures the others.
-DEFAULT_ALGO = {"fp8_fast": 0, "fp8_split": 0, "fp8_split_f32": 0, "fused_dgrad": 0, "block": 0, "mxfp8": 0,
+# fused_dgrad = 1: on H100s the seed Dense step ran 1.3% (three alternating pairs) and 1.6%
+# (four rounds, another machine) faster with it, the seed layer from the fused modules the
+# same (22.36 vs 22.35 ms) (2026-11-27; bench/results/dense_dgrad_algo_* and
+# fused_dgrad_algo_*). A problem without a second entry runs the first (GemmArgs::algo_or_first).
+DEFAULT_ALGO = {"fp8_fast": 0, "fp8_split": 0, "fp8_split_f32": 0, "fused_dgrad": 1, "block": 0, "mxfp8": 0,
                 "nvfp4": 0}
 
 
@@ -224,6 +229,11 @@ def _env_algo() -> dict[str, int]:
 def kind_algo(kind: str) -> int:
     """The heuristic index of a DEFAULT_ALGO kind: LOWBIT_GEMM_ALGO's, else DEFAULT_ALGO's."""
     return _env_algo().get(kind, DEFAULT_ALGO[kind])
+
+
+def algo_from_env(kind: str) -> bool:
+    """Whether LOWBIT_GEMM_ALGO sets the kind's index (else it is DEFAULT_ALGO's)."""
+    return kind in _env_algo()
 
 
 def algo_kind(a_dtype, a_mode: GemmScaleMode, use_split_accumulator: bool, out_dtype=None) -> str | None:
