@@ -19,6 +19,7 @@ optimizer update would pin them:
 
 from __future__ import annotations
 
+import functools
 import re
 
 import jax
@@ -285,6 +286,10 @@ MODULE_MESHES = {
 }
 
 
+# Step 2's delayed-scaling state against the single-device run (see the test below).
+STEP2_STATE_RTOL = 0.1
+
+
 @pytest.mark.parametrize("psum", ["out", "fp32"])
 @pytest.mark.parametrize("layout", sorted(MODULE_MESHES))
 def test_modules_sharded_by_logical_axes(layout, psum, rng, monkeypatch):
@@ -328,19 +333,29 @@ def test_modules_sharded_by_logical_axes(layout, psum, rng, monkeypatch):
     np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-2)
     for got, want in zip(jax.tree.leaves(new_vars["params"]), jax.tree.leaves(ref_vars["params"])):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-3, rtol=1e-2)
-    for got, want in zip(jax.tree.leaves(new_vars[OVERWRITE_WITH_GRADIENT]),
-                         jax.tree.leaves(ref_vars[OVERWRITE_WITH_GRADIENT])):
+    for path, got in jax.tree_util.tree_flatten_with_path(new_vars[OVERWRITE_WITH_GRADIENT])[0]:
+        want = np.asarray(functools.reduce(lambda tree, key: tree[key.key], path, ref_vars[OVERWRITE_WITH_GRADIENT]))
         shards = [np.asarray(shard.data) for shard in got.addressable_shards]
-        for shard in shards:  # replicated, bit-identical on every device
+        for shard in shards:  # replicated, bit-identical on every device (a missing amax reduction fails here)
             np.testing.assert_array_equal(shard, shards[0])
-        # step 2's amaxes see step 1's parameters, whose psum'ed gradients differ in fp32 order
-        # (one bf16 ulp: a gradient's amax may round the other way). With bf16 partial sums
-        # (psum "out") the TP layouts' row-parallel outputs and dgrads are rounded twice, and
-        # where partial sums cancel, by more than an ulp of the sum: over 81 seeds step 2's
-        # amaxes of small gradients (~2e-3) moved by up to 9.8% from the single-device run
-        # (loss <= 0.3%, parameters <= 0.17 of their bound above), a tail too long for a
-        # fixed bound; that mode's numerics are pinned bit for bit at the GEMM
-        # (tests/test_gemm_ops.py: test_sharded_equals_unsharded) and here by the loss, the
-        # parameters and the replication above. Without TP the GEMM psums are fp32 either way.
+        # Against the single-device run: step 1's amaxes (every history entry but the last,
+        # which step 2 wrote) see the same parameters and agreed exactly over 80 seeds per
+        # layout. Step 2's (the last entry, and the scales made from the history) see step 1's
+        # parameters, whose psum'ed gradients differ in fp32 order by an ulp; where that flips
+        # an FP8 rounding on the way to a gradient's largest element, its amax moves more:
+        # over 80 seeds (fp32 psums) at most 1e-4, but 3.0% at seed 3819532665, so they get
+        # STEP2_STATE_RTOL. With bf16 partial sums (psum "out") the TP layouts' row-parallel
+        # outputs and dgrads are rounded twice, and where partial sums cancel, by more than an
+        # ulp of the sum: over 81 seeds step 2's amaxes of small gradients (~2e-3) moved by up
+        # to 9.8% from the single-device run (loss <= 0.3%, parameters <= 0.17 of their bound
+        # above), a tail too long for a fixed bound; that mode's numerics are pinned bit for
+        # bit at the GEMM (tests/test_gemm_ops.py: test_sharded_equals_unsharded) and here by
+        # the loss, the parameters and the replication above. Without TP the GEMM psums are
+        # fp32 either way.
         if psum == "fp32" or resource.tp_resource is None:
-            np.testing.assert_allclose(shards[0], np.asarray(want), rtol=8e-3)
+            name = jax.tree_util.keystr(path)
+            if name.endswith("amax_history']"):
+                np.testing.assert_allclose(shards[0][:-1], want[:-1], rtol=8e-3, err_msg=name + " (step 1)")
+                np.testing.assert_allclose(shards[0][-1:], want[-1:], rtol=STEP2_STATE_RTOL, err_msg=name)
+            else:
+                np.testing.assert_allclose(shards[0], want, rtol=STEP2_STATE_RTOL, err_msg=name)
