@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib
 import re
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -376,6 +377,31 @@ def test_cuda_fused_special_values(monkeypatch, rng, gpu):
     np.testing.assert_array_equal(np.isfinite(dx), np.isfinite(dx_u))
     np.testing.assert_array_equal(db.view(np.uint8), db_u.view(np.uint8))
     assert_trees_equal(q, q_u)
+
+
+@pytest.mark.gpu
+def test_cuda_default_index_past_the_list_runs_the_first_choice(rng, gpu):
+    """An index cuBLASLt does not list for the problem (31: it lists far fewer) fails the
+    GEMM when the user set it and, marked as a library default (*_algo_or_first), runs
+    cuBLASLt's first choice: the same bits as index 0."""
+    f8, f32, bf16 = jnp.float8_e4m3fn, jnp.float32, jnp.bfloat16
+    dy = jnp.asarray(rng.standard_normal((512, 1024)) * 3, bf16)
+    x_col = jnp.asarray(rng.standard_normal((256, 512)), f8)
+    k_row = jnp.asarray(rng.standard_normal((256, 1024)), f8)
+    s, si = jnp.full((1,), 2.0, f32), jnp.full((1,), 0.5, f32)
+
+    def call(dy, x_col, k_row, s, si, *, algo, or_first):
+        return dense_backward_fp8_p.bind(
+            dy, x_col, k_row, s, si, si, si, q_dtype=np.int32(5), dx_dtype=jnp.dtype(bf16), dk_dtype=jnp.dtype(f32),
+            dbias=False, dgrad_algo=algo, wgrad_algo=algo, dgrad_algo_or_first=or_first, wgrad_algo_or_first=or_first)[:2]
+
+    args = (dy, x_col, k_row, s, si)
+    first = run_on(gpu, partial(call, algo=0, or_first=False), *args)
+    fallback = run_on(gpu, partial(call, algo=31, or_first=True), *args)
+    for got, want in zip(fallback, first):
+        np.testing.assert_array_equal(np.asarray(got).view(np.uint8), np.asarray(want).view(np.uint8))
+    with pytest.raises(Exception, match="heuristic algorithms for .*index 31 .*does not exist"):
+        jax.block_until_ready(run_on(gpu, partial(call, algo=31, or_first=False), *args))
 
 
 @pytest.mark.parametrize("platform", ["cpu", pytest.param("gpu", marks=pytest.mark.gpu)])
