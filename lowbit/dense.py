@@ -53,8 +53,9 @@ bytes unfused; csrc/dense/dense_backward.h). Same values as the unfused ops (bit
 CPU). On one device it applies where a placement fits the sizes (dense_backward_plan);
 LOWBIT_DENSE_BACKWARD=unfused (read at trace time) turns it off. Under a MeshResource that
 names a tp axis the sharded op runs (dense_backward_fp8_sharded: each device places its own
-blocks, or runs the unfused primitives where they have no placement); under one without
-(pure DP) the unfused ops run unless LOWBIT_DENSE_BACKWARD=fused_sharded; neither with FSDP,
+blocks, or runs the unfused primitives where they have no placement, or where the tp axis has
+one device); under one without (pure DP) the unfused ops run unless
+LOWBIT_DENSE_BACKWARD=fused_sharded; neither with FSDP,
 sequence parallelism or LOWBIT_GEMM_PSUM=fp32 (fused_backward says why, with the numbers).
 """
 
@@ -390,7 +391,10 @@ def fused_backward(dy, x_col: ScaledTensor1x, k_row: ScaledTensor1x, dgrad_quant
     2026-11-27): with DP=2/TP=2 the fused op ran as fast as the separate ops (1.584x vs
     1.591x over bf16) at bf16's peak memory per device (2.031 GiB, the separate ops 2.219);
     with DP=2 alone it ran 8% slower (1.705x vs 1.856x): its whole-size wgrad all-reduce over
-    dp starts after the op, where the separate ops let XLA overlap it with the dgrad."""
+    dp starts after the op, where the separate ops let XLA overlap it with the dgrad. A tp
+    axis of one device is DP alone: the sharded op (tp_only) runs the separate ops' primitives
+    there, decided at partitioning, where the mesh's sizes are known (the MeshResource names
+    axes only)."""
     sharded, mode = bool(_mesh_axes()), _dense_backward_mode()
     if mode == "unfused" or sequence_parallel():
         return None
@@ -411,11 +415,13 @@ def fused_backward(dy, x_col: ScaledTensor1x, k_row: ScaledTensor1x, dgrad_quant
         return None
     dy2 = dy.reshape(m, n)
     scale, scale_inv = dgrad_quantizer.scale_and_inverse(dy2)
+    kwargs = dict(q_dtype=dgrad_quantizer.q_dtype, dx_dtype=static.x_dtype, dk_dtype=static.kernel_dtype,
+                  compute_dbias=static.has_bias, dgrad_split=accumulation.dgrad, wgrad_split=accumulation.wgrad)
+    if sharded:  # the default mode: fused only where the tp axis has more than one device
+        kwargs["tp_only"] = mode == "fused"
     dx, dw, dbias, amax = (dense_backward_fp8_sharded if sharded else dense_backward_fp8)(
         jax.lax.stop_gradient(dy2), x_col.data.reshape(k, m), k_row.data.reshape(k, n), scale, scale_inv,
-        x_col.scale_inv, k_row.scale_inv, q_dtype=dgrad_quantizer.q_dtype, dx_dtype=static.x_dtype,
-        dk_dtype=static.kernel_dtype, compute_dbias=static.has_bias,
-        dgrad_split=accumulation.dgrad, wgrad_split=accumulation.wgrad)
+        x_col.scale_inv, k_row.scale_inv, **kwargs)
     dx = checkpoint_name(dx.reshape(static.x_shape), GEMM_CHECKPOINT_NAME)
     dw = checkpoint_name(dw.reshape(static.kernel_shape), GEMM_CHECKPOINT_NAME)
     if dbias is not None:

@@ -304,6 +304,36 @@ def test_sharded_fused_equals_sharded_unfused_bit_for_bit(monkeypatch, rng, layo
         np.testing.assert_allclose(got[finite], want[finite], rtol=0, atol=2e-2 * np.abs(want[finite]).max())
 
 
+def test_tp_axis_of_one_device_keeps_the_unfused_ops(monkeypatch, rng):
+    """The seed tutorial's DP=2 configuration: a (dp=2, tp=1) mesh under MeshResource(dp, tp).
+    The tp axis shards nothing, so by default the compiled step has no fused op (data
+    parallelism alone: the separate ops overlap the wgrad's all-reduce with the dgrad) and the
+    same bits as LOWBIT_DENSE_BACKWARD=unfused; "fused_sharded" still runs it; a (2, 2) mesh
+    runs it by default."""
+    if jax.default_backend() != "cpu":
+        pytest.skip("virtual CPU devices")
+    x, kernel, bias, dy = inputs(rng, (2, 256, 256), 1024, jnp.bfloat16, jnp.float32, True)
+    qs = QuantizerFactory.create_set(Float8CurrentScaling())
+    fn = lambda x, k, b, q, dy: step(x, k, b, q, dy)  # noqa: E731
+
+    def compiled(mesh, mode):
+        put = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))  # noqa: E731
+        args = (put(x, P("dp")), put(kernel, P(None, "tp")), put(bias, P()), qs, put(dy, P("dp", None, "tp")))
+        monkeypatch.setenv(DENSE_BACKWARD_ENV, mode)
+        with global_shard_guard(MeshResource(dp_resource="dp", tp_resource="tp")):
+            exe = jax.jit(lambda *a: fn(*a)).lower(*args).compile()
+            return exe.as_text(), jax.tree.map(np.asarray, exe(*args))
+
+    dp_only = jax.make_mesh((2, 1), ("dp", "tp"), devices=jax.devices("cpu")[:2])
+    text, out = compiled(dp_only, "fused")
+    assert "lowbit_dense_backward_fp8" not in text
+    text_unfused, out_unfused = compiled(dp_only, "unfused")
+    assert_trees_equal(out, out_unfused)
+    assert "lowbit_dense_backward_fp8" in compiled(dp_only, "fused_sharded")[0]
+    dp_tp = jax.make_mesh((2, 2), ("dp", "tp"), devices=jax.devices("cpu")[:4])
+    assert "lowbit_dense_backward_fp8" in compiled(dp_tp, "fused")[0]
+
+
 def test_sharded_op_skipped_for_fsdp_and_fp32_psum(monkeypatch, rng):
     """With LOWBIT_DENSE_BACKWARD=fused_sharded, FSDP (reduce-scattered weight gradients) and
     LOWBIT_GEMM_PSUM=fp32 keep the unfused ops."""

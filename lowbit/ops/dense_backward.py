@@ -181,13 +181,13 @@ _FP8_OF_CODE = {code: dtype for dtype, code in _DTYPE_CODES.items()}
 
 
 def _local(dy, x_col, k_row, s, si, xs, ks, *, q_code, dx_dtype, dk_dtype, dbias, dbias_dtype,
-           dgrad_split=True, wgrad_split=True):
+           dgrad_split=True, wgrad_split=True, allow_fused=True):
     """The op on one device's (or the whole) operands: the fused primitive where a placement
-    fits, else the unfused ops' primitives (quantize_fp8_p, then the dgrad and wgrad
-    gemm_p calls with the same accumulation), which give the same values."""
+    fits (and allow_fused), else the unfused ops' primitives (quantize_fp8_p, then the dgrad
+    and wgrad gemm_p calls with the same accumulation), which give the same values."""
     (m, n), k = dy.shape, x_col.shape[0]
     q_dtype = _FP8_OF_CODE[q_code]
-    fits = dense_backward_plan(m, n, k, dk_dtype, dx_dtype, dbias) is not None
+    fits = allow_fused and dense_backward_plan(m, n, k, dk_dtype, dx_dtype, dbias) is not None
     algos = _gemm_attrs(q_dtype, x_col.dtype, dx_dtype, dk_dtype, dgrad_split, wgrad_split, fused=fits)
     if fits:
         return tuple(dense_backward_fp8_p.bind(dy, x_col, k_row, s, si, xs, ks, q_dtype=np.int32(q_code),
@@ -203,7 +203,8 @@ def _local(dy, x_col, k_row, s, si, xs, ks, *, q_code, dx_dtype, dk_dtype, dbias
 
 
 @lru_cache(maxsize=None)
-def _sharded_fn(q_code: int, dx_dtype, dk_dtype, dbias: bool, dgrad_split: bool = True, wgrad_split: bool = True):
+def _sharded_fn(q_code: int, dx_dtype, dk_dtype, dbias: bool, dgrad_split: bool = True, wgrad_split: bool = True,
+                tp_only: bool = False):
     """The partitioned, vmappable op for one configuration (see the module docstring)."""
     splits = dict(dgrad_split=dgrad_split, wgrad_split=wgrad_split)
 
@@ -217,11 +218,15 @@ def _sharded_fn(q_code: int, dx_dtype, dk_dtype, dbias: bool, dgrad_split: bool 
         n_axes = tuple(ax for ax in mesh_axes(dy_spec[1:]) if ax not in m_axes)
         k_axes = tuple(ax for ax in mesh_axes(xc_spec[:1]) if ax not in m_axes + n_axes)
         m_e, n_e, k_e = axes_entry(m_axes), axes_entry(n_axes), axes_entry(k_axes)
+        # tp_only: the fused primitive only where an axis of more than one device shards n or k
+        # (a tp axis of size 1 is data parallelism alone: see dense_backward_fp8_sharded).
+        allow_fused = not tp_only or any(mesh.shape[ax] > 1 for ax in n_axes + k_axes)
 
         def lower(dy, x_col, k_row, s, si, xs, ks):
             dbias_dtype = (jnp.dtype(jnp.float32) if m_axes else dy.dtype) if dbias else None
             dx, dk, db, amax = _local(dy, x_col, k_row, s, si, xs, ks, q_code=q_code, dx_dtype=dx_dtype,
-                                      dk_dtype=dk_dtype, dbias=dbias, dbias_dtype=dbias_dtype, **splits)
+                                      dk_dtype=dk_dtype, dbias=dbias, dbias_dtype=dbias_dtype,
+                                      allow_fused=allow_fused, **splits)
             if n_axes:
                 dx = jax.lax.psum(dx, n_axes)
             if m_axes:
@@ -255,11 +260,13 @@ def _sharded_fn(q_code: int, dx_dtype, dk_dtype, dbias: bool, dgrad_split: bool 
 
 def dense_backward_fp8_sharded(dy, x_col, k_row, dy_scale, dy_scale_inv, x_scale_inv, k_scale_inv, *, q_dtype,
                                dx_dtype, dk_dtype, compute_dbias: bool, dgrad_split: bool = True,
-                               wgrad_split: bool = True):
+                               wgrad_split: bool = True, tp_only: bool = False):
     """dense_backward_fp8 (same arguments and results) for operands sharded over a mesh (the
     module docstring's rule): each device runs the op on its blocks, or, where no placement
-    fits them, the unfused ops' primitives with the same values."""
+    fits them, the unfused ops' primitives with the same values. tp_only: the unfused
+    primitives also where no mesh axis of more than one device shards n or k (decided when the
+    mesh is known, at partitioning), as lowbit.dense's default does for data parallelism."""
     fn = _sharded_fn(_q_code(q_dtype), jnp.dtype(dx_dtype), jnp.dtype(dk_dtype), bool(compute_dbias),
-                     bool(dgrad_split), bool(wgrad_split))
+                     bool(dgrad_split), bool(wgrad_split), bool(tp_only))
     dx, dk, dbias, amax = fn(dy, x_col, k_row, dy_scale, dy_scale_inv, x_scale_inv, k_scale_inv)
     return dx, dk, (dbias if compute_dbias else None), amax
