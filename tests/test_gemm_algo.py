@@ -1,8 +1,9 @@
 """The cuBLASLt algorithm knob of lowbit.ops.gemm (LOWBIT_GEMM_ALGO, `algo=`): parsing with
 errors naming the variable, the per-kind defaults, the index reaching the custom call as its
-`algo` attribute (lowered for CUDA without a GPU), the handlers' own range check, and on the
-GPU every index cuBLASLt offers giving results within the tolerances of test_gemm_ops.py /
-test_gemm_block.py."""
+`algo` attribute (lowered for CUDA without a GPU) beside `algo_or_first` (true for a library
+default), the handlers' own range check, and on the GPU every index cuBLASLt offers giving
+results within the tolerances of test_gemm_ops.py / test_gemm_block.py, and a default past
+the list running the first choice."""
 
 from __future__ import annotations
 
@@ -124,6 +125,53 @@ def test_algo_reaches_the_custom_call(monkeypatch, rng):
     assert cuda_algo_attrs(monkeypatch, lambda x: lowbit.ops.gemm(x, x), h) == [0]
 
 
+def cuda_algo_or_first(monkeypatch, fn, *args):
+    """(algo, algo_or_first) of every lowbit_gemm / lowbit_gemm_nvfp4 custom call of fn
+    lowered for CUDA (capability 10.0, where NVFP4 reaches cuBLASLt)."""
+    monkeypatch.setattr(gemm_mod, "_cuda_capability", lambda: "10.0")
+    monkeypatch.setattr(ffi_mod, "require_platform", lambda op, platform: None)
+    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    lines = [ln for ln in text.splitlines() if re.search(r"custom_call @lowbit_gemm(_nvfp4)?\(", ln)]
+    return [(int(re.search(r"\balgo = (-?\d+) : i32", ln).group(1)),
+             re.search(r"\balgo_or_first = (true|false)", ln).group(1) == "true") for ln in lines]
+
+
+def test_library_default_index_is_marked_or_first(monkeypatch, rng):
+    """An index from DEFAULT_ALGO reaches the custom call with algo_or_first (cuBLASLt's first
+    choice runs where a problem has no entry at it); one the user sets, by `algo=` or by
+    LOWBIT_GEMM_ALGO, does not (past the list it fails, naming the count)."""
+    monkeypatch.delenv("LOWBIT_GEMM_ALGO", raising=False)
+    monkeypatch.setitem(gemm_mod.DEFAULT_ALGO, "fp8_split", 3)  # a raised default, as the lead may set
+    a = jnp.asarray(rng.normal(size=(32, 64)), E4M3)
+    b = jnp.asarray(rng.normal(size=(48, 64)), E5M2)
+    split = lambda a, b, **kw: lowbit.ops.gemm(a, b, **kw)  # noqa: E731
+    assert cuda_algo_or_first(monkeypatch, split, a, b) == [(3, True)]
+    assert cuda_algo_or_first(monkeypatch, lambda a, b: split(a, b, algo=3), a, b) == [(3, False)]
+    padded = lambda a, b: split(a[:, :50], b[:17, :50])  # noqa: E731  (K, N not multiples of 16)
+    assert cuda_algo_or_first(monkeypatch, padded, a, b) == [(3, True)]
+    h = jnp.asarray(rng.normal(size=(32, 64)), BF16)
+    assert cuda_algo_or_first(monkeypatch, lambda x: lowbit.ops.gemm(x, x), h) == [(0, True)]
+    # A fresh function per trace: jit's trace cache does not see the variable.
+    monkeypatch.setenv("LOWBIT_GEMM_ALGO", "fp8_split=3")
+    assert cuda_algo_or_first(monkeypatch, lambda a, b: split(a, b), a, b) == [(3, False)]
+    monkeypatch.setenv("LOWBIT_GEMM_ALGO", "fp8_fast=1")  # another kind set: fp8_split's is still the default
+    assert cuda_algo_or_first(monkeypatch, lambda a, b: split(a, b), a, b) == [(3, True)]
+
+
+def test_nvfp4_library_default_index_is_marked_or_first(monkeypatch, rng):
+    monkeypatch.delenv("LOWBIT_GEMM_ALGO", raising=False)
+    m, n, k = 128, 256, 64
+    packed = lambda rows: jnp.asarray(rng.integers(0, 256, size=(rows, k // 2)), jnp.uint8)  # noqa: E731
+    scale = lambda rows: jnp.ones(gemm_mod.nvfp4_scale_shape(rows, k), jnp.float8_e4m3fn)  # noqa: E731
+    one = jnp.ones((1,), F32)
+    args = (packed(m), packed(n), scale(m), scale(n), one, one)
+    f = lambda *x, **kw: gemm_mod.nvfp4_gemm(*x, k=k, out_dtype=F32, **kw)  # noqa: E731
+    assert cuda_algo_or_first(monkeypatch, f, *args) == [(0, True)]
+    assert cuda_algo_or_first(monkeypatch, lambda *x: f(*x, algo=2), *args) == [(2, False)]
+    monkeypatch.setenv("LOWBIT_GEMM_ALGO", "nvfp4=0")
+    assert cuda_algo_or_first(monkeypatch, lambda *x: f(*x), *args) == [(0, False)]
+
+
 def test_handler_checks_the_algo_range(cpu, rng):
     """A caller binding gemm_p directly with an index out of 0..31 gets the handler's error."""
     a = rng.normal(size=(4, 32)).astype(E4M3)
@@ -204,3 +252,19 @@ def test_cuda_index_past_the_list_names_the_count(rng, gpu):
                          r"\(LOWBIT_GEMM_ALGO\) does not exist", str(e)), str(e)
     else:
         pass  # cuBLASLt offered 32 algorithms: nothing to check
+
+
+@pytest.mark.gpu
+def test_cuda_default_index_past_the_list_runs_the_first_choice(rng, gpu, monkeypatch):
+    """A raised DEFAULT_ALGO that a problem's list does not reach (31) runs cuBLASLt's first
+    choice: the same bits as index 0; the same index set by the user fails, naming the count."""
+    a = rng.normal(size=(64, 128)).astype(E4M3)
+    b = rng.normal(size=(96, 128)).astype(E5M2)
+    sa, sb = np.float32([0.5]), np.float32([2.0])
+    monkeypatch.delenv("LOWBIT_GEMM_ALGO", raising=False)
+    with pytest.raises(Exception, match=r"cuBLASLt returned only \d+ heuristic algorithms"):
+        run_on(gpu, lambda a, b: lowbit.ops.gemm(a, b, sa, sb, out_dtype=F32, algo=31), a, b)
+    first = np.asarray(run_on(gpu, lambda a, b: lowbit.ops.gemm(a, b, sa, sb, out_dtype=F32, algo=0), a, b))
+    monkeypatch.setitem(gemm_mod.DEFAULT_ALGO, "fp8_split_f32", 31)
+    got = np.asarray(run_on(gpu, lambda a, b: lowbit.ops.gemm(a, b, sa, sb, out_dtype=F32), a, b))
+    np.testing.assert_array_equal(got.view(np.uint32), first.view(np.uint32))

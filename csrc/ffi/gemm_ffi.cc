@@ -75,7 +75,7 @@ Status GemmArgsFromBuffers(const ffi::AnyBuffer& a, const ffi::AnyBuffer& b,
                            const ffi::AnyBuffer& a_scale_inv, const ffi::AnyBuffer& b_scale_inv,
                            const ffi::AnyBuffer& bias, ffi::AnyBuffer& out,
                            bool use_split_accumulator, int32_t a_scale_mode,
-                           int32_t b_scale_mode, int32_t algo, GemmArgs* args) {
+                           int32_t b_scale_mode, int32_t algo, bool algo_or_first, GemmArgs* args) {
   const auto ad = a.dimensions(), bd = b.dimensions(), od = out.dimensions();
   if (ad.size() != 2) return Invalid("a", "expected rank 2 (M, K), got shape " + Shape(ad));
   if (bd.size() != 2) return Invalid("b", "expected rank 2 (N, K), got shape " + Shape(bd));
@@ -121,6 +121,7 @@ Status GemmArgsFromBuffers(const ffi::AnyBuffer& a, const ffi::AnyBuffer& b,
                                std::to_string(algo));
   }
   args->algo = algo;
+  args->algo_or_first = algo_or_first;
   return Status::Ok();
 }
 
@@ -129,7 +130,7 @@ Status Nvfp4ArgsFromBuffers(const ffi::AnyBuffer& a, const ffi::AnyBuffer& b,
                             const ffi::AnyBuffer& a_scale, const ffi::AnyBuffer& b_scale,
                             const ffi::AnyBuffer& a_gsi, const ffi::AnyBuffer& b_gsi,
                             const ffi::AnyBuffer& bias, ffi::AnyBuffer& out, int64_t k,
-                            int32_t algo, GemmArgs* args) {
+                            int32_t algo, bool algo_or_first, GemmArgs* args) {
   const char* op = "lowbit_gemm_nvfp4";
   const auto ad = a.dimensions(), bd = b.dimensions(), od = out.dimensions();
   if (k < 0) return lowbit::Invalid(op, "k", "expected K >= 0, got " + std::to_string(k));
@@ -185,6 +186,7 @@ Status Nvfp4ArgsFromBuffers(const ffi::AnyBuffer& a, const ffi::AnyBuffer& b,
   args->n = bd[0];
   args->k = k;
   args->algo = algo;
+  args->algo_or_first = algo_or_first;
   return CheckNvfp4Gemm(*args);
 }
 
@@ -219,11 +221,12 @@ ffi::Error GemmCpu(ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer a_scale_in
                    ffi::AnyBuffer b_scale_inv, ffi::AnyBuffer bias,
                    ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> workspace,
                    bool use_split_accumulator, int32_t a_scale_mode, int32_t b_scale_mode,
-                   int32_t algo) {
+                   int32_t algo, bool algo_or_first) {
   (void)workspace;  // the reference needs none; the CPU lowering passes u8[0]
   GemmArgs args;
   Status s = GemmArgsFromBuffers(a, b, a_scale_inv, b_scale_inv, bias, *out,
-                                 use_split_accumulator, a_scale_mode, b_scale_mode, algo, &args);
+                                 use_split_accumulator, a_scale_mode, b_scale_mode, algo,
+                                 algo_or_first, &args);
   if (s.ok()) s = GemmRef(args);
   return ToFfiError(s);
 }
@@ -231,10 +234,12 @@ ffi::Error GemmCpu(ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer a_scale_in
 ffi::Error GemmNvfp4Cpu(ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer a_scale,
                         ffi::AnyBuffer b_scale, ffi::AnyBuffer a_gsi, ffi::AnyBuffer b_gsi,
                         ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> out,
-                        ffi::Result<ffi::AnyBuffer> workspace, int64_t k, int32_t algo) {
+                        ffi::Result<ffi::AnyBuffer> workspace, int64_t k, int32_t algo,
+                        bool algo_or_first) {
   (void)workspace;
   GemmArgs args;
-  Status s = Nvfp4ArgsFromBuffers(a, b, a_scale, b_scale, a_gsi, b_gsi, bias, *out, k, algo, &args);
+  Status s = Nvfp4ArgsFromBuffers(a, b, a_scale, b_scale, a_gsi, b_gsi, bias, *out, k, algo, algo_or_first,
+                                  &args);
   if (s.ok()) s = GemmRef(args);
   return ToFfiError(s);
 }
@@ -253,10 +258,11 @@ ffi::Error GemmGpu(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuffer a
                    ffi::AnyBuffer b, ffi::AnyBuffer a_scale_inv, ffi::AnyBuffer b_scale_inv,
                    ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> out,
                    ffi::Result<ffi::AnyBuffer> workspace, bool use_split_accumulator,
-                   int32_t a_scale_mode, int32_t b_scale_mode, int32_t algo) {
+                   int32_t a_scale_mode, int32_t b_scale_mode, int32_t algo, bool algo_or_first) {
   GemmArgs args;
   Status s = GemmArgsFromBuffers(a, b, a_scale_inv, b_scale_inv, bias, *out,
-                                 use_split_accumulator, a_scale_mode, b_scale_mode, algo, &args);
+                                 use_split_accumulator, a_scale_mode, b_scale_mode, algo,
+                                 algo_or_first, &args);
   if (!s.ok()) return ToFfiError(s);
   if (args.m == 0 || args.n == 0) return ffi::Error::Success();
   // XLA places the buffer; it is live only for this call, so work enqueued later may reuse
@@ -296,9 +302,10 @@ ffi::Error GemmNvfp4Gpu(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuf
                         ffi::AnyBuffer b, ffi::AnyBuffer a_scale, ffi::AnyBuffer b_scale,
                         ffi::AnyBuffer a_gsi, ffi::AnyBuffer b_gsi, ffi::AnyBuffer bias,
                         ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> workspace,
-                        int64_t k, int32_t algo) {
+                        int64_t k, int32_t algo, bool algo_or_first) {
   GemmArgs args;
-  Status s = Nvfp4ArgsFromBuffers(a, b, a_scale, b_scale, a_gsi, b_gsi, bias, *out, k, algo, &args);
+  Status s = Nvfp4ArgsFromBuffers(a, b, a_scale, b_scale, a_gsi, b_gsi, bias, *out, k, algo, algo_or_first,
+                                  &args);
   if (!s.ok()) return ToFfiError(s);
   if (args.m == 0 || args.n == 0) return ffi::Error::Success();
   s = CheckWorkspace(args, *workspace, "lowbit_gemm_nvfp4");
@@ -335,7 +342,8 @@ LOWBIT_FFI_BACKEND_HANDLER(LowbitGemm, lowbit::Gemm,
                                .Attr<bool>("use_split_accumulator")  // FP8 on the GPU: false = fast accumulation
                                .Attr<int32_t>("a_scale_mode")  // GemmScaleMode of a_scale_inv
                                .Attr<int32_t>("b_scale_mode")  // GemmScaleMode of b_scale_inv
-                               .Attr<int32_t>("algo"));  // cuBLASLt heuristic index (LOWBIT_GEMM_ALGO); checked, unused on the CPU
+                               .Attr<int32_t>("algo")  // cuBLASLt heuristic index (LOWBIT_GEMM_ALGO); checked, unused on the CPU
+                               .Attr<bool>("algo_or_first"));  // algo is a library default: past cuBLASLt's list, its first choice runs
 LOWBIT_FFI_BACKEND_HANDLER(LowbitGemmNvfp4, lowbit::GemmNvfp4,
                            xffi::Ffi::Bind()
                                LOWBIT_FFI_CUDA_ONLY(.Ctx<xffi::PlatformStream<cudaStream_t>>())  // stream
@@ -350,7 +358,8 @@ LOWBIT_FFI_BACKEND_HANDLER(LowbitGemmNvfp4, lowbit::GemmNvfp4,
                                .Ret<xffi::AnyBuffer>()  // out: (M, N) bf16 / f16 / f32
                                .Ret<xffi::AnyBuffer>()  // workspace: u8, (0,) on the CPU; CUDA: (GemmWorkspaceBytes(...),)
                                .Attr<int64_t>("k")  // K (elements)
-                               .Attr<int32_t>("algo"));  // cuBLASLt heuristic index; checked, unused on the CPU
+                               .Attr<int32_t>("algo")  // cuBLASLt heuristic index; checked, unused on the CPU
+                               .Attr<bool>("algo_or_first"));  // as lowbit_gemm's
 LOWBIT_FFI_BACKEND_HANDLER(LowbitGemmSwizzleScales, lowbit::SwizzleScales,
                            xffi::Ffi::Bind()
                                LOWBIT_FFI_CUDA_ONLY(.Ctx<xffi::PlatformStream<cudaStream_t>>())  // stream

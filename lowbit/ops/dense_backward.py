@@ -196,9 +196,9 @@ def _local(dy, x_col, k_row, s, si, xs, ks, *, q_code, dx_dtype, dk_dtype, dbias
     row, col, amax, db = quantize_fp8_p.bind(dy, s, flatten_axis=np.int32(1), out_dtype=q_dtype, rowwise=True,
                                              colwise=True, dbias_dtype=dbias_dtype if dbias else None)
     dx = gemm_mod._gemm_2d(row, k_row, si, ks, jnp.zeros((0,), dx_dtype), dx_dtype, dgrad_split,
-                           algo=int(algos["dgrad_algo"]))
+                           algo=int(algos["dgrad_algo"]), algo_or_first=bool(algos["dgrad_algo_or_first"]))
     dk = gemm_mod._gemm_2d(x_col, col, xs, si, jnp.zeros((0,), dk_dtype), dk_dtype, wgrad_split,
-                           algo=int(algos["wgrad_algo"]))
+                           algo=int(algos["wgrad_algo"]), algo_or_first=bool(algos["wgrad_algo_or_first"]))
     return dx, dk, db, amax
 
 

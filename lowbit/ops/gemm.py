@@ -56,8 +56,9 @@ dk's row pitch and batched over its row segments, a problem cuBLASLt ranks apart
 standalone dgrad), block (FP8 1x128 / 128x128), mxfp8 and nvfp4 (nvfp4_gemm); unset kinds
 take DEFAULT_ALGO (0, cuBLASLt's first choice, but fused_dgrad: 1). A
 bad value raises a ValueError naming the variable; an index past what cuBLASLt returns for a
-problem fails that GEMM with the count it did return (an index the user set; the fused Dense
-backward's library defaults fall back to entry 0 there). bench/bench_gemm.py --algo-sweep
+problem fails that GEMM with the count it did return where the user set it; a library default
+(DEFAULT_ALGO's) runs entry 0 there instead (the custom calls' algo_or_first attribute, in
+lowbit_gemm, lowbit_gemm_nvfp4 and the fused Dense backward alike). bench/bench_gemm.py --algo-sweep
 times every index.
 
 Workspace: the lowbit_gemm custom call has a second result, a u8 workspace that XLA's buffer
@@ -262,6 +263,17 @@ def resolve_algo(algo, a_dtype, a_mode: GemmScaleMode, use_split_accumulator: bo
     return 0 if kind is None else kind_algo(kind)
 
 
+def algo_is_default(algo, a_dtype, a_mode: GemmScaleMode, use_split_accumulator: bool, out_dtype=None) -> bool:
+    """Whether a gemm call's heuristic index is a library default (`algo` None and its kind
+    not set in LOWBIT_GEMM_ALGO): the custom call's algo_or_first, which runs cuBLASLt's first
+    choice where a problem has no entry at that index (GemmArgs::algo_or_first). An index the
+    user gives, by argument or by the variable, stays strict: past the list it is an error."""
+    if algo is not None:
+        return False
+    kind = algo_kind(a_dtype, a_mode, use_split_accumulator, out_dtype)
+    return kind is None or not algo_from_env(kind)
+
+
 def gemm_workspace_bytes(a_mode: GemmScaleMode, m: int, n: int, k: int) -> int:
     """GemmWorkspaceBytes in csrc/gemm/gemm.h: the CUDA custom call's workspace."""
     if a_mode != GemmScaleMode.MXFP8:
@@ -392,8 +404,8 @@ def emulated_nvfp4_gemm(a, b, bias=None, *, out_dtype, contracting_ndim: int = 1
 
 
 def _abstract(a, b, a_scale_inv, b_scale_inv, bias, *, out_dtype, use_split_accumulator,
-              a_scale_mode, b_scale_mode, algo=0):
-    del a_scale_inv, b_scale_inv, bias, use_split_accumulator, a_scale_mode, b_scale_mode, algo
+              a_scale_mode, b_scale_mode, algo=0, algo_or_first=False):
+    del a_scale_inv, b_scale_inv, bias, use_split_accumulator, a_scale_mode, b_scale_mode, algo, algo_or_first
     return jax.core.ShapedArray((a.shape[0], b.shape[0]), out_dtype)
 
 
@@ -401,23 +413,24 @@ def _abstract(a, b, a_scale_inv, b_scale_inv, bias, *, out_dtype, use_split_accu
 # (0,) -> (M, N). The custom call's second result (the workspace) is added by the lowering
 # rules below.
 gemm_p = ffi_primitive("lowbit_gemm", "lowbit_gemm", _abstract,
-                       attrs=("use_split_accumulator", "a_scale_mode", "b_scale_mode", "algo"))
+                       attrs=("use_split_accumulator", "a_scale_mode", "b_scale_mode", "algo", "algo_or_first"))
 _ffi_lowering = jax.ffi.ffi_lowering("lowbit_gemm")
 
 
 def _lower_with_workspace(ctx, a, b, a_scale_inv, b_scale_inv, bias, *, workspace_bytes,
-                          use_split_accumulator, a_scale_mode, b_scale_mode, algo=0):
+                          use_split_accumulator, a_scale_mode, b_scale_mode, algo=0, algo_or_first=False):
     """Emits lowbit_gemm with results (out, workspace u8[workspace_bytes]); returns out."""
     (out_aval,) = ctx.avals_out
     workspace = jax.core.ShapedArray((workspace_bytes,), jnp.uint8)
     out, _ = _ffi_lowering(ctx.replace(avals_out=[out_aval, workspace]), a, b, a_scale_inv,
                            b_scale_inv, bias, use_split_accumulator=use_split_accumulator,
                            a_scale_mode=np.int32(a_scale_mode), b_scale_mode=np.int32(b_scale_mode),
-                           algo=np.int32(algo))
+                           algo=np.int32(algo), algo_or_first=bool(algo_or_first))
     return [out]
 
 
-def _cpu_lowering(ctx, *args, out_dtype, use_split_accumulator, a_scale_mode, b_scale_mode, algo=0):
+def _cpu_lowering(ctx, *args, out_dtype, use_split_accumulator, a_scale_mode, b_scale_mode, algo=0,
+                  algo_or_first=False):
     del out_dtype
     _ffi.require_platform("lowbit_gemm", "cpu")
     if a_scale_mode != GemmScaleMode.TENSOR:
@@ -425,7 +438,8 @@ def _cpu_lowering(ctx, *args, out_dtype, use_split_accumulator, a_scale_mode, b_
                      "CPU (each operand dequantized to fp32 with its block scales, then an fp32 GEMM)")
     return _lower_with_workspace(ctx, *args, workspace_bytes=0,
                                  use_split_accumulator=use_split_accumulator,
-                                 a_scale_mode=a_scale_mode, b_scale_mode=b_scale_mode, algo=algo)
+                                 a_scale_mode=a_scale_mode, b_scale_mode=b_scale_mode, algo=algo,
+                                 algo_or_first=algo_or_first)
 
 
 mlir.register_lowering(gemm_p, _cpu_lowering, platform="cpu")
@@ -436,7 +450,8 @@ def _round_up(x: int, multiple: int) -> int:
 
 
 def gemm_padded(a, b, a_scale_inv, b_scale_inv, bias, *, out_dtype, use_split_accumulator,
-                a_scale_mode=GemmScaleMode.TENSOR, b_scale_mode=GemmScaleMode.TENSOR, algo=0):
+                a_scale_mode=GemmScaleMode.TENSOR, b_scale_mode=GemmScaleMode.TENSOR, algo=0,
+                algo_or_first=False):
     """gemm_p with K and N zero-padded to multiples of 16 (and M too under block scaling,
     with the 1x128 scale rows padded alike; K to 128 under MXFP8, its scale entries past
     ceil(K/32) zeroed) and the result sliced back."""
@@ -467,7 +482,7 @@ def gemm_padded(a, b, a_scale_inv, b_scale_inv, bias, *, out_dtype, use_split_ac
     out = gemm_p.bind(a, b, a_scale_inv, b_scale_inv, bias, out_dtype=out_dtype,
                       use_split_accumulator=use_split_accumulator,
                       a_scale_mode=np.int32(a_scale_mode), b_scale_mode=np.int32(b_scale_mode),
-                      algo=np.int32(algo))
+                      algo=np.int32(algo), algo_or_first=bool(algo_or_first))
     return out[:m, :n]
 
 
@@ -489,7 +504,7 @@ def _cublaslt_block_ready(m: int, n: int, k: int, bias_len: int, mxfp8: bool = F
 
 
 def _block_gemm_cuda(a, b, a_scale_inv, b_scale_inv, bias, *, out_dtype, use_split_accumulator,
-                     a_scale_mode, b_scale_mode, algo=0):
+                     a_scale_mode, b_scale_mode, algo=0, algo_or_first=False):
     """FP8 block scaling on cuBLASLt: padded, and the bias either in cuBLASLt's epilogue
     (_block_bias_epilogue) or added in fp32 afterwards. Every gemm_p it binds is
     _cublaslt_block_ready, so the CUDA lowering of those emits the custom call directly (no
@@ -498,10 +513,12 @@ def _block_gemm_cuda(a, b, a_scale_inv, b_scale_inv, bias, *, out_dtype, use_spl
     if not bias.shape[0] or _block_bias_epilogue(out_dtype, mxfp8):
         return gemm_padded(a, b, a_scale_inv, b_scale_inv, bias, out_dtype=out_dtype,
                            use_split_accumulator=use_split_accumulator,
-                           a_scale_mode=a_scale_mode, b_scale_mode=b_scale_mode, algo=algo)
+                           a_scale_mode=a_scale_mode, b_scale_mode=b_scale_mode, algo=algo,
+                           algo_or_first=algo_or_first)
     acc = gemm_padded(a, b, a_scale_inv, b_scale_inv, jnp.zeros((0,), jnp.float32),
                       out_dtype=jnp.dtype(jnp.float32), use_split_accumulator=use_split_accumulator,
-                      a_scale_mode=a_scale_mode, b_scale_mode=b_scale_mode, algo=algo)
+                      a_scale_mode=a_scale_mode, b_scale_mode=b_scale_mode, algo=algo,
+                      algo_or_first=algo_or_first)
     return (acc + bias.astype(jnp.float32)).astype(out_dtype)
 
 
@@ -554,7 +571,7 @@ def _check_bound_shapes(avals, modes) -> None:
 
 
 def _cuda_lowering(ctx, a, b, a_scale_inv, b_scale_inv, bias, *, out_dtype, use_split_accumulator,
-                   a_scale_mode, b_scale_mode, algo=0):
+                   a_scale_mode, b_scale_mode, algo=0, algo_or_first=False):
     a_aval, b_aval = ctx.avals_in[0], ctx.avals_in[1]
     (m, k), n = a_aval.shape, b_aval.shape[0]
     modes = (GemmScaleMode(int(a_scale_mode)), GemmScaleMode(int(b_scale_mode)))
@@ -573,11 +590,11 @@ def _cuda_lowering(ctx, a, b, a_scale_inv, b_scale_inv, bias, *, out_dtype, use_
             # Padded (and bias split off) by _block_gemm_cuda, whose gemm_p binds come back
             # here ready and fall through to the custom call.
             fn = functools.partial(_block_gemm_cuda, use_split_accumulator=use_split_accumulator,
-                                   algo=algo, **kw)
+                                   algo=algo, algo_or_first=algo_or_first, **kw)
             return lower(fn)(ctx, a, b, a_scale_inv, b_scale_inv, bias)
     elif a_aval.dtype in FP8 and (k % FP8_DIM_MULTIPLE or n % FP8_DIM_MULTIPLE):
         padded = functools.partial(gemm_padded, use_split_accumulator=use_split_accumulator,
-                                   algo=algo, **kw)
+                                   algo=algo, algo_or_first=algo_or_first, **kw)
         return lower(padded)(ctx, a, b, a_scale_inv, b_scale_inv, bias)
     _ffi.require_platform("lowbit_gemm", "cuda")
     # The handler returns early on empty problems.
@@ -585,14 +602,16 @@ def _cuda_lowering(ctx, a, b, a_scale_inv, b_scale_inv, bias, *, out_dtype, use_
     return _lower_with_workspace(ctx, a, b, a_scale_inv, b_scale_inv, bias,
                                  workspace_bytes=workspace_bytes,
                                  use_split_accumulator=use_split_accumulator,
-                                 a_scale_mode=a_scale_mode, b_scale_mode=b_scale_mode, algo=algo)
+                                 a_scale_mode=a_scale_mode, b_scale_mode=b_scale_mode, algo=algo,
+                                 algo_or_first=algo_or_first)
 
 
 mlir.register_lowering(gemm_p, _cuda_lowering, platform="cuda")
 
 
 def _gemm_2d(a, b, a_scale_inv, b_scale_inv, bias, out_dtype, use_split_accumulator, k_ndim=1,
-             a_scale_mode=GemmScaleMode.TENSOR, b_scale_mode=GemmScaleMode.TENSOR, algo=0):
+             a_scale_mode=GemmScaleMode.TENSOR, b_scale_mode=GemmScaleMode.TENSOR, algo=0,
+             algo_or_first=False):
     """a (M..., K...) . b (N..., K...) -> (M..., N...) through one gemm_p call on the (M, K) and
     (N, K) views (the last k_ndim dims of both are contracted)."""
     m_shape, n_shape = a.shape[:a.ndim - k_ndim], b.shape[:b.ndim - k_ndim]
@@ -600,21 +619,24 @@ def _gemm_2d(a, b, a_scale_inv, b_scale_inv, bias, out_dtype, use_split_accumula
     out = gemm_p.bind(a.reshape(-1, k), b.reshape(-1, k), a_scale_inv, b_scale_inv, bias.reshape(-1),
                       out_dtype=out_dtype, use_split_accumulator=np.bool_(use_split_accumulator),
                       a_scale_mode=np.int32(a_scale_mode), b_scale_mode=np.int32(b_scale_mode),
-                      algo=np.int32(algo))
+                      algo=np.int32(algo), algo_or_first=bool(algo_or_first))
     return out.reshape(*m_shape, *n_shape)
 
 
-def _gemm_p_batch(args, dims, *, out_dtype, use_split_accumulator, a_scale_mode, b_scale_mode, algo=0):
+def _gemm_p_batch(args, dims, *, out_dtype, use_split_accumulator, a_scale_mode, b_scale_mode, algo=0,
+                  algo_or_first=False):
     a, b, sa, sb, bias = args
     da, *rest = dims
     if all(d is None for d in rest) and a_scale_mode == GemmScaleMode.TENSOR:
         a = jnp.moveaxis(a, da, 0)  # only a batched: fold the batch into M
-        return _gemm_2d(a, b, sa, sb, bias, out_dtype, use_split_accumulator, algo=algo), 0
+        return _gemm_2d(a, b, sa, sb, bias, out_dtype, use_split_accumulator, algo=algo,
+                        algo_or_first=algo_or_first), 0
     size = next(x.shape[d] for x, d in zip(args, dims) if d is not None)
     args = [batching.bdim_at_front(x, d, size) for x, d in zip(args, dims)]
     out = jax.lax.map(
         lambda xs: gemm_p.bind(*xs, out_dtype=out_dtype, use_split_accumulator=use_split_accumulator,
-                               a_scale_mode=a_scale_mode, b_scale_mode=b_scale_mode, algo=algo),
+                               a_scale_mode=a_scale_mode, b_scale_mode=b_scale_mode, algo=algo,
+                               algo_or_first=algo_or_first),
         tuple(args))
     return out, 0
 
@@ -754,7 +776,8 @@ def _scale_sharding(mode, row_axes, k_axes):
 @functools.lru_cache(maxsize=None)
 def _make_gemm(out_dtype: np.dtype, use_split_accumulator: bool, has_bias: bool, k_ndim: int,
                n_ndim: int, a_mode: GemmScaleMode = GemmScaleMode.TENSOR,
-               b_mode: GemmScaleMode = GemmScaleMode.TENSOR, algo: int = 0, psum_fp32: bool = False):
+               b_mode: GemmScaleMode = GemmScaleMode.TENSOR, algo: int = 0, psum_fp32: bool = False,
+               algo_or_first: bool = False):
     """The partitioned, vmappable gemm for one static configuration; args (a, b, sa, sb[, bias]).
     A K-sharded GEMM sums its partial products in _reduce_dtype(out_dtype, psum_fp32).
 
@@ -775,14 +798,14 @@ def _make_gemm(out_dtype: np.dtype, use_split_accumulator: bool, has_bias: bool,
         bias_arr = bias[0] if has_bias else jnp.zeros((0,), out_dtype)
         sa, sb = fitted(a, b, sa, sb)
         return _gemm_2d(a, b, sa, sb, bias_arr, out_dtype, use_split_accumulator, k_ndim, a_mode, b_mode,
-                        algo)
+                        algo, algo_or_first)
 
     def local_k_sharded(psum_axes, scatter):
         def lower(a, b, sa, sb, *bias):
             red = _reduce_dtype(out_dtype, psum_fp32)
             sa, sb = fitted(a, b, sa, sb)
             acc = _gemm_2d(a, b, sa, sb, jnp.zeros((0,), red), red, use_split_accumulator, k_ndim,
-                           a_mode, b_mode, algo)
+                           a_mode, b_mode, algo, algo_or_first)
             return _sum_k_partials(acc, psum_axes, scatter, bias, out_dtype)
         return lower
 
@@ -988,6 +1011,7 @@ def gemm(a, b, a_scale_inv=None, b_scale_inv=None, bias=None, *, out_dtype=jnp.b
         a = gather_rows(a, a.ndim - kd)
     if a_mode != GemmScaleMode.TENSOR:
         use_split_accumulator = True  # block scales have the split accumulation only
+    algo_or_first = algo_is_default(algo, a.dtype, a_mode, bool(use_split_accumulator), out_dtype)
     algo = resolve_algo(algo, a.dtype, a_mode, bool(use_split_accumulator), out_dtype)
     # An f32 bias is one f32 add on the f32 output (the op's formula, fl(acc + bias), so the
     # same bits), left to XLA: it fuses into whatever consumes the output (a residual add, the
@@ -996,7 +1020,7 @@ def gemm(a, b, a_scale_inv=None, b_scale_inv=None, bias=None, *, out_dtype=jnp.b
     # (gemm_epilogue.h). Other biases ride in the custom call's epilogue.
     bias_in_call = bias is not None and out_dtype != jnp.float32
     fn = _make_gemm(out_dtype, bool(use_split_accumulator), bias_in_call, kd, len(n_shape), a_mode, b_mode, algo,
-                    psum_in_fp32())
+                    psum_in_fp32(), algo_or_first)
     out = fn(a, b, sa, sb, *([bias] if bias_in_call else []))
     return out if bias is None or bias_in_call else out + bias
 
@@ -1027,29 +1051,31 @@ def nvfp4_workspace_bytes(m: int, n: int, k: int) -> int:
     return GEMM_WORKSPACE_BYTES + padded(m) + padded(n)
 
 
-def _nvfp4_abstract(a, b, a_scale, b_scale, a_gsi, b_gsi, bias, *, out_dtype, k, algo=0):
-    del a_scale, b_scale, a_gsi, b_gsi, bias, k, algo
+def _nvfp4_abstract(a, b, a_scale, b_scale, a_gsi, b_gsi, bias, *, out_dtype, k, algo=0, algo_or_first=False):
+    del a_scale, b_scale, a_gsi, b_gsi, bias, k, algo, algo_or_first
     return jax.core.ShapedArray((a.shape[0], b.shape[0]), out_dtype)
 
 
 # a, b packed E2M1 (rows, ceil(K/2)) uint8, their e4m3 scales and f32 (1,) global scale_invs,
 # bias (N,) or (0,) -> (M, N); the lowering rules add the workspace result, as for gemm_p.
-gemm_nvfp4_p = ffi_primitive("lowbit_gemm_nvfp4", "lowbit_gemm_nvfp4", _nvfp4_abstract, attrs=("k", "algo"))
+gemm_nvfp4_p = ffi_primitive("lowbit_gemm_nvfp4", "lowbit_gemm_nvfp4", _nvfp4_abstract,
+                             attrs=("k", "algo", "algo_or_first"))
 _nvfp4_ffi_lowering = jax.ffi.ffi_lowering("lowbit_gemm_nvfp4")
 
 
-def _nvfp4_lower_with_workspace(ctx, *args, workspace_bytes, k, algo):
+def _nvfp4_lower_with_workspace(ctx, *args, workspace_bytes, k, algo, algo_or_first=False):
     (out_aval,) = ctx.avals_out
     workspace = jax.core.ShapedArray((workspace_bytes,), jnp.uint8)
     out, _ = _nvfp4_ffi_lowering(ctx.replace(avals_out=[out_aval, workspace]), *args,
-                                 k=np.int64(k), algo=np.int32(algo))
+                                 k=np.int64(k), algo=np.int32(algo), algo_or_first=bool(algo_or_first))
     return [out]
 
 
-def _nvfp4_cpu_lowering(ctx, *args, out_dtype, k, algo=0):
+def _nvfp4_cpu_lowering(ctx, *args, out_dtype, k, algo=0, algo_or_first=False):
     del out_dtype
     _ffi.require_platform("lowbit_gemm_nvfp4", "cpu")
-    return _nvfp4_lower_with_workspace(ctx, *args, workspace_bytes=0, k=k, algo=algo)
+    return _nvfp4_lower_with_workspace(ctx, *args, workspace_bytes=0, k=k, algo=algo,
+                                       algo_or_first=algo_or_first)
 
 
 mlir.register_lowering(gemm_nvfp4_p, _nvfp4_cpu_lowering, platform="cpu")
@@ -1068,7 +1094,7 @@ def emulated_nvfp4_gemm_packed(a, b, a_scale, b_scale, a_gsi, b_gsi, bias, *, ou
     return acc.astype(out_dtype)
 
 
-def _nvfp4_gemm_cuda(a, b, a_scale, b_scale, a_gsi, b_gsi, bias, *, out_dtype, k, algo):
+def _nvfp4_gemm_cuda(a, b, a_scale, b_scale, a_gsi, b_gsi, bias, *, out_dtype, k, algo, algo_or_first=False):
     """NVFP4 on cuBLASLt: M and N zero-padded to 16, K to 64 (zero bytes are E2M1 zeros; the
     scale arrays keep their shapes, their entries past ceil(K/16) zeroed), bias added in fp32
     afterwards, the result sliced back."""
@@ -1085,16 +1111,16 @@ def _nvfp4_gemm_cuda(a, b, a_scale, b_scale, a_gsi, b_gsi, bias, *, out_dtype, k
     f32 = jnp.dtype(jnp.float32)
     out = gemm_nvfp4_p.bind(a, b, fit(a_scale), fit(b_scale), a_gsi, b_gsi, jnp.zeros((0,), f32),
                             out_dtype=f32 if bias.shape[0] else out_dtype, k=np.int64(kp),
-                            algo=np.int32(algo))[:m, :n]
+                            algo=np.int32(algo), algo_or_first=bool(algo_or_first))[:m, :n]
     if bias.shape[0]:
         out = (out + bias.astype(jnp.float32)).astype(out_dtype)
     return out
 
 
-def nvfp4_emulation_lowering(ctx, *args, out_dtype, k, algo=0):
+def nvfp4_emulation_lowering(ctx, *args, out_dtype, k, algo=0, algo_or_first=False):
     """gemm_nvfp4_p lowered to emulated_nvfp4_gemm_packed (jnp): the CUDA lowering off 10.x;
     tests register it for the CPU too, to run that path there."""
-    del algo
+    del algo, algo_or_first
     fn = functools.partial(emulated_nvfp4_gemm_packed, out_dtype=out_dtype, k=int(k))
     return mlir.lower_fun(fn, multiple_results=False)(ctx, *args)
 
@@ -1116,7 +1142,8 @@ def _check_bound_nvfp4_shapes(avals, k: int) -> None:
         raise ValueError(f"lowbit_gemm_nvfp4: bias: expected ({n},) or (0,), got {_shape_text(bias.shape)}")
 
 
-def _nvfp4_cuda_lowering(ctx, a, b, a_scale, b_scale, a_gsi, b_gsi, bias, *, out_dtype, k, algo=0):
+def _nvfp4_cuda_lowering(ctx, a, b, a_scale, b_scale, a_gsi, b_gsi, bias, *, out_dtype, k, algo=0,
+                         algo_or_first=False):
     m, n = ctx.avals_in[0].shape[0], ctx.avals_in[1].shape[0]
     _check_bound_nvfp4_shapes(ctx.avals_in, int(k))
     lower = functools.partial(mlir.lower_fun, multiple_results=False)
@@ -1128,11 +1155,13 @@ def _nvfp4_cuda_lowering(ctx, a, b, a_scale, b_scale, a_gsi, b_gsi, bias, *, out
         return nvfp4_emulation_lowering(ctx, *args, out_dtype=out_dtype, k=k)
     ready = not (m % FP8_DIM_MULTIPLE or n % FP8_DIM_MULTIPLE or k % NVFP4_K_MULTIPLE or ctx.avals_in[6].shape[0])
     if not ready:
-        fn = functools.partial(_nvfp4_gemm_cuda, out_dtype=out_dtype, k=int(k), algo=int(algo))
+        fn = functools.partial(_nvfp4_gemm_cuda, out_dtype=out_dtype, k=int(k), algo=int(algo),
+                               algo_or_first=bool(algo_or_first))
         return lower(fn)(ctx, *args)
     _ffi.require_platform("lowbit_gemm_nvfp4", "cuda")
     workspace_bytes = nvfp4_workspace_bytes(m, n, int(k)) if m and n else 0
-    return _nvfp4_lower_with_workspace(ctx, *args, workspace_bytes=workspace_bytes, k=k, algo=algo)
+    return _nvfp4_lower_with_workspace(ctx, *args, workspace_bytes=workspace_bytes, k=k, algo=algo,
+                                       algo_or_first=algo_or_first)
 
 
 mlir.register_lowering(gemm_nvfp4_p, _nvfp4_cuda_lowering, platform="cuda")
@@ -1184,6 +1213,7 @@ def nvfp4_gemm(a, b, a_scale, b_scale, a_global_scale_inv, b_global_scale_inv, b
         bias = jnp.asarray(bias)
         if bias.shape != (b.shape[0],) or bias.dtype != out_dtype:
             raise ValueError(f"{op}: bias: expected {out_dtype} ({b.shape[0]},), got {bias.dtype}{bias.shape}")
+    algo_or_first = algo is None and not algo_from_env("nvfp4")  # as gemm's algo_is_default
     if algo is None:
         algo = kind_algo("nvfp4")
     elif isinstance(algo, bool) or not isinstance(algo, (int, np.integer)) or not 0 <= algo < MAX_ALGO:
@@ -1192,7 +1222,7 @@ def nvfp4_gemm(a, b, a_scale, b_scale, a_global_scale_inv, b_global_scale_inv, b
         base = bias if bias.shape[0] else jnp.zeros((b.shape[0],), out_dtype)
         return jnp.broadcast_to(base, (a.shape[0], b.shape[0]))
     has_bias = bool(bias.shape[0])
-    fn = _make_nvfp4_gemm(out_dtype, k, int(algo), has_bias, psum_in_fp32())
+    fn = _make_nvfp4_gemm(out_dtype, k, int(algo), has_bias, psum_in_fp32(), algo_or_first)
     return fn(a, b, *scales, *globals_, *([bias] if has_bias else []))
 
 
@@ -1226,7 +1256,8 @@ def _nvfp4_specs(mesh_shape: dict, a_spec, b_spec, m: int, n: int, k: int):
 
 
 @functools.lru_cache(maxsize=None)
-def _make_nvfp4_gemm(out_dtype: np.dtype, k: int, algo: int, has_bias: bool, psum_fp32: bool = False):
+def _make_nvfp4_gemm(out_dtype: np.dtype, k: int, algo: int, has_bias: bool, psum_fp32: bool = False,
+                     algo_or_first: bool = False):
     """The partitioned, vmappable NVFP4 GEMM for one static configuration; args (a, b,
     a_scale, b_scale, a_gsi, b_gsi[, bias]), a / b packed (rows, ceil(k/2)).
 
@@ -1244,7 +1275,7 @@ def _make_nvfp4_gemm(out_dtype: np.dtype, k: int, algo: int, has_bias: bool, psu
         sa = fit_scale(sa, nvfp4_scale_shape(a.shape[0], k_local))
         sb = fit_scale(sb, nvfp4_scale_shape(b.shape[0], k_local))
         return gemm_nvfp4_p.bind(a, b, sa, sb, ga, gb, bias, out_dtype=dtype, k=np.int64(k_local),
-                                 algo=np.int32(algo))
+                                 algo=np.int32(algo), algo_or_first=bool(algo_or_first))
 
     def local_fn(k_local):
         def local(a, b, sa, sb, ga, gb, *bias):
