@@ -251,7 +251,7 @@ def test_cuda_index_past_the_list_names_the_count(rng, gpu):
         assert re.search(r"cuBLASLt returned only \d+ heuristic algorithms for .* index 31 "
                          r"\(LOWBIT_GEMM_ALGO\) does not exist", str(e)), str(e)
     else:
-        pass  # cuBLASLt offered 32 algorithms: nothing to check
+        pytest.skip("cuBLASLt lists 32 algorithms for this problem: no index past its list")
 
 
 @pytest.mark.gpu
@@ -262,8 +262,12 @@ def test_cuda_default_index_past_the_list_runs_the_first_choice(rng, gpu, monkey
     b = rng.normal(size=(96, 128)).astype(E5M2)
     sa, sb = np.float32([0.5]), np.float32([2.0])
     monkeypatch.delenv("LOWBIT_GEMM_ALGO", raising=False)
-    with pytest.raises(Exception, match=r"cuBLASLt returned only \d+ heuristic algorithms"):
+    try:
         run_on(gpu, lambda a, b: lowbit.ops.gemm(a, b, sa, sb, out_dtype=F32, algo=31), a, b)
+    except Exception as e:  # noqa: BLE001 (XlaRuntimeError)
+        assert re.search(r"cuBLASLt returned only \d+ heuristic algorithms", str(e)), str(e)
+    else:
+        pytest.skip("cuBLASLt lists 32 algorithms for this problem: no index past its list")
     first = np.asarray(run_on(gpu, lambda a, b: lowbit.ops.gemm(a, b, sa, sb, out_dtype=F32, algo=0), a, b))
     monkeypatch.setitem(gemm_mod.DEFAULT_ALGO, "fp8_split_f32", 31)
     got = np.asarray(run_on(gpu, lambda a, b: lowbit.ops.gemm(a, b, sa, sb, out_dtype=F32), a, b))
