@@ -136,11 +136,11 @@ def _gemm_attrs(q_dtype, x_dtype, dx_dtype, dk_dtype, dgrad_split: bool, wgrad_s
     dgrad_kind = ("fused_dgrad" if dgrad_split and fused
                   else gemm_mod.algo_kind(q_dtype, tensor, dgrad_split, dx_dtype))
     wgrad_kind = gemm_mod.algo_kind(x_dtype, tensor, wgrad_split, dk_dtype)
-    return dict(dgrad_algo=np.int32(gemm_mod.kind_algo(dgrad_kind)),
-                wgrad_algo=np.int32(gemm_mod.kind_algo(wgrad_kind)),
+    dgrad_algo, dgrad_first = gemm_mod.kind_algo(dgrad_kind)
+    wgrad_algo, wgrad_first = gemm_mod.kind_algo(wgrad_kind)
+    return dict(dgrad_algo=np.int32(dgrad_algo), wgrad_algo=np.int32(wgrad_algo),
                 dgrad_split=bool(dgrad_split), wgrad_split=bool(wgrad_split),
-                dgrad_algo_or_first=not gemm_mod.algo_from_env(dgrad_kind),
-                wgrad_algo_or_first=not gemm_mod.algo_from_env(wgrad_kind))
+                dgrad_algo_or_first=dgrad_first, wgrad_algo_or_first=wgrad_first)
 
 
 for _platform in ("cpu", "cuda"):

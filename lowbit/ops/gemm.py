@@ -227,14 +227,15 @@ def _env_algo() -> dict[str, int]:
     return dict(_parse_algo_cached(os.environ.get(ALGO_ENV, "")))
 
 
-def kind_algo(kind: str) -> int:
-    """The heuristic index of a DEFAULT_ALGO kind: LOWBIT_GEMM_ALGO's, else DEFAULT_ALGO's."""
-    return _env_algo().get(kind, DEFAULT_ALGO[kind])
-
-
-def algo_from_env(kind: str) -> bool:
-    """Whether LOWBIT_GEMM_ALGO sets the kind's index (else it is DEFAULT_ALGO's)."""
-    return kind in _env_algo()
+def kind_algo(kind: str | None) -> tuple[int, bool]:
+    """(heuristic index, algo_or_first) of a DEFAULT_ALGO kind (None: the 16-bit GEMMs, index
+    0): LOWBIT_GEMM_ALGO's index, strict (past cuBLASLt's list the GEMM fails, naming the
+    count), else DEFAULT_ALGO's, a library default, which runs cuBLASLt's first choice where a
+    problem has no such entry (the custom calls' algo_or_first, GemmArgs::algo_or_first)."""
+    if kind is None:
+        return 0, True
+    env = _env_algo()
+    return (env[kind], False) if kind in env else (DEFAULT_ALGO[kind], True)
 
 
 def algo_kind(a_dtype, a_mode: GemmScaleMode, use_split_accumulator: bool, out_dtype=None) -> str | None:
@@ -251,27 +252,26 @@ def algo_kind(a_dtype, a_mode: GemmScaleMode, use_split_accumulator: bool, out_d
     return "fp8_split_f32" if f32_out else "fp8_split"
 
 
+def _checked_algo(op: str, algo) -> tuple[int, bool]:
+    """A caller's `algo` argument, checked: (index, False), an index the user chose is strict."""
+    if isinstance(algo, bool) or not isinstance(algo, (int, np.integer)) or not 0 <= algo < MAX_ALGO:
+        raise ValueError(f"{op}: algo: expected None or an index 0..{MAX_ALGO - 1}, got {algo!r}")
+    return int(algo), False
+
+
+def resolve_algo_choice(algo, a_dtype, a_mode: GemmScaleMode, use_split_accumulator: bool,
+                        out_dtype=None) -> tuple[int, bool]:
+    """(heuristic index, algo_or_first) a gemm call runs with: `algo` when given (checked,
+    strict), else its kind's (kind_algo; out_dtype: the GEMM's output dtype, which tells
+    fp8_split_f32 from fp8_split)."""
+    if algo is not None:
+        return _checked_algo(OP, algo)
+    return kind_algo(algo_kind(a_dtype, a_mode, use_split_accumulator, out_dtype))
+
+
 def resolve_algo(algo, a_dtype, a_mode: GemmScaleMode, use_split_accumulator: bool, out_dtype=None) -> int:
-    """The heuristic index a gemm call runs with: `algo` when given (checked), else
-    LOWBIT_GEMM_ALGO's or DEFAULT_ALGO's for its kind (out_dtype: the GEMM's output dtype,
-    which tells fp8_split_f32 from fp8_split)."""
-    if algo is not None:
-        if isinstance(algo, bool) or not isinstance(algo, (int, np.integer)) or not 0 <= algo < MAX_ALGO:
-            raise ValueError(f"{OP}: algo: expected None or an index 0..{MAX_ALGO - 1}, got {algo!r}")
-        return int(algo)
-    kind = algo_kind(a_dtype, a_mode, use_split_accumulator, out_dtype)
-    return 0 if kind is None else kind_algo(kind)
-
-
-def algo_is_default(algo, a_dtype, a_mode: GemmScaleMode, use_split_accumulator: bool, out_dtype=None) -> bool:
-    """Whether a gemm call's heuristic index is a library default (`algo` None and its kind
-    not set in LOWBIT_GEMM_ALGO): the custom call's algo_or_first, which runs cuBLASLt's first
-    choice where a problem has no entry at that index (GemmArgs::algo_or_first). An index the
-    user gives, by argument or by the variable, stays strict: past the list it is an error."""
-    if algo is not None:
-        return False
-    kind = algo_kind(a_dtype, a_mode, use_split_accumulator, out_dtype)
-    return kind is None or not algo_from_env(kind)
+    """The heuristic index of resolve_algo_choice."""
+    return resolve_algo_choice(algo, a_dtype, a_mode, use_split_accumulator, out_dtype)[0]
 
 
 def gemm_workspace_bytes(a_mode: GemmScaleMode, m: int, n: int, k: int) -> int:
@@ -1011,8 +1011,7 @@ def gemm(a, b, a_scale_inv=None, b_scale_inv=None, bias=None, *, out_dtype=jnp.b
         a = gather_rows(a, a.ndim - kd)
     if a_mode != GemmScaleMode.TENSOR:
         use_split_accumulator = True  # block scales have the split accumulation only
-    algo_or_first = algo_is_default(algo, a.dtype, a_mode, bool(use_split_accumulator), out_dtype)
-    algo = resolve_algo(algo, a.dtype, a_mode, bool(use_split_accumulator), out_dtype)
+    algo, algo_or_first = resolve_algo_choice(algo, a.dtype, a_mode, bool(use_split_accumulator), out_dtype)
     # An f32 bias is one f32 add on the f32 output (the op's formula, fl(acc + bias), so the
     # same bits), left to XLA: it fuses into whatever consumes the output (a residual add, the
     # attention's scaling) instead of a pass of its own. cuBLASLt's FP8 bias epilogue takes no
@@ -1213,11 +1212,7 @@ def nvfp4_gemm(a, b, a_scale, b_scale, a_global_scale_inv, b_global_scale_inv, b
         bias = jnp.asarray(bias)
         if bias.shape != (b.shape[0],) or bias.dtype != out_dtype:
             raise ValueError(f"{op}: bias: expected {out_dtype} ({b.shape[0]},), got {bias.dtype}{bias.shape}")
-    algo_or_first = algo is None and not algo_from_env("nvfp4")  # as gemm's algo_is_default
-    if algo is None:
-        algo = kind_algo("nvfp4")
-    elif isinstance(algo, bool) or not isinstance(algo, (int, np.integer)) or not 0 <= algo < MAX_ALGO:
-        raise ValueError(f"{op}: algo: expected None or an index 0..{MAX_ALGO - 1}, got {algo!r}")
+    algo, algo_or_first = kind_algo("nvfp4") if algo is None else _checked_algo(op, algo)
     if a.shape[0] == 0 or b.shape[0] == 0 or k == 0:
         base = bias if bias.shape[0] else jnp.zeros((b.shape[0],), out_dtype)
         return jnp.broadcast_to(base, (a.shape[0], b.shape[0]))
