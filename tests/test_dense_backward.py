@@ -246,25 +246,22 @@ def test_unfused_ops_mark_library_default_indices(rng, monkeypatch):
     """The unfused primitives the op falls back to (allow_fused=False: a pure data-parallel
     mesh) pass the same algo_or_first as the fused op: true for DEFAULT_ALGO's indices, false
     for a kind the user sets."""
+    from test_gemm_algo import cuda_algo_or_first
     local = importlib.import_module("lowbit.ops.dense_backward")._local
     f8, f32 = jnp.float8_e4m3fn, jnp.float32
     dy = jnp.asarray(rng.standard_normal((512, 1024)), jnp.bfloat16)
     one = jnp.ones((1,), f32)
-    monkeypatch.setattr(importlib.import_module("lowbit._ffi"), "require_platform", lambda op, platform: None)
 
-    def attrs():
+    def attrs():  # a fresh function per trace: jit's trace cache does not see the variable
         fn = lambda dy: local(dy, jnp.ones((256, 512), f8), jnp.ones((256, 1024), f8), one, one, one, one,  # noqa: E731
                               q_code=5, dx_dtype=jnp.dtype(jnp.bfloat16), dk_dtype=jnp.dtype(f32), dbias=False,
                               dbias_dtype=None, allow_fused=False)
-        text = jax.jit(fn).trace(dy).lower(lowering_platforms=("cuda",)).as_text()
-        lines = [ln for ln in text.splitlines() if "custom_call @lowbit_gemm(" in ln]
-        return [(re.search(r"\balgo = (\d+)", ln).group(1), re.search(r"\balgo_or_first = (\w+)", ln).group(1))
-                for ln in lines]
+        return cuda_algo_or_first(monkeypatch, fn, dy)
 
     monkeypatch.delenv("LOWBIT_GEMM_ALGO", raising=False)
-    assert attrs() == [("0", "true"), ("0", "true")]
+    assert attrs() == [(0, True), (0, True)]
     monkeypatch.setenv("LOWBIT_GEMM_ALGO", "fp8_split_f32=2")
-    assert attrs() == [("0", "true"), ("2", "false")]
+    assert attrs() == [(0, True), (2, False)]
 
 
 def test_vmap_maps_the_op(rng):
