@@ -56,19 +56,63 @@ def assert_amax_equal(got, want):
 
 def assert_dbias_close(got, want, x, flatten_axis, accum_eps=2.0**-24):
     """dbias tolerance: one ulp of the output dtype (two fp32 sums rounded to it may land
-    on neighbours) plus the fp32 accumulation bound rows * 2^-24 * sum|x| per column."""
+    on neighbours) plus the fp32 accumulation bound rows * 2^-24 * sum|x| per column.
+    Overflow depends on the order too: a column may be +-inf on one side and finite on the
+    other only where its positive (negative) values sum to the output dtype's max within
+    that tolerance, so that some order of partial sums, or the rounding to the output
+    dtype, reaches +inf (-inf); NaN against a number only where both can (inf - inf)."""
     got64, want64 = np.asarray(got).astype(np.float64), np.asarray(want).astype(np.float64)
     assert got.dtype == want.dtype and got.shape == want.shape
-    np.testing.assert_array_equal(np.isnan(got64), np.isnan(want64))
-    np.testing.assert_array_equal(np.isinf(got64), np.isinf(want64))
-    finite = np.isfinite(want64)
     f = flatten_axis % x.ndim
-    xa = np.abs(np.asarray(x).astype(np.float64))
+    x64 = np.asarray(x).astype(np.float64)
+    x64 = np.where(np.isfinite(x64), x64, 0.0)
+    axes = tuple(range(f))
     rows = int(np.prod(x.shape[:f]))
-    bound = rows * accum_eps * np.sum(np.where(np.isfinite(xa), xa, 0.0), axis=tuple(range(f)))
+    bound = rows * accum_eps * np.sum(np.abs(x64), axis=axes)
     info = ml_dtypes.finfo(got.dtype)
-    tol = float(info.eps) * np.abs(want64) + bound + float(info.smallest_subnormal)
-    assert np.all(np.abs(got64[finite] - want64[finite]) <= tol[finite])
+    near = lambda v: float(info.eps) * np.abs(v) + bound + float(info.smallest_subnormal)  # noqa: E731
+    reaches = lambda v: v + near(v) >= float(info.max)  # noqa: E731
+    pos_inf_ok = reaches(np.sum(np.maximum(x64, 0.0), axis=axes))
+    neg_inf_ok = reaches(-np.sum(np.minimum(x64, 0.0), axis=axes))
+
+    def agree_or_overflow(a, b):
+        """a is NaN or inf where b is not: allowed only where overflow can make it so."""
+        odd = (np.isnan(a) & ~np.isnan(b)) | (np.isinf(a) & ~np.isinf(b) & ~np.isnan(b))
+        ok = np.where(np.isnan(a), pos_inf_ok & neg_inf_ok, np.where(a > 0, pos_inf_ok, neg_inf_ok))
+        bad = odd & ~ok
+        assert not bad.any(), (np.flatnonzero(bad), got64[bad], want64[bad])
+
+    agree_or_overflow(got64, want64)
+    agree_or_overflow(want64, got64)
+    both_inf = np.isinf(got64) & np.isinf(want64)
+    np.testing.assert_array_equal(got64[both_inf], want64[both_inf])
+    finite = np.isfinite(want64) & np.isfinite(got64)
+    assert np.all(np.abs(got64[finite] - want64[finite]) <= near(want64)[finite])
+
+
+def test_dbias_tolerance_takes_inf_for_max_only_near_the_max():
+    """The helper above: +-inf against +-max (a sum that rounded or overflowed either way) is
+    accepted, and so are inf and NaN where partial sums can overflow; inf against a value
+    far from the max, of the other sign, or NaN where only one side can overflow, is not."""
+    bf16 = ml_dtypes.bfloat16
+    big = float(ml_dtypes.finfo(bf16).max)
+    x = np.array([[big / 2, 1.0], [big / 2, 2.0]], bf16)
+    want = np.array([big, 3.0], bf16)
+    assert_dbias_close(np.array([np.inf, 3.0], bf16), want, x, -1)
+    assert_dbias_close(want, np.array([np.inf, 3.0], bf16), x, -1)
+    for got in ([-np.inf, 3.0], [big, np.inf], [big, 4.0], [np.nan, 3.0], [big, np.nan]):
+        with pytest.raises(AssertionError):
+            assert_dbias_close(np.array(got, bf16), want, x, -1)
+    # fp32 partial sums: 0.75 max + 0.75 max overflows before -0.75 max comes in, in some order
+    m = float(np.finfo(np.float32).max)
+    x = np.array([[0.75 * m], [0.75 * m], [-0.75 * m]], np.float32)
+    want = np.array([0.75 * m], np.float32)
+    assert_dbias_close(np.array([np.inf], np.float32), want, x, -1)
+    for got in ([-np.inf], [np.nan]):
+        with pytest.raises(AssertionError):
+            assert_dbias_close(np.array(got, np.float32), want, x, -1)
+    x = np.array([[m], [m], [-m], [-m]], np.float32)
+    assert_dbias_close(np.array([np.nan], np.float32), np.array([0.0], np.float32), x, -1)
 
 
 def check_all(out, ref, x, flatten_axis, rowwise=True, colwise=True, dbias=True):
