@@ -60,7 +60,8 @@ def assert_dbias_close(got, want, x, flatten_axis, accum_eps=2.0**-24):
     Overflow depends on the order too: a column may be +-inf on one side and finite on the
     other only where its positive (negative) values sum to the output dtype's max within
     that tolerance, so that some order of partial sums, or the rounding to the output
-    dtype, reaches +inf (-inf); NaN against a number only where both can (inf - inf)."""
+    dtype, reaches +inf (-inf); NaN against a number, or +inf against -inf, only where both
+    can (inf - inf)."""
     got64, want64 = np.asarray(got).astype(np.float64), np.asarray(want).astype(np.float64)
     assert got.dtype == want.dtype and got.shape == want.shape
     f = flatten_axis % x.ndim
@@ -84,13 +85,13 @@ def assert_dbias_close(got, want, x, flatten_axis, accum_eps=2.0**-24):
 
     agree_or_overflow(got64, want64)
     agree_or_overflow(want64, got64)
-    both_inf = np.isinf(got64) & np.isinf(want64)
-    np.testing.assert_array_equal(got64[both_inf], want64[both_inf])
+    flipped = np.isinf(got64) & np.isinf(want64) & (got64 != want64)
+    assert not (flipped & ~(pos_inf_ok & neg_inf_ok)).any(), (got64[flipped], want64[flipped])
     finite = np.isfinite(want64) & np.isfinite(got64)
     assert np.all(np.abs(got64[finite] - want64[finite]) <= near(want64)[finite])
 
 
-def test_dbias_tolerance_takes_inf_for_max_only_near_the_max():
+def test_dbias_tolerance_takes_inf_and_nan_only_where_a_sum_can_overflow():
     """The helper above: +-inf against +-max (a sum that rounded or overflowed either way) is
     accepted, and so are inf and NaN where partial sums can overflow; inf against a value
     far from the max, of the other sign, or NaN where only one side can overflow, is not."""
@@ -113,6 +114,10 @@ def test_dbias_tolerance_takes_inf_for_max_only_near_the_max():
             assert_dbias_close(np.array(got, np.float32), want, x, -1)
     x = np.array([[m], [m], [-m], [-m]], np.float32)
     assert_dbias_close(np.array([np.nan], np.float32), np.array([0.0], np.float32), x, -1)
+    assert_dbias_close(np.array([-np.inf], np.float32), np.array([np.inf], np.float32), x, -1)
+    with pytest.raises(AssertionError):
+        assert_dbias_close(np.array([-np.inf, -np.inf], bf16), np.array([np.inf, np.inf], bf16),
+                           np.array([[big / 2, 1.0], [big / 2, 2.0]], bf16), -1)
 
 
 def check_all(out, ref, x, flatten_axis, rowwise=True, colwise=True, dbias=True):
