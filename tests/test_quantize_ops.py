@@ -78,7 +78,7 @@ def assert_dbias_close(got, want, x, flatten_axis, accum_eps=2.0**-24):
 
     def agree_or_overflow(a, b):
         """a is NaN or inf where b is not: allowed only where overflow can make it so."""
-        odd = (np.isnan(a) & ~np.isnan(b)) | (np.isinf(a) & ~np.isinf(b) & ~np.isnan(b))
+        odd = (np.isnan(a) & ~np.isnan(b)) | (np.isinf(a) & np.isfinite(b))
         ok = np.where(np.isnan(a), pos_inf_ok & neg_inf_ok, np.where(a > 0, pos_inf_ok, neg_inf_ok))
         bad = odd & ~ok
         assert not bad.any(), (np.flatnonzero(bad), got64[bad], want64[bad])
