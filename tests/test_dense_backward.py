@@ -14,6 +14,7 @@ dbias, the state) exactly.
 from __future__ import annotations
 
 import importlib
+import math
 import re
 from functools import partial
 
@@ -36,14 +37,17 @@ gemm_mod = importlib.import_module("lowbit.ops.gemm")
 
 # (x shape, features): (m, n, k) = (prod(x.shape[:-1]), features, x.shape[-1]).
 # The first is the seed Dense's proportions scaled down (m = 2k, n = 4k: 8 slices), the
-# second takes 2 slices, the third has three batch dims (m = k, 8 slices). A bf16 (2-byte)
-# dk fits dy's rowwise copy only where m <= k: the last two.
+# second takes 2 slices, the third has three batch dims (m = k, 8 slices), the fourth puts
+# dy's rowwise segment boundary (row k = 320) inside a quantize tile (the CUDA kernel's 128-
+# and 256-row tiles: the rows past it take the next segment's place) and has two unequal
+# segments (the dgrad as one GEMM each). A bf16 (2-byte) dk fits dy's rowwise copy only where
+# m <= k: the second and third.
 # Relative error of lowbit's FP8 GEMMs: the CPU sums in fp32 in k order; Hopper's FP8 tensor
 # cores keep fewer bits inside each accumulation chunk even with the split accumulator (two
 # cuBLASLt algorithms for one product measured 1.0e-4 apart on an H200), as in test_dense.py.
 GEMM_TOL = 1e-5 if jax.default_backend() == "cpu" else 5e-4
 
-SHAPES = [((2, 256, 256), 1024), ((512, 512), 1024), ((2, 2, 64, 256), 1024)]
+SHAPES = [((2, 256, 256), 1024), ((512, 512), 1024), ((2, 2, 64, 256), 1024), ((512, 320), 1024)]
 
 
 def step(x, kernel, bias, qs, dy):
@@ -93,7 +97,7 @@ def assert_trees_equal(a, b):
 def test_fused_equals_unfused_bit_for_bit(monkeypatch, rng, x_shape, features, recipe, dtype, k_dtype, use_bias):
     if jax.default_backend() != "cpu":
         pytest.skip("bit-exact on the CPU references; the GPU comparison is test_cuda_fused_matches_unfused")
-    if k_dtype == jnp.bfloat16 and x_shape == SHAPES[0][0]:
+    if k_dtype == jnp.bfloat16 and math.prod(x_shape[:-1]) > x_shape[-1]:
         pytest.skip("m > k: no placement for a bf16 dk (test_applies_only_where_it_should)")
     x, kernel, bias, dy = inputs(rng, x_shape, features, dtype, k_dtype, use_bias)
     qs = QuantizerFactory.create_set(recipe)

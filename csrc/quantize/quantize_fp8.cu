@@ -152,6 +152,24 @@ Status LaunchQuantize(const QuantizeFp8Args& a, void* workspace, GpuStream strea
     return Status::InvalidArgument(std::string(kQuantizeOp) + ": placement: needs both copies, 16-byte aligned x "
                                    "and cols a multiple of " + std::to_string(kVec));
   }
+  // The placed kernel's index arithmetic (SlicedPlace, quantize.h): rows, cols and the segment
+  // and slice heights below 2^31, whole tiles of columns per slice, at most the table's slices.
+  if (a.placement != nullptr) {
+    const Fp8CopyPlacement& pl = *a.placement;
+    const bool ok = a.rows < int64_t(INT32_MAX) && a.cols < int64_t(INT32_MAX) && pl.row_segment_rows > 0 &&
+                    pl.row_segment_rows < int64_t(INT32_MAX) && pl.slice_rows > 0 &&
+                    pl.slice_rows < int64_t(INT32_MAX) && pl.slice_rows % kQuantizeTileCols == 0 &&
+                    (a.cols + pl.slice_rows - 1) / pl.slice_rows <= kFp8PlacementMaxSlices;
+    if (!ok) {
+      return Status::InvalidArgument(std::string(kQuantizeOp) + ": placement: rows and cols must be below 2^31, "
+                                     "row_segment_rows positive and below 2^31, slice_rows a multiple of " +
+                                     std::to_string(kQuantizeTileCols) + " covering cols in at most " +
+                                     std::to_string(kFp8PlacementMaxSlices) + " slices (got rows " +
+                                     std::to_string(a.rows) + ", cols " + std::to_string(a.cols) +
+                                     ", row_segment_rows " + std::to_string(pl.row_segment_rows) + ", slice_rows " +
+                                     std::to_string(pl.slice_rows) + ")");
+    }
+  }
   const Status launched =
       a.placement != nullptr  // placed copies (dense_backward.h): vectorized x only
           ? LaunchTiledVariant<Tag, Fmt, true>(kQuantizeOp, a, partials, OneTensor{}, variant, stream, &tile_height,

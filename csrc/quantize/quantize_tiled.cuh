@@ -22,6 +22,7 @@
 
 #include <cuda_runtime.h>
 
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -30,6 +31,7 @@
 #include "common/cp_async.cuh"
 #include "common/cuda_check.h"
 #include "common/element.h"
+#include "common/fast_div.h"
 #include "common/reduce.cuh"
 #include "quantize/fp8_codec.h"
 #include "quantize/fp8_cvt.cuh"
@@ -45,26 +47,57 @@ struct OneTensor {
   int SmemBytes() const { return 0; }
 };
 
+// Where one tile's rows of a copy go: tile row i (0-based) at base + i * pitch while i < limit;
+// rows at or past limit (a tile that crosses a placement's row segment) through Row().
+// Computed once per tile, so that a row's address is one multiply-add: the per-row (and
+// per-column) divisions this replaced cost the placed dy quantize of the seed Dense a fifth of
+// its instructions (~200 of ~960 per warp and tile, Nsight Compute on an H200, 2026-11-28).
+struct TileRows {
+  uint8_t* base;
+  int64_t pitch;
+  int64_t limit;
+};
+
 // Rowwise row r and colwise row c of the dense layouts (rows x cols and cols x rows).
 struct DensePlace {
   __device__ __forceinline__ uint8_t* Row(uint8_t* rowwise, int64_t r, int64_t cols) const {
     return rowwise + r * cols;
   }
-  __device__ __forceinline__ uint8_t* Col(uint8_t* colwise, int64_t c, int64_t rows) const {
-    return colwise + c * rows;
+  // Rowwise rows of the tile at (r0, c0), from its column c0 on.
+  __device__ __forceinline__ TileRows RowsOf(uint8_t* rowwise, int64_t r0, int64_t c0, int64_t cols) const {
+    return {rowwise + r0 * cols + c0, cols, INT64_MAX};
+  }
+  // Colwise rows c0 .. c0 + 127 (the tile's columns), from their byte r0 on.
+  __device__ __forceinline__ TileRows ColsOf(uint8_t* colwise, int64_t c0, int64_t r0, int64_t rows) const {
+    return {colwise + c0 * rows + r0, rows, INT64_MAX};
   }
 };
 
-// The rows where an Fp8CopyPlacement puts them (quantize.h; 32-bit index arithmetic).
+// The rows where an Fp8CopyPlacement puts them (quantize.h; 32-bit index arithmetic, the
+// divisions by the segment and slice heights as FastDivU32, built on the host). The
+// launcher checks that slice_rows is a multiple of the tile width, so a tile's 128 colwise
+// rows lie in one slice.
 struct SlicedPlace {
   Fp8CopyPlacement p;
+  FastDivU32 segment_of, slice_of;  // by p.row_segment_rows, by p.slice_rows
+
+  explicit SlicedPlace(const Fp8CopyPlacement& placement)
+      : p(placement), segment_of(uint32_t(placement.row_segment_rows)), slice_of(uint32_t(placement.slice_rows)) {}
+
   __device__ __forceinline__ uint8_t* Row(uint8_t* rowwise, int64_t r, int64_t) const {
-    const uint32_t seg = uint32_t(r) / uint32_t(p.row_segment_rows);
+    const uint32_t seg = segment_of.Div(uint32_t(r));
     return rowwise + (int64_t(r) - int64_t(seg) * p.row_segment_rows) * p.row_pitch + int64_t(seg) * p.row_segment_stride;
   }
-  __device__ __forceinline__ uint8_t* Col(uint8_t*, int64_t c, int64_t) const {
-    const uint32_t slice = uint32_t(c) / uint32_t(p.slice_rows);
-    return p.slice_base[slice] + (c - int64_t(slice) * p.slice_rows) * p.slice_pitch[slice];
+  __device__ __forceinline__ TileRows RowsOf(uint8_t* rowwise, int64_t r0, int64_t c0, int64_t) const {
+    const uint32_t seg = segment_of.Div(uint32_t(r0));
+    const int64_t first = r0 - int64_t(seg) * p.row_segment_rows;  // r0's row inside its segment
+    return {rowwise + first * p.row_pitch + int64_t(seg) * p.row_segment_stride + c0, p.row_pitch,
+            p.row_segment_rows - first};
+  }
+  __device__ __forceinline__ TileRows ColsOf(uint8_t*, int64_t c0, int64_t r0, int64_t) const {
+    const uint32_t slice = slice_of.Div(uint32_t(c0));
+    const int64_t pitch = p.slice_pitch[slice];
+    return {p.slice_base[slice] + (c0 - int64_t(slice) * p.slice_rows) * pitch + r0, pitch, INT64_MAX};
   }
 };
 
@@ -252,13 +285,14 @@ struct TileOrigin {
 // band > 0: bands of `band` tile rows, column-major inside a band, so the tiles in flight
 // at one time cover `band` tile rows x (blocks / band) tile columns: longer contiguous
 // colwise segments (band * kRows bytes per colwise row), shorter rowwise ones.
+// by_cols: division by tiles_c (the default order's one division per tile, as a multiply).
 template <int kRows>
-__device__ __forceinline__ TileOrigin TileAt(uint32_t t, uint32_t tiles_r, uint32_t tiles_c, uint32_t band,
-                                             int64_t rows, int64_t cols) {
+__device__ __forceinline__ TileOrigin TileAt(uint32_t t, uint32_t tiles_r, uint32_t tiles_c, const FastDivU32& by_cols,
+                                             uint32_t band, int64_t rows, int64_t cols) {
   uint32_t tr, tc;
   if (band == 0) {
-    tr = t / tiles_c;
-    tc = t % tiles_c;
+    tr = by_cols.Div(t);
+    tc = t - tr * tiles_c;
   } else {
     const uint32_t b = t / (band * tiles_c), local = t - b * band * tiles_c;
     const uint32_t height = min(band, tiles_r - b * band);
@@ -305,7 +339,8 @@ __global__ void __launch_bounds__(TileShape<typename Tag::Storage, kRows, kStage
   const uint32_t tiles_r = uint32_t((rows + kRows - 1) / kRows);
   const uint32_t tiles = tiles_r * tiles_c;
   band = min(band, tiles_r);  // then band * tiles_c <= tiles
-  auto tile_at = [&](uint32_t t) { return TileAt<kRows>(t, tiles_r, tiles_c, band, rows, cols); };
+  const FastDivU32 by_cols(tiles_c);
+  auto tile_at = [&](uint32_t t) { return TileAt<kRows>(t, tiles_r, tiles_c, by_cols, band, rows, cols); };
   auto load = [&](uint32_t t, int stage) {
     const TileOrigin o = tile_at(t);
     LoadTile<T, kRows, kStages, kVectorIO>(x + o.r0 * cols + o.c0, cols, o.rows_left, o.cols_left,
@@ -352,12 +387,21 @@ __global__ void __launch_bounds__(TileShape<typename Tag::Storage, kRows, kStage
         uint32_t lo[4], hi[4];  // column j: rows row8..+3 in lo[j], row8+4..+7 in hi[j]
         Transpose4x4Bytes(w[0], w[1], w[2], w[3], lo);
         Transpose4x4Bytes(w[4], w[5], w[6], w[7], hi);
+        // The tile's colwise rows (one per column), from byte r0 on; where the tile is whole
+        // and they are 8-byte aligned, plain 8-byte stores (the same for every thread).
+        const TileRows cw = place.ColsOf(colwise, prev.c0, prev.r0, rows);
+        const bool whole = prev.rows_left == kRows &&
+                           ((reinterpret_cast<uintptr_t>(cw.base) | uintptr_t(cw.pitch)) & 7) == 0;
         if (row8 < prev.rows_left) {
 #pragma unroll
           for (int j = 0; j < kTransposeCols; ++j) {  // colwise row c0 + col4 + j, from row r0 + row8
             if (col4 + j < prev.cols_left) {
-              StoreCodes8(place.Col(colwise, prev.c0 + col4 + j, rows) + prev.r0 + row8, lo[j], hi[j],
-                          prev.rows_left - row8);
+              uint8_t* dst = cw.base + (col4 + j) * cw.pitch + row8;
+              if (whole) {
+                *reinterpret_cast<uint2*>(dst) = make_uint2(lo[j], hi[j]);
+              } else {
+                StoreCodes8(dst, lo[j], hi[j], prev.rows_left - row8);
+              }
             }
           }
         }
@@ -380,6 +424,10 @@ __global__ void __launch_bounds__(TileShape<typename Tag::Storage, kRows, kStage
     // 3. Encode tile i: thread -> 16 consecutive values of rows t / 8 and t / 8 + kRows / 2;
     //    amax, rowwise codes (16-byte stores), codes into shared memory for step i + 1.
     const int enc_chunk = threadIdx.x % kEncodeThreadsPerRow;
+    // The tile's rowwise rows; plain 16-byte stores where the tile is whole and they are aligned.
+    const TileRows rw = rowwise != nullptr ? place.RowsOf(rowwise, cur.r0, cur.c0, cols) : TileRows{nullptr, 0, 0};
+    const bool rw_whole = cur.cols_left == kTileCols &&
+                          ((reinterpret_cast<uintptr_t>(rw.base) | uintptr_t(rw.pitch)) & 15) == 0;
 #pragma unroll 1
     for (int p = 0; p < 2; ++p) {
       const int local_row = p * Shape::kEncodeRowsPerPass + threadIdx.x / kEncodeThreadsPerRow;
@@ -417,8 +465,17 @@ __global__ void __launch_bounds__(TileShape<typename Tag::Storage, kRows, kStage
         if (row_group < 0) words[0] = words[1] = words[2] = words[3] = 0;
       }
       if (rowwise != nullptr && local_row < cur.rows_left) {
-        StoreCodes16(place.Row(rowwise, cur.r0 + local_row, cols) + cur.c0 + enc_chunk * kEncodeCols, words,
-                     cur.cols_left - enc_chunk * kEncodeCols);
+        if (local_row < rw.limit) {
+          uint8_t* dst = rw.base + local_row * rw.pitch + enc_chunk * kEncodeCols;
+          if (rw_whole) {
+            *reinterpret_cast<uint4*>(dst) = make_uint4(words[0], words[1], words[2], words[3]);
+          } else {
+            StoreCodes16(dst, words, cur.cols_left - enc_chunk * kEncodeCols);
+          }
+        } else {  // past a placement's row segment: a row of the next one
+          StoreCodes16(place.Row(rowwise, cur.r0 + local_row, cols) + cur.c0 + enc_chunk * kEncodeCols, words,
+                       cur.cols_left - enc_chunk * kEncodeCols);
+        }
       }
       if (colwise != nullptr) {
         *reinterpret_cast<uint4*>(tile_codes + local_row * kTileCols + CodesSlot(local_row, enc_chunk) * 16) =
