@@ -10,7 +10,9 @@ Opt-in: block (the plain FP8 1x128, 128x128 and MXFP8 quantizers, both copies, 1
 bf16; kernels -k regex:TileKernel); grouped_block (quantize_grouped_block, colwise + rowwise, 64 skewed groups, MXFP8 and
 FP8 1x128 / 128x128; kernels -k regex:'TileKernel|GroupTable'); fused_block (gelu and layernorm
 fused with MXFP8 and FP8 1x128 quantization, beside the plain block quantizers of the same
-shape: bench/bench_fused_block.py's cases; kernels -k regex:'TileKernel|Stats').
+shape: bench/bench_fused_block.py's cases; kernels -k regex:'TileKernel|Stats'); dense_step (the seed
+Dense step, fused backward then LOWBIT_DENSE_BACKWARD=unfused, two steps each, after a bf16
+x * 2 over dy's 16384 x 32768 as the copy to compare with: kernels -k regex:'QuantizeTiled|multiply').
 """
 
 from __future__ import annotations
@@ -86,6 +88,20 @@ def main(ops):
             run(lambda v, m=mx: act_quantize_block(v, "gelu", mxfp8=m, colwise=True), x)
             mu, rs = jax.jit(norm_stats)(x, gamma, beta)
             run(lambda v, a, b, m=mx: norm_quantize_block(v, gamma, beta, a, b, mxfp8=m, colwise=True), x, mu, rs)
+    if "dense_step" in ops:
+        import os
+
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import trace_step
+        from lowbit.dense import DENSE_BACKWARD_ENV
+
+        run(lambda v: v * 2, normal((16384, 32768)))
+        for mode in ("fused", "unfused"):
+            os.environ[DENSE_BACKWARD_ENV] = mode  # read when the step is traced
+            step, args = trace_step.build("dense", "module_delayed")
+            jax.block_until_ready(step(*args))
+            jax.block_until_ready(step(*args))
+        os.environ.pop(DENSE_BACKWARD_ENV)
     if "softmax" in ops:
         x = normal((2, 16, 2048, 2048))
         run(lambda v: lowbit.ops.softmax_forward(v, None, 0.125), x)
