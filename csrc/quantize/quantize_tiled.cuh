@@ -48,7 +48,8 @@ struct OneTensor {
 };
 
 // Where one tile's rows of a copy go: tile row i (0-based) at base + i * pitch while i < limit;
-// rows at or past limit (a tile that crosses a placement's row segment) through Row().
+// a row at or past limit (a tile that crosses a placement's row segment) is the first row of
+// its own RowsOf.
 // Computed once per tile, so that a row's address is one multiply-add: the per-row (and
 // per-column) divisions this replaced cost the placed dy quantize of the seed Dense a fifth of
 // its instructions (~200 of ~960 per warp and tile, Nsight Compute on an H200, 2026-11-28).
@@ -60,9 +61,6 @@ struct TileRows {
 
 // Rowwise row r and colwise row c of the dense layouts (rows x cols and cols x rows).
 struct DensePlace {
-  __device__ __forceinline__ uint8_t* Row(uint8_t* rowwise, int64_t r, int64_t cols) const {
-    return rowwise + r * cols;
-  }
   // Rowwise rows of the tile at (r0, c0), from its column c0 on.
   __device__ __forceinline__ TileRows RowsOf(uint8_t* rowwise, int64_t r0, int64_t c0, int64_t cols) const {
     return {rowwise + r0 * cols + c0, cols, INT64_MAX};
@@ -84,10 +82,6 @@ struct SlicedPlace {
   explicit SlicedPlace(const Fp8CopyPlacement& placement)
       : p(placement), segment_of(uint32_t(placement.row_segment_rows)), slice_of(uint32_t(placement.slice_rows)) {}
 
-  __device__ __forceinline__ uint8_t* Row(uint8_t* rowwise, int64_t r, int64_t) const {
-    const uint32_t seg = segment_of.Div(uint32_t(r));
-    return rowwise + (int64_t(r) - int64_t(seg) * p.row_segment_rows) * p.row_pitch + int64_t(seg) * p.row_segment_stride;
-  }
   __device__ __forceinline__ TileRows RowsOf(uint8_t* rowwise, int64_t r0, int64_t c0, int64_t) const {
     const uint32_t seg = segment_of.Div(uint32_t(r0));
     const int64_t first = r0 - int64_t(seg) * p.row_segment_rows;  // r0's row inside its segment
@@ -465,6 +459,8 @@ __global__ void __launch_bounds__(TileShape<typename Tag::Storage, kRows, kStage
         if (row_group < 0) words[0] = words[1] = words[2] = words[3] = 0;
       }
       if (rowwise != nullptr && local_row < cur.rows_left) {
+        // Two store sites: folding them into one (the address chosen first) cost the kernels
+        // 2-2.5% more instructions at the same times (Nsight Compute, H200, 2026-11-28).
         if (local_row < rw.limit) {
           uint8_t* dst = rw.base + local_row * rw.pitch + enc_chunk * kEncodeCols;
           if (rw_whole) {
@@ -472,8 +468,8 @@ __global__ void __launch_bounds__(TileShape<typename Tag::Storage, kRows, kStage
           } else {
             StoreCodes16(dst, words, cur.cols_left - enc_chunk * kEncodeCols);
           }
-        } else {  // past a placement's row segment: a row of the next one
-          StoreCodes16(place.Row(rowwise, cur.r0 + local_row, cols) + cur.c0 + enc_chunk * kEncodeCols, words,
+        } else {  // past a placement's row segment: the first row of its own RowsOf
+          StoreCodes16(place.RowsOf(rowwise, cur.r0 + local_row, cur.c0, cols).base + enc_chunk * kEncodeCols, words,
                        cur.cols_left - enc_chunk * kEncodeCols);
         }
       }
