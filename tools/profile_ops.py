@@ -12,7 +12,8 @@ FP8 1x128 / 128x128; kernels -k regex:'TileKernel|GroupTable'); fused_block (gel
 fused with MXFP8 and FP8 1x128 quantization, beside the plain block quantizers of the same
 shape: bench/bench_fused_block.py's cases; kernels -k regex:'TileKernel|Stats'); dense_step (the seed
 Dense step, fused backward then LOWBIT_DENSE_BACKWARD=unfused, two steps each, after a bf16
-x * 2 over dy's 16384 x 32768 as the copy to compare with: kernels -k regex:'QuantizeTiled|multiply').
+x * 2 over dy's 16384 x 32768 as the copy to compare with: kernels -k regex:'QuantizeTiled|multiply'); block_step
+(the same with Float8BlockScaling, two steps after the copy: kernels -k regex:'TileKernel|multiply').
 """
 
 from __future__ import annotations
@@ -102,6 +103,16 @@ def main(ops):
             jax.block_until_ready(step(*args))
             jax.block_until_ready(step(*args))
         os.environ.pop(DENSE_BACKWARD_ENV)
+    if "block_step" in ops:
+        import os
+
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import trace_step
+
+        run(lambda v: v * 2, normal((16384, 32768)))
+        step, args = trace_step.build("dense", "module_block")
+        jax.block_until_ready(step(*args))
+        jax.block_until_ready(step(*args))
     if "softmax" in ops:
         x = normal((2, 16, 2048, 2048))
         run(lambda v: lowbit.ops.softmax_forward(v, None, 0.125), x)
