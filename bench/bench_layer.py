@@ -3,7 +3,9 @@ examples/te_integration_layer.py) forward+backward, side by side in one run: bf1
 Flax's FP8 (`Fp8DirectDotGeneralOp` in every Dense), lowbit per recipe through the seed's
 `dot_general` drop-in (`lowbit_*`), and the same layer built from lowbit's fused modules
 (`fused_*`: examples/fused_layer.py, the same params mapped over; `fused_delayed_fast_bwd` with
-the backward GEMMs at fast accumulation, not the default numerics). Prints time, ratio to bf16
+the backward GEMMs at fast accumulation, not the default numerics). `*_block` is
+Float8BlockScaling (1x128 activations and gradients, 128x128 weights) beside the per-tensor
+recipes in the same run. Prints time, ratio to bf16
 and to Flax's FP8, and the compiled step's peak memory. The variants are timed round-robin
 (common.time_steps: an H100 at its power cap runs a step at a speed that depends on how hot
 the card is).
@@ -32,15 +34,17 @@ from fused_layer import FusedTransformerLayer, from_flax_params  # noqa: E402
 from te_integration_layer import FlaxTransformerLayer  # noqa: E402
 
 import lowbit  # noqa: E402
-from lowbit.recipe import DelayedScaling, Float8CurrentScaling  # noqa: E402
+from lowbit.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling  # noqa: E402
 
 VARIANTS = {
     "bf16": lambda: None,
     "flax_fp8": lambda: nn.Fp8DirectDotGeneralOp(),
     "lowbit_delayed": lowbit.flax.make_dot_general_cls(DelayedScaling()),
     "lowbit_current": lowbit.flax.make_dot_general_cls(Float8CurrentScaling()),
+    "lowbit_block": lowbit.flax.make_dot_general_cls(Float8BlockScaling()),
 }
 FUSED_VARIANTS = {"fused_delayed": DelayedScaling, "fused_current": Float8CurrentScaling,
+                  "fused_block": Float8BlockScaling,
                   "fused_delayed_fast_bwd": lambda: DelayedScaling(**common.FAST_BWD)}
 
 
