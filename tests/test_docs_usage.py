@@ -34,6 +34,7 @@ def test_usage_page_blocks_run_in_order():
     sys.modules[module.__name__] = module
     try:
         with warnings.catch_warnings():
+            warnings.simplefilter("error", DeprecationWarning)  # the page shows current APIs
             warnings.simplefilter("ignore", UserWarning)  # the emulation notices (NVFP4, the CPU)
             for i, block in enumerate(blocks):
                 try:
