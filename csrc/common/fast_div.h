@@ -10,11 +10,7 @@
 
 #include <cstdint>
 
-#if defined(__CUDACC__)
-#define LOWBIT_HOST_DEVICE __host__ __device__
-#else
-#define LOWBIT_HOST_DEVICE
-#endif
+#include "common/host_device.h"
 
 namespace lowbit {
 
@@ -23,7 +19,7 @@ struct FastDivU32 {
 
   FastDivU32() = default;
   // divisor 0 is taken as 1 (callers divide only where the divisor is positive).
-  LOWBIT_HOST_DEVICE explicit FastDivU32(uint32_t divisor) : d(divisor == 0 ? 1 : divisor) {
+  LOWBIT_HD explicit FastDivU32(uint32_t divisor) : d(divisor == 0 ? 1 : divisor) {
     uint32_t l = 0;
     while ((uint64_t(1) << l) < d) ++l;
     mul = uint32_t(((uint64_t(1) << 32) * ((uint64_t(1) << l) - d)) / d + 1);
@@ -31,7 +27,7 @@ struct FastDivU32 {
     sh2 = l > 0 ? l - 1 : 0;
   }
 
-  LOWBIT_HOST_DEVICE uint32_t Div(uint32_t n) const {
+  LOWBIT_HD uint32_t Div(uint32_t n) const {
 #if defined(__CUDA_ARCH__)
     const uint32_t t = __umulhi(n, mul);
 #else

@@ -19,11 +19,7 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__CUDACC__)
-#define LOWBIT_HD __host__ __device__ __forceinline__
-#else
-#define LOWBIT_HD inline
-#endif
+#include "common/host_device.h"
 
 namespace lowbit {
 
