@@ -21,6 +21,7 @@ the card's copy speed (bench/results/quantize_kernel_experiments_NVIDIA_H200_202
 
 from __future__ import annotations
 
+import os
 import sys
 
 import jax
@@ -35,6 +36,24 @@ def run(f, *args):
     g = jax.jit(f)
     jax.block_until_ready(g(*args))  # compile + first run
     jax.block_until_ready(g(*args))
+
+
+def dense_steps(variant: str, copy_input, backward_modes=(None,)):
+    """A bf16 x * 2 over copy_input (dy's 16384 x 32768), then two steps of tools/trace_step.py's
+    seed Dense `variant` per LOWBIT_DENSE_BACKWARD mode (None: unset), in that order."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import trace_step
+    from lowbit.dense import DENSE_BACKWARD_ENV
+
+    run(lambda v: v * 2, copy_input)
+    for mode in backward_modes:
+        if mode is not None:
+            os.environ[DENSE_BACKWARD_ENV] = mode  # read when the step is traced
+        step, args = trace_step.build("dense", variant)
+        jax.block_until_ready(step(*args))
+        jax.block_until_ready(step(*args))
+        if mode is not None:
+            os.environ.pop(DENSE_BACKWARD_ENV)
 
 
 def main(ops):
@@ -93,29 +112,9 @@ def main(ops):
             mu, rs = jax.jit(norm_stats)(x, gamma, beta)
             run(lambda v, a, b, m=mx: norm_quantize_block(v, gamma, beta, a, b, mxfp8=m, colwise=True), x, mu, rs)
     if "dense_step" in ops:
-        import os
-
-        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-        import trace_step
-        from lowbit.dense import DENSE_BACKWARD_ENV
-
-        run(lambda v: v * 2, normal((16384, 32768)))
-        for mode in ("fused", "unfused"):
-            os.environ[DENSE_BACKWARD_ENV] = mode  # read when the step is traced
-            step, args = trace_step.build("dense", "module_delayed")
-            jax.block_until_ready(step(*args))
-            jax.block_until_ready(step(*args))
-        os.environ.pop(DENSE_BACKWARD_ENV)
+        dense_steps("module_delayed", normal((16384, 32768)), backward_modes=("fused", "unfused"))
     if "block_step" in ops:
-        import os
-
-        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-        import trace_step
-
-        run(lambda v: v * 2, normal((16384, 32768)))
-        step, args = trace_step.build("dense", "module_block")
-        jax.block_until_ready(step(*args))
-        jax.block_until_ready(step(*args))
+        dense_steps("module_block", normal((16384, 32768)))
     if "softmax" in ops:
         x = normal((2, 16, 2048, 2048))
         run(lambda v: lowbit.ops.softmax_forward(v, None, 0.125), x)
