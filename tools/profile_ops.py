@@ -7,7 +7,7 @@
 OPS (default all): quantize norm act softmax. Each op runs twice after compilation (the
 profiler then sees two launches of each kernel); nothing is timed here (bench/ does that).
 Opt-in: block (the plain FP8 1x128, 128x128 and MXFP8 quantizers, both copies, 16384x8192
-bf16; kernels -k regex:TileKernel); grouped_block (quantize_grouped_block, colwise + rowwise, 64 skewed groups, MXFP8 and
+bf16, then 1x128 and MXFP8 with dbias; kernels -k regex:TileKernel); grouped_block (quantize_grouped_block, colwise + rowwise, 64 skewed groups, MXFP8 and
 FP8 1x128 / 128x128; kernels -k regex:'TileKernel|GroupTable'); fused_block (gelu and layernorm
 fused with MXFP8 and FP8 1x128 quantization, beside the plain block quantizers of the same
 shape: bench/bench_fused_block.py's cases; kernels -k regex:'TileKernel|Stats'); dense_step (the seed
@@ -98,6 +98,9 @@ def main(ops):
         run(lambda v: quantize_fp8_block(v, rowwise=True, colwise=True), x)
         run(lambda v: quantize_fp8_block(v, tile_2d=True, rowwise=True, colwise=True), x)
         run(lambda v: quantize_mxfp8(v, rowwise=True, colwise=True), x)
+        # the dbias forms (a gradient's quantize): their column sums cost registers
+        run(lambda v: quantize_fp8_block(v, rowwise=True, colwise=True, compute_dbias=True), x)
+        run(lambda v: quantize_mxfp8(v, rowwise=True, colwise=True, compute_dbias=True), x)
     if "fused_block" in ops:
         from lowbit.ops.fused_block import act_quantize_block, norm_quantize_block, norm_stats
         from lowbit.ops.quantize_block import quantize_fp8_block, quantize_mxfp8
