@@ -54,63 +54,65 @@ Status CheckCopy(const char* data_arg, const char* scale_arg, const char* global
 // Validates the call and fills *out. The RHT sign word stays where it is: read here on the
 // CPU, by the kernels on the GPU. An empty x is passed on (only the global scales are written).
 Status ParseArgs(ffi::AnyBuffer x, ffi::AnyBuffer random, ffi::AnyBuffer rht_sign_bits,
-                         ffi::Result<ffi::AnyBuffer> rowwise, ffi::Result<ffi::AnyBuffer> rowwise_scale,
-                         ffi::Result<ffi::AnyBuffer> rowwise_global_scale_inv,
-                         ffi::Result<ffi::AnyBuffer> colwise, ffi::Result<ffi::AnyBuffer> colwise_scale,
-                         ffi::Result<ffi::AnyBuffer> colwise_global_scale_inv, int32_t flatten_axis,
-                         bool tile_2d, bool rht, QuantizeNvfp4Args* out) {
+                 ffi::Result<ffi::AnyBuffer> rowwise, ffi::Result<ffi::AnyBuffer> rowwise_scale,
+                 ffi::Result<ffi::AnyBuffer> rowwise_global_scale_inv,
+                 ffi::Result<ffi::AnyBuffer> colwise, ffi::Result<ffi::AnyBuffer> colwise_scale,
+                 ffi::Result<ffi::AnyBuffer> colwise_global_scale_inv, int32_t flatten_axis,
+                 bool tile_2d, bool rht, QuantizeNvfp4Args* out) {
   QuantizeNvfp4Args& a = *out;
-  {
-    LOWBIT_RETURN_IF_ERROR(ExpectHighPrecision(kOp, "x", x));
-    const Dims shape = DimsOf(x);
-    const int rank = int(shape.size());
-    if (rank < 1) return Invalid(kOp, "x", "expected rank >= 1, got a scalar");
-    if (flatten_axis < 0 || flatten_axis >= rank) {
-      return Invalid(kOp, "flatten_axis", "expected a value in [0, " + std::to_string(rank - 1) +
-                                              "], got " + std::to_string(flatten_axis));
-    }
-    a.rows = 1;
-    a.cols = 1;
-    for (int i = 0; i < rank; ++i) (i < flatten_axis ? a.rows : a.cols) *= shape[size_t(i)];
-    if (random.element_count() != 0 &&
-        (random.element_type() != ffi::DataType::U32 || DimsOf(random) != shape)) {
-      return Invalid(kOp, "random", "expected " + Describe(ffi::DataType::U32, shape) +
-                                        " or an empty array, got " +
-                                        Describe(random.element_type(), DimsOf(random)));
-    }
-    if (rht_sign_bits.element_type() != ffi::DataType::U32 || DimsOf(rht_sign_bits) != Dims{1}) {
-      return Invalid(kOp, "rht_sign_bits", "expected " + Describe(ffi::DataType::U32, Dims{1}) +
-                                               ", got " + Describe(rht_sign_bits.element_type(),
-                                                                   DimsOf(rht_sign_bits)));
-    }
-    bool want_row = false, want_col = false;
-    LOWBIT_RETURN_IF_ERROR(CheckCopy("rowwise", "rowwise_scale", "rowwise_global_scale_inv", rowwise,
-                                     rowwise_scale, rowwise_global_scale_inv, a.rows, a.cols, &want_row));
-    LOWBIT_RETURN_IF_ERROR(CheckCopy("colwise", "colwise_scale", "colwise_global_scale_inv", colwise,
-                                     colwise_scale, colwise_global_scale_inv, a.cols, a.rows, &want_col));
-    if (!want_row && !want_col) return Invalid(kOp, "rowwise", "neither rowwise nor colwise output requested");
-    a.x = x.untyped_data();
-    a.x_dtype = ToDType(x.element_type());
-    a.tile_2d = tile_2d;
-    a.random = random.element_count() ? static_cast<const uint32_t*>(random.untyped_data()) : nullptr;
-    a.rht = rht;
-#if defined(LOWBIT_CUDA_HANDLERS)
-    a.rht_sign_bits_device = static_cast<const uint32_t*>(rht_sign_bits.untyped_data());
-#else
-    a.rht_sign_bits = *static_cast<const uint32_t*>(rht_sign_bits.untyped_data());
-#endif
-    if (want_row) {
-      a.rowwise = static_cast<uint8_t*>(rowwise->untyped_data());
-      a.rowwise_scale = static_cast<uint8_t*>(rowwise_scale->untyped_data());
-      a.rowwise_global_scale_inv = static_cast<float*>(rowwise_global_scale_inv->untyped_data());
-    }
-    if (want_col) {
-      a.colwise = static_cast<uint8_t*>(colwise->untyped_data());
-      a.colwise_scale = static_cast<uint8_t*>(colwise_scale->untyped_data());
-      a.colwise_global_scale_inv = static_cast<float*>(colwise_global_scale_inv->untyped_data());
-    }
-    return Status::Ok();
+  LOWBIT_RETURN_IF_ERROR(ExpectHighPrecision(kOp, "x", x));
+  const Dims shape = DimsOf(x);
+  const int rank = int(shape.size());
+  if (rank < 1) return Invalid(kOp, "x", "expected rank >= 1, got a scalar");
+  if (flatten_axis < 0 || flatten_axis >= rank) {
+    return Invalid(kOp, "flatten_axis", "expected a value in [0, " + std::to_string(rank - 1) +
+                                            "], got " + std::to_string(flatten_axis));
   }
+  a.rows = 1;
+  a.cols = 1;
+  for (int i = 0; i < rank; ++i) (i < flatten_axis ? a.rows : a.cols) *= shape[size_t(i)];
+  if (random.element_count() != 0 &&
+      (random.element_type() != ffi::DataType::U32 || DimsOf(random) != shape)) {
+    return Invalid(kOp, "random", "expected " + Describe(ffi::DataType::U32, shape) +
+                                      " or an empty array, got " +
+                                      Describe(random.element_type(), DimsOf(random)));
+  }
+  if (rht_sign_bits.element_type() != ffi::DataType::U32 || DimsOf(rht_sign_bits) != Dims{1}) {
+    return Invalid(kOp, "rht_sign_bits", "expected " + Describe(ffi::DataType::U32, Dims{1}) +
+                                             ", got " + Describe(rht_sign_bits.element_type(),
+                                                                 DimsOf(rht_sign_bits)));
+  }
+  bool want_row = false, want_col = false;
+  LOWBIT_RETURN_IF_ERROR(CheckCopy("rowwise", "rowwise_scale", "rowwise_global_scale_inv",
+                                   rowwise, rowwise_scale, rowwise_global_scale_inv, a.rows, a.cols,
+                                   &want_row));
+  LOWBIT_RETURN_IF_ERROR(CheckCopy("colwise", "colwise_scale", "colwise_global_scale_inv",
+                                   colwise, colwise_scale, colwise_global_scale_inv, a.cols, a.rows,
+                                   &want_col));
+  if (!want_row && !want_col) {
+    return Invalid(kOp, "rowwise", "neither rowwise nor colwise output requested");
+  }
+  a.x = x.untyped_data();
+  a.x_dtype = ToDType(x.element_type());
+  a.tile_2d = tile_2d;
+  a.random = random.element_count() ? static_cast<const uint32_t*>(random.untyped_data()) : nullptr;
+  a.rht = rht;
+#if defined(LOWBIT_CUDA_HANDLERS)
+  a.rht_sign_bits_device = static_cast<const uint32_t*>(rht_sign_bits.untyped_data());
+#else
+  a.rht_sign_bits = *static_cast<const uint32_t*>(rht_sign_bits.untyped_data());
+#endif
+  if (want_row) {
+    a.rowwise = static_cast<uint8_t*>(rowwise->untyped_data());
+    a.rowwise_scale = static_cast<uint8_t*>(rowwise_scale->untyped_data());
+    a.rowwise_global_scale_inv = static_cast<float*>(rowwise_global_scale_inv->untyped_data());
+  }
+  if (want_col) {
+    a.colwise = static_cast<uint8_t*>(colwise->untyped_data());
+    a.colwise_scale = static_cast<uint8_t*>(colwise_scale->untyped_data());
+    a.colwise_global_scale_inv = static_cast<float*>(colwise_global_scale_inv->untyped_data());
+  }
+  return Status::Ok();
 }
 
 #if !defined(LOWBIT_CUDA_HANDLERS)
