@@ -152,8 +152,9 @@ struct PlainSource {
   // Resident blocks an SM the tile kernels are compiled for (ptxas, 2026-11-27, vector IO):
   // for 16-bit x, the FP8 128x128 kernel fits 80 registers (3 blocks) without spills; the FP8
   // 1x128 kernel (one scale division per lane, each value converted once) fits 80 with no
-  // spills staged for bf16 and <= 44 bytes otherwise, but its dbias form would spill 264-356
-  // bytes there, so that one takes 2 (Fp8TileMinBlocks); the MXFP8 kernel fits 64 (4 blocks)
+  // spills staged for bf16 and <= 44 bytes otherwise; its dbias form fits 80 staged (bf16: no
+  // spills; f16: 24 bytes, 2026-11-28, its column totals sharing the colwise exchange's
+  // barrier) and takes 2 unstaged, where it would spill 272-356 bytes (Fp8TileMinBlocks); the MXFP8 kernel fits 64 (4 blocks)
   // with <= 4 bytes of spills for bf16 and <= 60 for f16, its dbias form is kept at 3
   // (Mxfp8TileMinBlocks; 4 not tried). f32 x takes 2 (FP8) and 3 (MXFP8).
   static constexpr int kMinBlocks = sizeof(T) == 2 ? 3 : 2, kMinBlocks2d = sizeof(T) == 2 ? 3 : 2,
@@ -201,10 +202,12 @@ struct PlainSource {
   }
 };
 
-// Resident blocks an SM Fp8BlockTileKernel is compiled for (its launch bounds).
-template <typename Src, bool kTile2d, bool kDbias>
+// Resident blocks an SM Fp8BlockTileKernel is compiled for (its launch bounds). The staged
+// 1x128 dbias form fits the plain form's registers (its column totals share the colwise
+// exchange's barrier); the unstaged dbias form would spill there and takes 2.
+template <typename Src, bool kTile2d, bool kDbias, bool kStaged>
 constexpr int Fp8TileMinBlocks() {
-  return kTile2d ? Src::kMinBlocks2d : kDbias ? 2 : Src::kMinBlocks;
+  return kTile2d ? Src::kMinBlocks2d : (kDbias && !kStaged) ? 2 : Src::kMinBlocks;
 }
 
 // Resident blocks an SM Mxfp8TileKernel is compiled for (with dbias 3: 80 registers).
@@ -251,8 +254,11 @@ struct Stageable<S, std::void_t<decltype(S::kStageable)>> : std::bool_constant<S
 // bench/results/quantize_block_tiles_2026-11-27b.log (16-bit x, kernel time): staged
 // where it was faster (FP8 1x128 without dbias: 162 vs 176 us at 16384 x 8192, MXFP8 with
 // dbias: 243 vs 278) and for f32 x (FP8 128x128 from f32 in the seed Dense step: 430 vs
-// 496 us), unstaged where it was slower (FP8 128x128: 165 vs 153, FP8 1x128 with dbias:
-// 253 vs 209, MXFP8 without dbias: 224 vs 213).
+// 496 us), unstaged where it was slower (FP8 128x128: 165 vs 153, MXFP8 without dbias: 224
+// vs 213). FP8 1x128 with dbias was slower staged (253 vs 209) while its staged form spilled
+// at 128 registers; since its column totals share the colwise exchange's barrier it fits 80
+// with no spills (bf16), and it is staged by default. TO MEASURE (branch next/dbias-registers,
+// 2026-11-28: compiled and ptxas-checked only, no GPU time left): tests, memcheck, ncu_ab.
 constexpr const char* kBlockTileStagedEnv = "LOWBIT_BLOCK_TILE_STAGED";
 inline Status BlockTileStaging(const char* op, bool default_on, bool* on) {
   const char* env = std::getenv(kBlockTileStagedEnv);
@@ -322,14 +328,11 @@ __device__ __forceinline__ void StageTile(const Src& src, const Rows& row_tiles,
   CopyAsyncCommit();
 }
 
-// dbias of one tile (block_dbias.h): my kVec columns summed over my kPasses rows in pass
-// order, then (one thread per column) the kRowsPerPass lanes of a column in lane order, written
-// to workspace row `tile_row`. lane_sums is kRowsPerPass x kCols; the caller syncs before it
-// is written again.
+// The two halves of TileColumnSums, for a kernel with a barrier of its own between them:
+// my lane sums to shared memory, then (threads below kCols, after a barrier) a column's total.
 template <typename Src, int kPasses, int kRowsPerPass, int kCols>
-__device__ __forceinline__ void TileColumnSums(const typename Src::Chunk (&vals)[kPasses], int chunk_row,
-                                               int chunk_col, int64_t c0, int64_t cols, int64_t tile_row,
-                                               float (*lane_sums)[kCols], float* __restrict__ partials) {
+__device__ __forceinline__ void StoreLaneSums(const typename Src::Chunk (&vals)[kPasses], int chunk_row,
+                                              int chunk_col, float (*lane_sums)[kCols]) {
   constexpr int kVec = Src::kVec;
   // The plain source's kVec is 16 / sizeof(x): kRowsPerPass = 2 * kVec = block_dbias.h's S.
   static_assert(kVec % 4 == 0 && kRowsPerPass == 2 * kVec, "lanes of block_dbias.h: 32 / sizeof(x element)");
@@ -344,13 +347,29 @@ __device__ __forceinline__ void TileColumnSums(const typename Src::Chunk (&vals)
   for (int j = 0; j < kVec; j += 4) {
     *reinterpret_cast<float4*>(&lane_sums[chunk_row][chunk_col + j]) = make_float4(s[j], s[j + 1], s[j + 2], s[j + 3]);
   }
-  __syncthreads();
-  if (threadIdx.x < kCols && c0 + threadIdx.x < cols) {
+}
+template <int kRowsPerPass, int kCols>
+__device__ __forceinline__ void FinishColumnSum(int64_t c0, int64_t cols, int64_t tile_row,
+                                                const float (*lane_sums)[kCols], float* __restrict__ partials) {
+  if (c0 + threadIdx.x < cols) {
     float total = 0.0f;
 #pragma unroll
     for (int g = 0; g < kRowsPerPass; ++g) total += lane_sums[g][threadIdx.x];
     partials[tile_row * cols + c0 + threadIdx.x] = total;
   }
+}
+
+// dbias of one tile (block_dbias.h): my kVec columns summed over my kPasses rows in pass
+// order, then (one thread per column) the kRowsPerPass lanes of a column in lane order, written
+// to workspace row `tile_row`. lane_sums is kRowsPerPass x kCols; the caller syncs before it
+// is written again.
+template <typename Src, int kPasses, int kRowsPerPass, int kCols>
+__device__ __forceinline__ void TileColumnSums(const typename Src::Chunk (&vals)[kPasses], int chunk_row,
+                                               int chunk_col, int64_t c0, int64_t cols, int64_t tile_row,
+                                               float (*lane_sums)[kCols], float* __restrict__ partials) {
+  StoreLaneSums<Src, kPasses, kRowsPerPass, kCols>(vals, chunk_row, chunk_col, lane_sums);
+  __syncthreads();
+  if (threadIdx.x < kCols) FinishColumnSum<kRowsPerPass, kCols>(c0, cols, tile_row, lane_sums, partials);
 }
 
 // Byte transpose of 8 rows x 4 bytes (w[k]: row k): lo[j] holds column j of rows 0..3, hi[j]
@@ -464,7 +483,7 @@ __device__ __forceinline__ void StoreRowCodes(uint8_t* row, int64_t c, int64_t c
 // next tile are copied into dynamic shared memory (StagedTileBytes) by cp.async while this
 // tile is encoded and stored, instead of being loaded when the tile starts.
 template <typename Src, typename Fmt, bool kTile2d, bool kVectorIO, bool kDbias, bool kStaged, typename Rows>
-__global__ void __launch_bounds__(kThreads, (Fp8TileMinBlocks<Src, kTile2d, kDbias>()))
+__global__ void __launch_bounds__(kThreads, (Fp8TileMinBlocks<Src, kTile2d, kDbias, kStaged>()))
     Fp8BlockTileKernel(const Src src, const Rows row_tiles, int64_t rows, int64_t cols,
                            bool pow2, uint8_t* __restrict__ rowwise, float* __restrict__ row_scale_inv,
                            uint8_t* __restrict__ colwise, float* __restrict__ col_scale_inv,
@@ -496,7 +515,8 @@ __global__ void __launch_bounds__(kThreads, (Fp8TileMinBlocks<Src, kTile2d, kDbi
   }
 
   for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-    const RowTile rt = row_tiles.Tile(tile / tiles_c, kTile, 1, cursor);
+    const int64_t tile_r = tile / tiles_c;
+    const RowTile rt = row_tiles.Tile(tile_r, kTile, 1, cursor);
     if (rt.skip) continue;  // uniform across the block
     const int64_t r0 = rt.r0, r_lim = rt.r_lim;
     const int64_t c0 = tile % tiles_c * kTile;
@@ -517,9 +537,16 @@ __global__ void __launch_bounds__(kThreads, (Fp8TileMinBlocks<Src, kTile2d, kDbi
       }
     }
 
-    if constexpr (kDbias) {  // the plain walk: tile row r0 / kTile
-      TileColumnSums<Src, kPasses, kRowsPerPass, kTile>(vals, chunk_row, chunk_col, c0, cols, r0 / kTile, lane_sums,
-                                                        dbias_partials);
+    // dbias (the plain walk: tile row tile_r). 1x128 with a colwise copy: the lane sums go to
+    // shared memory now and the column totals are added after the colwise exchange's barrier,
+    // which then serves both; otherwise TileColumnSums with its own barrier.
+    if constexpr (kDbias) {
+      if (!kTile2d && colwise != nullptr) {
+        StoreLaneSums<Src, kPasses, kRowsPerPass, kTile>(vals, chunk_row, chunk_col, lane_sums);
+      } else {
+        TileColumnSums<Src, kPasses, kRowsPerPass, kTile>(vals, chunk_row, chunk_col, c0, cols, tile_r, lane_sums,
+                                                          dbias_partials);
+      }
     }
 
     float row_scale[kPasses];  // the scale of each of my rows' tile (all equal for 128x128)
@@ -552,6 +579,7 @@ __global__ void __launch_bounds__(kThreads, (Fp8TileMinBlocks<Src, kTile2d, kDbi
         for (int j = 0; j < kVec; ++j) col_part[chunk_row][chunk_col + j] = col_max[0][j];
         __syncthreads();
         if (threadIdx.x < kTile) {
+          if constexpr (kDbias) FinishColumnSum<kRowsPerPass, kTile>(c0, cols, tile_r, lane_sums, dbias_partials);
           uint32_t m = 0;
 #pragma unroll
           for (int g = 0; g < kRowsPerPass; ++g) m = max(m, col_part[g][threadIdx.x]);
@@ -860,7 +888,7 @@ Status LaunchFp8BlockTileKernel(const Src& src, bool src_vector_ok, const Rows& 
   const bool colwise_vec = a.colwise != nullptr && Aligned(a.colwise, 8) && a.rows % 8 == 0;
   if constexpr (Stageable<Src>::value && !Rows::kGrouped) {
     bool staged = false;
-    const bool default_on = !kDbias && !(kTile2d && sizeof(typename Src::T) == 2);
+    const bool default_on = !(kTile2d && sizeof(typename Src::T) == 2);
     LOWBIT_RETURN_IF_ERROR(BlockTileStaging(op, default_on, &staged));
     if (vec_io && staged) {
       bool launched = false;
@@ -873,7 +901,7 @@ Status LaunchFp8BlockTileKernel(const Src& src, bool src_vector_ok, const Rows& 
     }
   }
   // Unstaged: twice the resident blocks, so that blocks loading overlap blocks encoding.
-  const int blocks = GridStrideBlocks(tiles * kThreads, kThreads, 2 * Fp8TileMinBlocks<Src, kTile2d, kDbias>());
+  const int blocks = GridStrideBlocks(tiles * kThreads, kThreads, 2 * Fp8TileMinBlocks<Src, kTile2d, kDbias, false>());
   if (vec_io) {
     Fp8BlockTileKernel<Src, Fmt, kTile2d, true, kDbias, false, Rows><<<blocks, kThreads, 0, stream>>>(
         src, row_tiles, a.rows, a.cols, a.pow2_scales, a.rowwise, a.rowwise_scale_inv, a.colwise,
