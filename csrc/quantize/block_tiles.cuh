@@ -155,8 +155,8 @@ struct PlainSource {
   // spills staged for bf16 and <= 44 bytes otherwise; its dbias form fits 80 staged (bf16: no
   // spills; f16: 24 bytes, 2026-11-28, its column totals sharing the colwise exchange's
   // barrier) and takes 2 unstaged, where it would spill 272-356 bytes (Fp8TileMinBlocks); the MXFP8 kernel fits 64 (4 blocks)
-  // with <= 4 bytes of spills for bf16 and <= 60 for f16, its dbias form is kept at 3
-  // (Mxfp8TileMinBlocks; 4 not tried). f32 x takes 2 (FP8) and 3 (MXFP8).
+  // with <= 4 bytes of spills for bf16 and <= 60 for f16, its dbias form too when staged and 3
+  // unstaged (Mxfp8TileMinBlocks). f32 x takes 2 (FP8) and 3 (MXFP8).
   static constexpr int kMinBlocks = sizeof(T) == 2 ? 3 : 2, kMinBlocks2d = sizeof(T) == 2 ? 3 : 2,
                        kMinBlocksMxfp8 = sizeof(T) == 2 ? 4 : 3;
   struct Chunk {
@@ -210,10 +210,12 @@ constexpr int Fp8TileMinBlocks() {
   return kTile2d ? Src::kMinBlocks2d : (kDbias && !kStaged) ? 2 : Src::kMinBlocks;
 }
 
-// Resident blocks an SM Mxfp8TileKernel is compiled for (with dbias 3: 80 registers).
-template <typename Src, bool kDbias>
+// Resident blocks an SM Mxfp8TileKernel is compiled for: the staged dbias form as the plain one
+// (bf16: 63 registers, no spills, with its column totals after the colwise exchange's barrier;
+// f16: 12 bytes), the unstaged dbias form 3 (80 registers).
+template <typename Src, bool kDbias, bool kStaged>
 constexpr int Mxfp8TileMinBlocks() {
-  return kDbias && Src::kMinBlocksMxfp8 > 3 ? 3 : Src::kMinBlocksMxfp8;
+  return kDbias && !kStaged && Src::kMinBlocksMxfp8 > 3 ? 3 : Src::kMinBlocksMxfp8;
 }
 
 // Whether a source's chunks are raw bf16 (PlainSource<BF16>): its amaxes then come from the
@@ -726,7 +728,7 @@ __global__ void __launch_bounds__(kThreads, (Fp8TileMinBlocks<Src, kTile2d, kDbi
 // are 16-byte aligned: every in-range chunk is one kVec-byte store.
 // kStaged: as Fp8BlockTileKernel's.
 template <typename Src, typename Fmt, bool kVectorIO, bool kDbias, bool kStaged, typename Rows>
-__global__ void __launch_bounds__(kThreads, (Mxfp8TileMinBlocks<Src, kDbias>()))
+__global__ void __launch_bounds__(kThreads, (Mxfp8TileMinBlocks<Src, kDbias, kStaged>()))
     Mxfp8TileKernel(const Src src, const Rows row_tiles, int64_t rows, int64_t cols,
                         uint8_t* __restrict__ rowwise, uint8_t* __restrict__ row_scale,
                         uint8_t* __restrict__ colwise, uint8_t* __restrict__ col_scale,
@@ -776,9 +778,16 @@ __global__ void __launch_bounds__(kThreads, (Mxfp8TileMinBlocks<Src, kDbias>()))
       }
     }
 
-    if constexpr (kDbias) {  // the plain walk: tile row r0 / kTileRows
-      TileColumnSums<Src, kPasses, kRowsPerPass, kTileCols>(vals, chunk_row, chunk_col, c0, cols, r0 / kTileRows,
-                                                            lane_sums, dbias_partials);
+    // dbias (the plain walk: tile row r0 / kTileRows); with a colwise copy the column totals
+    // are added after the colwise exchange's barrier, as in Fp8BlockTileKernel.
+    const int64_t tile_r = r0 / kTileRows;
+    if constexpr (kDbias) {
+      if (colwise != nullptr) {
+        StoreLaneSums<Src, kPasses, kRowsPerPass, kTileCols>(vals, chunk_row, chunk_col, lane_sums);
+      } else {
+        TileColumnSums<Src, kPasses, kRowsPerPass, kTileCols>(vals, chunk_row, chunk_col, c0, cols, tile_r,
+                                                              lane_sums, dbias_partials);
+      }
     }
 
     // Rowwise E8M0 bytes: the kLanesPerBlock lanes of a 32-value block share it
@@ -803,6 +812,9 @@ __global__ void __launch_bounds__(kThreads, (Mxfp8TileMinBlocks<Src, kDbias>()))
         col_part[1][chunk_row][chunk_col + j] = col_max[1][j];
       }
       __syncthreads();
+      if constexpr (kDbias) {
+        if (threadIdx.x < kTileCols) FinishColumnSum<kRowsPerPass, kTileCols>(c0, cols, tile_r, lane_sums, dbias_partials);
+      }
       {
         const int half = threadIdx.x / kTileCols, col = threadIdx.x % kTileCols;  // 256 = 2 x 128
         uint32_t m = 0;
@@ -951,7 +963,7 @@ Status LaunchMxfp8TileKernel(const Src& src, bool src_vector_ok, const Rows& row
     }
   }
   // Unstaged: twice the resident blocks, as for the FP8 block kernel.
-  const int blocks = GridStrideBlocks(tiles * kThreads, kThreads, 2 * Mxfp8TileMinBlocks<Src, kDbias>());
+  const int blocks = GridStrideBlocks(tiles * kThreads, kThreads, 2 * Mxfp8TileMinBlocks<Src, kDbias, false>());
   if (vec_io) {
     Mxfp8TileKernel<Src, Fmt, true, kDbias, false, Rows><<<blocks, kThreads, 0, stream>>>(
         src, row_tiles, a.rows, a.cols, a.rowwise, a.rowwise_scale, a.colwise, a.colwise_scale, dbias_partials);
