@@ -1,7 +1,9 @@
 """lowbit: FP8 and FP4 training for JAX and Flax on NVIDIA GPUs, with an exact CPU path.
 
 Functions with their own backward (output in the input's dtype): `dense`, `layernorm`,
-`layernorm_dense`, `layernorm_mlp`, `activation`, `softmax`. Recipes: `lowbit.recipe`;
+`layernorm_dense`, `layernorm_mlp`, `activation`, `softmax` (`activation` and `layernorm` with a
+quantizer: its quantized values, dequantized; `quantized_activation` and `quantized_layernorm`:
+the ScaledTensor, forward only). Recipes: `lowbit.recipe`;
 quantizers: `lowbit.quantize`; Flax modules: `lowbit.flax` (imported on first use).
 """
 
@@ -11,9 +13,9 @@ __version__ = "0.1.0"
 
 from lowbit import ops  # noqa: E402
 from lowbit import quantize, recipe  # noqa: E402
-from lowbit.activation import activation  # noqa: E402
+from lowbit.activation import activation, quantized_activation  # noqa: E402
 from lowbit.dense import dense  # noqa: E402
-from lowbit.layernorm import layernorm  # noqa: E402
+from lowbit.layernorm import layernorm, quantized_layernorm  # noqa: E402
 from lowbit.layernorm_dense import layernorm_dense  # noqa: E402
 from lowbit.layernorm_mlp import layernorm_mlp  # noqa: E402
 from lowbit.quantize.helper import autocast, fp8_autocast, get_global_recipe  # noqa: E402
@@ -36,12 +38,15 @@ __all__ = [
     "fp8_autocast",
     "get_global_recipe",
     "activation",
+    "quantized_activation",
     "dense",
     "layernorm",
+    "quantized_layernorm",
     "layernorm_dense",
     "layernorm_mlp",
     "softmax",
     "flax",
     "checkpoint_policies",
+    "sharding",
     "__version__",
 ]

@@ -9,15 +9,17 @@ swiglu (act_params: anything with .limit and .alpha, default 7.0 and 1.702, like
 ClampedSwigluParams). x is (..., len(activation_type), H) as in TE, or (..., H) for a
 single activation; the result is (..., H) in x's dtype.
 
-quantizer: None returns the high-precision activation (differentiable). A quantizer returns
-the ScaledTensor of the activation instead: a DelayedScaleQuantizer through the fused kernel
-(its stored scale, quantizing the fp32 activation directly); a BlockScaleQuantizer of MXFP8
-or FP8 block 1x128 tiles through the fused activation + block quantization of the fp32
-activation (lowbit.ops.act_quantize_block: block_quantized()) only with
-LOWBIT_FUSED_BLOCK=1 (off by default: slower than the unfused pair on an H100, see
-lowbit/ops/fused_block.py); any other quantizer, and those by default, through its own
-quantize() of the activation in x's dtype. Quantized outputs
-carry no gradient (the fused MLP functions own that dataflow).
+quantizer: None returns the high-precision activation. A quantizer returns the activation as
+that quantizer codes it, dequantized back to x's dtype, as TE's activation does: its gradient
+is the unquantized activation's (the quantize passes gradients straight through; the
+quantizer gets none). quantized_activation() returns the ScaledTensor itself (forward only:
+x's gradient is cut there; the fused MLP functions own that dataflow). The quantized copy
+comes from: a DelayedScaleQuantizer, the fused kernel (its stored scale, quantizing the fp32
+activation directly); a BlockScaleQuantizer of MXFP8 or FP8 block 1x128 tiles, the fused
+activation + block quantization of the fp32 activation (lowbit.ops.act_quantize_block:
+block_quantized()) only with LOWBIT_FUSED_BLOCK=1 (off by default: slower than the unfused
+pair on an H100, see lowbit/ops/fused_block.py); any other quantizer, and those by default,
+its own quantize() of the activation in x's dtype.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import jax.numpy as jnp
 
 from lowbit.ops.activation import act_backward, act_forward
 from lowbit.ops.fused_block import act_quantize_block, fused_block_enabled
+from lowbit.quantize.quantizer import no_gradient
 
 _NAMES = ("gelu", "silu", "relu", "quick_gelu", "squared_relu", "linear")
 
@@ -69,8 +72,43 @@ _act.defvjp(_act_fwd, _act_bwd)
 
 
 def activation(x, activation_type=("gelu",), quantizer=None, act_params=None):
-    """act(x) (gated: act(x[..., 0, :]) * x[..., 1, :]) over the last axis; see the module doc."""
+    """act(x) (gated: act(x[..., 0, :]) * x[..., 1, :]) over the last axis, in x's dtype; with a
+    quantizer, its quantized values (see the module doc)."""
     op = "lowbit.activation"
+    x, act_type, gated, limit, alpha = _prepare(op, x, activation_type, act_params)
+    if quantizer is None:
+        return _act(x, act_type, gated, limit, alpha)
+    _check_quantizer(op, quantizer)
+    return _act_dequantized(x, quantizer, act_type, gated, limit, alpha)
+
+
+def quantized_activation(x, activation_type, quantizer, act_params=None):
+    """The ScaledTensor of activation(x) as `quantizer` codes it (forward only; module doc)."""
+    op = "lowbit.quantized_activation"
+    x, act_type, gated, limit, alpha = _prepare(op, x, activation_type, act_params)
+    _check_quantizer(op, quantizer)
+    return _quantized(jax.lax.stop_gradient(x), act_type, gated, limit, alpha, quantizer)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
+def _act_dequantized(x, quantizer, act_type, gated, limit, alpha):
+    return _quantized(x, act_type, gated, limit, alpha, quantizer).dequantize()
+
+
+def _act_dequantized_fwd(x, quantizer, act_type, gated, limit, alpha):
+    return _act_dequantized(x, quantizer, act_type, gated, limit, alpha), (x, quantizer)
+
+
+def _act_dequantized_bwd(act_type, gated, limit, alpha, residuals, dz):
+    x, quantizer = residuals
+    dx = act_backward(dz, x, act_type, gated=gated, limit=limit, alpha=alpha).dx
+    return dx, no_gradient(quantizer)
+
+
+_act_dequantized.defvjp(_act_dequantized_fwd, _act_dequantized_bwd)
+
+
+def _prepare(op, x, activation_type, act_params):
     act_type, gated = parse_activation_type(op, activation_type)
     x = jnp.asarray(x)
     n = 2 if gated else 1
@@ -79,20 +117,23 @@ def activation(x, activation_type=("gelu",), quantizer=None, act_params=None):
     if gated and (x.ndim < 2 or x.shape[-2] != n):
         raise ValueError(f"{op}: x: expected shape (..., {n}, H) for {activation_type!r}, got {x.shape}")
     limit, alpha = _params(act_params)
-    if quantizer is None:
-        return _act(x, act_type, gated, limit, alpha)
-    return _quantized(op, x, act_type, gated, limit, alpha, quantizer)
+    return x, act_type, gated, limit, alpha
 
 
-def _quantized(op, x, act_type, gated, limit, alpha, quantizer):
-    from lowbit.quantize.delayed import scale_inverse
-    from lowbit.quantize.quantizer import DelayedScaleQuantizer, Quantizer
-    from lowbit.quantize.tensor import ScaledTensor1x, ScaledTensor2x
+def _check_quantizer(op, quantizer):
+    from lowbit.quantize.quantizer import Quantizer
 
     if not isinstance(quantizer, Quantizer):
         raise TypeError(f"{op}: quantizer: expected a lowbit.quantize Quantizer or None, got "
                         f"{type(quantizer).__name__}")
-    x = jax.lax.stop_gradient(x)
+
+
+def _quantized(x, act_type, gated, limit, alpha, quantizer):
+    """The ScaledTensor of the activation of x (no gradient rule: callers own that)."""
+    from lowbit.quantize.delayed import scale_inverse
+    from lowbit.quantize.quantizer import DelayedScaleQuantizer
+    from lowbit.quantize.tensor import ScaledTensor1x, ScaledTensor2x
+
     layout = quantizer.q_layout
     fused = block_quantized(x, act_type, gated, limit, alpha, quantizer, layout.has_rowwise, layout.has_colwise)
     if fused is not None:

@@ -3,9 +3,12 @@ norm + quantize that layernorm_dense and layernorm_mlp feed their first GEMM wit
 
 `layernorm(x, gamma, beta, norm_type, zero_centered_gamma, epsilon)` returns the normalized
 tensor in x's dtype; its VJP runs lowbit's norm backward (dx, dgamma, dbeta). With a
-quantizer it returns the quantized output instead (a ScaledTensor with the rowwise and the
-transposed colwise copy, forward only: train through layernorm_dense / layernorm_mlp,
-which own the backward of the quantized path).
+quantizer it returns the normalized tensor as that quantizer codes it, dequantized back to
+x's dtype and shape, as TE's layernorm does: the same backward (the quantize passes the
+gradient straight through; the quantizer gets none). quantized_layernorm() returns the
+quantized output itself (a ScaledTensor with the rowwise and the transposed colwise copy,
+x's leading dims kept; forward only, x's gradient cut there: layernorm_dense and
+layernorm_mlp own the backward of the quantized path).
 
 norm_quantize(): with a delayed-scaling quantizer (its scale is known before the pass) the
 norm kernel writes the FP8 copies and the amax in the same pass as y; with current scaling
@@ -22,12 +25,12 @@ import jax.numpy as jnp
 
 from lowbit.ops.norm import norm_backward, norm_forward
 from lowbit.quantize.delayed import scale_inverse
-from lowbit.quantize.quantizer import DelayedScaleQuantizer
+from lowbit.quantize.quantizer import DelayedScaleQuantizer, Quantizer, no_gradient
 from lowbit.quantize.tensor import ScaledTensor1x, ScaledTensor2x
 
 NORM_TYPES = ("layernorm", "rmsnorm")
 
-__all__ = ["layernorm", "NormConfig", "norm_quantize", "fused_2x"]
+__all__ = ["layernorm", "quantized_layernorm", "NormConfig", "norm_quantize", "fused_2x"]
 
 
 class NormConfig(NamedTuple):
@@ -94,15 +97,58 @@ def layernorm(
     epsilon: float = 1e-6,
     quantizer=None,
 ):
-    """Normalizes x over its last dim (see the module docstring)."""
+    """Normalizes x over its last dim, in x's dtype; with a quantizer, its quantized values
+    (see the module docstring)."""
+    op = "lowbit.layernorm"
+    x, gamma, beta, cfg = _prepare(op, x, gamma, beta, norm_type, zero_centered_gamma, epsilon)
+    if quantizer is None:
+        return _layernorm(x, gamma, beta, cfg)
+    _check_quantizer(op, quantizer)
+    return _layernorm_dequantized(x, gamma, beta, quantizer, cfg)
+
+
+def quantized_layernorm(x, gamma, beta=None, norm_type: str = "layernorm",
+                        zero_centered_gamma: bool = False, epsilon: float = 1e-6, quantizer=None):
+    """The ScaledTensor2x (rowwise + transposed colwise copy) of layernorm(x) as `quantizer`
+    codes it; forward only (see the module docstring)."""
+    op = "lowbit.quantized_layernorm"
+    x, gamma, beta, cfg = _prepare(op, x, gamma, beta, norm_type, zero_centered_gamma, epsilon)
+    _check_quantizer(op, quantizer)
+    x, gamma, beta = jax.lax.stop_gradient((x, gamma, beta))
+    return norm_quantize(x, gamma, beta, cfg, quantizer, False)[0]
+
+
+def _prepare(op, x, gamma, beta, norm_type, zero_centered_gamma, epsilon):
     x, gamma = jnp.asarray(x), jnp.asarray(gamma)
     beta = None if beta is None else jnp.asarray(beta)
     cfg = NormConfig(norm_type, bool(zero_centered_gamma), float(epsilon))
-    cfg.check("lowbit.layernorm", x, gamma, beta)
-    if quantizer is not None:
-        xq, _, _, _ = norm_quantize(x.reshape(-1, x.shape[-1]), gamma, beta, cfg, quantizer, False)
-        return xq
-    return _layernorm(x, gamma, beta, cfg)
+    cfg.check(op, x, gamma, beta)
+    return x, gamma, beta, cfg
+
+
+def _check_quantizer(op, quantizer):
+    if not isinstance(quantizer, Quantizer):
+        raise TypeError(f"{op}: quantizer: expected a lowbit.quantize Quantizer, got "
+                        f"{type(quantizer).__name__}")
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _layernorm_dequantized(x, gamma, beta, quantizer, cfg):
+    return _layernorm_dequantized_fwd(x, gamma, beta, quantizer, cfg)[0]
+
+
+def _layernorm_dequantized_fwd(x, gamma, beta, quantizer, cfg):
+    x2d = x.reshape(-1, x.shape[-1])
+    xq, _, mu, rsigma = norm_quantize(x2d, gamma, beta, cfg, quantizer, False)
+    return xq.dequantize().reshape(x.shape), ((x2d, mu, rsigma, gamma), quantizer)
+
+
+def _layernorm_dequantized_bwd(cfg, residuals, dy):
+    norm_residuals, quantizer = residuals
+    return (*_layernorm_bwd(cfg, norm_residuals, dy), no_gradient(quantizer))
+
+
+_layernorm_dequantized.defvjp(_layernorm_dequantized_fwd, _layernorm_dequantized_bwd)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(3,))

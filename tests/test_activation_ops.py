@@ -179,11 +179,60 @@ def test_public_activation_te_layout_and_quantizer(rng):
     from lowbit.quantize.quantizer import DelayedScaleQuantizer
 
     q = DelayedScaleQuantizer(q_dtype=jnp.float8_e4m3fn)
-    t = lowbit.activation(x, ("gelu",), quantizer=q)
+    t = lowbit.quantized_activation(x, ("gelu",), q)
     np.testing.assert_allclose(np.asarray(t.dequantize(), np.float32), act_ref(x[:, 0], "gelu"),
                                rtol=0.07, atol=1e-2)
     with pytest.raises(TypeError, match="lowbit.activation: quantizer"):
         lowbit.activation(x, ("gelu",), quantizer=object())
+    with pytest.raises(TypeError, match="lowbit.quantized_activation: quantizer"):
+        lowbit.quantized_activation(x, ("gelu",), None)
+
+
+@pytest.mark.parametrize("gated", [False, True], ids=["gelu", "geglu"])
+@pytest.mark.parametrize("kind", ["delayed", "current", "mxfp8"])
+def test_public_activation_with_quantizer_is_te_fake_quant(kind, gated, rng):
+    """With a quantizer, lowbit.activation returns the quantized activation dequantized to x's
+    dtype and shape (TE's activation): the values of quantized_activation's ScaledTensor,
+    those of the quantizer applied to the activation (current scaling and MXFP8: the same
+    bits; delayed scaling codes the fp32 activation in its fused kernel, so within one FP8
+    step of it), and the unquantized activation's gradient (straight through the quantize);
+    the quantizer's own cotangent is zero."""
+    from lowbit.quantize.quantizer import BlockScaleQuantizer, CurrentScaleQuantizer, DelayedScaleQuantizer
+    from lowbit.quantize.scaling_modes import ScalingMode
+
+    acts = ("gelu", "linear") if gated else ("gelu",)
+    x = jnp.asarray(rng.standard_normal((3, 5, 2 if gated else 1, 64)) * 2, jnp.bfloat16)
+    q = {"delayed": DelayedScaleQuantizer(q_dtype=jnp.float8_e4m3fn, scale=jnp.full((1,), 4.0, jnp.float32)),
+         "current": CurrentScaleQuantizer(q_dtype=jnp.float8_e4m3fn),
+         "mxfp8": BlockScaleQuantizer(mode=ScalingMode.MXFP8_1D_SCALING, q_dtype=jnp.float8_e4m3fn)}[kind]
+    y = jax.jit(lambda v, qq: lowbit.activation(v, acts, qq))(x, q)
+    plain = lowbit.activation(x, acts)
+    assert y.shape == plain.shape == (3, 5, 64) and y.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(bits_of(y), bits_of(lowbit.quantized_activation(x, acts, q).dequantize()))
+    if kind != "delayed":
+        want = q.quantize(plain, is_rowwise=True, is_colwise=False)[0].dequantize()
+        np.testing.assert_array_equal(bits_of(y), bits_of(want))
+    else:  # fp32 activation coded at scale 4 (max 112: no clipping): half an E4M3 step (2^-4 relative) + bf16 rounding
+        a = np.asarray(plain, np.float32)
+        assert np.all(np.abs(np.asarray(y, np.float32) - a) <= np.abs(a) * (2.0**-4 + 2.0**-8) + 2.0**-9 / 4 + 1e-6)
+        assert np.any(np.asarray(y) != np.asarray(plain))  # it is quantized
+    w = jnp.asarray(rng.standard_normal((64,)), jnp.float32)
+    loss = lambda v, qq: jnp.sum(lowbit.activation(v, acts, qq).astype(jnp.float32) * w)  # noqa: E731
+    dx, dq = jax.jit(jax.grad(loss, argnums=(0, 1)))(x, q)
+    dx0 = jax.grad(lambda v: jnp.sum(plain_fn(v, acts).astype(jnp.float32) * w))(x)
+    np.testing.assert_array_equal(bits_of(dx), bits_of(dx0))
+    assert np.any(np.asarray(dx, np.float32) != 0)
+    for leaf in jax.tree.leaves(dq):
+        assert not np.any(np.asarray(leaf))
+
+
+def plain_fn(v, acts):
+    return lowbit.activation(v, acts)
+
+
+def bits_of(a):
+    a = np.asarray(a)
+    return a.view(np.uint16) if a.dtype.itemsize == 2 else a.view(np.uint32)
 
 
 def test_no_quantization_and_outputs_off(rng):

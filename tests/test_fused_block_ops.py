@@ -164,21 +164,21 @@ def test_vmap_quantizes_each_element_alone(rng):
 
 
 def test_public_activation_with_block_quantizers(rng, monkeypatch):
-    """With LOWBIT_FUSED_BLOCK=1, lowbit.activation takes the fused op; by default (the
-    faster path on an H100) the block quantizer of the activation in x's dtype."""
+    """With LOWBIT_FUSED_BLOCK=1, lowbit.quantized_activation takes the fused op; by default
+    (the faster path on an H100) the block quantizer of the activation in x's dtype."""
     from lowbit.quantize.quantizer import BlockScaleQuantizer
     from lowbit.quantize.scaling_modes import ScalingMode
     x = make_x(rng, (4, 33), 256, True, ml_dtypes.bfloat16)
     for mode, kind in ((ScalingMode.FP8_BLOCK_1x128, "fp8_block"), (ScalingMode.MXFP8_1D_SCALING, "mxfp8")):
         q = BlockScaleQuantizer(mode=mode, q_dtype=jnp.float8_e4m3fn)
         monkeypatch.delenv("LOWBIT_FUSED_BLOCK", raising=False)
-        t = jax.jit(lambda v: lowbit.activation(v, ("silu", "linear"), quantizer=q))(x)
+        t = jax.jit(lambda v: lowbit.quantized_activation(v, ("silu", "linear"), q))(x)
         y16 = act_forward(jnp.asarray(x), "silu", gated=True).y
         want16 = quantize(np.asarray(y16), kind, jnp.float8_e4m3fn, False)
         np.testing.assert_array_equal(bits(t.rowwise_tensor.data), bits(want16.rowwise))
         np.testing.assert_array_equal(bits(t.colwise_tensor.scale_inv), bits(want16.colwise_scale))
         monkeypatch.setenv("LOWBIT_FUSED_BLOCK", "1")
-        t = jax.jit(lambda v: lowbit.activation(v, ("silu", "linear"), quantizer=q))(x)
+        t = jax.jit(lambda v: lowbit.quantized_activation(v, ("silu", "linear"), q))(x)
         want = fused(x, "silu", True, kind, jnp.float8_e4m3fn, False)
         np.testing.assert_array_equal(bits(t.rowwise_tensor.data), bits(want.rowwise))
         np.testing.assert_array_equal(bits(t.colwise_tensor.scale_inv), bits(want.colwise_scale))

@@ -84,6 +84,62 @@ def test_layernorm_values_and_grads(norm_type, params):
     check_grads(g, args, order=1, modes=["rev"], atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("norm_type", ["layernorm", "rmsnorm"])
+@pytest.mark.parametrize("kind", ["delayed", "current", "fp8_block"])
+def test_layernorm_with_quantizer_is_te_fake_quant(kind, norm_type, params):
+    """With a quantizer, lowbit.layernorm returns the normalized tensor as the quantizer codes
+    it, dequantized to x's dtype and shape (TE's layernorm): the values of quantized_layernorm's
+    rowwise copy (which keeps x's leading dims), for current scaling and FP8 blocks the
+    quantizer applied to the normalized tensor bit for bit (delayed scaling codes the fp32
+    norm in its fused kernel: within one E4M3 step); its gradients are the unquantized norm's,
+    bit for bit, and the quantizer's cotangent is zero."""
+    from lowbit.quantize.quantizer import BlockScaleQuantizer, CurrentScaleQuantizer, DelayedScaleQuantizer
+    from lowbit.quantize.scaling_modes import ScalingMode
+
+    x, gamma, beta, *_ = params()
+    x = x.astype(jnp.bfloat16)
+    beta = beta if norm_type == "layernorm" else None
+    q = {"delayed": DelayedScaleQuantizer(q_dtype=jnp.float8_e4m3fn, scale=jnp.full((1,), 40.0, jnp.float32)),
+         "current": CurrentScaleQuantizer(q_dtype=jnp.float8_e4m3fn),
+         "fp8_block": BlockScaleQuantizer(mode=ScalingMode.FP8_BLOCK_1x128, q_dtype=jnp.float8_e4m3fn)}[kind]
+    y = jax.jit(lambda v, qq: lowbit.layernorm(v, gamma, beta, norm_type, quantizer=qq))(x, q)
+    plain = lowbit.layernorm(x, gamma, beta, norm_type)
+    assert y.shape == x.shape and y.dtype == x.dtype
+    t = lowbit.quantized_layernorm(x, gamma, beta, norm_type, quantizer=q)
+    assert t.rowwise_tensor.data.shape == x.shape
+    assert t.colwise_tensor.data.shape == (x.shape[-1], *x.shape[:-1])
+    u16 = lambda a: np.asarray(a).view(np.uint16)  # noqa: E731
+    np.testing.assert_array_equal(u16(y), u16(t.dequantize()))
+    if kind != "delayed":
+        want = q.quantize(plain, is_rowwise=True, is_colwise=False)[0].dequantize()
+        np.testing.assert_array_equal(u16(y), u16(want))
+    else:
+        a = np.asarray(plain, np.float32)
+        assert np.all(np.abs(np.asarray(y, np.float32) - a) <= np.abs(a) * (2.0**-4 + 2.0**-8) + 2.0**-9 / 40 + 1e-6)
+        assert np.any(np.asarray(y) != np.asarray(plain))  # it is quantized
+    w = jnp.asarray(np.linspace(-1, 1, x.shape[-1]), jnp.float32)
+
+    def loss(v, g, b, qq):
+        return jnp.sum(lowbit.layernorm(v, g, b, norm_type, quantizer=qq).astype(jnp.float32) * w)
+
+    def loss0(v, g, b):
+        return jnp.sum(lowbit.layernorm(v, g, b, norm_type).astype(jnp.float32) * w)
+
+    if beta is None:
+        got = jax.jit(jax.grad(lambda v, g, qq: loss(v, g, None, qq), argnums=(0, 1, 2)))(x, gamma, q)
+        want = jax.grad(lambda v, g: loss0(v, g, None), argnums=(0, 1))(x, gamma)
+    else:
+        got = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(x, gamma, beta, q)
+        want = jax.grad(loss0, argnums=(0, 1, 2))(x, gamma, beta)
+    for g, g0 in zip(got[:-1], want):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(g0))
+    assert np.any(np.asarray(got[0], np.float32) != 0)
+    for leaf in jax.tree.leaves(got[-1]):
+        assert not np.any(np.asarray(leaf))
+    with pytest.raises(TypeError, match="lowbit.layernorm: quantizer"):
+        lowbit.layernorm(x, gamma, beta, norm_type, quantizer="fp8")
+
+
 def test_layernorm_rejects_bad_input(params):
     x, gamma, beta, *_ = params()
     with pytest.raises(ValueError, match="lowbit.layernorm: beta: RMSNorm has no beta"):

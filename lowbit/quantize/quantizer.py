@@ -28,7 +28,9 @@ everywhere, and that is what `jax.grad` sees: x and the scale enter the kernels 
 `lax.stop_gradient`. A straight-through estimator is not offered here because JAX's
 cotangent of an fp8 array is itself fp8 (it would quantize the gradient). The gradients of
 quantized computations are defined by the custom_vjp functions (dense, layernorm_dense,
-...) that own the forward and backward dataflow.
+...) that own the forward and backward dataflow; lowbit.activation and lowbit.layernorm with a
+quantizer return the dequantized values in x's dtype and pass the gradient straight through
+(as TE's do), their quantizer getting `no_gradient`.
 """
 
 from __future__ import annotations
@@ -61,10 +63,23 @@ __all__ = [
     "GemmAccumulation",
     "QuantizerSet",
     "noop_quantizer_set",
+    "no_gradient",
     "KERNELS_PENDING",
 ]
 
 KERNELS_PENDING = "{mode} quantization kernels land with issue Quantization II"
+
+
+def no_gradient(tree):
+    """A zero cotangent for a quantizer (or any pytree) passed to a custom_vjp function: zeros
+    for its float leaves, float0 zeros for the others (PRNG keys, integers)."""
+    def zero(a):
+        a = jnp.asarray(a) if not isinstance(a, jax.Array) else a
+        if jnp.issubdtype(a.dtype, jnp.inexact):
+            return jnp.zeros_like(a)
+        return np.zeros(a.shape, jax.dtypes.float0)
+
+    return jax.tree.map(zero, tree)
 
 
 def _normalize_flatten_axis(op: str, x: jax.Array, flatten_axis: int) -> int:
