@@ -178,8 +178,10 @@ class DelayedScaling(Recipe):
     t-1 (`lowbit.quantize.delayed.update_delayed_scaling` has the exact rule).
 
     margin: the scale is divided by 2**margin. amax_history_len: the history length L.
-    amax_compute_algo: "max" over the history or "most_recent". reduce_amax: reduce the
-    amax over the devices (data parallel) before it enters the history.
+    amax_compute_algo: "max" over the history or "most_recent". reduce_amax: True (TE's
+    default) only: under jit a sharded tensor's amax is always reduced over the mesh axes
+    that shard it (one scale per tensor on every device), inside shard_map it is the
+    caller's to pmax (lowbit.sharding); False is an error, not a silent no-op.
     fp8_gemm_fprop / fp8_gemm_dgrad / fp8_gemm_wgrad: each GEMM's accumulation (MMParams;
     the module docstring).
     """
@@ -207,6 +209,10 @@ class DelayedScaling(Recipe):
         if self.amax_compute_algo not in AMAX_COMPUTE_ALGOS:
             _fail(name, "amax_compute_algo", f"one of {AMAX_COMPUTE_ALGOS}", self.amax_compute_algo)
         _check_bool(name, "reduce_amax", self.reduce_amax)
+        if not self.reduce_amax:  # lowbit.sharding: the reduction cannot be switched off
+            _fail(name, "reduce_amax", "True (under jit a sharded tensor's amax is always reduced "
+                  "over the mesh axes that shard it; inside shard_map never: see lowbit.sharding)",
+                  self.reduce_amax)
         _check_mm_params(self)
 
     @property

@@ -92,6 +92,7 @@ def test_kind_queries():
         (lambda: DelayedScaling(margin=0.5), "margin"),
         (lambda: DelayedScaling(margin=128), "margin"),
         (lambda: DelayedScaling(reduce_amax=1), "reduce_amax"),
+        (lambda: DelayedScaling(reduce_amax=False), "reduce_amax"),  # not a silent no-op
         (lambda: Float8CurrentScaling(fp8_format=Format.E5M2), "fp8_format"),
         (lambda: Float8CurrentScaling(use_power_2_scales="yes"), "use_power_2_scales"),
         (lambda: MXFP8BlockScaling(fp8_format=Format.E5M2), "fp8_format"),
