@@ -75,6 +75,17 @@ def test_cpu_handler_is_the_documented_formula(m, n, k, out_dtype, with_bias, rn
     np.testing.assert_array_equal(np.asarray(got).view(np.uint8), want.view(np.uint8))
 
 
+def test_cpu_emulation_notice_is_given_once(rng, cpu):
+    """DESIGN 4: the CPU handler is an emulation (no FP4 hardware path) and says so once."""
+    gemm_mod._NOTICED.clear()
+    a, b = random_operand(rng, 3, 40), random_operand(rng, 5, 40)
+    with pytest.warns(UserWarning, match="NVFP4 GEMMs run as an exact emulation on the CPU"):
+        run_on(cpu, lambda *x: call(x[:3], x[3:], k=40), *a, *b)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        run_on(cpu, lambda *x: call(x[:3], x[3:], k=40) * 2, *a, *b)
+
+
 def test_matches_dense_emulation_on_quantizer_output(rng, cpu):
     """Quantized by lowbit.ops.quantize_nvfp4, multiplied packed: equal to the emulation
     lowbit.dense uses (dequantize, HIGHEST fp32 dot) within fp32 reordering."""

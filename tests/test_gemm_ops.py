@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib
 import itertools
 import re
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -145,6 +146,22 @@ def test_cpu_matches_references(a_dtype, b_dtype, out_dtype, m, k, n, with_bias,
     want = sequential_ref(a, b, sa, sb, bias, out_dtype)
     np.testing.assert_array_equal(np.asarray(got).view(np.uint8), want.view(np.uint8))
     assert_close_gemm(got, gemm_ref(a, b, sa, sb, bias, out_dtype), gemm_atol(a, b, sa, sb, out_dtype, bias=bias))
+
+
+def test_cpu_fp8_emulation_notice_is_given_once(rng, cpu):
+    """DESIGN 4: a GEMM with no hardware path (every FP8 GEMM on the CPU) says so once; a
+    16-bit GEMM, which is not an emulation, says nothing."""
+    gemm_mod._NOTICED.clear()
+    a, b, sa, sb, bias = operands(rng, 5, 7, 48, jnp.bfloat16, jnp.bfloat16, jnp.bfloat16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        run_on(cpu, lambda *x: lowbit.ops.gemm(*x, out_dtype=jnp.bfloat16), a, b, sa, sb, bias)
+    a, b, sa, sb, bias = operands(rng, 5, 7, 48, ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2, jnp.bfloat16)
+    with pytest.warns(UserWarning, match="FP8 GEMMs run as an exact emulation on the CPU"):
+        run_on(cpu, lambda *x: lowbit.ops.gemm(*x, out_dtype=jnp.bfloat16), a, b, sa, sb, bias)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        run_on(cpu, lambda *x: lowbit.ops.gemm(*x, out_dtype=jnp.float32) + 1, a, b, sa, sb, None)
 
 
 def test_leading_dims_defaults_and_eager(rng):

@@ -5,7 +5,7 @@ operands K-major, the one layout the C++ op takes (csrc/gemm/gemm.h); callers wi
 layouts transpose first. Types: a and b both FP8 (not both E5M2), both bf16 or both f16;
 out bf16, f16 or f32 (with 16-bit inputs: the input type or f32); bias (N,) in the out type.
 Accumulation is fp32; the CPU handler sums each dot product in increasing k order (exact
-products), the CUDA handler is cuBLASLt (`use_split_accumulator=False` selects Hopper's
+products; FP8 operands with a one-time notice that the CPU emulates), the CUDA handler is cuBLASLt (`use_split_accumulator=False` selects Hopper's
 faster, less precise FP8 accumulation).
 
 FP8 on cuBLASLt needs K and N to be multiples of 16: the CUDA lowering zero-pads K and N
@@ -436,6 +436,10 @@ def _cpu_lowering(ctx, *args, out_dtype, use_split_accumulator, a_scale_mode, b_
     if a_scale_mode != GemmScaleMode.TENSOR:
         _notice_once("cpu", "lowbit.ops.gemm: block-scaled GEMMs run as an exact emulation on the "
                      "CPU (each operand dequantized to fp32 with its block scales, then an fp32 GEMM)")
+    elif jnp.dtype(ctx.avals_in[0].dtype).itemsize == 1:
+        _notice_once("cpu-fp8", "lowbit.ops.gemm: FP8 GEMMs run as an exact emulation on the CPU "
+                     "(exact products of the FP8 values, summed in fp32 in increasing k order, "
+                     "times the scale_invs)")
     return _lower_with_workspace(ctx, *args, workspace_bytes=0,
                                  use_split_accumulator=use_split_accumulator,
                                  a_scale_mode=a_scale_mode, b_scale_mode=b_scale_mode, algo=algo,
@@ -1073,6 +1077,9 @@ def _nvfp4_lower_with_workspace(ctx, *args, workspace_bytes, k, algo, algo_or_fi
 def _nvfp4_cpu_lowering(ctx, *args, out_dtype, k, algo=0, algo_or_first=False):
     del out_dtype
     _ffi.require_platform("lowbit_gemm_nvfp4", "cpu")
+    _notice_once("nvfp4-cpu", "lowbit.ops.gemm: NVFP4 GEMMs run as an exact emulation on the CPU "
+                 "(the C++ reference: E2M1 values times their block and global scales, fp32 sums in "
+                 "increasing k order)")
     return _nvfp4_lower_with_workspace(ctx, *args, workspace_bytes=0, k=k, algo=algo,
                                        algo_or_first=algo_or_first)
 
