@@ -43,3 +43,21 @@ def test_usage_page_blocks_run_in_order():
                     pytest.fail(f"docs/usage.md python block {i} failed: {type(e).__name__}: {e}\n{block}")
     finally:
         del sys.modules[module.__name__]
+
+
+def test_quantizers_the_page_names_are_lowbit_ops_functions():
+    """The page's table of quantized copies names each quantizer of `lowbit.ops`; every name
+    of lowbit's and lowbit.ops' __all__ resolves."""
+    import lowbit
+
+    with open(PAGE) as f:
+        text = f.read()
+    section = text[text.index("## Quantized copies"):]
+    section = section[:section.index("\n## ", 1)]
+    names = set(re.findall(r"^\| [^|]*\(`(\w+)`", section, flags=re.M))
+    assert {"quantize_fp8", "quantize_fp8_block", "quantize_mxfp8", "quantize_nvfp4"} <= names
+    for name in names:
+        assert callable(getattr(lowbit.ops, name)), f"lowbit.ops.{name}"
+    for mod in (lowbit, lowbit.ops):
+        for name in mod.__all__:
+            assert getattr(mod, name) is not None, f"{mod.__name__}.{name}"
