@@ -33,6 +33,7 @@ from lowbit.layernorm import NormConfig, layernorm, norm_quantize
 from lowbit.ops.fused_block import fused_block_enabled, norm_quantize_block, norm_stats
 from lowbit.ops.norm import norm_backward, norm_forward
 from lowbit.quantize.quantizer import QuantizerSet, noop_quantizer_set
+from lowbit.sharding import logical_constraint
 
 __all__ = ["layernorm_dense", "norm_block_quantized"]
 
@@ -65,11 +66,14 @@ def layernorm_dense(
     """norm(x) . kernel (+ bias): x (..., H), kernel (H, N...), output (..., N...) in x's
     dtype; with return_layernorm_output, (output, norm(x)). sr_key: the PRNG key of NVFP4's
     stochastic rounding and RHT signs, given to the set as lowbit.dense does (with_sr_key: SR
-    streams per quantizer, one sign vector for ln's and dy's colwise copies)."""
-    del layernorm_input_axes, dot_input_axes, kernel_axes  # sharding hints: see lowbit.sharding
+    streams per quantizer, one sign vector for ln's and dy's colwise copies).
+    layernorm_input_axes, kernel_axes: logical sharding constraints on x and kernel;
+    dot_input_axes: accepted, not applied (lowbit.sharding says why)."""
+    del dot_input_axes  # names the norm's quantized copies, inside the fused op
     op = "lowbit.layernorm_dense"
     quantizer_set = with_sr_key(quantizer_set, sr_key)
     x, kernel, gamma = jnp.asarray(x), jnp.asarray(kernel), jnp.asarray(gamma)
+    x, kernel = logical_constraint(x, layernorm_input_axes), logical_constraint(kernel, kernel_axes)
     cfg = NormConfig(norm_type, bool(zero_centered_gamma), float(epsilon))
     cfg.check(op, x, gamma, beta)
     if kernel.shape[0] != x.shape[-1]:

@@ -50,6 +50,7 @@ from lowbit.layernorm_dense import norm_block_quantized
 from lowbit.ops.activation import act_backward, act_forward
 from lowbit.ops.norm import norm_backward
 from lowbit.quantize.quantizer import DelayedScaleQuantizer, noop_quantizer_set
+from lowbit.sharding import logical_constraint
 
 __all__ = ["layernorm_mlp"]
 
@@ -93,14 +94,17 @@ def layernorm_mlp(
     wo (F, H)), biases (wi_bias (n_act, F) or (F,), wo_bias (H,); None for none). sr_key: the
     PRNG key of NVFP4's stochastic rounding and RHT signs; GEMM i's set gets
     with_sr_key(quantizer_sets[i], fold_in(sr_key, i)) (lowbit.dense.with_sr_key): SR streams
-    per quantizer, one RHT sign vector per GEMM, shared by the copies its wgrad multiplies."""
-    del norm_input_axes, dot_1_input_axes, dot_2_input_axes, kernel_1_axes, kernel_2_axes
+    per quantizer, one RHT sign vector per GEMM, shared by the copies its wgrad multiplies.
+    norm_input_axes, kernel_1_axes, kernel_2_axes: logical sharding constraints on x, wi and
+    wo; dot_1_input_axes, dot_2_input_axes: accepted, not applied (lowbit.sharding says why)."""
+    del dot_1_input_axes, dot_2_input_axes  # name the fused ops' quantized copies
     op = "lowbit.layernorm_mlp"
-    x, gamma = jnp.asarray(x), jnp.asarray(gamma)
+    x, gamma = logical_constraint(jnp.asarray(x), norm_input_axes), jnp.asarray(gamma)
     cfg = NormConfig(norm_type, bool(zero_centered_gamma), float(epsilon))
     cfg.check(op, x, gamma, beta)
     act_type, gated = parse_activation_type(op, activation_type)
-    wi, wo = (jnp.asarray(k) for k in kernels)
+    wi = logical_constraint(jnp.asarray(kernels[0]), kernel_1_axes)
+    wo = logical_constraint(jnp.asarray(kernels[1]), kernel_2_axes)
     wi_bias, wo_bias = biases
     hidden = x.shape[-1]
     n_act = 2 if gated else 1

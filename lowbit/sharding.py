@@ -28,6 +28,14 @@ Amax reduction scope (every device must cast with the same scale):
     shard that tensor (lowbit.ops.amax), computed before the cast; no other axes.
 Inside shard_map (manual axes) nothing is reduced for you: pmax the amax over the manual
 axes yourself before `Quantizer.update`.
+
+Logical sharding hints of the functions (TE's argument names): `layernorm_dense`'s
+layernorm_input_axes and kernel_axes and `layernorm_mlp`'s norm_input_axes, kernel_1_axes
+and kernel_2_axes constrain x and the kernels (`logical_constraint`: flax's
+with_logical_constraint under the current logical axis rules; a no-op without a mesh). Their
+dot_input_axes / dot_1_input_axes / dot_2_input_axes name tensors that exist only inside the
+fused ops (the norm's and the activation's quantized copies): these are accepted and not
+applied; those copies take their sharding from x's through the ops' partitioning rules.
 """
 
 from __future__ import annotations
@@ -38,6 +46,7 @@ from typing import Sequence
 from lowbit.quantize.helper import get_global_mesh_resource, mesh_resource_guard
 
 __all__ = [
+    "logical_constraint",
     "MeshResource",
     "global_shard_guard",
     "global_mesh_resource",
@@ -84,6 +93,17 @@ class MeshResource:
         names = (self.dp_resource, self.fsdp_resource, self.tp_resource, self.tpsp_resource,
                  self.cp_resource)
         return tuple(dict.fromkeys(n for n in names if n is not None))
+
+
+def logical_constraint(x, axes):
+    """x under a logical sharding constraint when `axes` (logical axis names, one per dim) is
+    given: flax.linen.with_logical_constraint, i.e. the current logical axis rules and mesh
+    (a no-op outside a mesh); x itself when axes is None or empty."""
+    if not axes:
+        return x
+    from flax import linen as nn
+
+    return nn.with_logical_constraint(x, tuple(axes))
 
 
 def global_shard_guard(resource: MeshResource):

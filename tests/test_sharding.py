@@ -245,6 +245,52 @@ def test_function_sharded_equals_single_device(name, layout, recipe, rng):
                 assert dtype == "u32" or dims.count(",") == 0, (dtype, dims, axes)
 
 
+HINTS = {  # TE's argument names -> the logical axes a TE layer passes (lowbit's rules map them)
+    "layernorm_dense": dict(layernorm_input_axes=("batch", "length", "embed"), kernel_axes=("embed", "mlp")),
+    "layernorm_mlp": dict(norm_input_axes=("batch", "length", "embed"), kernel_1_axes=("embed", "mlp"),
+                          kernel_2_axes=("mlp", "embed")),
+}
+
+
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
+@pytest.mark.parametrize("name", sorted(HINTS))
+def test_logical_hints_under_jax_set_mesh(name, recipe, rng):
+    """JAX's current mesh API (jax.set_mesh), with the inputs left unplaced: the functions'
+    logical hints on x and the kernels are the only shardings, and lowbit's partitioning
+    rules read the GSPMDShardings they then receive through the set mesh. The step is
+    sharded as the hints say (dp x tp: y and dx on batch@dp, wi column- and wo row-parallel)
+    and equals the single-device step; without hints the program has no constraint."""
+    mesh = cpu_mesh(2)
+    x, params = _inputs(rng)
+    fn, p, n_out = _case(name, params, RECIPES[recipe]())
+    hints = HINTS[name]
+    if name == "layernorm_dense":
+        hinted = lambda p, x: lowbit.layernorm_dense(x, p["wi"], p["g"], p["b"], quantizer_set=p["q1"],  # noqa: E731
+                                                     **hints)
+    else:
+        hinted = lambda p, x: lowbit.layernorm_mlp(x, p["g"], p["b"], (p["wi"], p["wo"]),  # noqa: E731
+                                                   quantizer_sets=(p["q1"], p["q2"]), **hints)
+    dy = jnp.asarray(rng.standard_normal((B, S, n_out)), jnp.bfloat16)
+    ref_y, (ref_p, ref_dx) = jax.jit(_step(fn))(p, x, dy)
+    resource = MeshResource(dp_resource="dp", tp_resource="tp")
+    with global_shard_guard(resource), nn.logical_axis_rules(logical_axis_rules()), jax.set_mesh(mesh):
+        jaxpr = str(jax.make_jaxpr(_step(hinted))(p, x, dy))
+        assert jaxpr.count("sharding_constraint") >= len(hints)
+        assert "sharding_constraint" not in str(jax.make_jaxpr(_step(fn))(p, x, dy))
+        step = jax.jit(_step(hinted))
+        y, (new_p, dx) = step(p, x, dy)
+        text = step.lower(p, x, dy).compile().as_text()
+    assert dx.sharding.spec[0] == "dp" and y.sharding.spec[0] == "dp"
+    assert tuple(new_p["wi"].sharding.spec) == (None, "tp")
+    assert collectives(text)["all-reduce"] >= 1  # amaxes, dp psums of the weight gradients
+    np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(ref_y, np.float32), rtol=2e-2, atol=2e-2)
+    np.testing.assert_allclose(np.asarray(dx, np.float32), np.asarray(ref_dx, np.float32), rtol=2e-2, atol=2e-2)
+    for k in ("wi", "g", "b"):
+        want = np.asarray(ref_p[k], np.float32)
+        np.testing.assert_allclose(np.asarray(new_p[k], np.float32), want, rtol=2e-2,
+                                   atol=2e-2 * max(1.0, float(np.abs(want).max())))
+
+
 @pytest.mark.parametrize("recipe", sorted(RECIPES))
 @pytest.mark.parametrize("spec", [P("dp"), P("dp", "tp"), P(None, None, "tp"), P("tp", None, "dp")])
 def test_quantized_values_bit_exact_when_sharded(spec, recipe, rng):

@@ -29,6 +29,7 @@ from lowbit.dense import dense
 from lowbit.layernorm import layernorm
 from lowbit.layernorm_dense import layernorm_dense
 from lowbit.quantize.quantizer import QuantizerSet
+from lowbit.sharding import logical_constraint
 
 # Activation tuples the fused activation kernels take (TE's pools); anything else (a
 # callable, another flax.linen activation name) runs through the composed path.
@@ -79,8 +80,8 @@ def logical_axes(axes, ndim: int) -> tuple:
 
 def constrain(x, axes):
     """A logical sharding constraint on an activation when axes are given (no-op otherwise,
-    and outside a mesh with logical axis rules)."""
-    return nn.with_logical_constraint(x, tuple(axes)) if axes else x
+    and outside a mesh with logical axis rules): lowbit.sharding.logical_constraint."""
+    return logical_constraint(x, axes)
 
 
 def normalize_activations(activations: Sequence[str | Callable]) -> tuple:

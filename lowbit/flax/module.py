@@ -235,7 +235,10 @@ class LayerNormMLP(LowbitModuleBase):
     pieces. Active intermediate dropout (rate > 0 and not deterministic), LoRA,
     return_layernorm_output, enable_layernorm=False or an activation without a fused kernel
     select the composed path instead: layernorm_dense -> activation -> dropout -> dense,
-    each GEMM still quantized with its own set (the same math, one more HBM round trip)."""
+    each GEMM still quantized with its own set (the same math, one more HBM round trip).
+    layernorm_input_axes constrains the input's sharding; dot_1_input_axes and
+    dot_2_input_axes (TE's names for the GEMMs' inputs, which here exist only inside the
+    fused ops) are accepted and not applied (lowbit.sharding)."""
 
     intermediate_dim: int = 2048
     enable_layernorm: bool = True

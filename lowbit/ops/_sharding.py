@@ -5,16 +5,69 @@ scale dims to their data)."""
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
 
 
+def named_shardings(partition):
+    """A custom_partitioning `partition` callback that sees NamedShardings over a concrete mesh.
+
+    JAX hands the callback the legacy context mesh (`with mesh:`); under `jax.set_mesh`, JAX's
+    current API, that one is empty and the operands' shardings arrive as GSPMDShardings. Then
+    the mesh set by jax.set_mesh (jax.sharding.get_mesh(), current while the program compiles)
+    stands in, and each operand's and result's sharding is read back as a PartitionSpec over
+    it (JAX's own conversion, which custom_partitioning applies when it has a mesh). Without
+    any mesh the shardings pass through: replicated ones read as (), others are an error
+    (partition_spec)."""
+    def to_named(shape, mesh):
+        sharding = getattr(shape, "sharding", None)
+        if sharding is None or isinstance(sharding, jax.sharding.NamedSharding):
+            return shape
+        from jax._src.sharding_impls import parse_flatten_op_sharding
+
+        spec = parse_flatten_op_sharding(sharding._to_xla_hlo_sharding(len(shape.shape)), mesh)[0]
+        named = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
+        return jax.ShapeDtypeStruct(shape.shape, shape.dtype, sharding=named)
+
+    @functools.wraps(partition)
+    def wrapped(*args):
+        *static, mesh, arg_shapes, result_shape = args
+        if mesh.empty:
+            context = jax.sharding.get_mesh()
+            if context.empty:
+                return partition(*args)
+            mesh = context
+        is_shape = lambda a: hasattr(a, "shape") and hasattr(a, "dtype")  # noqa: E731
+        arg_shapes, result_shape = jax.tree.map(lambda a: to_named(a, mesh), (arg_shapes, result_shape),
+                                                is_leaf=is_shape)
+        return partition(*static, mesh, arg_shapes, result_shape)
+
+    return wrapped
+
+
+def partition_spec(sharding) -> tuple:
+    """The PartitionSpec entries of an operand's sharding as a partitioning rule receives it:
+    a NamedSharding's spec; () for a replicated sharding of another kind (under
+    `jax.set_mesh` an unsharded operand arrives as GSPMDSharding({replicated}), which has no
+    spec); anything else is an error naming what arrived, not a guess."""
+    spec = getattr(sharding, "spec", None)
+    if spec is not None:
+        return tuple(spec)
+    if sharding.is_fully_replicated:
+        return ()
+    raise NotImplementedError(
+        f"lowbit: a lowbit op's partitioning rule got an operand sharding it cannot read: "
+        f"{sharding!r} ({type(sharding).__name__}); shard lowbit's inputs with "
+        "jax.sharding.NamedSharding (or leave them replicated)")
+
+
 def spec_entries(sharding, ndim: int) -> tuple:
     """The sharding's PartitionSpec entries, padded with None (or cut) to `ndim`."""
-    spec = tuple(sharding.spec) + (None,) * (ndim - len(sharding.spec))
-    return spec[:ndim]
+    spec = partition_spec(sharding)
+    return (spec + (None,) * (ndim - len(spec)))[:ndim]
 
 
 def mesh_axes(entries) -> tuple[str, ...]:

@@ -50,7 +50,7 @@ from jax.interpreters import batching
 from jax.sharding import NamedSharding, PartitionSpec
 
 from lowbit.ops._primitive import ffi_primitive, vmap_body
-from lowbit.ops._sharding import mesh_axes, pmax_nonnegative, spec_entries
+from lowbit.ops._sharding import mesh_axes, named_shardings, pmax_nonnegative, spec_entries
 from lowbit.ops.amax import check_high_precision
 
 ACT_TYPES = {"linear": 0, "gelu": 1, "silu": 2, "relu": 3, "quick_gelu": 4, "squared_relu": 5,
@@ -276,12 +276,12 @@ def _bwd_local(dz, x, bias, scale, cfg):
 
 _fwd_partitioned = custom_partitioning(_fwd_local, static_argnums=(3,))
 _fwd_partitioned.def_partition(
-    partition=lambda cfg, mesh, arg_shapes, result_shape: _partition(cfg, False, mesh, arg_shapes),
+    partition=named_shardings(lambda cfg, mesh, arg_shapes, result_shape: _partition(cfg, False, mesh, arg_shapes)),
     sharding_rule=lambda cfg, mesh, vt, rt: _rule_parts(
         cfg, len(vt[0].shape) - (2 if cfg.gated else 1), False))
 _bwd_partitioned = custom_partitioning(_bwd_local, static_argnums=(4,))
 _bwd_partitioned.def_partition(
-    partition=lambda cfg, mesh, arg_shapes, result_shape: _partition(cfg, True, mesh, arg_shapes),
+    partition=named_shardings(lambda cfg, mesh, arg_shapes, result_shape: _partition(cfg, True, mesh, arg_shapes)),
     sharding_rule=lambda cfg, mesh, vt, rt: _rule_parts(cfg, len(vt[0].shape) - 1, True))
 
 

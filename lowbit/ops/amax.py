@@ -16,7 +16,7 @@ from jax.interpreters import batching
 from jax.sharding import NamedSharding, PartitionSpec
 
 from lowbit.ops._primitive import ffi_primitive
-from lowbit.ops._sharding import mesh_axes, pmax_nonnegative
+from lowbit.ops._sharding import mesh_axes, named_shardings, partition_spec, pmax_nonnegative
 
 HIGH_PRECISION = (jnp.float32, jnp.float16, jnp.bfloat16)
 
@@ -54,7 +54,7 @@ _amax_partitioned = custom_partitioning(_amax_local)
 
 def _partition(mesh, arg_shapes, result_shape):
     sharding = arg_shapes[0].sharding
-    axes = mesh_axes(sharding.spec)
+    axes = mesh_axes(partition_spec(sharding))
 
     def lower(x):
         local = _amax_local(x)
@@ -68,7 +68,7 @@ def _rule(mesh, value_types, result_types):
     return f"{' '.join(factors)} -> ", {"reduction_factors": tuple(factors)}
 
 
-_amax_partitioned.def_partition(partition=_partition, sharding_rule=_rule)
+_amax_partitioned.def_partition(partition=named_shardings(_partition), sharding_rule=_rule)
 
 
 # custom_partitioning has no batching rule: under vmap, amax reduces each batch element

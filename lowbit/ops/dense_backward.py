@@ -43,7 +43,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from lowbit import _ffi
 from lowbit.ops import gemm as gemm_mod
 from lowbit.ops._primitive import ffi_primitive, vmap_body
-from lowbit.ops._sharding import axes_entry, mesh_axes, pmax_nonnegative, spec_entries
+from lowbit.ops._sharding import axes_entry, mesh_axes, named_shardings, pmax_nonnegative, spec_entries
 from lowbit.ops.quantize import quantize_fp8_p
 
 __all__ = ["dense_backward_fp8", "dense_backward_fp8_sharded", "dense_backward_plan"]
@@ -248,7 +248,7 @@ def _sharded_fn(q_code: int, dx_dtype, dk_dtype, dbias: bool, dgrad_split: bool 
                 {"need_replication_factors": ("s0", "s1", "s2", "s3")})
 
     partitioned = custom_partitioning(local)
-    partitioned.def_partition(partition=partition, sharding_rule=rule)
+    partitioned.def_partition(partition=named_shardings(partition), sharding_rule=rule)
 
     @jax.custom_batching.custom_vmap
     def fn(*args):

@@ -65,8 +65,8 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
 
 from lowbit.ops._primitive import ffi_primitive, vmap_body
-from lowbit.ops._sharding import ROWS, SCALE_DIMS, clean_split, compound_sizes, mesh_axes, spec_entries, \
-    tiled_group_rule, transposed_layout
+from lowbit.ops._sharding import (ROWS, SCALE_DIMS, clean_split, compound_sizes, mesh_axes, named_shardings,
+                                  spec_entries, tiled_group_rule, transposed_layout)
 from lowbit.ops.activation import ACT_TYPES, check_act_args
 from lowbit.ops.amax import check_high_precision
 from lowbit.ops.quantize import FP8_DTYPES
@@ -198,7 +198,7 @@ def _partitioned(kind: str, params: tuple, n_lead: int, mxfp8: bool, rowwise: bo
         return text, compound_sizes([text], sizes)
 
     partitioned = custom_partitioning(local)
-    partitioned.def_partition(partition=partition, sharding_rule=rule)
+    partitioned.def_partition(partition=named_shardings(partition), sharding_rule=rule)
 
     @jax.custom_batching.custom_vmap
     def fn(*operands):

@@ -111,7 +111,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from lowbit import _ffi
 from lowbit.ops._primitive import ffi_primitive
 from lowbit.ops._sharding import (COLS, ROWS, SCALE_DIMS, axes_entry, clean_split, compound_sizes, fit_scale,
-                                  tiled_group_rule)
+                                  named_shardings, partition_spec, tiled_group_rule)
 
 OP = "lowbit.ops.gemm"
 FP8 = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
@@ -655,7 +655,7 @@ def _spec_axes(entry) -> tuple[str, ...]:
 
 
 def _padded_spec(sharding, ndim: int) -> list:
-    spec = list(sharding.spec) if isinstance(sharding, NamedSharding) else []
+    spec = list(partition_spec(sharding))
     return spec + [None] * (ndim - len(spec))
 
 
@@ -726,7 +726,7 @@ def _make_gather_rows(n_rows: int, n_rest: int):
     rows = [f"r{i}" for i in range(n_rows)]
     dims = " ".join(rows + [f"c{i}" for i in range(n_rest)])
     gather.def_partition(
-        partition=_gather_rows_partition,
+        partition=named_shardings(_gather_rows_partition),
         sharding_rule=lambda mesh, vt, rt: (f"{dims} -> {dims}",
                                             {"need_replication_factors": tuple(rows[1:])}))
     return gather
@@ -885,7 +885,7 @@ def _make_gemm(out_dtype: np.dtype, use_split_accumulator: bool, has_bias: bool,
         text = f"{', '.join(operands)} -> {' '.join(m + n)}"
         return text, {"reduction_factors": tuple(reduction), **compound_sizes([text], sizes)}
 
-    partitioned.def_partition(partition=partition, sharding_rule=rule)
+    partitioned.def_partition(partition=named_shardings(partition), sharding_rule=rule)
     # A batched `a` alone folds into M for tensor scaling (block scales cover the unbatched rows).
     return _vmappable(partitioned, fold_a_batch=not block)
 
@@ -1335,5 +1335,5 @@ def _make_nvfp4_gemm(out_dtype: np.dtype, k: int, algo: int, has_bias: bool, psu
         return text, {"reduction_factors": tuple(k_expr.strip("()").split()),
                       "need_replication_factors": ("ga", "gb"), **compound_sizes([text], sizes)}
 
-    partitioned.def_partition(partition=partition, sharding_rule=rule)
+    partitioned.def_partition(partition=named_shardings(partition), sharding_rule=rule)
     return _vmappable(partitioned, fold_a_batch=False)

@@ -37,7 +37,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from lowbit import _ffi
 from lowbit.ops._primitive import ffi_primitive, vmap_body
-from lowbit.ops._sharding import mesh_axes, pmax_nonnegative, spec_entries
+from lowbit.ops._sharding import mesh_axes, named_shardings, pmax_nonnegative, spec_entries
 from lowbit.ops.amax import check_high_precision
 
 MAX_HIDDEN = 16384
@@ -268,7 +268,7 @@ def _fwd_rule(cfg, mesh, value_types, result_types):
 
 
 _fwd_partitioned = custom_partitioning(_fwd_local, static_argnums=(4,))
-_fwd_partitioned.def_partition(partition=_fwd_partition, sharding_rule=_fwd_rule)
+_fwd_partitioned.def_partition(partition=named_shardings(_fwd_partition), sharding_rule=_fwd_rule)
 
 
 def _bwd_local(dz, x, mu, rsigma, gamma, cfg):
@@ -305,7 +305,7 @@ def _bwd_rule(cfg, mesh, value_types, result_types):
 
 
 _bwd_partitioned = custom_partitioning(_bwd_local, static_argnums=(5,))
-_bwd_partitioned.def_partition(partition=_bwd_partition, sharding_rule=_bwd_rule)
+_bwd_partitioned.def_partition(partition=named_shardings(_bwd_partition), sharding_rule=_bwd_rule)
 
 
 # custom_partitioning has no batching rule: under vmap the primitives' own rules run.

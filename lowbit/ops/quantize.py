@@ -31,7 +31,7 @@ from jax.interpreters import batching
 from jax.sharding import NamedSharding, PartitionSpec
 
 from lowbit.ops._primitive import ffi_primitive, vmap_body
-from lowbit.ops._sharding import mesh_axes, pmax_nonnegative, spec_entries
+from lowbit.ops._sharding import mesh_axes, named_shardings, pmax_nonnegative, spec_entries
 from lowbit.ops.amax import HIGH_PRECISION, check_high_precision
 
 FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
@@ -186,7 +186,7 @@ def _quantize_fn(flatten_axis: int, out_dtype, rowwise: bool, colwise: bool, dbi
         return f"{' '.join(dims)}, scale -> {', '.join(results)}", {}
 
     partitioned = custom_partitioning(local)
-    partitioned.def_partition(partition=partition, sharding_rule=rule)
+    partitioned.def_partition(partition=named_shardings(partition), sharding_rule=rule)
 
     # custom_partitioning has no batching rule: under vmap, go through the primitive's.
     @jax.custom_batching.custom_vmap
@@ -242,7 +242,7 @@ def _dequantize_fn(out_dtype):
         return f"{dims}, scale -> {dims}", {}
 
     partitioned = custom_partitioning(local)
-    partitioned.def_partition(partition=partition, sharding_rule=rule)
+    partitioned.def_partition(partition=named_shardings(partition), sharding_rule=rule)
 
     @jax.custom_batching.custom_vmap
     def fn(data, scale_inv):

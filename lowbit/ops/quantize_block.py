@@ -51,7 +51,7 @@ from jax.interpreters import batching
 from jax.sharding import NamedSharding, PartitionSpec
 
 from lowbit.ops._primitive import ffi_primitive, vmap_body
-from lowbit.ops._sharding import (SCALE_DIMS, clean_split, compound_sizes, fit_scale, mesh_axes,
+from lowbit.ops._sharding import (SCALE_DIMS, clean_split, compound_sizes, fit_scale, mesh_axes, named_shardings,
                                   spec_entries, tiled_group_rule, transposed_layout)
 from lowbit.ops.amax import HIGH_PRECISION
 from lowbit.ops.quantize import FP8_DTYPES, check_quantize_args
@@ -293,7 +293,7 @@ def _quantize_fn(kind: str, flatten_axis: int, out_dtype, rowwise: bool, colwise
         return text, compound_sizes([text], sizes)
 
     partitioned = custom_partitioning(local)
-    partitioned.def_partition(partition=partition, sharding_rule=rule)
+    partitioned.def_partition(partition=named_shardings(partition), sharding_rule=rule)
 
     @jax.custom_batching.custom_vmap
     def fn(x):

@@ -30,6 +30,7 @@ from jax.interpreters import batching
 from jax.sharding import NamedSharding, PartitionSpec
 
 from lowbit.ops._primitive import ffi_primitive, vmap_body
+from lowbit.ops._sharding import named_shardings, spec_entries
 
 FUSION_TYPES = {"scaled": 0, "scaled_masked": 1, "scaled_upper_triang": 2}
 CUDA_MAX_K = 16384
@@ -101,8 +102,7 @@ batching.primitive_batchers[softmax_bwd_p] = _bwd_batch
 # ---------------------------------------------------------------- sharding
 
 def _entries(sharding, ndim):
-    spec = tuple(sharding.spec) + (None,) * (ndim - len(sharding.spec))
-    return spec[:ndim]
+    return spec_entries(sharding, ndim)
 
 
 def _fwd_local(x, mask, cfg):
@@ -142,10 +142,10 @@ def _bwd_partition(cfg, mesh, arg_shapes, result_shape):
 
 
 _fwd_partitioned = custom_partitioning(_fwd_local, static_argnums=(2,))
-_fwd_partitioned.def_partition(partition=_fwd_partition, sharding_rule=_fwd_rule)
+_fwd_partitioned.def_partition(partition=named_shardings(_fwd_partition), sharding_rule=_fwd_rule)
 _bwd_partitioned = custom_partitioning(_bwd_local, static_argnums=(2,))
 _bwd_partitioned.def_partition(
-    partition=_bwd_partition,
+    partition=named_shardings(_bwd_partition),
     sharding_rule=lambda cfg, mesh, vt, rt: ("b h q k, b h q k -> b h q k",
                                              {"need_replication_factors": ("k",)}))
 
