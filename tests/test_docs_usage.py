@@ -61,3 +61,4 @@ def test_quantizers_the_page_names_are_lowbit_ops_functions():
     for mod in (lowbit, lowbit.ops):
         for name in mod.__all__:
             assert getattr(mod, name) is not None, f"{mod.__name__}.{name}"
+    assert lowbit.flax.nnx.DenseGeneral.__module__ == "lowbit.flax.nnx"  # an attribute, as the page uses it

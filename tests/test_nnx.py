@@ -113,6 +113,29 @@ def test_delayed_scaling_training_step_matches_linen(name):
     jax.tree.map(np.testing.assert_array_equal, jax.jit(lin.apply)(v1, x), call(mod, x))
 
 
+@pytest.mark.parametrize("name", ["ln_dense", "mlp"])
+def test_axis_and_te_hint_arguments_as_linen(name):
+    """The NNX twins take Linen's (TE's) `axis` (-1 only, an error naming the module and the
+    argument otherwise) and LayerNormMLP's dot_1_input_axes / dot_2_input_axes."""
+    extra = dict(dot_1_input_axes=("batch", "length", "embed"), dot_2_input_axes=("batch", "length", "mlp"))
+    rngs = nnx.Rngs(0)
+    if name == "ln_dense":
+        good = lnnx.LayerNormDenseGeneral(H, 24, axis=-1, rngs=rngs)
+        bad = lnnx.LayerNormDenseGeneral(H, 24, axis=0, rngs=rngs)
+        lin_bad, label = linen.LayerNormDenseGeneral(24, axis=0), "LayerNormDenseGeneral"
+    else:
+        kw = dict(intermediate_dropout_rate=0.0, **extra)
+        good = lnnx.LayerNormMLP(H, F, axis=2, **kw, rngs=rngs)
+        bad = lnnx.LayerNormMLP(H, F, axis=(0,), **kw, rngs=rngs)
+        lin_bad, label = linen.LayerNormMLP(F, axis=0, intermediate_dropout_rate=0.0, **extra), "LayerNormMLP"
+    x = x_in()
+    assert out0(call(good, x)).shape == (B, T, 24 if name == "ln_dense" else H)
+    with pytest.raises(ValueError, match=rf"lowbit.flax.nnx.{label}: axis: only -1 is supported"):
+        call(bad, x)
+    with pytest.raises(ValueError, match=rf"lowbit.flax.{label}: axis: only -1 is supported"):
+        lin_bad.init(jax.random.PRNGKey(0), x)
+
+
 def test_optimizer_leaves_quantizer_state_alone():
     _, mod = pair("mlp", DelayedScaling(amax_history_len=4))
     x = x_in()

@@ -126,3 +126,12 @@ from lowbit.flax.module import (  # noqa: E402
     Softmax,
     TransformerEngineBase,
 )
+
+
+def __getattr__(name):
+    """`lowbit.flax.nnx` (the NNX twins) as an attribute too, imported on first use."""
+    if name == "nnx":
+        import importlib
+
+        return importlib.import_module("lowbit.flax.nnx")
+    raise AttributeError(f"module 'lowbit.flax' has no attribute {name!r}")

@@ -84,6 +84,12 @@ def constrain(x, axes):
     return logical_constraint(x, axes)
 
 
+def check_last_axis(op: str, axis, ndim: int) -> None:
+    """LayerNormDenseGeneral / LayerNormMLP normalize and contract x's last axis only (TE)."""
+    if canonicalize_tuple(axis) not in ((-1,), (ndim - 1,)):
+        raise ValueError(f"{op}: axis: only -1 is supported (as in TE), got {axis!r}")
+
+
 def normalize_activations(activations: Sequence[str | Callable]) -> tuple:
     """Lower-cased names, ("linear", "gelu") reordered to ("gelu", "linear") as TE does."""
     acts = tuple(a.lower() if isinstance(a, str) else a for a in activations)

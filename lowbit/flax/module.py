@@ -198,8 +198,7 @@ class LayerNormDenseGeneral(LowbitModuleBase):
 
     @nn.compact
     def __call__(self, inputs):
-        if C.canonicalize_tuple(self.axis) not in ((-1,), (inputs.ndim - 1,)):
-            raise ValueError("lowbit.flax.LayerNormDenseGeneral: axis: only -1 is supported (as in TE)")
+        C.check_last_axis("lowbit.flax.LayerNormDenseGeneral", self.axis, inputs.ndim)
         hidden = inputs.shape[-1]
         features = C.canonicalize_tuple(self.features)
         quantizer_set = self.generate_quantizer_set()
@@ -274,8 +273,7 @@ class LayerNormMLP(LowbitModuleBase):
 
     @nn.compact
     def __call__(self, inputs, deterministic: bool = False):
-        if C.canonicalize_tuple(self.axis) not in ((-1,), (inputs.ndim - 1,)):
-            raise ValueError("lowbit.flax.LayerNormMLP: axis: only -1 is supported (as in TE)")
+        C.check_last_axis("lowbit.flax.LayerNormMLP", self.axis, inputs.ndim)
         qs1 = self.generate_quantizer_set("_0")
         qs2 = self.generate_quantizer_set("_1")
         acts = C.normalize_activations(self.activations)

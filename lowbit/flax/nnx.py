@@ -235,8 +235,9 @@ class LayerNormDenseGeneral(LowbitModuleBase):
                  enable_low_rank_adaptation: bool = False, low_rank_adaptation_dim: int = 32,
                  low_rank_adaptation_alpha: float | None = None, dtype=jnp.float32,
                  layernorm_input_axes=None, dot_input_axes=None, depth_scaling: float | None = None,
-                 quantization_recipe: Recipe | None = None, rngs: nnx.Rngs):
+                 axis: int | Iterable[int] = -1, quantization_recipe: Recipe | None = None, rngs: nnx.Rngs):
         features = C.canonicalize_tuple(features)
+        self.axis = axis
         self.layernorm_type, self.epsilon, self.zero_centered_gamma = layernorm_type, epsilon, zero_centered_gamma
         self.return_layernorm_output, self.depth_scaling = return_layernorm_output, depth_scaling
         self.layernorm_input_axes, self.dot_input_axes = layernorm_input_axes, dot_input_axes
@@ -253,6 +254,7 @@ class LayerNormDenseGeneral(LowbitModuleBase):
         self._init_quantization(quantization_recipe, rngs=rngs)
 
     def __call__(self, inputs, *, sr_key=None):
+        C.check_last_axis("lowbit.flax.nnx.LayerNormDenseGeneral", self.axis, inputs.ndim)
         lora = None
         if self.lora_a_kernel is not None:
             lora = (self.lora_a_kernel[...], self.lora_b_kernel[...], self.lora_alpha)
@@ -283,8 +285,11 @@ class LayerNormMLP(LowbitModuleBase):
                  enable_low_rank_adaptation: bool = False, low_rank_adaptation_dim: int = 32,
                  low_rank_adaptation_alpha: float | None = None, dtype=jnp.float32,
                  layernorm_input_axes=None, ffn1_ckpt_name: str = "ffn1", ffn2_ckpt_name: str = "ffn2",
+                 axis: int | Iterable[int] = -1, dot_1_input_axes=None, dot_2_input_axes=None,
                  quantization_recipe: Recipe | None = None, rngs: nnx.Rngs):
+        del dot_1_input_axes, dot_2_input_axes  # accepted, not applied (lowbit.flax.module.LayerNormMLP)
         acts = C.normalize_activations(activations)
+        self.axis = axis
         n_act, hidden, ffn = len(acts), in_features, intermediate_dim
         self.activations = acts
         self.layernorm_type, self.epsilon, self.zero_centered_gamma = layernorm_type, epsilon, zero_centered_gamma
@@ -312,6 +317,7 @@ class LayerNormMLP(LowbitModuleBase):
         self._init_quantization(quantization_recipe, postfixes=("_0", "_1"), rngs=rngs)
 
     def __call__(self, inputs, deterministic: bool = False, *, sr_key=None):
+        C.check_last_axis("lowbit.flax.nnx.LayerNormMLP", self.axis, inputs.ndim)
         lora = None
         if self.wi_lora_a_kernel is not None:
             lora = (self.wi_lora_a_kernel[...], self.wi_lora_b_kernel[...],
