@@ -31,7 +31,7 @@ import jax.numpy as jnp
 
 from lowbit.ops.activation import act_backward, act_forward
 from lowbit.ops.fused_block import act_quantize_block, fused_block_enabled
-from lowbit.quantize.quantizer import no_gradient
+from lowbit.quantize.quantizer import check_quantizer, no_gradient
 
 _NAMES = ("gelu", "silu", "relu", "quick_gelu", "squared_relu", "linear")
 
@@ -78,7 +78,7 @@ def activation(x, activation_type=("gelu",), quantizer=None, act_params=None):
     x, act_type, gated, limit, alpha = _prepare(op, x, activation_type, act_params)
     if quantizer is None:
         return _act(x, act_type, gated, limit, alpha)
-    _check_quantizer(op, quantizer)
+    check_quantizer(op, quantizer)
     return _act_dequantized(x, quantizer, act_type, gated, limit, alpha)
 
 
@@ -86,7 +86,7 @@ def quantized_activation(x, activation_type, quantizer, act_params=None):
     """The ScaledTensor of activation(x) as `quantizer` codes it (forward only; module doc)."""
     op = "lowbit.quantized_activation"
     x, act_type, gated, limit, alpha = _prepare(op, x, activation_type, act_params)
-    _check_quantizer(op, quantizer)
+    check_quantizer(op, quantizer)
     return _quantized(jax.lax.stop_gradient(x), act_type, gated, limit, alpha, quantizer)
 
 
@@ -118,14 +118,6 @@ def _prepare(op, x, activation_type, act_params):
         raise ValueError(f"{op}: x: expected shape (..., {n}, H) for {activation_type!r}, got {x.shape}")
     limit, alpha = _params(act_params)
     return x, act_type, gated, limit, alpha
-
-
-def _check_quantizer(op, quantizer):
-    from lowbit.quantize.quantizer import Quantizer
-
-    if not isinstance(quantizer, Quantizer):
-        raise TypeError(f"{op}: quantizer: expected a lowbit.quantize Quantizer or None, got "
-                        f"{type(quantizer).__name__}")
 
 
 def _quantized(x, act_type, gated, limit, alpha, quantizer):

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 
 from lowbit.ops.norm import norm_backward, norm_forward
 from lowbit.quantize.delayed import scale_inverse
-from lowbit.quantize.quantizer import DelayedScaleQuantizer, Quantizer, no_gradient
+from lowbit.quantize.quantizer import DelayedScaleQuantizer, check_quantizer, no_gradient
 from lowbit.quantize.tensor import ScaledTensor1x, ScaledTensor2x
 
 NORM_TYPES = ("layernorm", "rmsnorm")
@@ -103,7 +103,7 @@ def layernorm(
     x, gamma, beta, cfg = _prepare(op, x, gamma, beta, norm_type, zero_centered_gamma, epsilon)
     if quantizer is None:
         return _layernorm(x, gamma, beta, cfg)
-    _check_quantizer(op, quantizer)
+    check_quantizer(op, quantizer)
     return _layernorm_dequantized(x, gamma, beta, quantizer, cfg)
 
 
@@ -113,7 +113,7 @@ def quantized_layernorm(x, gamma, beta=None, norm_type: str = "layernorm",
     codes it; forward only (see the module docstring)."""
     op = "lowbit.quantized_layernorm"
     x, gamma, beta, cfg = _prepare(op, x, gamma, beta, norm_type, zero_centered_gamma, epsilon)
-    _check_quantizer(op, quantizer)
+    check_quantizer(op, quantizer)
     x, gamma, beta = jax.lax.stop_gradient((x, gamma, beta))
     return norm_quantize(x, gamma, beta, cfg, quantizer, False)[0]
 
@@ -124,12 +124,6 @@ def _prepare(op, x, gamma, beta, norm_type, zero_centered_gamma, epsilon):
     cfg = NormConfig(norm_type, bool(zero_centered_gamma), float(epsilon))
     cfg.check(op, x, gamma, beta)
     return x, gamma, beta, cfg
-
-
-def _check_quantizer(op, quantizer):
-    if not isinstance(quantizer, Quantizer):
-        raise TypeError(f"{op}: quantizer: expected a lowbit.quantize Quantizer, got "
-                        f"{type(quantizer).__name__}")
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(4,))

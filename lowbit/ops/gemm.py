@@ -5,8 +5,9 @@ operands K-major, the one layout the C++ op takes (csrc/gemm/gemm.h); callers wi
 layouts transpose first. Types: a and b both FP8 (not both E5M2), both bf16 or both f16;
 out bf16, f16 or f32 (with 16-bit inputs: the input type or f32); bias (N,) in the out type.
 Accumulation is fp32; the CPU handler sums each dot product in increasing k order (exact
-products; FP8 operands with a one-time notice that the CPU emulates), the CUDA handler is cuBLASLt (`use_split_accumulator=False` selects Hopper's
-faster, less precise FP8 accumulation).
+products; FP8 operands with a one-time notice that the CPU emulates), the CUDA handler is
+cuBLASLt (`use_split_accumulator=False` selects Hopper's faster, less precise FP8
+accumulation).
 
 FP8 on cuBLASLt needs K and N to be multiples of 16: the CUDA lowering zero-pads K and N
 (zero terms leave every sum unchanged) and slices the result; the CPU handler takes any shape.
@@ -111,7 +112,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from lowbit import _ffi
 from lowbit.ops._primitive import ffi_primitive
 from lowbit.ops._sharding import (COLS, ROWS, SCALE_DIMS, axes_entry, clean_split, compound_sizes, fit_scale,
-                                  named_shardings, partition_spec, tiled_group_rule)
+                                  named_shardings, spec_entries, tiled_group_rule)
 
 OP = "lowbit.ops.gemm"
 FP8 = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
@@ -654,11 +655,6 @@ def _spec_axes(entry) -> tuple[str, ...]:
     return tuple(entry) if isinstance(entry, tuple) else (entry,)
 
 
-def _padded_spec(sharding, ndim: int) -> list:
-    spec = list(partition_spec(sharding))
-    return spec + [None] * (ndim - len(spec))
-
-
 def plan_sharding(mesh_shape: dict, a_spec, b_spec, out_spec, out_shape, k_ndim: int):
     """The per-dim mesh axes one sharded gemm runs with, from its operands' and result's specs
     (lists of per-dim axis tuples). Returns (m, n, k, scatter): m / n / k the axes of a's rows,
@@ -712,7 +708,7 @@ def plan_sharding(mesh_shape: dict, a_spec, b_spec, out_spec, out_shape, k_ndim:
 def _gather_rows_partition(mesh, arg_shapes, result_shape):
     del result_shape
     (x,) = arg_shapes
-    spec = _padded_spec(x.sharding, len(x.shape))
+    spec = spec_entries(x.sharding, len(x.shape))
     sharding = NamedSharding(mesh, PartitionSpec(spec[0], *[None] * (len(spec) - 1)))
     return mesh, lambda a: a, sharding, (sharding,)
 
@@ -816,7 +812,7 @@ def _make_gemm(out_dtype: np.dtype, use_split_accumulator: bool, has_bias: bool,
     partitioned = custom_partitioning(local)
 
     def partition(mesh, arg_shapes, result_shape):
-        specs = [[_spec_axes(e) for e in _padded_spec(s.sharding, len(s.shape))]
+        specs = [[_spec_axes(e) for e in spec_entries(s.sharding, len(s.shape))]
                  for s in (arg_shapes[0], arg_shapes[1], result_shape)]
         if block:
             specs[:2] = _block_specs(dict(mesh.shape), specs[0], specs[1], arg_shapes[0].shape,
@@ -1296,7 +1292,7 @@ def _make_nvfp4_gemm(out_dtype: np.dtype, k: int, algo: int, has_bias: bool, psu
 
     def partition(mesh, arg_shapes, result_shape):
         mesh_shape = dict(mesh.shape)
-        specs = [[_spec_axes(e) for e in _padded_spec(s.sharding, 2)]
+        specs = [[_spec_axes(e) for e in spec_entries(s.sharding, 2)]
                  for s in (arg_shapes[0], arg_shapes[1], result_shape)]
         m, n = arg_shapes[0].shape[0], arg_shapes[1].shape[0]
         specs[:2] = _nvfp4_specs(mesh_shape, specs[0], specs[1], m, n, k)

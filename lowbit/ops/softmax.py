@@ -101,10 +101,6 @@ batching.primitive_batchers[softmax_bwd_p] = _bwd_batch
 
 # ---------------------------------------------------------------- sharding
 
-def _entries(sharding, ndim):
-    return spec_entries(sharding, ndim)
-
-
 def _fwd_local(x, mask, cfg):
     return softmax_fwd_p.bind(x, mask, **cfg.params())
 
@@ -115,7 +111,7 @@ def _bwd_local(dy, y, cfg):
 
 def _fwd_partition(cfg, mesh, arg_shapes, result_shape):
     x_shape, mask_shape = arg_shapes
-    b, h, q, _ = _entries(x_shape.sharding, 4)
+    b, h, q, _ = spec_entries(x_shape.sharding, 4)
     ns = lambda *spec: NamedSharding(mesh, PartitionSpec(*spec))  # noqa: E731
     x_sh = ns(b, h, q, None)
     if mask_shape.ndim == 4:
@@ -136,7 +132,7 @@ def _fwd_rule(cfg, mesh, value_types, result_types):
 
 
 def _bwd_partition(cfg, mesh, arg_shapes, result_shape):
-    b, h, q, _ = _entries(arg_shapes[0].sharding, 4)
+    b, h, q, _ = spec_entries(arg_shapes[0].sharding, 4)
     x_sh = NamedSharding(mesh, PartitionSpec(b, h, q, None))
     return mesh, lambda dy, y: _bwd_local(dy, y, cfg), x_sh, (x_sh, x_sh)
 

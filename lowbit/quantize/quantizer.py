@@ -63,6 +63,7 @@ __all__ = [
     "GemmAccumulation",
     "QuantizerSet",
     "noop_quantizer_set",
+    "check_quantizer",
     "no_gradient",
     "KERNELS_PENDING",
 ]
@@ -70,11 +71,18 @@ __all__ = [
 KERNELS_PENDING = "{mode} quantization kernels land with issue Quantization II"
 
 
+def check_quantizer(op: str, quantizer) -> None:
+    """TypeError naming `op` unless `quantizer` is one of lowbit's quantizers."""
+    if not isinstance(quantizer, Quantizer):
+        raise TypeError(f"{op}: quantizer: expected a lowbit.quantize Quantizer, got "
+                        f"{type(quantizer).__name__}")
+
+
 def no_gradient(tree):
     """A zero cotangent for a quantizer (or any pytree) passed to a custom_vjp function: zeros
     for its float leaves, float0 zeros for the others (PRNG keys, integers)."""
     def zero(a):
-        a = jnp.asarray(a) if not isinstance(a, jax.Array) else a
+        a = jnp.asarray(a)
         if jnp.issubdtype(a.dtype, jnp.inexact):
             return jnp.zeros_like(a)
         return np.zeros(a.shape, jax.dtypes.float0)
