@@ -13,7 +13,7 @@ lowbit.ops.gemm, LOWBIT_GEMM_ALGO) on the three dense shapes, per kind: per-tens
 lowbit.dense runs it (fast accumulation forward, split dgrad / wgrad) and FP8 block scaling
 (x 1x128 with W 128x128 forward and dgrad, 1x128 x 1x128 wgrad). Per (shape, kind) it walks
 indices 0, 1, ... until cuBLASLt has no more (or --max-algo), prints TFLOP/s per index and
-the best index against index 0: what DEFAULT_ALGO in lowbit/ops/gemm.py should hold.
+the best index against index 0: what DEFAULT_ALGO in lowbit/ops/gemm_config.py should hold.
 `--out-dtype float32` sweeps with the f32 output lowbit's module writes an f32 kernel's
 wgrad in (cuBLASLt's heuristic orders the algorithms per output type).
 

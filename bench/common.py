@@ -146,7 +146,7 @@ ALGO_TWIN_SUFFIX = "@algo"
 
 def add_algo_argument(parser) -> None:
     """--algo TEXT: every lowbit variant chosen gets a twin, `<variant>@algo`, traced with
-    LOWBIT_GEMM_ALGO=TEXT (lowbit/ops/gemm.py), timed in the same rounds as the variant."""
+    LOWBIT_GEMM_ALGO=TEXT (lowbit/ops/gemm_config.py), timed in the same rounds as the variant."""
     parser.add_argument("--algo", default=None, metavar="TEXT",
                         help="also time each lowbit variant with LOWBIT_GEMM_ALGO=TEXT (as <variant>@algo)")
 

@@ -24,7 +24,7 @@ operand (`gemm_operand`). Which GEMMs have a hardware path is lowbit.ops.gemm's 
 (cuBLASLt on Hopper for FP8 block; an exact emulation with a notice elsewhere).
 
 NVFP4 (NVFP4BlockScaling): the same dataflow with NVFP4 copies (packed 2-D, colwise copies
-K-major), multiplied by lowbit.ops.gemm.nvfp4_gemm on their stored data, e4m3 scales (16x16
+K-major), multiplied by lowbit.ops.gemm_nvfp4.nvfp4_gemm on their stored data, e4m3 scales (16x16
 weight tiles are stored per row, so they need nothing) and global scale_invs: cuBLASLt on
 compute capability 10.x, the exact emulation elsewhere (on other GPUs a dequantize-and-fp32-dot
 in jnp; the C++ reference's k-order sums on the CPU). All three GEMMs, the wgrad of the RHT
@@ -72,7 +72,8 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from lowbit.ops.dense_backward import dense_backward_fp8, dense_backward_fp8_sharded, dense_backward_plan
-from lowbit.ops.gemm import GemmScaleMode, emulated_nvfp4_gemm, gemm, nvfp4_gemm, psum_in_fp32
+from lowbit.ops.gemm import GemmScaleMode, gemm, psum_in_fp32
+from lowbit.ops.gemm_nvfp4 import emulated_nvfp4_gemm, nvfp4_gemm
 from lowbit.quantize.helper import get_global_mesh_resource
 from lowbit.quantize.quantizer import (
     CurrentScaleQuantizer,
@@ -179,7 +180,7 @@ def _nvfp4_dims(t: ScaledTensor1x) -> tuple[tuple[int, ...], tuple[int, ...]]:
 
 
 def nvfp4_packed_gemm_ok(a: ScaledTensor1x, b: ScaledTensor1x, contracting_ndim: int) -> bool:
-    """Whether lowbit.ops.gemm.nvfp4_gemm can multiply the two stored copies as they are: both
+    """Whether lowbit.ops.gemm_nvfp4.nvfp4_gemm can multiply the two stored copies as they are: both
     RHT-transformed or neither (nvfp4_gemm multiplies stored values: with the same transform
     on both operands' K they multiply to the product, T^T T = I; with it on one only they do
     not), and each stored copy's columns exactly the contracted dims. Only colwise copies are
@@ -195,7 +196,7 @@ def nvfp4_packed_gemm_ok(a: ScaledTensor1x, b: ScaledTensor1x, contracting_ndim:
 
 
 def _nvfp4_gemm(a: ScaledTensor1x, b: ScaledTensor1x, bias, out_dtype, contracting_ndim):
-    """An NVFP4 GEMM of two stored copies: lowbit.ops.gemm.nvfp4_gemm on their packed data,
+    """An NVFP4 GEMM of two stored copies: lowbit.ops.gemm_nvfp4.nvfp4_gemm on their packed data,
     scales and global scale_invs (cuBLASLt on compute capability 10.x; elsewhere the exact
     emulation, which gives emulated_nvfp4_gemm's bits: the same dequantized operands and
     fp32 dot, on the CPU summed in k order by the C++ reference), the (M, N) result reshaped

@@ -95,7 +95,7 @@ def test_flax_dense_general_takes_its_key_from_the_sr_rng_stream():
 # ---------------------------------------------------------------- the packed GEMM path
 #
 # dense's NVFP4 GEMMs, the wgrad of the RHT copies included (x's and dy's colwise copies
-# share one sign vector), go through lowbit.ops.gemm.nvfp4_gemm (lowbit_gemm_nvfp4, cuBLASLt
+# share one sign vector), go through lowbit.ops.gemm_nvfp4.nvfp4_gemm (lowbit_gemm_nvfp4, cuBLASLt
 # on 10.x) on the stored values. Off 10.x nvfp4_gemm lowers to the jnp emulation
 # (nvfp4_emulation_lowering), which must give the bits of `_stored_values_gemm` below (the
 # stored E2M1 codes times their e4m3 scales times the global scale_inv, an fp32 HIGHEST dot:
@@ -112,6 +112,7 @@ from jax.interpreters import mlir  # noqa: E402
 
 dense_mod = importlib.import_module("lowbit.dense")
 gemm_mod = importlib.import_module("lowbit.ops.gemm")
+nvfp4_mod = importlib.import_module("lowbit.ops.gemm_nvfp4")
 ffi_mod = importlib.import_module("lowbit._ffi")
 
 RECIPES = {
@@ -150,7 +151,7 @@ def _stored_values_gemm(a, b, bias, out_dtype, contracting_ndim):
 
 def _old_nvfp4_gemm(a, b, bias, out_dtype, contracting_ndim):
     """dense's NVFP4 GEMM before the packed path (every GEMM dequantized and emulated)."""
-    return gemm_mod.emulated_nvfp4_gemm(dense_mod._nvfp4_operand(a), dense_mod._nvfp4_operand(b), bias,
+    return nvfp4_mod.emulated_nvfp4_gemm(dense_mod._nvfp4_operand(a), dense_mod._nvfp4_operand(b), bias,
                                         out_dtype=out_dtype, contracting_ndim=contracting_ndim)
 
 
@@ -176,9 +177,9 @@ def _fwd_bwd(recipe, problem, seed=0):
 @pytest.fixture
 def jnp_emulation():
     """gemm_nvfp4_p lowered on the CPU as the CUDA lowering does off 10.x (Hopper)."""
-    mlir.register_lowering(gemm_mod.gemm_nvfp4_p, gemm_mod.nvfp4_emulation_lowering, platform="cpu")
+    mlir.register_lowering(nvfp4_mod.gemm_nvfp4_p, nvfp4_mod.nvfp4_emulation_lowering, platform="cpu")
     yield
-    mlir.register_lowering(gemm_mod.gemm_nvfp4_p, gemm_mod._nvfp4_cpu_lowering, platform="cpu")
+    mlir.register_lowering(nvfp4_mod.gemm_nvfp4_p, nvfp4_mod._nvfp4_cpu_lowering, platform="cpu")
 
 
 @pytest.mark.parametrize("problem", list(PROBLEMS))

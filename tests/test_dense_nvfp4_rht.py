@@ -38,6 +38,7 @@ warnings.filterwarnings("ignore", message="lowbit.ops.gemm: no cuBLASLt NVFP4")
 
 dense_mod = importlib.import_module("lowbit.dense")
 gemm_mod = importlib.import_module("lowbit.ops.gemm")
+nvfp4_mod = importlib.import_module("lowbit.ops.gemm_nvfp4")
 ffi_mod = importlib.import_module("lowbit._ffi")
 
 FULL = NVFP4BlockScaling()
@@ -150,9 +151,9 @@ def test_layernorm_dense_and_mlp_share_signs_per_gemm(monkeypatch):
 @pytest.fixture
 def jnp_emulation():
     """gemm_nvfp4_p lowered on the CPU as the CUDA lowering does off 10.x (Hopper)."""
-    mlir.register_lowering(gemm_mod.gemm_nvfp4_p, gemm_mod.nvfp4_emulation_lowering, platform="cpu")
+    mlir.register_lowering(nvfp4_mod.gemm_nvfp4_p, nvfp4_mod.nvfp4_emulation_lowering, platform="cpu")
     yield
-    mlir.register_lowering(gemm_mod.gemm_nvfp4_p, gemm_mod._nvfp4_cpu_lowering, platform="cpu")
+    mlir.register_lowering(nvfp4_mod.gemm_nvfp4_p, nvfp4_mod._nvfp4_cpu_lowering, platform="cpu")
 
 
 def _packed_wgrad(x_col, dy_col):
@@ -186,7 +187,7 @@ def test_wgrad_on_the_cpu_handler_and_against_the_undone_transform(m):
     exact, bound = a @ b.T, m * 2.0**-23 * (np.abs(a) @ np.abs(b).T)
     got = _packed_wgrad(x_col, dy_col)
     assert np.all(np.abs(got - exact) <= bound)
-    undone = np.asarray(gemm_mod.emulated_nvfp4_gemm(x_col.dequantize(jnp.float32).T, dy_col.dequantize(jnp.float32).T,
+    undone = np.asarray(nvfp4_mod.emulated_nvfp4_gemm(x_col.dequantize(jnp.float32).T, dy_col.dequantize(jnp.float32).T,
                                                      out_dtype=jnp.float32))
     assert np.all(np.abs(undone - exact) <= 2 * bound)  # measured: within 0.13 * bound
     other = dataclasses.replace(qs.dgrad, rht_key=jax.random.PRNGKey(12345))

@@ -20,6 +20,7 @@ from conftest import run_on
 import lowbit
 
 gemm_mod = importlib.import_module("lowbit.ops.gemm")
+nvfp4_mod = importlib.import_module("lowbit.ops.gemm_nvfp4")
 ffi_mod = importlib.import_module("lowbit._ffi")
 Mode = gemm_mod.GemmScaleMode
 E4M3, E5M2, BF16, F32 = jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.bfloat16, jnp.float32
@@ -162,10 +163,10 @@ def test_nvfp4_library_default_index_is_marked_or_first(monkeypatch, rng):
     monkeypatch.delenv("LOWBIT_GEMM_ALGO", raising=False)
     m, n, k = 128, 256, 64
     packed = lambda rows: jnp.asarray(rng.integers(0, 256, size=(rows, k // 2)), jnp.uint8)  # noqa: E731
-    scale = lambda rows: jnp.ones(gemm_mod.nvfp4_scale_shape(rows, k), jnp.float8_e4m3fn)  # noqa: E731
+    scale = lambda rows: jnp.ones(nvfp4_mod.nvfp4_scale_shape(rows, k), jnp.float8_e4m3fn)  # noqa: E731
     one = jnp.ones((1,), F32)
     args = (packed(m), packed(n), scale(m), scale(n), one, one)
-    f = lambda *x, **kw: gemm_mod.nvfp4_gemm(*x, k=k, out_dtype=F32, **kw)  # noqa: E731
+    f = lambda *x, **kw: nvfp4_mod.nvfp4_gemm(*x, k=k, out_dtype=F32, **kw)  # noqa: E731
     assert cuda_algo_or_first(monkeypatch, f, *args) == [(0, True)]
     assert cuda_algo_or_first(monkeypatch, lambda *x: f(*x, algo=2), *args) == [(2, False)]
     monkeypatch.setenv("LOWBIT_GEMM_ALGO", "nvfp4=0")

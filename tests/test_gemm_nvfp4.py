@@ -1,4 +1,4 @@
-"""lowbit.ops.gemm.nvfp4_gemm (packed NVFP4 operands): the CPU handler against a numpy
+"""lowbit.ops.gemm_nvfp4.nvfp4_gemm (packed NVFP4 operands): the CPU handler against a numpy
 reference written from gemm.h's formula (bit for bit), against the jnp emulation and
 lowbit.dense's emulated_nvfp4_gemm on quantizer output, the CUDA lowering's sm_100 gate
 (one padded lowbit_gemm_nvfp4 on 10.x, the emulation elsewhere), the padding wrapper exact
@@ -20,6 +20,7 @@ from conftest import run_on
 from lowbit.ops.quantize_nvfp4 import quantize_nvfp4
 
 gemm_mod = importlib.import_module("lowbit.ops.gemm")
+nvfp4_mod = importlib.import_module("lowbit.ops.gemm_nvfp4")
 ffi_mod = importlib.import_module("lowbit._ffi")
 BF16, F32 = jnp.bfloat16, jnp.float32
 E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float32)
@@ -35,7 +36,7 @@ def random_operand(rng, rows, k, nan_padding=True):
     codes = rng.integers(0, 16, size=(rows, cdiv(k, 2) * 2), dtype=np.uint8)
     codes[:, k:] = 0
     data = (codes[:, 0::2] | (codes[:, 1::2] << 4)).astype(np.uint8)
-    d0, d1 = gemm_mod.nvfp4_scale_shape(rows, k)
+    d0, d1 = nvfp4_mod.nvfp4_scale_shape(rows, k)
     s = np.full((d0, d1), 0x7F if nan_padding else 0, np.uint8)
     s[:rows, :cdiv(k, 16)] = rng.integers(0x08, 0x77, size=(rows, cdiv(k, 16)), dtype=np.uint8)
     gsi = np.float32([np.exp2(rng.uniform(-8, -2))])
@@ -61,7 +62,7 @@ def sequential_ref(a, b, k, bias, out_dtype):
 
 
 def call(a, b, bias=None, out_dtype=F32, k=None, **kw):
-    return gemm_mod.nvfp4_gemm(a[0], b[0], a[1], b[1], a[2], b[2], bias, k=k, out_dtype=out_dtype, **kw)
+    return nvfp4_mod.nvfp4_gemm(a[0], b[0], a[1], b[1], a[2], b[2], bias, k=k, out_dtype=out_dtype, **kw)
 
 
 @pytest.mark.parametrize("m,n,k", [(1, 1, 1), (3, 5, 17), (16, 8, 64), (7, 130, 100), (130, 9, 33)], ids=str)
@@ -93,10 +94,10 @@ def test_matches_dense_emulation_on_quantizer_output(rng, cpu):
     w = rng.normal(size=(24, 96)).astype(np.float32)
     qx = run_on(cpu, lambda v: quantize_nvfp4(v), x)
     qw = run_on(cpu, lambda v: quantize_nvfp4(v), w)
-    got = np.asarray(run_on(cpu, lambda *v: gemm_mod.nvfp4_gemm(*v, k=96, out_dtype=F32),
+    got = np.asarray(run_on(cpu, lambda *v: nvfp4_mod.nvfp4_gemm(*v, k=96, out_dtype=F32),
                             qx[0], qw[0], qx[1], qw[1], qx[2], qw[2]), np.float64)
     xd, wd = dequantized(qx[0], qx[1], qx[2], 96), dequantized(qw[0], qw[1], qw[2], 96)
-    emu = np.asarray(run_on(cpu, lambda p, q: gemm_mod.emulated_nvfp4_gemm(p, q, out_dtype=F32), xd, wd))
+    emu = np.asarray(run_on(cpu, lambda p, q: nvfp4_mod.emulated_nvfp4_gemm(p, q, out_dtype=F32), xd, wd))
     tol = 4 * 96 * 2.0**-24 * (np.abs(xd.astype(np.float64)) @ np.abs(wd.astype(np.float64)).T)
     assert np.all(np.abs(got - emu) <= tol)
     assert np.abs(got).max() > 0
@@ -105,7 +106,7 @@ def test_matches_dense_emulation_on_quantizer_output(rng, cpu):
 def test_jnp_emulation_matches_handler(rng, cpu):
     a, b = random_operand(rng, 33, 70), random_operand(rng, 20, 70)
     h = np.asarray(run_on(cpu, lambda *x: call(x[:3], x[3:], k=70), *a, *b), np.float64)
-    e = np.asarray(run_on(cpu, lambda *x: gemm_mod.emulated_nvfp4_gemm_packed(
+    e = np.asarray(run_on(cpu, lambda *x: nvfp4_mod.emulated_nvfp4_gemm_packed(
         x[0], x[3], x[1], x[4], x[2], x[5], jnp.zeros((0,), F32), out_dtype=F32, k=70), *a, *b), np.float64)
     a32, b32 = dequantized(*a, 70).astype(np.float64), dequantized(*b, 70).astype(np.float64)
     assert np.all(np.abs(h - e) <= 4 * 70 * 2.0**-24 * (np.abs(a32) @ np.abs(b32).T))
@@ -119,7 +120,7 @@ def test_cuda_wrapper_padding_on_cpu_handler_is_exact(m, n, k, with_bias, rng):
     through the CPU handler equals the formula bit for bit."""
     a, b = random_operand(rng, m, k), random_operand(rng, n, k)
     bias = rng.normal(size=(n,)).astype(BF16) if with_bias else np.zeros((0,), BF16)
-    f = jax.jit(lambda *x: gemm_mod._nvfp4_gemm_cuda(x[0], x[3], x[1], x[4], x[2], x[5], x[6],
+    f = jax.jit(lambda *x: nvfp4_mod._nvfp4_gemm_cuda(x[0], x[3], x[1], x[4], x[2], x[5], x[6],
                                                      out_dtype=jnp.dtype(BF16), k=k, algo=0))
     got = np.asarray(f(*a, *b, bias)).astype(np.float32)
     want = sequential_ref(a, b, k, bias if with_bias else None, BF16)
@@ -144,8 +145,8 @@ def test_cuda_lowering_on_sm100_emits_one_padded_call(capability, m, n, k, rng, 
     f = lambda *x: call(x[:3], x[3:6], x[6], out_dtype=BF16, k=k, algo=2)  # noqa: E731
     (ops, results, attrs), = cuda_calls(monkeypatch, f, *a, *b, bias, capability=capability)
     mp, np_, kp = cdiv(m, 16) * 16, cdiv(n, 16) * 16, cdiv(k, 64) * 64
-    sa, sb = gemm_mod.nvfp4_scale_shape(m, k), gemm_mod.nvfp4_scale_shape(n, k)
-    assert sa == gemm_mod.nvfp4_scale_shape(mp, kp) and sb == gemm_mod.nvfp4_scale_shape(np_, kp)
+    sa, sb = nvfp4_mod.nvfp4_scale_shape(m, k), nvfp4_mod.nvfp4_scale_shape(n, k)
+    assert sa == nvfp4_mod.nvfp4_scale_shape(mp, kp) and sb == nvfp4_mod.nvfp4_scale_shape(np_, kp)
     assert ops == [f"{mp}x{kp // 2}xui8", f"{np_}x{kp // 2}xui8", f"{sa[0]}x{sa[1]}xf8E4M3FN",
                    f"{sb[0]}x{sb[1]}xf8E4M3FN", "1xf32", "1xf32", "0xf32"]
     ws = gemm_mod.GEMM_WORKSPACE_BYTES + sum(cdiv(x * y, 256) * 256 for x, y in (sa, sb))
@@ -176,7 +177,7 @@ def test_cuda_lowering_refuses_wrong_shapes(which, capability, rng, monkeypatch)
         b[1], want = b[1][:64], r"b_scale: expected e4m3 \(128, 8\), got float8_e4m3fn \(64, 8\)"
     else:
         bias, want = np.ones((1,), F32), r"bias: expected \(9,\) or \(0,\), got \(1,\)"
-    f = lambda *x: gemm_mod.gemm_nvfp4_p.bind(  # noqa: E731
+    f = lambda *x: nvfp4_mod.gemm_nvfp4_p.bind(  # noqa: E731
         x[0], x[3], x[1], x[4], x[2], x[5], x[6], out_dtype=jnp.dtype(F32), k=np.int64(k), algo=np.int32(0))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the one-time emulation notice
@@ -199,13 +200,13 @@ def test_bad_input_names_the_argument(bad, match, rng):
     kw = dict(a_data=a[0], b_data=b[0], a_scale=a[1], b_scale=b[1], a_gsi=a[2], b_gsi=b[2], bias=None, algo=None)
     kw.update(bad)
     with pytest.raises((ValueError, TypeError), match=match):
-        gemm_mod.nvfp4_gemm(kw["a_data"], kw["b_data"], kw["a_scale"], kw["b_scale"], kw["a_gsi"], kw["b_gsi"],
+        nvfp4_mod.nvfp4_gemm(kw["a_data"], kw["b_data"], kw["a_scale"], kw["b_scale"], kw["a_gsi"], kw["b_gsi"],
                             kw["bias"], k=10, out_dtype=F32, algo=kw["algo"])
 
 
 def test_handler_validates_too(rng, cpu):
     a, b = random_operand(rng, 4, 10), random_operand(rng, 6, 10)
-    f = lambda *x: gemm_mod.gemm_nvfp4_p.bind(*x, jnp.zeros((0,), F32), out_dtype=jnp.dtype(F32),  # noqa: E731
+    f = lambda *x: nvfp4_mod.gemm_nvfp4_p.bind(*x, jnp.zeros((0,), F32), out_dtype=jnp.dtype(F32),  # noqa: E731
                                               k=np.int64(12), algo=np.int32(0))
     with pytest.raises(Exception, match="lowbit_gemm_nvfp4: a: expected packed E2M1 as u8 \\(rows, 6\\)"):
         run_on(cpu, f, a[0], b[0], a[1], b[1], a[2], b[2])
@@ -248,7 +249,7 @@ def test_vmap_equals_the_loop(rng, cpu):
     bias = rng.normal(size=(n,)).astype(np.float32)
     a = [np.stack([o[i] for o in ops_a]) for i in range(3)]
     b = [np.stack([o[i] for o in ops_b]) for i in range(3)]
-    f = lambda a, b, sa, sb, ga, gb: gemm_mod.nvfp4_gemm(a, b, sa, sb, ga, gb, bias, k=k, out_dtype=F32)  # noqa: E731
+    f = lambda a, b, sa, sb, ga, gb: nvfp4_mod.nvfp4_gemm(a, b, sa, sb, ga, gb, bias, k=k, out_dtype=F32)  # noqa: E731
     loop = np.stack([run_on(cpu, f, ops_a[i][0], ops_b[i][0], ops_a[i][1], ops_b[i][1], ops_a[i][2], ops_b[i][2])
                      for i in range(batch)])
     both = run_on(cpu, jax.vmap(f), a[0], b[0], a[1], b[1], a[2], b[2])
