@@ -208,15 +208,15 @@ def _fused_attrs(rng, dgrad_split=True):
 @pytest.mark.parametrize("dgrad_split", [True, False], ids=["split", "fast"])
 def test_op_takes_the_gemm_algorithms_by_kind(rng, monkeypatch, dgrad_split):
     """The fused op's two GEMM launches run at the cuBLASLt heuristic indices of their kinds
-    (LOWBIT_GEMM_ALGO), passed to the handler as attributes: the wgrad of an f32 kernel writes
-    f32 at split accumulation, fp8_split_f32 as the unfused wgrad; the dgrad at split
-    accumulation has its own kind, fused_dgrad (dy's rowwise copy read at dk's pitch), not the
-    standalone dgrad's fp8_split; at fast accumulation it takes fp8_fast. Indices the user
-    set are strict (no fallback to cuBLASLt's first choice)."""
-    monkeypatch.setenv("LOWBIT_GEMM_ALGO", "fp8_split=3,fp8_split_f32=5,fused_dgrad=6,fp8_fast=7")
+    (LOWBIT_GEMM_ALGO), passed to the handler as attributes: at split accumulation each has a
+    kind of its own, fused_dgrad (dy's rowwise copy read at dk's pitch) and fused_wgrad (dy's
+    colwise slices, dk's columns at its pitch), not the standalone GEMMs' fp8_split and
+    fp8_split_f32; at fast accumulation the dgrad takes fp8_fast. Indices the user set are
+    strict (no fallback to cuBLASLt's first choice)."""
+    monkeypatch.setenv("LOWBIT_GEMM_ALGO", "fp8_split=3,fp8_split_f32=5,fused_dgrad=6,fp8_fast=7,fused_wgrad=4")
     attrs = _fused_attrs(rng, dgrad_split)
     assert attrs["dgrad_algo"] == ("6 : i32" if dgrad_split else "7 : i32"), attrs
-    assert attrs["wgrad_algo"] == "5 : i32", attrs
+    assert attrs["wgrad_algo"] == "4 : i32", attrs
     assert attrs["dgrad_algo_or_first"] == attrs["wgrad_algo_or_first"] == "false", attrs
 
 
@@ -228,7 +228,7 @@ def test_op_defaults_fall_back_to_the_first_choice(rng, monkeypatch):
     monkeypatch.delenv("LOWBIT_GEMM_ALGO", raising=False)
     attrs = _fused_attrs(rng)
     assert attrs["dgrad_algo"] == f"{gemm_mod.DEFAULT_ALGO['fused_dgrad']} : i32", attrs
-    assert attrs["wgrad_algo"] == f"{gemm_mod.DEFAULT_ALGO['fp8_split_f32']} : i32", attrs
+    assert attrs["wgrad_algo"] == f"{gemm_mod.DEFAULT_ALGO['fused_wgrad']} : i32", attrs
     assert attrs["dgrad_algo_or_first"] == attrs["wgrad_algo_or_first"] == "true", attrs
     monkeypatch.setenv("LOWBIT_GEMM_ALGO", "fused_dgrad=2")
     attrs = _fused_attrs(rng)
@@ -236,14 +236,15 @@ def test_op_defaults_fall_back_to_the_first_choice(rng, monkeypatch):
         ("2 : i32", "false", "true"), attrs
 
 
-def test_unfused_fallback_dgrad_takes_the_standalone_kind(monkeypatch):
+def test_unfused_fallback_gemms_take_the_standalone_kinds(monkeypatch):
     """Where no placement fits and the op runs the unfused GEMMs, its dgrad is a standalone
-    GEMM again and takes fp8_split's index, not fused_dgrad's."""
-    monkeypatch.setenv("LOWBIT_GEMM_ALGO", "fp8_split=3,fused_dgrad=6")
+    GEMM again and takes fp8_split's index, not fused_dgrad's; its wgrad likewise
+    fp8_split_f32's, not fused_wgrad's."""
+    monkeypatch.setenv("LOWBIT_GEMM_ALGO", "fp8_split=3,fused_dgrad=6,fp8_split_f32=5,fused_wgrad=2")
     attrs = importlib.import_module("lowbit.ops.dense_backward")._gemm_attrs
     args = (jnp.float8_e5m2, jnp.float8_e4m3fn, jnp.bfloat16, jnp.float32, True, True)
-    assert int(attrs(*args)["dgrad_algo"]) == 6
-    assert int(attrs(*args, fused=False)["dgrad_algo"]) == 3
+    assert (int(attrs(*args)["dgrad_algo"]), int(attrs(*args)["wgrad_algo"])) == (6, 2)
+    assert (int(attrs(*args, fused=False)["dgrad_algo"]), int(attrs(*args, fused=False)["wgrad_algo"])) == (3, 5)
 
 
 def test_unfused_ops_mark_library_default_indices(rng, monkeypatch):

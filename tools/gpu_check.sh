@@ -16,6 +16,7 @@
 #   SANITIZE_FAMILIES="norm gemm" tools/gpu_check.sh build sanitize   # some of the families
 #   BENCH=all tools/gpu_check.sh build bench   # every benchmark and the seed tutorials (long)
 #   BENCH="bench/bench_quantize.py bench/bench_gemm.py" tools/gpu_check.sh build bench
+#   BENCH="tools/sweep_fused_backward.py --rounds 3" tools/gpu_check.sh build bench   # tools/ too
 #   PROFILE_OPS="norm softmax" tools/gpu_check.sh build profile   # ncu over the kernels
 #   SANITIZE_K="amax or codecs" tools/gpu_check.sh build sanitize     # one -k over all tests
 # On a 4-GPU machine (device kind nvidia-h100-x4) the GPU tests include the seed tutorial's
@@ -119,7 +120,7 @@ if has bench; then
     scripts=${BENCH:-"bench/bench_dense.py --variants bf16,flax_fp8,module_delayed --rounds 1"}
   fi
   IFS=$'\n'
-  for script in $(tr ' ' '\n' <<<"$scripts" | awk '/^bench\//{if (c) print c; c=$0; next} {c=c" "$0} END {if (c) print c}'); do
+  for script in $(tr ' ' '\n' <<<"$scripts" | awk '/^(bench|tools)\//{if (c) print c; c=$0; next} {c=c" "$0} END {if (c) print c}'); do
     unset IFS
     limit=240; [[ $script == *dense_multi* ]] && limit=420  # 4 GPUs: ~5 minutes
     # the seed layer: its variants' compiles alone passed 240 s on a fresh H100 (2026-11-27)

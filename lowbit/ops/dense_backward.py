@@ -127,15 +127,17 @@ def _gemm_attrs(q_dtype, x_dtype, dx_dtype, dk_dtype, dgrad_split: bool, wgrad_s
                 fused: bool = True) -> dict:
     """The dgrad's and the wgrad's accumulation and cuBLASLt heuristic indices: LOWBIT_GEMM_ALGO
     or DEFAULT_ALGO, by accumulation and output dtype as the unfused ops' GEMMs resolve them,
-    except the fused op's dgrad at split accumulation, which has a kind of its own,
+    except the fused op's GEMMs at split accumulation, which have kinds of their own:
     fused_dgrad (dy's rowwise copy at dk's row pitch, batched over its segments: cuBLASLt
-    ranks its algorithms apart from the standalone dgrad's). An index from DEFAULT_ALGO (not
+    ranks its algorithms apart from the standalone dgrad's) and fused_wgrad (dy's colwise
+    slices, each launch writing dk's columns at dk's pitch). An index from DEFAULT_ALGO (not
     the user's) falls back to cuBLASLt's first choice on a problem with no such entry
     (*_algo_or_first)."""
     tensor = gemm_mod.GemmScaleMode.TENSOR
     dgrad_kind = ("fused_dgrad" if dgrad_split and fused
                   else gemm_mod.algo_kind(q_dtype, tensor, dgrad_split, dx_dtype))
-    wgrad_kind = gemm_mod.algo_kind(x_dtype, tensor, wgrad_split, dk_dtype)
+    wgrad_kind = ("fused_wgrad" if wgrad_split and fused
+                  else gemm_mod.algo_kind(x_dtype, tensor, wgrad_split, dk_dtype))
     dgrad_algo, dgrad_first = gemm_mod.kind_algo(dgrad_kind)
     wgrad_algo, wgrad_first = gemm_mod.kind_algo(wgrad_kind)
     return dict(dgrad_algo=np.int32(dgrad_algo), wgrad_algo=np.int32(wgrad_algo),

@@ -48,7 +48,8 @@ with an f32 output: the wgrad of an f32 kernel; cuBLASLt's heuristic list, which
 points into, depends on the output type), fused_dgrad (the dgrad of the fused Dense
 backward, lowbit.ops.dense_backward_fp8, at split accumulation: dy's rowwise copy read at
 dk's row pitch and batched over its row segments, a problem cuBLASLt ranks apart from the
-standalone dgrad), block (FP8 1x128 / 128x128), mxfp8 and nvfp4 (gemm_nvfp4.nvfp4_gemm); unset kinds
+standalone dgrad), fused_wgrad (that op's wgrad at split accumulation: dy's colwise copy in
+column slices, each a launch writing dk's columns at dk's pitch), block (FP8 1x128 / 128x128), mxfp8 and nvfp4 (gemm_nvfp4.nvfp4_gemm); unset kinds
 take DEFAULT_ALGO (0, cuBLASLt's first choice, but fused_dgrad: 1). A
 bad value raises a ValueError naming the variable; an index past what cuBLASLt returns for a
 problem fails that GEMM with the count it did return where the user set it; a library default

@@ -34,8 +34,8 @@ ALGO_ENV = "LOWBIT_GEMM_ALGO"
 # (four rounds, another machine) faster with it, the seed layer from the fused modules the
 # same (22.36 vs 22.35 ms) (2026-11-27; bench/results/dense_dgrad_algo_* and
 # fused_dgrad_algo_*). A problem without a second entry runs the first (GemmArgs::algo_or_first).
-DEFAULT_ALGO = {"fp8_fast": 0, "fp8_split": 0, "fp8_split_f32": 0, "fused_dgrad": 1, "block": 0, "mxfp8": 0,
-                "nvfp4": 0}
+DEFAULT_ALGO = {"fp8_fast": 0, "fp8_split": 0, "fp8_split_f32": 0, "fused_dgrad": 1, "fused_wgrad": 0,
+                "block": 0, "mxfp8": 0, "nvfp4": 0}
 
 
 class GemmScaleMode(enum.IntEnum):
