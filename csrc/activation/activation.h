@@ -21,7 +21,7 @@
 // element bit-identically (activation_math.h); dbias sums differ only in summation order:
 // the reference adds rows in order, the kernel per 256-row tile (the gated backward: 128;
 // 64- or 128-row tiles under LOWBIT_ACT_VARIANT 0-4 / 5 and 8, 256 under 6, 7 and 9:
-// activation_kernels.cuh; fp32's chunk-row variants 7-9 sum in the order of their tile height's)
+// activation_tiled_kernel.cuh; fp32's chunk-row variants 7-9 sum in the order of their tile height's)
 // then the tiles in order (deterministic run to run).
 #pragma once
 
@@ -61,7 +61,7 @@ Status ActForwardRef(const ActArgs& a);
 Status ActBackwardRef(const ActArgs& a);
 
 // CUDA tile: a block handles kActTileRows x kActTileCols (input columns) at a time (or
-// 2 or 4 kActTileRows rows: activation_kernels.cuh, tall tiles).
+// 2 or 4 kActTileRows rows: activation_tiled_kernel.cuh, tall tiles).
 constexpr int64_t kActTileRows = 64;
 constexpr int64_t kActTileCols = 128;
 

@@ -82,7 +82,7 @@ LOWBIT_HD float ClampMax(float x, float limit) { return x > limit ? limit : x; }
 // form c sigmoid(t(c)), c = x (clamped_silu: min(x, limit)), with derivative
 // s + c s (1 - s) t'(x), s = sigmoid(t); they share one sigmoid (one exp, one division), so
 // each element inlines the exp and the division once, whatever the act_type (this keeps
-// the CUDA kernels small: activation_kernels.cuh). Unused outputs are dead code once inlined.
+// the CUDA kernels small: activation_tiled_kernel.cuh). Unused outputs are dead code once inlined.
 //   t:   gelu 2u (GeluTwoU), silu x, quick_gelu 1.702 x, clamped_silu alpha c
 //   t':  gelu 2 k0 (1 + 3 k1 x^2), silu 1, quick_gelu 1.702, clamped_silu alpha (0 where
 //        x > limit)
@@ -146,7 +146,7 @@ LOWBIT_HD float GateDerivative(const ActParams& p, float g) {
 }
 
 // Forward before the NaN canonicalization (the CUDA kernel canonicalizes only chunks that
-// hold a NaN: activation_kernels.cuh).
+// hold a NaN: activation_tiled_kernel.cuh).
 LOWBIT_HD float ActForwardValueRaw(const ActParams& p, float a, float g) {
   const float y = ActValue(p, a);
   return p.gated ? Fp32Mul(y, GateValue(p, g)) : y;

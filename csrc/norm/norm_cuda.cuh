@@ -1,4 +1,4 @@
-// Device helpers shared by the normalization kernels (norm_fwd.cu, norm_bwd.cu).
+// Device helpers shared by the normalization kernels (norm_fwd_kernel.cuh, norm_bwd.cu).
 //
 // Geometry: a row is owned by a "row group" of threads_per_row threads (a multiple of 32,
 // at most 1024); each thread holds kItems elements of the row in registers as kItems /

@@ -1,5 +1,5 @@
 // Device-side FP8 encoding of 16-byte chunks for the quantize kernels (quantize_tiled.cuh,
-// block_tiles.cuh), activation_kernels.cuh and the norm kernels (norm_cuda.cuh): EncodeChunk
+// block_tiles.cuh), activation_tiled_kernel.cuh and the norm kernels (norm_cuda.cuh): EncodeChunk
 // (one scale) and EncodeChunkScaled (a factor per value), the hardware conversion where it is
 // bit-identical to the formats.h codecs, the codec elsewhere, plus the scale check, the 4x4
 // byte transpose of the colwise stores and vector load/store helpers.
