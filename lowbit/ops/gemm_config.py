@@ -33,7 +33,9 @@ ALGO_ENV = "LOWBIT_GEMM_ALGO"
 # fused_dgrad = 1: on H100s the seed Dense step ran 1.3% (three alternating pairs) and 1.6%
 # (four rounds, another machine) faster with it, the seed layer from the fused modules the
 # same (22.36 vs 22.35 ms) (2026-11-27; bench/results/dense_dgrad_algo_* and
-# fused_dgrad_algo_*). A problem without a second entry runs the first (GemmArgs::algo_or_first).
+# fused_dgrad_algo_*). fused_wgrad = 0: indices 1-7 were no faster (H200, 2026-11-29,
+# fused_backward_sweep_NVIDIA_H200.json). A problem without a second entry runs the first
+# (GemmArgs::algo_or_first).
 DEFAULT_ALGO = {"fp8_fast": 0, "fp8_split": 0, "fp8_split_f32": 0, "fused_dgrad": 1, "fused_wgrad": 0,
                 "block": 0, "mxfp8": 0, "nvfp4": 0}
 
