@@ -39,23 +39,9 @@ NVFP4 is its own op, lowbit_gemm_nvfp4, in lowbit.ops.gemm_nvfp4 (nvfp4_gemm on 
 operands); it shares this module's algorithm choice, workspace size, K-partial sums and
 sharding plan.
 
-Algorithm (CUDA): `algo` picks entry `algo` of the list of algorithms cuBLASLt's
-heuristic returns (0 = its first choice; a plan-cache key in C++). `gemm(algo=None)` takes
-it from LOWBIT_GEMM_ALGO, read at trace time: "k" for every FP8 kind, or
-"kind=k,kind=k" with kinds fp8_fast (per-tensor, fast accumulation: the forward GEMM),
-fp8_split (per-tensor, split accumulation, a 16-bit output: dgrad), fp8_split_f32 (the same
-with an f32 output: the wgrad of an f32 kernel; cuBLASLt's heuristic list, which the index
-points into, depends on the output type), fused_dgrad (the dgrad of the fused Dense
-backward, lowbit.ops.dense_backward_fp8, at split accumulation: dy's rowwise copy read at
-dk's row pitch and batched over its row segments, a problem cuBLASLt ranks apart from the
-standalone dgrad), fused_wgrad (that op's wgrad at split accumulation: dy's colwise copy in
-column slices, each a launch writing dk's columns at dk's pitch), block (FP8 1x128 / 128x128), mxfp8 and nvfp4 (gemm_nvfp4.nvfp4_gemm); unset kinds
-take DEFAULT_ALGO (0, cuBLASLt's first choice, but fused_dgrad: 1). A
-bad value raises a ValueError naming the variable; an index past what cuBLASLt returns for a
-problem fails that GEMM with the count it did return where the user set it; a library default
-(DEFAULT_ALGO's) runs entry 0 there instead (the custom calls' algo_or_first attribute, in
-lowbit_gemm, lowbit_gemm_nvfp4 and the fused Dense backward alike). bench/bench_gemm.py --algo-sweep
-times every index.
+Algorithm (CUDA): `algo` picks entry `algo` of cuBLASLt's heuristic list (0 = its first choice);
+`gemm(algo=None)` takes it per GEMM kind from LOWBIT_GEMM_ALGO or DEFAULT_ALGO (gemm_config's
+docstring lists the kinds and what a bad or out-of-range index does).
 
 Workspace: the lowbit_gemm custom call has a second result, a u8 workspace that XLA's buffer
 assignment plans like any temp (XLA's FFI scratch allocator hands out nothing in jax 0.11):
@@ -64,29 +50,9 @@ bytes on the CPU. It exists only in the lowering rules
 (`_lower_with_workspace`): gemm_p itself has one result, so abstract evaluation, batching
 and partitioning never see it; it is never sharded (each device's custom call gets its own).
 
-Sharding (Shardy rule + custom_partitioning): leading dims of a sharded -> each device
-multiplies its rows (data parallel); N sharded (b's rows, column-parallel TP) -> out's last
-dim and bias sharded alike; K sharded in both operands (row-parallel TP) -> each device
-computes its partial product, a psum (or a reduce-scatter) over the K axes sums them, then
-bias is added once in fp32 and the sum is rounded to out_dtype. The partial products are
-rounded to out_dtype and summed in it (as XLA's sharded dot and TransformerEngine do), or
-kept in fp32 and rounded once with LOWBIT_GEMM_PSUM=fp32 (gemm_config.PSUM_ENV). No other
-collective is inserted by the op.
-
-Block modes: the same rule, with the scale arrays sharded with their data, when (a) only the
-first row dim and the first contracted dim of an operand are sharded (a shard's flattened
-rows / K are then one contiguous slice) and (b) each shard holds whole tiles and the scale
-dim it splits has no padding (_sharding.clean_split): rows of a 1x128 operand with R % 4 == 0;
-rows of a 128x128 operand in whole 128-row tiles; MXFP8 rows with R % 128 == 0; K in whole
-128-blocks (32 for MXFP8) with, for 128x128, ceil(K/128) % 4 == 0 and, for MXFP8,
-ceil(K/32) % 4 == 0. Each shard re-pads its scale slices to its own layout (fit_scale). A
-sharded dim failing (a) or (b) is gathered, its scales with it: exact, not parallel. No
-clean rule exists where the global scale dim is padded (R % 4 != 0 for 1x128 rows,
-ceil(K/128) % 4 != 0 for 128x128 K, R % 128 != 0 or ceil(K/32) % 4 != 0 for MXFP8): the
-padding sits at the end of the global dim, so equal slices of it do not line up with equal
-slices of the data; nor where a shard would split a tile. The Shardy rule ties the first row
-and contracted dims to their scale dims by a shared major factor (tiled_group_rule), so that
-propagation shards the scales with their data.
+Sharding (Shardy rule + custom_partitioning): data parallel over a's rows, column-parallel
+over N, row-parallel over K (partial products summed by a psum or reduce-scatter), block
+modes with their scales where shards hold whole tiles; gemm_sharding's docstring has the rule.
 """
 
 from __future__ import annotations
@@ -106,12 +72,16 @@ from lowbit import _ffi
 from lowbit.ops._primitive import ffi_primitive
 from lowbit.ops._sharding import (COLS, ROWS, SCALE_DIMS, axes_entry, compound_sizes, fit_scale,
                                   named_shardings, spec_entries, tiled_group_rule)
-# Re-exported: the configuration and sharding pieces live in their own modules, and callers
-# (lowbit.dense, lowbit.ops.dense_backward, the tests, the benchmarks) read them here too.
+# Re-exported: the configuration, argument-check and sharding pieces live in their own
+# modules, and callers (lowbit.dense, lowbit.ops.dense_backward, the tests, the benchmarks)
+# read them here too.
+from lowbit.ops.gemm_args import (_check_bound_shapes, _check_scale_modes, _scale_arg, _shape_text,  # noqa: F401
+                                  check_operands)
 from lowbit.ops.gemm_config import (ALGO_ENV, CUBLASLT_BLOCK_PAIRS, DEFAULT_ALGO, FP8, FP8_BLOCK_MODES,  # noqa: F401
                                     FP8_DIM_MULTIPLE, GEMM_WORKSPACE_BYTES, HALF, MAX_ALGO, MXFP8_K_MULTIPLE, OP,
-                                    OUT, PSUM_ENV, _E8M0, GemmScaleMode, _checked_algo, _reduce_dtype, algo_kind,
-                                    kind_algo, parse_algo, psum_in_fp32, resolve_algo, resolve_algo_choice)
+                                    OUT, PSUM_ENV, _E8M0, GemmScaleMode, _block_bias_epilogue, _checked_algo,
+                                    _cublaslt_block_ready, _reduce_dtype, algo_kind, block_on_cublaslt, kind_algo,
+                                    mxfp8_on_cublaslt, parse_algo, psum_in_fp32, resolve_algo, resolve_algo_choice)
 from lowbit.ops.gemm_scales import (_cdiv, _round_up, dequantize_operand, emulated_gemm,  # noqa: F401
                                     gemm_workspace_bytes, scale_shape, swizzle_scales, swizzle_scales_jnp,
                                     swizzle_scales_p, unswizzle_scales_jnp)
@@ -212,23 +182,6 @@ def gemm_padded(a, b, a_scale_inv, b_scale_inv, bias, *, out_dtype, use_split_ac
     return out[:m, :n]
 
 
-def _block_bias_epilogue(out_dtype, mxfp8: bool) -> bool:
-    """Whether cuBLASLt adds a block-scaled GEMM's bias in its epilogue: FP8 block scaling with a
-    16-bit output (the bias in that dtype, added in fp32 before the one rounding: the formula
-    of the emulation). An fp32 output's bias, and MXFP8's, are added in fp32 afterwards."""
-    return not mxfp8 and jnp.dtype(out_dtype) != jnp.dtype(jnp.float32)
-
-
-def _cublaslt_block_ready(m: int, n: int, k: int, bias_len: int, mxfp8: bool = False,
-                          out_dtype=jnp.float32) -> bool:
-    """True for the block-scaled problems the CUDA lowering hands to the custom call as they
-    are: M, N and K multiples of 16 (K of 128 for MXFP8) and a bias only where cuBLASLt's
-    epilogue takes it (_block_bias_epilogue; what _block_gemm_cuda binds)."""
-    k_multiple = MXFP8_K_MULTIPLE if mxfp8 else FP8_DIM_MULTIPLE
-    return not (m % FP8_DIM_MULTIPLE or n % FP8_DIM_MULTIPLE or k % k_multiple
-                or (bias_len and not _block_bias_epilogue(out_dtype, mxfp8)))
-
-
 def _block_gemm_cuda(a, b, a_scale_inv, b_scale_inv, bias, *, out_dtype, use_split_accumulator,
                      a_scale_mode, b_scale_mode, algo=0, algo_or_first=False):
     """FP8 block scaling on cuBLASLt: padded, and the bias either in cuBLASLt's epilogue
@@ -255,45 +208,6 @@ def _cuda_capability() -> str:
         return str(getattr(jax.devices("cuda")[0], "compute_capability", ""))
     except RuntimeError:
         return ""
-
-
-def mxfp8_on_cublaslt(capability: str) -> bool:
-    """The sm_100 gate: MXFP8 runs on cuBLASLt on compute capability 10.x exactly (cuBLASLt's
-    VEC32_UE8M0 mode; the C++ launcher checks the same), and is emulated everywhere else."""
-    return capability.split(".")[0] == "10"
-
-
-def block_on_cublaslt(modes, capability: str) -> bool:
-    """Whether the CUDA lowering hands a block-scaled (a, b) mode pair to cuBLASLt on a device
-    of `capability` ("9.0" style); False = the jnp emulation."""
-    if modes == (GemmScaleMode.MXFP8, GemmScaleMode.MXFP8):
-        return mxfp8_on_cublaslt(capability)
-    return modes in CUBLASLT_BLOCK_PAIRS and capability == "9.0"
-
-
-def _shape_text(shape) -> str:
-    """A shape as the C++ handlers print it: (2, 4), (7,), ()."""
-    return "(" + ", ".join(str(d) for d in shape) + ("," if len(shape) == 1 else "") + ")"
-
-
-def _check_bound_shapes(avals, modes) -> None:
-    """The C++ handler's scale and bias shape checks (csrc/ffi/gemm_ffi.cc), made before the
-    CUDA lowering pads or emulates: a gemm_p bound directly with a wrongly shaped block scale
-    array would otherwise be padded into a valid-looking one (its missing rows scaled by 0),
-    and a (1,) bias broadcast over N where it is added in fp32 after the GEMM, instead of
-    refused. gemm() checks the same in its own words first (_scale_arg)."""
-    (m, k), n = avals[0].shape, avals[1].shape[0]
-    bias = tuple(avals[4].shape)
-    if len(bias) != 1 or bias[0] not in (0, n):
-        raise ValueError(f"lowbit_gemm: bias: expected shape ({n},) or (0,), got {_shape_text(bias)}")
-    for name, aval, mode, rows in (("a_scale_inv", avals[2], modes[0], m),
-                                   ("b_scale_inv", avals[3], modes[1], n)):
-        if mode == GemmScaleMode.TENSOR:
-            continue
-        want = scale_shape(mode, rows, k)
-        if tuple(aval.shape) != want:
-            raise ValueError(f"lowbit_gemm: {name}: expected shape ({want[0]}, {want[1]}) for scale "
-                             f"mode {mode.name.lower()} of a {rows} x {k} operand, got {_shape_text(aval.shape)}")
 
 
 def _cuda_lowering(ctx, a, b, a_scale_inv, b_scale_inv, bias, *, out_dtype, use_split_accumulator,
@@ -483,47 +397,6 @@ def _make_gemm(out_dtype: np.dtype, use_split_accumulator: bool, has_bias: bool,
     return _vmappable(partitioned, fold_a_batch=not block)
 
 
-def _scale_arg(name: str, x, mode: GemmScaleMode = GemmScaleMode.TENSOR, rows: int = 1, k: int = 1):
-    if mode != GemmScaleMode.TENSOR:
-        if x is None:
-            raise ValueError(f"{OP}: {name}: scale mode {mode.name} needs its scale array")
-        x = jnp.asarray(x)
-        want_dtype = _E8M0 if mode == GemmScaleMode.MXFP8 else jnp.dtype(jnp.float32)
-        if x.dtype != want_dtype:
-            raise TypeError(f"{OP}: {name}: expected {want_dtype} for scale mode {mode.name}, got {x.dtype}")
-        want = scale_shape(mode, rows, k)
-        if tuple(x.shape) != want:
-            raise ValueError(f"{OP}: {name}: expected shape {want} for scale mode {mode.name} of a "
-                             f"{rows} x {k} operand, got {tuple(x.shape)}")
-        return x
-    if x is None:
-        return jnp.ones((1,), jnp.float32)
-    x = jnp.asarray(x)
-    if x.dtype != jnp.float32:
-        raise TypeError(f"{OP}: {name}: expected float32, got {x.dtype}")
-    if x.size != 1:
-        raise ValueError(f"{OP}: {name}: expected one value (shape () or (1,)), got shape {x.shape}")
-    return x.reshape(1)
-
-
-def _check_scale_modes(a_mode, b_mode, a_dtype):
-    for name, mode in (("a_scale_mode", a_mode), ("b_scale_mode", b_mode)):
-        try:
-            GemmScaleMode(mode)
-        except ValueError:
-            raise ValueError(f"{OP}: {name}: expected a GemmScaleMode, got {mode!r}") from None
-    a_mode, b_mode = GemmScaleMode(a_mode), GemmScaleMode(b_mode)
-    if (a_mode == GemmScaleMode.TENSOR) != (b_mode == GemmScaleMode.TENSOR):
-        raise ValueError(f"{OP}: b_scale_mode: expected block scales on both operands or neither, "
-                         f"got {a_mode.name} and {b_mode.name}")
-    if (a_mode == GemmScaleMode.MXFP8) != (b_mode == GemmScaleMode.MXFP8):
-        raise ValueError(f"{OP}: b_scale_mode: MXFP8 scales pair only with MXFP8 scales, "
-                         f"got {a_mode.name} and {b_mode.name}")
-    if a_mode != GemmScaleMode.TENSOR and a_dtype not in FP8:
-        raise TypeError(f"{OP}: a: block scale modes need FP8 operands, got {a_dtype}")
-    return a_mode, b_mode
-
-
 def gemm(a, b, a_scale_inv=None, b_scale_inv=None, bias=None, *, out_dtype=jnp.bfloat16,
          use_split_accumulator: bool = True, contracting_ndim: int = 1,
          sequence_parallel: bool = False, a_scale_mode: GemmScaleMode = GemmScaleMode.TENSOR,
@@ -542,44 +415,15 @@ def gemm(a, b, a_scale_inv=None, b_scale_inv=None, bias=None, *, out_dtype=jnp.b
     scale arrays are those of the (prod(M...), prod(K...)) and (prod(N...), prod(K...)) views.
 
     `algo`: cuBLASLt's heuristic index on CUDA (None: LOWBIT_GEMM_ALGO or DEFAULT_ALGO for
-    the FP8 kinds, see the module docstring, and 0 for 16-bit operands); no effect on the
+    the FP8 kinds, see gemm_config's docstring, and 0 for 16-bit operands); no effect on the
     CPU or where the GEMM is emulated.
     """
     a, b = jnp.asarray(a), jnp.asarray(b)
-    kd = int(contracting_ndim)
-    if kd < 1:
-        raise ValueError(f"{OP}: contracting_ndim: expected >= 1, got {contracting_ndim}")
-    if a.ndim < kd:
-        raise ValueError(f"{OP}: a: expected shape (..., K) with {kd} contracted dims, got {a.shape}")
-    if b.ndim < kd + 1:
-        raise ValueError(f"{OP}: b: expected shape (N, K) (N..., then {kd} contracted dims), got {b.shape}")
-    k_shape, n_shape = a.shape[a.ndim - kd:], b.shape[:b.ndim - kd]
-    if b.shape[b.ndim - kd:] != k_shape:
-        want = "(N, " + ", ".join(map(str, k_shape)) + ")"
-        raise ValueError(f"{OP}: b: expected {want} to match a {a.shape}, got {b.shape}")
-    if a.dtype in FP8 or b.dtype in FP8:
-        if a.dtype not in FP8 or b.dtype not in FP8:
-            raise TypeError(f"{OP}: b: expected both operands FP8 or neither, got {a.dtype} and {b.dtype}")
-        if a.dtype == b.dtype == jnp.float8_e5m2:
-            raise TypeError(f"{OP}: b: float8_e5m2 x float8_e5m2 has no FP8 GEMM; use float8_e4m3fn for one")
-    elif a.dtype not in HALF or b.dtype != a.dtype:
-        raise TypeError(f"{OP}: b: expected a and b both FP8, both bfloat16 or both float16, "
-                        f"got {a.dtype} and {b.dtype}")
-    out_dtype = jnp.dtype(out_dtype)
-    if out_dtype not in OUT:
-        raise TypeError(f"{OP}: out_dtype: expected bfloat16, float16 or float32, got {out_dtype}")
-    if a.dtype in HALF and out_dtype not in (a.dtype, jnp.dtype(jnp.float32)):
-        raise TypeError(f"{OP}: out_dtype: with {a.dtype} operands expected {a.dtype} or float32, got {out_dtype}")
+    kd, k_shape, n_shape, out_dtype, bias = check_operands(a, b, contracting_ndim, out_dtype, bias)
     a_mode, b_mode = _check_scale_modes(a_scale_mode, b_scale_mode, a.dtype)
     k_size = math.prod(k_shape)
     sa = _scale_arg("a_scale_inv", a_scale_inv, a_mode, math.prod(a.shape[:a.ndim - kd]), k_size)
     sb = _scale_arg("b_scale_inv", b_scale_inv, b_mode, math.prod(n_shape), k_size)
-    if bias is not None:
-        bias = jnp.asarray(bias)
-        if bias.shape != n_shape:
-            raise ValueError(f"{OP}: bias: expected shape {n_shape}, got {bias.shape}")
-        if bias.dtype != out_dtype:
-            raise TypeError(f"{OP}: bias: expected out_dtype {out_dtype}, got {bias.dtype}")
     m_shape = a.shape[:a.ndim - kd]
     if a.size == 0 or b.size == 0:  # nothing to multiply: out is bias (or 0)
         base = jnp.zeros(n_shape, out_dtype) if bias is None else bias

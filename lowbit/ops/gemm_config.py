@@ -3,11 +3,29 @@ lowbit.ops.gemm_nvfp4 and lowbit.ops.dense_backward.
 
 - the operand and output dtypes the ops take, and the sizes the C++ side fixes
   (csrc/gemm/gemm.h: FP8 dims padded to multiples of 16, the cuBLASLt workspace);
-- GemmScaleMode, how a scale_inv is read, and the block mode pairs cuBLASLt runs;
-- the cuBLASLt algorithm per GEMM kind: LOWBIT_GEMM_ALGO over DEFAULT_ALGO (lowbit.ops.gemm's
-  docstring says what each kind is);
+- GemmScaleMode, how a scale_inv is read, the block mode pairs cuBLASLt runs per compute
+  capability (block_on_cublaslt) and the block problems it takes as they are;
+- the cuBLASLt algorithm per GEMM kind: LOWBIT_GEMM_ALGO over DEFAULT_ALGO (below);
 - LOWBIT_GEMM_PSUM: the dtype a K-sharded GEMM sums its shards' partial products in.
 Both environment variables are read at trace time.
+
+The cuBLASLt algorithm (CUDA): a GEMM's `algo` picks entry `algo` of the list of algorithms
+cuBLASLt's heuristic returns (0 = its first choice; a plan-cache key in C++). `gemm(algo=None)`
+takes it from LOWBIT_GEMM_ALGO, read at trace time: "k" for every FP8 kind, or "kind=k,kind=k"
+with kinds fp8_fast (per-tensor, fast accumulation: the forward GEMM), fp8_split (per-tensor,
+split accumulation, a 16-bit output: dgrad), fp8_split_f32 (the same with an f32 output: the
+wgrad of an f32 kernel; cuBLASLt's heuristic list, which the index points into, depends on the
+output type), fused_dgrad (the dgrad of the fused Dense backward, lowbit.ops.dense_backward_fp8,
+at split accumulation: dy's rowwise copy read at dk's row pitch and batched over its row
+segments, a problem cuBLASLt ranks apart from the standalone dgrad), fused_wgrad (that op's
+wgrad at split accumulation: dy's colwise copy in column slices, each a launch writing dk's
+columns at dk's pitch), block (FP8 1x128 / 128x128), mxfp8 and nvfp4 (gemm_nvfp4.nvfp4_gemm);
+unset kinds take DEFAULT_ALGO (0, cuBLASLt's first choice, but fused_dgrad: 1). A bad value
+raises a ValueError naming the variable; an index past what cuBLASLt returns for a problem fails
+that GEMM with the count it did return where the user set it; a library default (DEFAULT_ALGO's)
+runs entry 0 there instead (the custom calls' algo_or_first attribute, in lowbit_gemm,
+lowbit_gemm_nvfp4 and the fused Dense backward alike). bench/bench_gemm.py --algo-sweep times
+every index.
 """
 
 from __future__ import annotations
@@ -58,9 +76,40 @@ CUBLASLT_BLOCK_PAIRS = ((GemmScaleMode.BLOCK_1x128, GemmScaleMode.BLOCK_128x128)
 _E8M0 = jnp.dtype(jnp.float8_e8m0fnu)
 
 
+def mxfp8_on_cublaslt(capability: str) -> bool:
+    """The sm_100 gate: MXFP8 runs on cuBLASLt on compute capability 10.x exactly (cuBLASLt's
+    VEC32_UE8M0 mode; the C++ launcher checks the same), and is emulated everywhere else."""
+    return capability.split(".")[0] == "10"
+
+
+def block_on_cublaslt(modes, capability: str) -> bool:
+    """Whether the CUDA lowering hands a block-scaled (a, b) mode pair to cuBLASLt on a device
+    of `capability` ("9.0" style); False = the jnp emulation."""
+    if modes == (GemmScaleMode.MXFP8, GemmScaleMode.MXFP8):
+        return mxfp8_on_cublaslt(capability)
+    return modes in CUBLASLT_BLOCK_PAIRS and capability == "9.0"
+
+
+def _block_bias_epilogue(out_dtype, mxfp8: bool) -> bool:
+    """Whether cuBLASLt adds a block-scaled GEMM's bias in its epilogue: FP8 block scaling with a
+    16-bit output (the bias in that dtype, added in fp32 before the one rounding: the formula
+    of the emulation). An fp32 output's bias, and MXFP8's, are added in fp32 afterwards."""
+    return not mxfp8 and jnp.dtype(out_dtype) != jnp.dtype(jnp.float32)
+
+
+def _cublaslt_block_ready(m: int, n: int, k: int, bias_len: int, mxfp8: bool = False,
+                          out_dtype=jnp.float32) -> bool:
+    """True for the block-scaled problems the CUDA lowering hands to the custom call as they
+    are: M, N and K multiples of 16 (K of 128 for MXFP8) and a bias only where cuBLASLt's
+    epilogue takes it (_block_bias_epilogue; what lowbit.ops.gemm._block_gemm_cuda binds)."""
+    k_multiple = MXFP8_K_MULTIPLE if mxfp8 else FP8_DIM_MULTIPLE
+    return not (m % FP8_DIM_MULTIPLE or n % FP8_DIM_MULTIPLE or k % k_multiple
+                or (bias_len and not _block_bias_epilogue(out_dtype, mxfp8)))
+
+
 def parse_algo(text: str) -> dict[str, int]:
     """LOWBIT_GEMM_ALGO's value -> {kind: index}: "" -> {}, "k" -> every kind k,
-    "kind=k,kind=k" -> those kinds (see lowbit.ops.gemm's docstring)."""
+    "kind=k,kind=k" -> those kinds (see the module docstring)."""
     text = text.strip()
     if not text:
         return {}

@@ -36,9 +36,10 @@ from lowbit import _ffi
 from lowbit.ops._primitive import ffi_primitive
 from lowbit.ops._sharding import (axes_entry, clean_split, compound_sizes, fit_scale, named_shardings, spec_entries,
                                   tiled_group_rule)
-from lowbit.ops.gemm import _notice_once, _shape_text, mxfp8_on_cublaslt
+from lowbit.ops.gemm import _notice_once
+from lowbit.ops.gemm_args import _shape_text
 from lowbit.ops.gemm_config import (FP8_DIM_MULTIPLE, GEMM_WORKSPACE_BYTES, OP, OUT, _checked_algo, _reduce_dtype,
-                                    kind_algo, psum_in_fp32)
+                                    kind_algo, mxfp8_on_cublaslt, psum_in_fp32)
 from lowbit.ops.gemm_scales import _cdiv, _round_up
 from lowbit.ops.gemm_sharding import _spec_axes, _sum_k_partials, _vmappable, plan_sharding
 

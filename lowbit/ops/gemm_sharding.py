@@ -8,6 +8,28 @@ lowbit.ops.gemm_nvfp4 (their custom_partitioning rules call these).
 - _sum_k_partials: the tail of a K-sharded GEMM (collectives, bias, rounding);
 - gather_rows: sequence parallelism's row all-gather as an op Shardy can see;
 - _vmappable: a partitioned GEMM under vmap.
+
+Sharding (Shardy rule + custom_partitioning): leading dims of a sharded -> each device
+multiplies its rows (data parallel); N sharded (b's rows, column-parallel TP) -> out's last dim
+and bias sharded alike; K sharded in both operands (row-parallel TP) -> each device computes its
+partial product, a psum (or a reduce-scatter) over the K axes sums them, then bias is added once
+in fp32 and the sum is rounded to out_dtype. The partial products are rounded to out_dtype and
+summed in it (as XLA's sharded dot and TransformerEngine do), or kept in fp32 and rounded once
+with LOWBIT_GEMM_PSUM=fp32 (gemm_config.PSUM_ENV). No other collective is inserted by the op.
+
+Block modes: the same rule, with the scale arrays sharded with their data, when (a) only the
+first row dim and the first contracted dim of an operand are sharded (a shard's flattened rows /
+K are then one contiguous slice) and (b) each shard holds whole tiles and the scale dim it
+splits has no padding (_sharding.clean_split): rows of a 1x128 operand with R % 4 == 0; rows of
+a 128x128 operand in whole 128-row tiles; MXFP8 rows with R % 128 == 0; K in whole 128-blocks
+(32 for MXFP8) with, for 128x128, ceil(K/128) % 4 == 0 and, for MXFP8, ceil(K/32) % 4 == 0. Each
+shard re-pads its scale slices to its own layout (fit_scale). A sharded dim failing (a) or (b)
+is gathered, its scales with it: exact, not parallel. No clean rule exists where the global
+scale dim is padded (R % 4 != 0 for 1x128 rows, ceil(K/128) % 4 != 0 for 128x128 K, R % 128 != 0
+or ceil(K/32) % 4 != 0 for MXFP8): the padding sits at the end of the global dim, so equal
+slices of it do not line up with equal slices of the data; nor where a shard would split a tile.
+The Shardy rule ties the first row and contracted dims to their scale dims by a shared major
+factor (tiled_group_rule), so that propagation shards the scales with their data.
 """
 
 from __future__ import annotations
