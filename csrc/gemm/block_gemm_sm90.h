@@ -7,8 +7,8 @@
 // by fl(sa_j * sb_j) (the two operands' scales of that block) and added to an fp32 total in
 // increasing j from +0: y = fl(total + bias[n]), rounded to out. This is cuBLASLt's order
 // (gemm.h: "applies the scales per 128-long K block to fp32 partial sums"); the CPU
-// emulation rounds every scaled product instead, and tests/test_gemm_block.py bounds the
-// difference.
+// emulation rounds every scaled product instead, and tests/gemm_block_reference.py
+// (block_tolerance) bounds the difference.
 //
 // Which path runs: LOWBIT_BLOCK_GEMM=wgmma selects this kernel where it applies
 // (BlockGemmSm90Applies); anything else (the default, "cublaslt") keeps cuBLASLt.

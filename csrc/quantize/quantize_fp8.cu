@@ -3,8 +3,9 @@
 //   QuantizeRowwiseKernel  rowwise only, no dbias: a flat grid-stride pass, 16-byte loads
 //                          (one or two chunks per thread step: LOWBIT_QUANTIZE_ROWWISE_KERNEL,
 //                          which can also send rowwise-only work to the tiled kernel).
-//   QuantizeTiledKernel    (quantize_tiled.cuh, shared with the grouped quantizer; here with
-//                          Groups = OneTensor) anything with colwise or dbias: one resident wave of blocks loops
+//   QuantizeTiledKernel    (quantize_tiled_kernel.cuh via quantize_tiled.cuh, shared with the
+//                          grouped quantizer; here with Groups = OneTensor) anything with
+//                          colwise or dbias: one resident wave of blocks loops
 //                          over tiles of 64, 128 or 256 rows x 128 columns (4 threads per tile
 //                          row), with one __syncthreads per tile: tile i + 1 (or i + 2) is
 //                          copied into shared memory (cp.async) while tile i is encoded

@@ -9,7 +9,7 @@
 //                     elements), keeps a running max per thread while its group stays the
 //                     same, and folds it into a shared per-group amax when the group
 //                     changes; then one global atomicMax per touched group.
-//   QuantizeTiledKernel<..., GroupTable>  the per-tensor kernel (quantize_tiled.cuh): each
+//   QuantizeTiledKernel<..., GroupTable>  the per-tensor kernel (quantize_tiled_kernel.cuh): each
 //                     block loads the group table (ends, scales, amax slots: 12 bytes per
 //                     group) into shared memory after its tiles; every encoded row finds
 //                     its group (a per-thread cached row range, else a binary search over

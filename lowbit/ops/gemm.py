@@ -29,7 +29,7 @@ roundup(ceil(K/32), 4)). Both operands block-scaled or neither; MXFP8 only with 
     shapes; their entries past ceil(K/32) are zeroed so that padding K blocks add 0), the
     C++ launcher swizzles both scale arrays into cuBLASLt's 128 x 4 tile order in its
     workspace (gemm_workspace_bytes), bias is added in fp32 after the GEMM. Compile-checked
-    only: no Blackwell GPU has run it yet (tests/test_gemm_block.py compares it with the CPU
+    only: no Blackwell GPU has run it yet (tests/test_gemm_block_cuda.py compares it with the CPU
     emulation where one is present).
   CUDA otherwise (MXFP8 off 10.x, FP8 block off Hopper, 128x128 x 128x128): the same
     emulation in jnp (fp32 HIGHEST dot), with a one-time notice.
