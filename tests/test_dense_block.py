@@ -31,7 +31,7 @@ def deq(t):
 def assert_product(got, a, b):
     """got == a @ b within fp32 summation error (2*K*u*sum|p|) plus one fp32 rounding; on a
     GPU backend also the FP8 tensor cores' inner accumulation inside each 128-long block
-    (about 14 bits: 4*sqrt(128)*2^-14*sum|p|, as tests/test_gemm_block.py's block_tolerance),
+    (about 14 bits: 4*sqrt(128)*2^-14*sum|p|, as tests/gemm_block_reference.py's block_tolerance),
     where the GEMM runs on cuBLASLt instead of the exact emulation."""
     exact = a @ b
     gamma = 2 * a.shape[1] * U + (0.0 if jax.default_backend() == "cpu" else 4 * np.sqrt(128) * 2.0**-14)

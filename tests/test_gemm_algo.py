@@ -2,7 +2,7 @@
 errors naming the variable, the per-kind defaults, the index reaching the custom call as its
 `algo` attribute (lowered for CUDA without a GPU) beside `algo_or_first` (true for a library
 default), the handlers' own range check, and on the GPU every index cuBLASLt offers giving
-results within the tolerances of test_gemm_ops.py / test_gemm_block.py, and a default past
+results within the tolerances of test_gemm_ops.py / test_gemm_block_cuda.py, and a default past
 the list running the first choice."""
 
 from __future__ import annotations
@@ -228,9 +228,9 @@ def test_cuda_tensor_fp8_every_algo_matches_cpu(algo, split, rng, cpu, gpu):
                                            (Mode.BLOCK_1x128, Mode.BLOCK_1x128)], ids=["1x128-128x128", "1x128-1x128"])
 def test_cuda_block_fp8_every_algo_matches_cpu(algo, a_mode, b_mode, rng, cpu, gpu):
     """FP8 block scaling at each heuristic index (cuBLASLt on 9.0; elsewhere the emulation,
-    where the index is unused), against the CPU emulation within test_gemm_block.py's
+    where the index is unused), against the CPU emulation within gemm_block_reference.py's
     tolerance."""
-    from test_gemm_block import block_tolerance, operands
+    from gemm_block_reference import block_tolerance, operands
     a, b, sa, sb = operands(rng, 256, 384, 1024, a_mode, b_mode, E4M3, E5M2)
     f = lambda *x: lowbit.ops.gemm(*x, out_dtype=F32, a_scale_mode=a_mode, b_scale_mode=b_mode,  # noqa: E731
                                    algo=algo)

@@ -217,7 +217,7 @@ def test_handler_validates_too(rng, cpu):
 @pytest.mark.parametrize("out_dtype", [BF16, F32], ids=str)
 def test_cuda_matches_cpu(m, n, k, out_dtype, rng, cpu, gpu):
     """On 10.x cuBLASLt (swizzled e4m3 scales, alpha = a_gsi * b_gsi; NaN codes in the scale
-    padding), elsewhere the jnp emulation: within the block tolerance of test_gemm_block.py
+    padding), elsewhere the jnp emulation: within the block tolerance of gemm_block_reference.py
     (exact products, fp32 sums in another order, ~14-bit inner accumulation)."""
     a, b = random_operand(rng, m, k), random_operand(rng, n, k)
     bias = rng.normal(size=(n,)).astype(out_dtype)

@@ -1,15 +1,11 @@
 """lowbit.ops.quantize_fp8_block / quantize_mxfp8 and their dequantize ops: bit for bit against
-a few-line numpy reference (every layout, input dtype, FP8 format, 1x128 and 128x128 tiles,
-fp32 and power-of-two scales, odd shapes with partial tiles, inf/NaN/zeros/near-max values,
-all-zero and subnormal blocks), the scale layouts and their zero padding, dequantize and its
-round-trip error bound, dbias (bit for bit against a numpy reference of the summation order of
-csrc/quantize/block_dbias.h, and close to a float64 sum), jit, vmap, sharding over virtual CPU
-devices, bad input, and the CUDA kernels against the CPU handlers (bit for bit, dbias included,
-and run-to-run identical; `gpu` marker).
-
-The references are numpy, not jnp: XLA:CPU flushes subnormals (FTZ/DAZ), and the MXFP8 factor
-2^(127 - e) is an fp32 subnormal for e > 253; numpy's fp32 arithmetic is plain IEEE, as the
-kernels' is."""
+a few-line numpy reference (tests/quantize_block_reference.py; every layout, input dtype, FP8
+format, 1x128 and 128x128 tiles, fp32 and power-of-two scales, odd shapes with partial tiles,
+inf/NaN/zeros/near-max values, all-zero and subnormal blocks), the scale layouts and their
+zero padding, dequantize and its round-trip error bound, dbias (bit for bit against a numpy
+reference of the summation order of csrc/quantize/block_dbias.h, and close to a float64 sum),
+jit, vmap, sharding over virtual CPU devices, bad input (tests/test_quantize_block_ops_cuda.py
+compares the CUDA kernels with the CPU handlers on a GPU)."""
 
 from __future__ import annotations
 
@@ -18,175 +14,19 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from conftest import random_with_specials, run_on
 from jax.sharding import NamedSharding, PartitionSpec as P
+from quantize_block_reference import (DTYPES, F32, FP8, _expand, _quantize_with_dbias, assert_bits_equal,
+                                      assert_dbias_near_exact_sum, assert_fp8_equal, dbias_ref, ids,
+                                      quantize_fp8_block_ref, quantize_mxfp8_ref, with_block_specials)
 
 import lowbit
-from lowbit.ops.quantize_block import (
-    dequantize_fp8_block,
-    dequantize_mxfp8,
-    quantize_fp8_block,
-    quantize_fp8_block_p,
-    quantize_mxfp8,
-    quantize_mxfp8_p,
-)
+from lowbit.ops.quantize_block import dequantize_fp8_block, dequantize_mxfp8, quantize_fp8_block, quantize_mxfp8
 
-F32 = np.float32
 # numpy warns on the inf/NaN the special values produce; they are the point of the test.
 pytestmark = pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning")
 
-
-def _tiles(q, tr, tc):
-    """q (R x C) zero-padded and viewed as (R/tr, C/tc, tr*tc) tiles."""
-    r, c = q.shape
-    p = np.zeros((-(-r // tr) * tr, -(-c // tc) * tc), F32)
-    p[:r, :c] = q
-    return p.reshape(p.shape[0] // tr, tr, p.shape[1] // tc, tc).transpose(0, 2, 1, 3).reshape(
-        p.shape[0] // tr, p.shape[1] // tc, tr * tc)
-
-
-def _expand(grid, tr, tc, shape):
-    return np.repeat(np.repeat(grid, tr, 0), tc, 1)[: shape[0], : shape[1]]
-
-
-def _pad(a, shape):
-    out = np.zeros(shape, a.dtype)
-    out[: a.shape[0], : a.shape[1]] = a
-    return out
-
-
-def _cast(v, fp8):
-    fmax = F32(ml_dtypes.finfo(fp8).max)
-    return np.clip(v, -fmax, fmax).astype(fp8)
-
-
-def fp8_block_copy_ref(q, fp8, tile_2d, pow2):
-    """(codes, scale_inv) of one stored copy q (R x C, fp32): per tile scale = max / amax."""
-    tr = 128 if tile_2d else 1
-    with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
-        amax = np.max(np.abs(_tiles(q, tr, 128)), axis=-1)
-        scale = F32(ml_dtypes.finfo(fp8).max) / amax
-        scale = np.where(np.isfinite(amax) & (amax > 0), scale, F32(1))
-        scale = np.where(np.isinf(scale), np.finfo(F32).max, scale).astype(F32)
-        if pow2:
-            scale = (scale.view(np.uint32) & np.uint32(0xFF800000)).view(F32)
-        codes = _cast(q * _expand(scale, tr, 128, q.shape), fp8)
-        inv = (F32(1) / scale).astype(F32)
-    r, c = q.shape
-    if tile_2d:
-        return codes, _pad(inv, (-(-r // 128), -(-(-(-c // 128)) // 4) * 4))
-    return codes, _pad(inv.T, (-(-c // 128), -(-r // 4) * 4))
-
-
-def quantize_fp8_block_ref(x, fp8, tile_2d, pow2, flatten_axis=-1):
-    f = flatten_axis % x.ndim
-    x2 = np.asarray(x, F32).reshape(int(np.prod(x.shape[:f])), int(np.prod(x.shape[f:])))
-    row, row_s = fp8_block_copy_ref(x2, fp8, tile_2d, pow2)
-    col, col_s = fp8_block_copy_ref(np.ascontiguousarray(x2.T), fp8, tile_2d, pow2)
-    return row.reshape(x.shape), row_s, col.reshape(x.shape[f:] + x.shape[:f]), col_s
-
-
-def mxfp8_copy_ref(x2, fp8, colwise):
-    """(codes, E8M0 scales) of one MXFP8 copy of x2 (R x C, fp32)."""
-    tr, tc = (32, 1) if colwise else (1, 32)
-    with np.errstate(invalid="ignore", over="ignore"):
-        s = (np.max(np.abs(_tiles(x2, tr, tc)), axis=-1) / F32(ml_dtypes.finfo(fp8).max)).astype(F32)
-    bits = s.view(np.uint32)
-    e = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0)
-    e = np.where(np.isnan(s), 255, np.minimum(e, 254)).astype(np.uint8)
-    factor = np.where(e == 255, np.nan, np.ldexp(F32(1), 127 - e.astype(np.int32))).astype(F32)
-    with np.errstate(invalid="ignore", over="ignore"):
-        codes = _cast(x2 * _expand(factor, tr, tc, x2.shape), fp8)
-    r, c = x2.shape
-    shape = (-(-(-(-r // 32)) // 4) * 4, -(-c // 128) * 128) if colwise else (-(-r // 128) * 128, -(-(-(-c // 32)) // 4) * 4)
-    return codes, _pad(e, shape).view(ml_dtypes.float8_e8m0fnu)
-
-
-def quantize_mxfp8_ref(x, fp8, flatten_axis=-1):
-    f = flatten_axis % x.ndim
-    x2 = np.asarray(x, F32).reshape(int(np.prod(x.shape[:f])), int(np.prod(x.shape[f:])))
-    row, row_s = mxfp8_copy_ref(x2, fp8, False)
-    col, col_s = mxfp8_copy_ref(x2, fp8, True)
-    return row.reshape(x.shape), row_s, col.reshape(x.shape), col_s
-
-
-def dbias_ref(x, kind, flatten_axis=-1):
-    """dbias in the order of csrc/quantize/block_dbias.h: tiles of H rows (128; MXFP8 64),
-    lane g of a tile sums rows g, g + S, ... (S = 32 / itemsize), the tile sums its lanes in
-    order, then workspace rows t = y, y + 8, ... are summed per y and the 8 sums in order;
-    every sum one fp32 add at a time from +0; a NaN result is the canonical quiet NaN."""
-    f = flatten_axis % x.ndim
-    rows, cols = int(np.prod(x.shape[:f])), int(np.prod(x.shape[f:]))
-    height, lanes = (64 if kind == "mxfp8" else 128), 32 // np.dtype(x.dtype).itemsize
-    tiles = -(-rows // height)
-    v = np.zeros((tiles * height, cols), F32)
-    v[:rows] = np.asarray(x, F32).reshape(rows, cols)
-
-    def ordered(terms):  # ((0 + terms[0]) + terms[1]) + ...
-        total = np.zeros(terms.shape[1:], F32)
-        for t in terms:
-            total = total + t
-        return total
-
-    lane = ordered(v.reshape(tiles, height // lanes, lanes, cols).transpose(1, 0, 2, 3))  # [t, g, c]
-    tile = ordered(lane.transpose(1, 0, 2))  # [t, c]
-    padded = np.zeros((-(-tiles // 8) * 8, cols), F32)
-    padded[:tiles] = tile
-    total = ordered(ordered(padded.reshape(-1, 8, cols)))
-    total[np.isnan(total)] = F32(np.nan)
-    return total.astype(x.dtype).reshape(x.shape[f:])
-
-
-def assert_dbias_near_exact_sum(got, x, flatten_axis=-1):
-    """Where the float64 sum is finite: |got - sum| <= rows * 2^-24 * sum|x| (fp32 summation)
-    plus one ulp of the output dtype."""
-    f = flatten_axis % x.ndim
-    x2 = np.asarray(x, np.float64).reshape(int(np.prod(x.shape[:f])), int(np.prod(x.shape[f:])))
-    exact, mag = x2.sum(0), np.abs(x2).sum(0)
-    g = np.asarray(got, np.float64).reshape(-1)
-    ok = np.isfinite(mag) & (mag < float(ml_dtypes.finfo(x.dtype).max))
-    ulp = np.abs(exact) * float(ml_dtypes.finfo(x.dtype).eps) + float(ml_dtypes.finfo(x.dtype).smallest_subnormal)
-    bound = x2.shape[0] * 2.0**-24 * mag + ulp
-    assert np.all(np.abs(g - exact)[ok] <= bound[ok]), np.max((np.abs(g - exact) - bound)[ok])
-
-
-def assert_fp8_equal(got, want):
-    """Same NaN positions, same bits everywhere else (NaN signs are checked CPU vs CUDA);
-    for fp8 codes and for dequantized floats alike."""
-    got, want = np.asarray(got), np.asarray(want)
-    assert got.dtype == want.dtype and got.shape == want.shape, (got.dtype, got.shape, want.dtype, want.shape)
-    gnan, wnan = np.isnan(got.astype(F32)), np.isnan(want.astype(F32))
-    np.testing.assert_array_equal(gnan, wnan)
-    bits = np.dtype(f"u{got.dtype.itemsize}")
-    np.testing.assert_array_equal(got.view(bits)[~gnan], want.view(bits)[~wnan])
-
-
-def assert_bits_equal(got, want):
-    got, want = np.asarray(got), np.asarray(want)
-    assert got.dtype == want.dtype and got.shape == want.shape, (got.dtype, got.shape, want.dtype, want.shape)
-    np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8))
-
-
-def with_block_specials(rng, shape, dtype):
-    """random_with_specials plus, in the 2-D view, an all-zero region, a region of subnormal
-    or tiny values and one of near-max values, each spanning whole 128-blocks where it fits."""
-    x = random_with_specials(rng, shape, dtype).astype(F32)
-    x2 = x.reshape(shape[0], int(np.prod(shape[1:]))) if len(shape) > 1 else x.reshape(1, -1)
-    info = ml_dtypes.finfo(dtype)
-    r, c = x2.shape
-    x2[: min(r, 130), : min(c, 128)] = 0.0  # all-zero 1x128 tiles, 32-blocks and columns
-    if c > 128:
-        x2[: min(r, 40), 128 : min(c, 256)] = float(info.smallest_subnormal) * rng.integers(-3, 4, (min(r, 40), min(c, 256) - 128))
-    if r > 2:
-        x2[-1, :] = float(info.max) * rng.uniform(-1, 1, c)
-    return x2.reshape(shape).astype(dtype)
-
-
-DTYPES = [np.float32, np.float16, ml_dtypes.bfloat16]
-FP8 = [jnp.float8_e4m3fn, jnp.float8_e5m2]
 SHAPES = [((1, 1), -1), ((3, 200), -1), ((130, 129), -1), ((257, 300), -1), ((2, 3, 129), 1),
           ((2, 3, 129), 2), ((11,), -1), ((64, 256), -1), ((0, 5), -1)]
-ids = lambda d: np.dtype(d).name  # noqa: E731
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=ids)
@@ -216,21 +56,6 @@ def test_mxfp8_equals_reference(shape, axis, dtype, rng):
         assert_bits_equal(got.rowwise_scale, want[1])
         assert_fp8_equal(got.colwise, want[2])
         assert_bits_equal(got.colwise_scale, want[3])
-
-
-def _quantize(kind, rowwise, colwise, axis=-1, fp8=jnp.float8_e4m3fn, pow2=False, compute_dbias=False):
-    """The block quantizer of `kind` ("1x128", "128x128" or "mxfp8") as a function of x."""
-    def f(v):
-        if kind == "mxfp8":
-            return quantize_mxfp8(v, out_dtype=fp8, rowwise=rowwise, colwise=colwise, flatten_axis=axis,
-                                  compute_dbias=compute_dbias)
-        return quantize_fp8_block(v, out_dtype=fp8, tile_2d=kind == "128x128", pow2_scales=pow2, rowwise=rowwise,
-                                  colwise=colwise, flatten_axis=axis, compute_dbias=compute_dbias)
-    return f
-
-
-def _quantize_with_dbias(kind, rowwise, colwise, axis, fp8=jnp.float8_e4m3fn, pow2=False):
-    return _quantize(kind, rowwise, colwise, axis, fp8, pow2, compute_dbias=True)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=ids)
@@ -460,194 +285,3 @@ def test_handler_validation():
     with pytest.raises(Exception, match=r"lowbit_dequantize_mxfp8: out: expected f32, f16 or bf16 of shape \(4, 300\)"):
         jax.block_until_ready(jax.ffi.ffi_call("lowbit_dequantize_mxfp8", sd((4, 30), f32))(
             jnp.ones((4, 300), e4), jnp.ones((128, 12), e8), flatten_axis=np.int32(1), colwise=np.bool_(False)))
-
-
-# ---------------------------------------------------------------- CUDA vs CPU
-
-GPU_SHAPES = [((4096, 3072), -1), ((4097, 3001), -1), ((2048, 128), -1), ((100, 2048), -1),
-              ((1, 65536), -1), ((65536, 1), -1), ((3, 5, 129), 1), ((2, 7, 64, 96), 2), ((33, 3000), -1)]
-
-
-def _bits(a):
-    return np.asarray(a).view(np.uint8)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", DTYPES, ids=ids)
-@pytest.mark.parametrize("shape,axis", GPU_SHAPES, ids=str)
-def test_cuda_equals_cpu(shape, axis, dtype, rng, cpu, gpu):
-    x = with_block_specials(rng, shape, dtype)
-    configs = [("1x128", True, True), ("1x128", True, False), ("1x128", False, True),
-               ("128x128", True, True), ("128x128", False, True), ("mxfp8", True, True),
-               ("mxfp8", True, False), ("mxfp8", False, True)]
-    for i, (kind, rowwise, colwise) in enumerate(configs):
-        f = _quantize(kind, rowwise, colwise, axis, FP8[i % 2], bool(i % 3 == 0))
-        g, c = run_on(gpu, f, x), run_on(cpu, f, x)
-        for a, b in zip(g, c):
-            assert (a is None) == (b is None)
-            if b is not None:
-                np.testing.assert_array_equal(_bits(a), _bits(b), err_msg=f"{kind} {rowwise} {colwise}")
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("staged", ["1", "0"])
-@pytest.mark.parametrize("dtype", DTYPES, ids=ids)
-@pytest.mark.parametrize("shape", [(4100, 3080), (8192, 4096), (257, 640), (1, 65536)], ids=str)
-def test_cuda_staged_and_unstaged_tiles_equal_cpu(shape, dtype, staged, rng, cpu, gpu, monkeypatch):
-    # LOWBIT_BLOCK_TILE_STAGED: the plain tile kernels' staged form (the next tile's loads in
-    # flight through shared memory, the default) and the unstaged one, on vectorizable shapes
-    # with partial tiles in both dims and several tiles per block, with dbias and without.
-    monkeypatch.setenv("LOWBIT_BLOCK_TILE_STAGED", staged)
-    x = with_block_specials(rng, shape, dtype)
-    configs = [("1x128", True, True), ("1x128", False, True), ("128x128", True, True), ("mxfp8", True, True),
-               ("mxfp8", False, True)]
-    for i, (kind, rowwise, colwise) in enumerate(configs):
-        for f in (_quantize_with_dbias(kind, rowwise, colwise, -1, FP8[i % 2], bool(i % 2 == 0)),
-                  _quantize(kind, rowwise, colwise, -1, FP8[(i + 1) % 2], bool(i % 2 == 1))):
-            for a, b in zip(jax.tree.leaves(run_on(gpu, f, x)), jax.tree.leaves(run_on(cpu, f, x))):
-                np.testing.assert_array_equal(_bits(a), _bits(b), err_msg=f"{kind} {rowwise} {colwise}")
-
-
-@pytest.mark.gpu
-def test_cuda_bad_staging_knob_is_an_error(gpu, monkeypatch):
-    monkeypatch.setenv("LOWBIT_BLOCK_TILE_STAGED", "yes")
-    x = jnp.ones((256, 256), jnp.bfloat16)
-    for f in (lambda v: quantize_fp8_block(v, rowwise=True, colwise=True),
-              lambda v: quantize_mxfp8(v, rowwise=True, colwise=True)):
-        with pytest.raises(Exception, match=r"LOWBIT_BLOCK_TILE_STAGED=\"yes\": expected 0 or 1"):
-            run_on(gpu, f, x)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("fp8", FP8, ids=ids)
-def test_cuda_every_input_bit_pattern_equals_cpu(fp8, rng, cpu, gpu):
-    # Hardware cvt where no NaN can occur, the formats.h codec elsewhere: every 16-bit input
-    # and random fp32 bit patterns (ties, subnormals, saturation, NaN signs) must match.
-    inputs = [np.arange(1 << 16, dtype=np.uint16).view(d).reshape(256, 256) for d in (np.float16, ml_dtypes.bfloat16)]
-    inputs.append(rng.integers(0, 1 << 32, (512, 1024), dtype=np.uint32).view(F32))
-    inputs.append(np.where(np.isfinite(inputs[-1]), inputs[-1], F32(1)))
-    inputs.append((rng.standard_normal((384, 640)) * 1e-3).astype(F32))
-    for x in inputs:
-        for fn in (lambda v: quantize_fp8_block(v, out_dtype=fp8, rowwise=True, colwise=True),
-                   lambda v: quantize_fp8_block(v, out_dtype=fp8, tile_2d=True, pow2_scales=True, rowwise=True, colwise=True),
-                   lambda v: quantize_mxfp8(v, out_dtype=fp8, rowwise=True, colwise=True)):
-            for a, b in zip(run_on(gpu, fn, x), run_on(cpu, fn, x)):
-                assert (a is None) == (b is None)  # fields not asked for (dbias)
-                if a is not None:
-                    np.testing.assert_array_equal(_bits(a), _bits(b))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", DTYPES, ids=ids)
-def test_cuda_misaligned_equals_cpu(dtype, rng, cpu, gpu):
-    x = with_block_specials(rng, (513, 1030), dtype)
-
-    def f(v):  # a slice starting one element in, odd cols: the unvectorized paths
-        w = v.reshape(-1)[1 : 1 + 511 * 1033].reshape(511, 1033)
-        return (quantize_fp8_block(w, rowwise=True, colwise=True),
-                quantize_fp8_block(w, tile_2d=True, rowwise=True, colwise=True),
-                quantize_mxfp8(w, rowwise=True, colwise=True))
-
-    for a, b in zip(jax.tree.leaves(run_on(gpu, f, x)), jax.tree.leaves(run_on(cpu, f, x))):
-        np.testing.assert_array_equal(_bits(a), _bits(b))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("fp8", FP8, ids=ids)
-@pytest.mark.parametrize("out_dtype", DTYPES, ids=ids)
-def test_cuda_dequantize_equals_cpu(fp8, out_dtype, rng, cpu, gpu):
-    codes = np.tile(np.arange(256, dtype=np.uint8), 257 * 3).view(fp8).reshape(257, 768)
-    s_block = (rng.standard_normal((6, 260)) * 1e3).astype(F32)  # 1x128 scale_inv of 257 x 768
-    s_block[0, :4] = [0.0, -np.inf, np.nan, 1e-40]
-    s_2d = (rng.standard_normal((3, 8)) * 1e-3).astype(F32)
-    s_mx = rng.integers(0, 256, (384, 24), dtype=np.uint8).view(ml_dtypes.float8_e8m0fnu)
-    s_mx_col = rng.integers(0, 256, (12, 768), dtype=np.uint8).view(ml_dtypes.float8_e8m0fnu)
-    fns = [(lambda d, s: dequantize_fp8_block(d, s, out_dtype=out_dtype), s_block),
-           (lambda d, s: dequantize_fp8_block(d, s, tile_2d=True, out_dtype=out_dtype), s_2d),
-           (lambda d, s: dequantize_mxfp8(d, s, out_dtype=out_dtype), s_mx),
-           (lambda d, s: dequantize_mxfp8(d, s, colwise=True, out_dtype=out_dtype), s_mx_col)]
-    for fn, s in fns:
-        np.testing.assert_array_equal(_bits(run_on(gpu, fn, codes, s)), _bits(run_on(cpu, fn, codes, s)))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", DTYPES, ids=ids)
-@pytest.mark.parametrize("shape,axis", GPU_SHAPES + [((8, 2048, 1024), 2)], ids=str)
-def test_cuda_dbias_equals_cpu(shape, axis, dtype, rng, cpu, gpu):
-    # dbias bit for bit (the fixed order of block_dbias.h on both backends; NaN canonical) and
-    # identical on two GPU runs; the copies and scales bit for bit as without dbias.
-    x = with_block_specials(rng, shape, dtype)
-    configs = [("1x128", True, True), ("1x128", True, False), ("1x128", False, True),
-               ("128x128", True, True), ("mxfp8", True, True), ("mxfp8", True, False), ("mxfp8", False, True)]
-    for i, (kind, rowwise, colwise) in enumerate(configs):
-        f = _quantize_with_dbias(kind, rowwise, colwise, axis, FP8[i % 2], bool(i % 3 == 0))
-        g, g2, c = run_on(gpu, f, x), run_on(gpu, f, x), run_on(cpu, f, x)
-        for a, a2, b in zip(g, g2, c):
-            assert (a is None) == (b is None)
-            if b is not None:
-                np.testing.assert_array_equal(_bits(a), _bits(b), err_msg=f"{kind} {rowwise} {colwise}")
-                np.testing.assert_array_equal(_bits(a), _bits(a2), err_msg=f"rerun {kind} {rowwise} {colwise}")
-    # Integers: exact in any order, so equal to numpy's sum as well.
-    ints = rng.integers(-8, 9, shape).astype(dtype)
-    for kind in ("1x128", "mxfp8"):
-        got = run_on(gpu, _quantize_with_dbias(kind, True, True, axis), ints).dbias
-        want = np.asarray(ints, np.float64).reshape(int(np.prod(shape[:axis % len(shape)])), -1).sum(0)
-        np.testing.assert_array_equal(np.asarray(got, np.float64).reshape(-1), np.asarray(want.astype(dtype), np.float64))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", DTYPES, ids=ids)
-def test_cuda_dbias_of_empty_x_is_zero(dtype, rng, cpu, gpu):
-    # No rows: dbias (cols values, in x's dtype and in f32) is the only output, zeroed by the
-    # launchers' preamble (dbias_finalize.cuh: PrepareDbias); all bits 0, as on the CPU. A
-    # first call on real data leaves nonzero bytes in freed device memory for the outputs
-    # to reuse, so a dbias left unwritten would show.
-    x = with_block_specials(rng, (300, 1033), dtype)
-    run_on(gpu, _quantize_with_dbias("mxfp8", True, True, -1), x)
-    e4 = jnp.float8_e4m3fn
-
-    def f(v):
-        outs = []
-        for shape, axis in (((0, 1033), 1), ((2, 0, 1033), 2)):
-            e = v[:0].reshape(shape)
-            for kind in ("1x128", "128x128", "mxfp8"):
-                outs.append(_quantize_with_dbias(kind, True, True, axis)(e).dbias)
-            block = quantize_fp8_block_p.bind(e, flatten_axis=np.int32(axis), tile_2d=np.bool_(False),
-                                              pow2_scales=np.bool_(False), out_dtype=e4, rowwise=True,
-                                              colwise=True, dbias_dtype=jnp.dtype(jnp.float32))
-            mx = quantize_mxfp8_p.bind(e, flatten_axis=np.int32(axis), out_dtype=e4, rowwise=True, colwise=True,
-                                       dbias_dtype=jnp.dtype(jnp.float32))
-            outs += [block[4], mx[4]]
-        return outs
-
-    got, want = run_on(gpu, f, x), run_on(cpu, f, x)
-    for i, (a, b) in enumerate(zip(got, want)):
-        assert a.shape == (1033,) and a.dtype == b.dtype, i
-        assert a.dtype == (dtype if i % 5 < 3 else np.float32), i
-        np.testing.assert_array_equal(_bits(a), np.zeros_like(_bits(a)), err_msg=str(i))
-        np.testing.assert_array_equal(_bits(a), _bits(b), err_msg=str(i))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", DTYPES, ids=ids)
-def test_cuda_dbias_f32_and_misaligned_equal_cpu(dtype, rng, cpu, gpu):
-    # The f32 dbias result (what the sharded rule asks for) through the handler, and the
-    # unvectorized paths (a slice starting one element in, odd cols).
-    lowbit._ffi.load()
-    x = with_block_specials(rng, (1537, 1033), dtype)  # holds the 1535 x 1033 slice one element in
-    sd, e4, f32 = jax.ShapeDtypeStruct, jnp.float8_e4m3fn, jnp.float32
-    r, c = x.shape
-
-    def f(v):
-        w = v.reshape(-1)[1 : 1 + 1535 * 1033].reshape(1535, 1033)
-        block = jax.ffi.ffi_call("lowbit_quantize_fp8_block", [sd((r, c), e4), sd((9, r + 3), f32), sd((0,), e4),
-                                                               sd((0,), f32), sd((c,), f32)])(
-            v, flatten_axis=np.int32(1), tile_2d=np.bool_(False), pow2_scales=np.bool_(False))
-        mx = jax.ffi.ffi_call("lowbit_quantize_mxfp8", [sd((0,), e4), sd((0,), jnp.float8_e8m0fnu), sd((r, c), e4),
-                                                        sd((52, 1152), jnp.float8_e8m0fnu), sd((c,), f32)])(
-            v, flatten_axis=np.int32(1))
-        return (block, mx, _quantize_with_dbias("1x128", True, True, -1)(w),
-                _quantize_with_dbias("mxfp8", True, True, -1)(w))
-
-    for a, b in zip(jax.tree.leaves(run_on(gpu, f, x)), jax.tree.leaves(run_on(cpu, f, x))):
-        np.testing.assert_array_equal(_bits(a), _bits(b))

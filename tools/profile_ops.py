@@ -91,9 +91,9 @@ def main(ops):
         for mode, tile_2d in (("mxfp8", False), ("fp8_block", False), ("fp8_block", True)):
             run(lambda v, g, m=mode, t=tile_2d: quantize_grouped_block(v, g, scaling_mode=m, tile_2d=t, colwise=True),
                 x, sizes)
-    if "block" in ops:  # the plain block quantizers, both copies (kernels -k regex:TileKernel)
-        from lowbit.ops.quantize_block import quantize_fp8_block, quantize_mxfp8
+    from lowbit.ops.quantize_block import quantize_fp8_block, quantize_mxfp8
 
+    if "block" in ops:  # the plain block quantizers, both copies (kernels -k regex:TileKernel)
         x = normal((16384, 8192))
         run(lambda v: quantize_fp8_block(v, rowwise=True, colwise=True), x)
         run(lambda v: quantize_fp8_block(v, tile_2d=True, rowwise=True, colwise=True), x)
@@ -103,7 +103,6 @@ def main(ops):
         run(lambda v: quantize_mxfp8(v, rowwise=True, colwise=True, compute_dbias=True), x)
     if "fused_block" in ops:
         from lowbit.ops.fused_block import act_quantize_block, norm_quantize_block, norm_stats
-        from lowbit.ops.quantize_block import quantize_fp8_block, quantize_mxfp8
 
         x = normal((16384, 8192))
         gamma = jnp.asarray(rng.standard_normal(8192, np.float32) * 0.5 + 1)
