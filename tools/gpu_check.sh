@@ -14,6 +14,8 @@
 #   tools/gpu_check.sh build sanitize  # compute-sanitizer memcheck, one process per kernel
 #     family of tools/sanitize_families.txt, SANITIZE_JOBS (4) at a time, 240 s each
 #   SANITIZE_FAMILIES="norm gemm" tools/gpu_check.sh build sanitize   # some of the families
+#   (a family that dies by a signal with no memcheck report: run it again alone, SANITIZE_JOBS=1;
+#   on an H200 compute-sanitizer itself once crashed with four at a time, sanitize_*_2026-11-29.log)
 #   BENCH=all tools/gpu_check.sh build bench   # every benchmark and the seed tutorials (long)
 #   BENCH="bench/bench_quantize.py bench/bench_gemm.py" tools/gpu_check.sh build bench
 #   BENCH="tools/sweep_fused_backward.py --rounds 3" tools/gpu_check.sh build bench   # tools/ too
