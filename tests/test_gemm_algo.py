@@ -2,7 +2,7 @@
 errors naming the variable, the per-kind defaults, the index reaching the custom call as its
 `algo` attribute (lowered for CUDA without a GPU) beside `algo_or_first` (true for a library
 default), the handlers' own range check, and on the GPU every index cuBLASLt offers giving
-results within the tolerances of test_gemm_ops.py / test_gemm_block_cuda.py, and a default past
+results within the tolerances of gemm_reference.py / gemm_block_reference.py, and a default past
 the list running the first choice."""
 
 from __future__ import annotations
@@ -208,8 +208,8 @@ def run_or_skip(device, fn, *args):
 @pytest.mark.parametrize("split", [False, True], ids=["fast", "split"])
 def test_cuda_tensor_fp8_every_algo_matches_cpu(algo, split, rng, cpu, gpu):
     """Per-tensor FP8 at each heuristic index, against the CPU reference within
-    test_gemm_ops.py's tolerance."""
-    from test_gemm_ops import FROBENIUS, assert_close_gemm, gemm_atol
+    gemm_reference.py's tolerance."""
+    from gemm_reference import FROBENIUS, assert_close_gemm, gemm_atol
     m, n, k = 256, 384, 1024
     a = rng.normal(size=(m, k)).astype(E4M3)
     b = rng.normal(size=(n, k)).astype(E5M2)

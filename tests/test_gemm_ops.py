@@ -1,10 +1,10 @@
 """lowbit.ops.gemm: a jnp reference and the exact summation order of the CPU handler, every
 type combination, out dtypes, bias, odd shapes, jit, vmap, sharding over virtual CPU devices,
-bad input, and the cuBLASLt handler against the CPU one within a derived tolerance."""
+bad input (the cuBLASLt handler against the CPU one: tests/test_gemm_ops_cuda.py; the
+references and the tolerance model: gemm_reference.py)."""
 
 from __future__ import annotations
 
-import importlib
 import itertools
 import re
 import warnings
@@ -15,124 +15,13 @@ import ml_dtypes
 import numpy as np
 import pytest
 from conftest import run_on
+from gemm_reference import (BF16, CASE_IDS, E4M3, E5M2, F16, F32, FP8_PAIRS, TENSOR_MODES, TYPE_CASES,
+                            assert_close_gemm, assert_matches_handler, gemm_atol, gemm_mod, gemm_ref,
+                            operands, sequential_ref)
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import lowbit
 from lowbit.ops.gemm import PSUM_ENV
-
-gemm_mod = importlib.import_module("lowbit.ops.gemm")  # the module; lowbit.ops.gemm is the function
-TENSOR_MODES = dict(a_scale_mode=np.int32(0), b_scale_mode=np.int32(0))  # gemm_p's per-tensor scales
-
-
-def gemm_ref(a, b, sa=1.0, sb=1.0, bias=None, out_dtype=jnp.bfloat16):
-    acc = jnp.dot(a.astype(jnp.float32), b.astype(jnp.float32).T, precision=jax.lax.Precision.HIGHEST)
-    acc = acc * (jnp.float32(sa) * jnp.float32(sb))
-    return (acc if bias is None else acc + bias.astype(jnp.float32)).astype(out_dtype)
-
-
-def sequential_ref(a, b, sa, sb, bias, out_dtype):
-    """The CPU handler's documented order in numpy: exact fp32 products, summed k ascending
-    (cumsum is sequential) from an accumulator of +0 as the C++ loop (+ 0 turns cumsum's all
-    -0 sum into +0), then fl(fl(sa*sb) * acc), + bias, rounded to out_dtype."""
-    a32 = np.asarray(a).astype(np.float32).reshape(-1, a.shape[-1])
-    b32 = np.asarray(b).astype(np.float32)
-    prod = a32[:, None, :] * b32[None, :, :]
-    acc = np.float32(0) + np.cumsum(prod, axis=-1, dtype=np.float32)[..., -1]
-    y = np.float32(np.float32(sa) * np.float32(sb)) * acc
-    if bias is not None:
-        y = y + np.asarray(bias).astype(np.float32)
-    return y.astype(out_dtype).reshape(*a.shape[:-1], b.shape[0])
-
-
-# Error models of the accumulation, as multiples of sum_k |a_k * b_k| * |sa * sb| (below).
-U = 2.0**-24  # fp32 unit roundoff
-CHUNK = 128   # products a Hopper FP8 GEMM sums in the tensor core before promoting to fp32
-
-
-def accumulation_gamma(k: int, model: str) -> float:
-    """"cpu": two fp32 sums of exact products in different orders; each is within
-    (K-1)*u*sum|p| of the exact sum (Higham, gamma_{K-1}), so they differ by <= 2*K*u*sum|p|.
-    "gpu": tensor-core adders may truncate instead of rounding (<= 2u per add): 4*K*u.
-    "fp8_split" / "fp8_fast": Hopper's FP8 tensor cores add with about 14 significant bits
-    (DeepSeek-V3 report, 3.3.2: ~2% max relative error at K=4096 without promotion). Modelled
-    as truncation errors of 2^-14 relative that add up coherently, i.e. sqrt(n) * 2^-14 *
-    sum|p| over n products relative to sum|p| ~ n, with a 4x margin: n = the promotion chunk
-    (split accumulation promotes to fp32 at least every CHUNK products) or n = K (fast).
-    A numpy simulation of 14-bit truncating accumulation (K = 4096, normal E4M3 x E5M2 data)
-    stays 4x below these bounds elementwise, at 2.6% relative Frobenius error when fast."""
-    fp32 = 2 * k * U if model == "cpu" else 4 * k * U
-    if model == "fp8_split":
-        return fp32 + 4 * np.sqrt(min(k, CHUNK)) * 2.0**-14
-    if model == "fp8_fast":
-        return fp32 + 4 * np.sqrt(k) * 2.0**-14
-    return fp32
-
-
-# Relative Frobenius error allowed on top of the elementwise bound on the GPU: below what a
-# wrong layout (~1) or a lost scale (GPU tests use 0.3 and 2.5: >= 33% off) would give.
-FROBENIUS = {"gpu": 2.0**-10, "fp8_split": 2.0**-6, "fp8_fast": 2.0**-3}
-
-
-def gemm_atol(a, b, sa, sb, out_dtype, *, model="cpu", bias=None):
-    """Per-element bound on |x - y| for two GEMMs of the same operands: the accumulation
-    model's gamma * sum|a_k*b_k| * |sa*sb|; scaling and the bias add each round once (4*u*|y|);
-    rounding both to the out dtype adds at most one ulp of it (eps_out*|y|, plus its smallest
-    normal near zero). |y| is bounded by |a.b| + |bias|: with a bias, the one rounding to the
-    out dtype is of the sum (a 16-valued bias over a near-zero product rounds at 16's ulp)."""
-    a64 = np.asarray(a).astype(np.float64).reshape(-1, a.shape[-1])
-    b64 = np.asarray(b).astype(np.float64)
-    abs_dot = (np.abs(a64) @ np.abs(b64).T) * abs(float(sa) * float(sb))
-    y = np.abs(np.asarray(gemm_ref(a, b, sa, sb, None, jnp.float32), np.float64)).reshape(abs_dot.shape)
-    if bias is not None:
-        y = y + np.abs(np.asarray(bias, np.float64)).reshape(1, -1)
-    info = ml_dtypes.finfo(out_dtype)
-    atol = (accumulation_gamma(a64.shape[-1], model) * abs_dot + (4 * U + float(info.eps)) * y
-            + float(info.smallest_normal))
-    return atol.reshape(*a.shape[:-1], b.shape[0])
-
-
-def assert_close_gemm(got, want, atol, *, max_rel_frobenius=None):
-    """Elementwise within `atol`; optionally also a relative Frobenius error bound (the GPU
-    models' elementwise bounds are loose)."""
-    got64, want64 = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    err = np.abs(got64 - want64)
-    bad = ~(err <= atol)
-    assert not bad.any(), (f"{bad.sum()} of {bad.size} elements off; worst excess "
-                           f"{np.max(np.where(bad, err - atol, 0)):.3g} at {np.argwhere(bad)[0]}")
-    if max_rel_frobenius is None:
-        return
-    rel = np.linalg.norm(got64 - want64) / max(np.linalg.norm(want64), 1e-30)
-    assert rel <= max_rel_frobenius, f"relative Frobenius error {rel:.3g} > {max_rel_frobenius}"
-
-
-def assert_matches_handler(got, a, b, sa=1.0, sb=1.0, bias=None, out_dtype=jnp.bfloat16):
-    """`got` from the default backend against the CPU handler's order: bit for bit on the
-    CPU; on the GPU (tools/gpu_check.sh runs the suite there) within the cuBLASLt model."""
-    got = np.asarray(got)
-    want = sequential_ref(a, b, sa, sb, bias, out_dtype)
-    if jax.default_backend() == "cpu":
-        np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8))
-        return
-    model = "fp8_split" if jnp.dtype(a.dtype) in gemm_mod.FP8 else "gpu"
-    a2, b2 = np.asarray(a).reshape(-1, a.shape[-1]), np.asarray(b)
-    atol = gemm_atol(a2, b2, sa, sb, out_dtype, model=model, bias=bias).reshape(want.shape)
-    assert_close_gemm(got, want, atol, max_rel_frobenius=FROBENIUS[model])
-
-
-E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
-BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
-FP8_PAIRS = [(E4M3, E4M3), (E4M3, E5M2), (E5M2, E4M3)]
-TYPE_CASES = ([(x, y, o) for (x, y) in FP8_PAIRS for o in (BF16, F16, F32)]
-              + [(BF16, BF16, BF16), (BF16, BF16, F32), (F16, F16, F16), (F16, F16, F32)])
-CASE_IDS = [f"{jnp.dtype(x).name}x{jnp.dtype(y).name}->{jnp.dtype(o).name}" for x, y, o in TYPE_CASES]
-
-
-def operands(rng, m, n, k, a_dtype, b_dtype, out_dtype, with_bias=True, scale=2.0):
-    a = (rng.standard_normal((m, k)) * scale).astype(np.float32).astype(a_dtype)
-    b = (rng.standard_normal((n, k)) * scale).astype(np.float32).astype(b_dtype)
-    sa, sb = np.float32(rng.uniform(0.25, 2.0)), np.float32(rng.uniform(0.25, 2.0))
-    bias = (rng.standard_normal(n) * 4).astype(np.float32).astype(out_dtype) if with_bias else None
-    return a, b, sa, sb, bias
 
 
 @pytest.mark.parametrize("a_dtype,b_dtype,out_dtype", TYPE_CASES, ids=CASE_IDS)
@@ -394,98 +283,6 @@ def test_handler_validates_too():
         jax.block_until_ready(bind(np.ones((2, 16), E4M3), np.ones((3, 16), E4M3), np.ones((3,), F32), BF16))
     with pytest.raises(Exception, match=r"lowbit_gemm: b: f8e5m2 x f8e5m2"):
         jax.block_until_ready(bind(np.ones((2, 16), E5M2), np.ones((3, 16), E5M2), np.ones((0,), BF16), BF16))
-
-
-# ---------------------------------------------------------------- GPU: cuBLASLt vs the CPU handler
-
-GPU_SHAPES = [(128, 256, 512), (1000, 2048, 4096)]  # (M, N, K)
-
-
-def _cuda_vs_cpu(rng, cpu, gpu, m, n, k, a_dtype, b_dtype, out_dtype, with_bias, split):
-    a, b, _, _, bias = operands(rng, m, n, k, a_dtype, b_dtype, out_dtype, with_bias)
-    sa, sb = np.float32(0.3), np.float32(2.5)
-    f = lambda *x: lowbit.ops.gemm(*x, out_dtype=out_dtype, use_split_accumulator=split)
-    args = (a, b, sa, sb) + ((bias,) if with_bias else ())
-    g, c = run_on(gpu, f, *args), run_on(cpu, f, *args)
-    model = "gpu" if jnp.dtype(a_dtype) not in gemm_mod.FP8 else ("fp8_split" if split else "fp8_fast")
-    assert_close_gemm(g, c, gemm_atol(a, b, sa, sb, out_dtype, model=model, bias=bias),
-                      max_rel_frobenius=FROBENIUS[model])
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("a_dtype,b_dtype", FP8_PAIRS, ids=str)
-@pytest.mark.parametrize("split", [True, False], ids=["split", "fast"])
-@pytest.mark.parametrize("m,n,k", GPU_SHAPES, ids=str)
-def test_cuda_fp8_matches_cpu(a_dtype, b_dtype, split, m, n, k, rng, cpu, gpu):
-    _cuda_vs_cpu(rng, cpu, gpu, m, n, k, a_dtype, b_dtype, BF16, True, split)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("a_dtype,b_dtype,out_dtype", TYPE_CASES, ids=CASE_IDS)
-@pytest.mark.parametrize("with_bias", [False, True], ids=["nobias", "bias"])
-def test_cuda_every_type_case_matches_cpu(a_dtype, b_dtype, out_dtype, with_bias, rng, cpu, gpu):
-    _cuda_vs_cpu(rng, cpu, gpu, 128, 256, 512, a_dtype, b_dtype, out_dtype, with_bias, True)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("m,n,k", [(1, 1, 16), (7, 17, 48), (33, 64, 1000), (5, 100, 16)], ids=str)
-def test_cuda_odd_shapes_are_padded(m, n, k, rng, cpu, gpu):
-    _cuda_vs_cpu(rng, cpu, gpu, m, n, k, E4M3, E5M2, BF16, True, True)
-    _cuda_vs_cpu(rng, cpu, gpu, m, n, k, BF16, BF16, F32, True, True)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("a_dtype,b_dtype", [(E4M3, E5M2), (BF16, BF16)], ids=str)
-@pytest.mark.parametrize("m,n,k", [(37, 200, 256), (130, 33, 1000)], ids=str)
-def test_cuda_f32_bias_bound_on_gemm_p_directly(a_dtype, b_dtype, m, n, k, rng, cpu, gpu):
-    """lowbit.ops.gemm adds an fp32 output's bias in XLA, so only a direct binder of gemm_p
-    hands it to the custom call, whose CUDA handler adds it after cuBLASLt
-    (GemmBiasAddF32Cuda): that path against the CPU handler."""
-    a, b, sa, sb, bias = operands(rng, m, n, k, a_dtype, b_dtype, F32)
-    f = lambda a, b, sa, sb, bias: gemm_mod.gemm_padded(  # noqa: E731
-        a, b, sa.reshape(1), sb.reshape(1), bias, out_dtype=jnp.dtype(F32),
-        use_split_accumulator=np.bool_(True))
-    g, c = run_on(gpu, f, a, b, sa, sb, bias), run_on(cpu, f, a, b, sa, sb, bias)
-    model = "fp8_split" if jnp.dtype(a_dtype) in gemm_mod.FP8 else "gpu"
-    assert_close_gemm(g, c, gemm_atol(a, b, sa, sb, F32, model=model, bias=bias),
-                      max_rel_frobenius=FROBENIUS[model])
-    # The bias is there: without it the output moves by |bias| (4 sigma of normal draws).
-    assert np.abs(np.asarray(g, np.float64) - np.asarray(run_on(gpu, f, a, b, sa, sb, 0 * bias),
-                                                          np.float64)).max() > 1.0
-
-
-@pytest.mark.gpu
-def test_cuda_plan_cache_takes_new_pointers_and_scales(rng, cpu, gpu):
-    """Calls of one cached plan with other buffers, scales and bias must not reuse old ones."""
-    f = jax.jit(lambda *x: lowbit.ops.gemm(*x, out_dtype=BF16))
-    for _ in range(3):
-        a, b, sa, sb, bias = operands(rng, 64, 128, 256, E4M3, E4M3, BF16)
-        args = jax.device_put((a, b, sa, sb, bias), gpu)
-        g = np.asarray(f(*args))
-        c = run_on(cpu, f, a, b, sa, sb, bias)
-        assert_close_gemm(g, c, gemm_atol(a, b, sa, sb, BF16, model="fp8_split", bias=bias),
-                          max_rel_frobenius=FROBENIUS["fp8_split"])
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("a_dtype", [E4M3, BF16], ids=str)
-def test_cuda_program_contains_lowbit_gemm(a_dtype, gpu):
-    a = jax.device_put(jnp.ones((64, 128), a_dtype), gpu)
-    b = jax.device_put(jnp.ones((32, 128), a_dtype), gpu)
-    hlo = jax.jit(lambda x, y: lowbit.ops.gemm(x, y)).lower(a, b).compile().as_text()
-    assert "lowbit_gemm" in hlo
-    assert "cublas" not in hlo.lower()  # no XLA dot rewritten to its own cuBLAS call
-
-
-@pytest.mark.gpu
-def test_cuda_rejects_e5m2_pair_from_handler(gpu):
-    one = jax.device_put(np.ones((1,), np.float32), gpu)
-    x = jax.device_put(np.ones((16, 16), E5M2), gpu)
-    empty = jax.device_put(np.zeros((0,), BF16), gpu)
-    f = jax.jit(lambda x, s, e: gemm_mod.gemm_p.bind(x, x, s, s, e, out_dtype=jnp.dtype(BF16),
-                                                     use_split_accumulator=np.bool_(True), **TENSOR_MODES))
-    with pytest.raises(Exception, match=r"lowbit_gemm: b: f8e5m2 x f8e5m2"):
-        jax.block_until_ready(f(x, one, empty))
 
 
 def test_type_cases_cover_every_valid_combination():

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from conftest import random_with_specials, run_on
 from quantize_grouped_common import DTYPES, FP8, _assert_same, dtype_ids
-from test_quantize_ops import assert_fp8_equal, quantize_ref
+from quantize_reference import assert_fp8_equal, quantize_ref
 
 import lowbit
 from lowbit.ops import compute_scale, quantize_fp8, quantize_grouped_fp8
