@@ -2,9 +2,8 @@
 tests/test_gemm_block_cuda.py: lowbit.ops.gemm's block scale modes (FP8 1x128 / 128x128,
 MXFP8) and their pairs, a numpy reference written from gemm.h's formula (scale layouts,
 dequantized operands, the sequential emulation), random operands with the scale arrays'
-padding set to values that must never be read, the tolerance of a block-scaled GEMM against
-the emulation (block_tolerance), and the `rng` fixture of these files: a fixed seed (7),
-which a test file takes as `rng = gemm_block_reference.rng`."""
+padding set to values that must never be read, and the tolerance of a block-scaled GEMM
+against the emulation (block_tolerance). The tests take conftest's `rng`: fresh data every run."""
 
 from __future__ import annotations
 
@@ -13,7 +12,6 @@ import importlib
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
-import pytest
 
 import lowbit
 
@@ -97,11 +95,6 @@ def operands(rng, m, n, k, a_mode, b_mode, a_dtype=E4M3, b_dtype=E4M3):
 def call(a, b, sa, sb, a_mode, b_mode, bias=None, out_dtype=F32):
     return lowbit.ops.gemm(a, b, sa, sb, bias, out_dtype=out_dtype, a_scale_mode=a_mode,
                            b_scale_mode=b_mode)
-
-
-@pytest.fixture
-def rng():
-    return np.random.default_rng(7)
 
 
 # cuBLASLt's block-scaled kernel multiplies fp32 partial sums of 128 products by the two

@@ -40,8 +40,7 @@ def assert_product(got, a, b):
 
 
 @pytest.fixture
-def data():
-    rng = np.random.default_rng(3)
+def data(rng):
     m, k, n = 70, 300, 136  # partial tiles in every dim
     x = rng.normal(size=(m, k)).astype(np.float32)
     w = (rng.normal(size=(k, n)) / np.sqrt(k)).astype(np.float32)
@@ -99,9 +98,8 @@ def test_dense_close_to_unquantized_under_jit_and_grad(recipe, data):
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: r.__name__)
-def test_dense_multi_dim_and_bf16(recipe):
+def test_dense_multi_dim_and_bf16(recipe, rng):
     """Batched tokens, a 2-D kernel output, bf16 inputs and outputs."""
-    rng = np.random.default_rng(5)
     x = jnp.asarray(rng.normal(size=(2, 33, 160)), jnp.bfloat16)
     w = jnp.asarray(rng.normal(size=(160, 3, 48)) / np.sqrt(160), jnp.bfloat16)
     qs = QuantizerFactory.create_set(recipe())
@@ -117,8 +115,7 @@ def test_dense_multi_dim_and_bf16(recipe):
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: r.__name__)
-def test_layernorm_dense_and_mlp_run_with_block_recipes(recipe):
-    rng = np.random.default_rng(9)
+def test_layernorm_dense_and_mlp_run_with_block_recipes(recipe, rng):
     h, f = 128, 256
     x = jnp.asarray(rng.normal(size=(2, 24, h)), jnp.float32)
     gamma, beta = jnp.ones((h,)), jnp.zeros((h,))

@@ -240,12 +240,11 @@ def test_jaxpr_holds_gemm_nvfp4():
 
 
 @pytest.mark.parametrize("recipe", ["full", "plain"])
-def test_dense_under_vmap_and_on_a_mesh(recipe):
+def test_dense_under_vmap_and_on_a_mesh(recipe, rng):
     """vmap over dense equals the per-element calls, and fwd + bwd with x rows-, kernel N- or
     K-sharded on 2 devices equal the single-device bits (the NVFP4 quantizer gathers its
     input, so every GEMM sees replicated copies here)."""
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-    rng = np.random.default_rng(5)
     x = jnp.asarray(rng.standard_normal((2, 32, 128)), jnp.float32)
     kern = jnp.asarray(rng.standard_normal((128, 64)) / 11, jnp.float32)
     b = jnp.asarray(rng.standard_normal(64), jnp.float32)

@@ -8,15 +8,12 @@ from __future__ import annotations
 
 import warnings
 
-import gemm_block_reference
 import jax
 import numpy as np
 import pytest
 from conftest import run_on
 from gemm_block_reference import (BF16, E4M3, E5M2, F32, PAIR_IDS, PAIRS, Mode, block_tolerance, call,
                                   dequantized, gemm_mod, operands)
-
-rng = gemm_block_reference.rng  # the rng fixture of these tests: seed 7, not conftest's fresh one
 
 
 GPU_SHAPES = [(128, 256, 512), (1, 16, 128), (7, 17, 200), (130, 33, 1000), (256, 384, 4096),

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import warnings
 
-import gemm_block_reference
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,8 +16,6 @@ from gemm_block_reference import (BF16, E4M3, E5M2, F32, PAIR_IDS, PAIRS, Mode, 
                                   dequantized, gemm_mod, operands, sequential_ref)
 
 import lowbit
-
-rng = gemm_block_reference.rng  # the rng fixture of these tests: seed 7, not conftest's fresh one
 
 
 @pytest.mark.cpu_reference

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import warnings
 
-import gemm_block_reference
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,8 +18,6 @@ from gemm_block_reference import (BF16, E4M3, E5M2, F32, PAIR_IDS, PAIRS, Mode, 
                                   operands, random_fp8, scale_dims, sequential_ref)
 
 import lowbit
-
-rng = gemm_block_reference.rng  # the rng fixture of these tests: seed 7, not conftest's fresh one
 
 
 @pytest.mark.parametrize("which", ["a", "b", "bias"])

@@ -167,8 +167,7 @@ def test_stochastic_rounding_is_unbiased():
     assert np.abs(rne_deq[0] - base).max() > 6 * step / (2 * np.sqrt(n))  # RNE alone is biased here
 
 
-def test_rht_twice_is_identity_and_dequantize_inverts_it():
-    rng = np.random.default_rng(0)
+def test_rht_twice_is_identity_and_dequantize_inverts_it(rng):
     bits = rht_sign_bits(jax.random.PRNGKey(1))
     ints = jnp.asarray(rng.integers(-40, 40, (5, 16)).astype(F32))  # exact arithmetic
     once = rht16(ints, bits)

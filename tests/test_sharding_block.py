@@ -67,8 +67,7 @@ LAYOUTS = {  # x, w, y specs; expected (all-gather, all-reduce, reduce-scatter)
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_dense_float8_block_sharded_equals_single_device(layout):
-    rng = np.random.default_rng(11)
+def test_dense_float8_block_sharded_equals_single_device(layout, rng):
     x = jnp.asarray(rng.standard_normal((B, S, H)), jnp.bfloat16)
     w = jnp.asarray(rng.standard_normal((H, F)) / np.sqrt(H), jnp.float32)
     dy = jnp.asarray(rng.standard_normal((B, S, F)), jnp.bfloat16)
@@ -106,9 +105,8 @@ QUANTIZE_CASES = [  # (kind, tile_2d, x shape, flatten_axis, spec, stays sharded
 
 
 @pytest.mark.parametrize("case", QUANTIZE_CASES, ids=lambda c: f"{c[0]}-{c[1]}-{c[2]}-{c[4]}")
-def test_block_quantize_sharded_bit_exact(case):
+def test_block_quantize_sharded_bit_exact(case, rng):
     kind, tile_2d, shape, f, spec, sharded = case
-    rng = np.random.default_rng(5)
     x = jnp.asarray(rng.standard_normal(shape) * np.exp(rng.uniform(-4, 4, shape)), jnp.float32)
     x = x.at[0, 0].set(0.0)
     if kind == "mxfp8":
@@ -151,12 +149,11 @@ GEMM_CASES = [  # a mode, b mode, M, N, K, a spec, b spec, expected (all-gather,
 
 
 @pytest.mark.parametrize("case", GEMM_CASES, ids=lambda c: f"{c[0]}x{c[1]}-{c[5]}-{c[6]}")
-def test_block_gemm_sharded_equals_single_device(case):
+def test_block_gemm_sharded_equals_single_device(case, rng):
     names = {"1x128": GemmScaleMode.BLOCK_1x128, "128x128": GemmScaleMode.BLOCK_128x128,
              "mxfp8": GemmScaleMode.MXFP8}
     am, bm, m, n, k, a_spec, b_spec, (ag, ar) = case
     am, bm = names[am], names[bm]
-    rng = np.random.default_rng(7)
     a, sa = _block_operands(rng, m, k, am)
     b, sb = _block_operands(rng, n, k, bm)
     bias = jnp.asarray(rng.standard_normal(n), jnp.float32)
