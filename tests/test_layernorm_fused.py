@@ -153,7 +153,7 @@ def test_layernorm_rejects_bad_input(params):
 @pytest.mark.parametrize("norm_type", ["layernorm", "rmsnorm"])
 @pytest.mark.parametrize("recipe", [None, Float8CurrentScaling(), DelayedScaling(amax_history_len=4)],
                          ids=["none", "current", "delayed"])
-def test_layernorm_dense(norm_type, recipe, params):
+def test_layernorm_dense(norm_type, recipe, params, rng):
     x, gamma, beta, wi, _, bi, _ = params()
     kernel, bias = wi[:, 0], bi[0]
     beta = beta if norm_type == "layernorm" else None
@@ -168,7 +168,7 @@ def test_layernorm_dense(norm_type, recipe, params):
         ln = norm_ref(x, gamma, beta, norm_type)
         return ln @ kernel + bias, ln
 
-    dy = jnp.asarray(np.random.default_rng(0).standard_normal((2, 24, 96)), jnp.float32)
+    dy = jnp.asarray(rng.standard_normal((2, 24, 96)), jnp.float32)
     if isinstance(recipe, DelayedScaling):  # one step with the same data: amax-based scales
         (_, vjp) = jax.vjp(lambda qs: f(x, kernel, gamma, beta, bias, qs), qs)
         (qs,) = vjp((dy, jnp.zeros_like(x)))
@@ -188,7 +188,7 @@ def test_layernorm_dense(norm_type, recipe, params):
 @pytest.mark.parametrize("activation_type", [("gelu",), ("silu", "linear"), ("gelu", "linear")])
 @pytest.mark.parametrize("recipe", [None, Float8CurrentScaling(), DelayedScaling(amax_history_len=4)],
                          ids=["none", "current", "delayed"])
-def test_layernorm_mlp(activation_type, recipe, params):
+def test_layernorm_mlp(activation_type, recipe, params, rng):
     n_act = len(activation_type)
     x, gamma, beta, wi, wo, bi, bo = params(n_act=n_act)
     qsets = QuantizerFactory.create_set(recipe, n_quantizer_sets=2)
@@ -198,7 +198,7 @@ def test_layernorm_mlp(activation_type, recipe, params):
                                     activation_type=activation_type, quantizer_sets=qsets)
 
     args = (x, gamma, beta, wi, wo, bi, bo)
-    dy = jnp.asarray(np.random.default_rng(1).standard_normal(x.shape), jnp.float32)
+    dy = jnp.asarray(rng.standard_normal(x.shape), jnp.float32)
     if isinstance(recipe, DelayedScaling):  # one step with the same data: amax-based scales
         _, vjp = jax.vjp(lambda q: f(*args, q), qsets)
         (qsets,) = vjp(dy)
