@@ -163,6 +163,17 @@ EXACT_FWD_VARIANTS = ["parkeep=0,parsmem=1", "parkeep=0,colbar=1", "parkeep=0,pa
                       "parstages=2"]
 
 
+def assert_outputs_bit_identical(got, default, context=None):
+    """Every NormForwardOut field of a tuning variant's launch equals the default launch's bit
+    for bit (or both are None)."""
+    for name in ("y", "mu", "rsigma", "q_rowwise", "q_colwise", "amax"):
+        a, b = getattr(got, name), getattr(default, name)
+        assert (a is None) == (b is None), (name, context)
+        if a is not None:
+            assert a.dtype == b.dtype and a.shape == b.shape, (name, context)
+            np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8), err_msg=f"{name} {context}")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", EXACT_FWD_VARIANTS)
 @pytest.mark.parametrize("norm_type", NORMS)
@@ -182,13 +193,7 @@ def test_cuda_forward_variants_bit_identical(variant, norm_type, dtype, gamma_li
         default = run_on(gpu, fwd, x, gamma, beta)
         monkeypatch.setenv("LOWBIT_NORM_FWD_VARIANT", variant)
         got = run_on(gpu, fwd, x, gamma, beta)
-        for name in ("y", "mu", "rsigma", "q_rowwise", "q_colwise", "amax"):
-            a, b = getattr(got, name), getattr(default, name)
-            assert (a is None) == (b is None), (name, kw)
-            if a is not None:
-                assert a.dtype == b.dtype and a.shape == b.shape, (name, kw)
-                np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8),
-                                              err_msg=f"{name} {kw}")
+        assert_outputs_bit_identical(got, default, kw)
         assert_forward_matches(got, run_on(cpu, fwd, x, gamma, beta), norm_type, dtype, shape[-1],
                                ("q_rowwise",) * ("quant_scale" in kw)
                                + ("q_colwise",) * bool(kw.get("colwise")))
@@ -228,12 +233,7 @@ def test_cuda_forward_tuning_special_values(variant, norm_type, dtype, shape, rn
     default = run_on(gpu, fwd, x, gamma, beta)
     monkeypatch.setenv("LOWBIT_NORM_FWD_VARIANT", variant)
     got = run_on(gpu, fwd, x, gamma, beta)
-    for name in ("y", "mu", "rsigma", "q_rowwise", "q_colwise", "amax"):
-        a, b = getattr(got, name), getattr(default, name)
-        assert (a is None) == (b is None), name
-        if a is not None:
-            assert a.dtype == b.dtype and a.shape == b.shape, name
-            np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8), err_msg=name)
+    assert_outputs_bit_identical(got, default)
     ref = run_on(cpu, fwd, x, gamma, beta)
     y, ref_y = got.y.astype(np.float32), ref.y.astype(np.float32)
     np.testing.assert_array_equal(np.isnan(y), np.isnan(ref_y))
