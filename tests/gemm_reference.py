@@ -1,11 +1,13 @@
 """Shared by tests/test_gemm_ops.py, tests/test_gemm_ops_cuda.py and tests/test_gemm_algo.py:
 the jnp reference of lowbit.ops.gemm and the CPU handler's exact summation order, the
 tolerance model of a GPU GEMM against it (accumulation_gamma, gemm_atol, FROBENIUS), the
-comparisons, the type cases and random operands."""
+comparisons, the type cases and random operands; and (for test_gemm_algo and test_dense_backward)
+the cuBLASLt algorithm attributes of a function's GEMM custom calls lowered for CUDA."""
 
 from __future__ import annotations
 
 import importlib
+import re
 
 import jax
 import jax.numpy as jnp
@@ -125,3 +127,14 @@ def operands(rng, m, n, k, a_dtype, b_dtype, out_dtype, with_bias=True, scale=2.
     sa, sb = np.float32(rng.uniform(0.25, 2.0)), np.float32(rng.uniform(0.25, 2.0))
     bias = (rng.standard_normal(n) * 4).astype(np.float32).astype(out_dtype) if with_bias else None
     return a, b, sa, sb, bias
+
+
+def cuda_algo_or_first(monkeypatch, fn, *args):
+    """(algo, algo_or_first) of every lowbit_gemm / lowbit_gemm_nvfp4 custom call of fn
+    lowered for CUDA (capability 10.0, where NVFP4 reaches cuBLASLt)."""
+    monkeypatch.setattr(gemm_mod, "_cuda_capability", lambda: "10.0")
+    monkeypatch.setattr(importlib.import_module("lowbit._ffi"), "require_platform", lambda op, platform: None)
+    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    lines = [ln for ln in text.splitlines() if re.search(r"custom_call @lowbit_gemm(_nvfp4)?\(", ln)]
+    return [(int(re.search(r"\balgo = (-?\d+) : i32", ln).group(1)),
+             re.search(r"\balgo_or_first = (true|false)", ln).group(1) == "true") for ln in lines]

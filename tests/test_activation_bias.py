@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 from conftest import run_on
 from jax.sharding import NamedSharding, PartitionSpec as P
-from test_activation_ops import DTYPES, TYPES, act_ref, assert_dbias_close, make_x
+from activation_reference import DTYPES, TYPES, act_ref, assert_dbias_close, make_x
 
 import lowbit
 from lowbit.quantize import QuantizerFactory

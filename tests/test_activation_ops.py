@@ -23,69 +23,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import lowbit
 
-K0, K1 = np.float32(0.7978845608028654), np.float32(0.044715)
-
-
-def act_ref(x, act_type, gated=False, limit=7.0, alpha=1.702):
-    """fp32 y of the activation (x (..., H) or gated (..., 2, H))."""
-    x = jnp.asarray(x).astype(jnp.float32)
-    a, g = (x[..., 0, :], x[..., 1, :]) if gated else (x, None)
-    sig = jax.nn.sigmoid
-    if act_type == "gelu":
-        y = a * sig(2 * K0 * (a * (1.0 + K1 * a * a)))  # = 0.5 a (1 + tanh(u)), stable
-    elif act_type == "silu":
-        y = a * sig(a)
-    elif act_type == "relu":
-        y = jnp.maximum(a, 0.0)
-    elif act_type == "quick_gelu":
-        y = a * sig(np.float32(1.702) * a)
-    elif act_type == "squared_relu":
-        y = jnp.maximum(a, 0.0) ** 2
-    elif act_type == "clamped_silu":
-        c = jnp.where(a <= limit, a, np.float32(limit))
-        y = c * sig(np.float32(alpha) * c)
-        lim = np.float32(limit)  # TE: the gradient passes at |g| == limit
-        g = jnp.where(g > lim, lim, jnp.where(g < -lim, -lim, g)) + 1.0
-    else:
-        y = a
-    return y * g if gated else y
-
-
-def q_ref(y, scale, dtype):
-    return (y * scale).clip(-float(jnp.finfo(dtype).max), float(jnp.finfo(dtype).max)).astype(dtype)
-
-
-def code_index(q):
-    c = np.asarray(q).view(np.uint8).astype(np.int32)
-    return np.where(c & 0x80, -(c & 0x7F), c & 0x7F)
-
-
-def assert_codes_close(got, want, exact=False):
-    d = np.abs(code_index(got) - code_index(want))
-    assert d.max(initial=0) <= (0 if exact else 1), f"{(d > 0).sum()} codes differ, max {d.max()}"
-
-
-EXACT = {"linear", "relu", "squared_relu"}
-TYPES = [("gelu", False), ("silu", False), ("relu", False), ("quick_gelu", False),
-         ("squared_relu", False), ("linear", False), ("gelu", True), ("silu", True),
-         ("relu", True), ("quick_gelu", True), ("squared_relu", True), ("clamped_silu", True)]
-DTYPES = [np.float32, np.float16, ml_dtypes.bfloat16]
-SHAPES = [(1, 1), (3, 7), (257, 128), (2, 3, 1000)]
-
-
-def make_x(rng, shape, gated, dtype, scale=3.0):
-    full = (*shape[:-1], 2, shape[-1]) if gated else shape
-    return (rng.standard_normal(full) * scale).astype(dtype)
-
-
-def assert_y_close(got, want_f32, dtype, exact):
-    got = np.asarray(got, np.float32)
-    want = np.asarray(jnp.asarray(want_f32).astype(dtype), np.float32)
-    if exact:
-        np.testing.assert_array_equal(got, want)
-        return
-    eps = float(jnp.finfo(dtype).eps)
-    np.testing.assert_allclose(got, want, rtol=max(2e-6, eps), atol=1e-6 + eps * 1e-3)
+from activation_reference import (DTYPES, EXACT, SHAPES, TYPES, act_ref, assert_codes_close,
+                                 assert_dbias_close, assert_y_close, make_x, q_ref)
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
@@ -351,16 +290,6 @@ def test_cuda_equals_cpu(shape, act, gated, dtype, variant, rng, cpu, gpu, monke
         a, b = getattr(g[1], name), getattr(c[1], name)
         np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8), err_msg=f"backward {name}")
     assert_dbias_close(g[1].dbias.astype(np.float32), c[1].dbias.astype(np.float32), shape[0], dtype)
-
-
-def assert_dbias_close(a, b, rows: int, dtype):
-    """dbias of the CUDA kernel (a) against the CPU reference (b): fp32 sums of `rows` values
-    in another order, so NaN columns agree exactly and finite ones within the order's error."""
-    np.testing.assert_array_equal(np.isnan(a), np.isnan(b))
-    fin = np.isfinite(a) & np.isfinite(b)
-    eps = float(jnp.finfo(dtype).eps)
-    tol = 1e-4 * np.sqrt(rows) * (1 + np.abs(b[fin]))
-    assert np.all(np.abs(a[fin] - b[fin]) <= tol + 2 * eps * np.abs(b[fin]))
 
 
 @pytest.mark.gpu

@@ -251,7 +251,7 @@ def test_unfused_ops_mark_library_default_indices(rng, monkeypatch):
     """The unfused primitives the op falls back to (allow_fused=False: a pure data-parallel
     mesh) pass the same algo_or_first as the fused op: true for DEFAULT_ALGO's indices, false
     for a kind the user sets."""
-    from test_gemm_algo import cuda_algo_or_first
+    from gemm_reference import cuda_algo_or_first
     local = importlib.import_module("lowbit.ops.dense_backward")._local
     f8, f32 = jnp.float8_e4m3fn, jnp.float32
     dy = jnp.asarray(rng.standard_normal((512, 1024)), jnp.bfloat16)

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import run_on
+from gemm_reference import cuda_algo_or_first
 
 import lowbit
 
@@ -124,17 +125,6 @@ def test_algo_reaches_the_custom_call(monkeypatch, rng):
     assert cuda_algo_attrs(monkeypatch, blk, a, b) == [3]
     h = jnp.asarray(rng.normal(size=(32, 64)), BF16)
     assert cuda_algo_attrs(monkeypatch, lambda x: lowbit.ops.gemm(x, x), h) == [0]
-
-
-def cuda_algo_or_first(monkeypatch, fn, *args):
-    """(algo, algo_or_first) of every lowbit_gemm / lowbit_gemm_nvfp4 custom call of fn
-    lowered for CUDA (capability 10.0, where NVFP4 reaches cuBLASLt)."""
-    monkeypatch.setattr(gemm_mod, "_cuda_capability", lambda: "10.0")
-    monkeypatch.setattr(ffi_mod, "require_platform", lambda op, platform: None)
-    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    lines = [ln for ln in text.splitlines() if re.search(r"custom_call @lowbit_gemm(_nvfp4)?\(", ln)]
-    return [(int(re.search(r"\balgo = (-?\d+) : i32", ln).group(1)),
-             re.search(r"\balgo_or_first = (true|false)", ln).group(1) == "true") for ln in lines]
 
 
 def test_library_default_index_is_marked_or_first(monkeypatch, rng):
