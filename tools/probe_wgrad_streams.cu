@@ -101,7 +101,7 @@ __global__ void Fill(uint8_t* p, size_t n, uint32_t seed) {
     h ^= h >> 13;
     h *= 0x5bd1e995u;
     h ^= h >> 15;
-    p[i] = uint8_t(h & 0x77);  // finite E4M3 / E5M2 values of both signs... below 0x78
+    p[i] = uint8_t(h & 0x77);  // bits 7 and 3 cleared: positive codes <= 0x77, finite in E4M3 and E5M2
   }
 }
 
