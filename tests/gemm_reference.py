@@ -129,10 +129,10 @@ def operands(rng, m, n, k, a_dtype, b_dtype, out_dtype, with_bias=True, scale=2.
     return a, b, sa, sb, bias
 
 
-def cuda_algo_or_first(monkeypatch, fn, *args):
+def cuda_algo_or_first(monkeypatch, fn, *args, capability="10.0"):
     """(algo, algo_or_first) of every lowbit_gemm / lowbit_gemm_nvfp4 custom call of fn
-    lowered for CUDA (capability 10.0, where NVFP4 reaches cuBLASLt)."""
-    monkeypatch.setattr(gemm_mod, "_cuda_capability", lambda: "10.0")
+    lowered for CUDA at `capability` (10.0 by default, where NVFP4 reaches cuBLASLt)."""
+    monkeypatch.setattr(gemm_mod, "_cuda_capability", lambda: capability)
     monkeypatch.setattr(importlib.import_module("lowbit._ffi"), "require_platform", lambda op, platform: None)
     text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     lines = [ln for ln in text.splitlines() if re.search(r"custom_call @lowbit_gemm(_nvfp4)?\(", ln)]

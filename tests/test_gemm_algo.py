@@ -11,7 +11,6 @@ import importlib
 import re
 import warnings
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -97,12 +96,8 @@ def test_explicit_bad_algo_names_the_argument(algo, rng):
 
 
 def cuda_algo_attrs(monkeypatch, fn, *args, capability="9.0"):
-    """The `algo` attribute of every lowbit_gemm custom call of fn lowered for CUDA."""
-    monkeypatch.setattr(gemm_mod, "_cuda_capability", lambda: capability)
-    monkeypatch.setattr(ffi_mod, "require_platform", lambda op, platform: None)
-    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    lines = [ln for ln in text.splitlines() if "custom_call @lowbit_gemm(" in ln]
-    return [int(re.search(r"\balgo = (-?\d+) : i32", ln).group(1)) for ln in lines]
+    """The `algo` attribute of every GEMM custom call of fn lowered for CUDA."""
+    return [algo for algo, _ in cuda_algo_or_first(monkeypatch, fn, *args, capability=capability)]
 
 
 def test_algo_reaches_the_custom_call(monkeypatch, rng):
