@@ -98,24 +98,32 @@ def main():
         trace(step, step_args, args, tempfile.mkdtemp(), f"{args.variant} {name}={value or '(unset)'}")
 
 
+def traced_kernels(fn, fn_args, steps: int, out: str):
+    """(wall ms per step, {kernel name: [device us per step, launches]}) of `steps` calls of
+    fn traced with jax.profiler into `out`."""
+    with jax.profiler.trace(out, create_perfetto_trace=True):
+        # Timed inside the trace: the profiler's start and its export on exit (tens of ms,
+        # which the wall time once included) are not the steps'.
+        start = time.perf_counter()
+        r = None
+        for _ in range(steps):
+            r = fn(*fn_args)
+        jax.block_until_ready(r)
+        wall_ms = (time.perf_counter() - start) * 1e3 / steps
+    events, _ = common.device_events(out)
+    by_name = collections.defaultdict(lambda: [0.0, 0])
+    for e in events:
+        by_name[e["name"]][0] += e.get("dur", 0.0) / steps
+        by_name[e["name"]][1] += 1
+    return wall_ms, by_name
+
+
 def trace(step, step_args, args, out, label):
     r = None
     for _ in range(args.warmup):
         r = step(*step_args)
     jax.block_until_ready(r)
-    with jax.profiler.trace(out, create_perfetto_trace=True):
-        # Timed inside the trace: the profiler's start and its export on exit (tens of ms,
-        # which the wall time once included) are not the steps'.
-        start = time.perf_counter()
-        for _ in range(args.steps):
-            r = step(*step_args)
-        jax.block_until_ready(r)
-        wall_ms = (time.perf_counter() - start) * 1e3 / args.steps
-    events, _ = common.device_events(out)
-    by_name = collections.defaultdict(lambda: [0.0, 0])
-    for e in events:
-        by_name[e["name"]][0] += e.get("dur", 0.0) / args.steps
-        by_name[e["name"]][1] += 1
+    wall_ms, by_name = traced_kernels(step, step_args, args.steps, out)
     # Streams overlap only where XLA made them; the sum of kernel time is the busy time.
     busy_us = sum(v[0] for v in by_name.values()) or 1.0
     print(f"{args.which} {label}: {args.steps} traced steps, wall {wall_ms:.3f} ms/step (tracing "
