@@ -137,21 +137,25 @@ def block_paths(paths, m, k, n, iters, rounds):
     """The block floor per block GEMM path (cuBLASLt or lowbit's wgmma kernel), the paths
     timed in turn within each round; LOWBIT_BLOCK_GEMM is read at every call. A path
     "wgmma:G" also sets the wgmma kernel's raster order (LOWBIT_BLOCK_GEMM_GROUP=G, e.g. 4 or
-    n8: csrc/gemm/block_gemm_sm90.cu)."""
+    n8: csrc/gemm/block_gemm_sm90.cu), and "wgmma@FILE" runs the kernels of the cubin FILE
+    (LOWBIT_BLOCK_GEMM_CUBIN=FILE: tools/sass_control.py)."""
     flops = 3 * 2 * m * k * n
+    knobs = ("LOWBIT_BLOCK_GEMM_GROUP", "LOWBIT_BLOCK_GEMM_CUBIN")
     for r in range(rounds):
         for entry in paths:
-            path, _, group = entry.partition(":")
+            rest, _, cubin = entry.partition("@")
+            path, _, group = rest.partition(":")
             os.environ["LOWBIT_BLOCK_GEMM"] = path
-            if group:
-                os.environ["LOWBIT_BLOCK_GEMM_GROUP"] = group
-            else:
-                os.environ.pop("LOWBIT_BLOCK_GEMM_GROUP", None)
+            for name, value in zip(knobs, (group, cubin)):
+                if value:
+                    os.environ[name] = value
+                else:
+                    os.environ.pop(name, None)
             t = block_gemm_floor(m, k, n, iters)
             print(f"round {r} {entry:9s} fwd {t[0]*1e3:.3f} dgrad {t[1]*1e3:.3f} wgrad {t[2]*1e3:.3f} ms; "
                   f"total {sum(t)*1e3:.3f} ms = {flops / sum(t) / 1e12:.0f} TFLOP/s", flush=True)
-    os.environ.pop("LOWBIT_BLOCK_GEMM", None)
-    os.environ.pop("LOWBIT_BLOCK_GEMM_GROUP", None)
+    for name in ("LOWBIT_BLOCK_GEMM", *knobs):
+        os.environ.pop(name, None)
 
 
 def fp8_ceiling(size, iters):
@@ -183,7 +187,8 @@ def main(argv=None):
     parser.add_argument("--block-paths", default=None,
                         help="only the Float8BlockScaling GEMM floor, per LOWBIT_BLOCK_GEMM path "
                         "(comma-separated, e.g. cublaslt,wgmma,wgmma:n8; wgmma:G sets the raster order "
-                        "LOWBIT_BLOCK_GEMM_GROUP=G), --rounds rounds round-robin")
+                        "LOWBIT_BLOCK_GEMM_GROUP=G, wgmma@FILE the kernels' cubin LOWBIT_BLOCK_GEMM_CUBIN=FILE), "
+                        "--rounds rounds round-robin")
     common.add_algo_argument(parser)
     args = parser.parse_args(argv)
     chosen = set(args.variants.split(",")) | {"bf16"} if args.variants else None

@@ -1,11 +1,17 @@
 """lowbit.ops.gemm with block scale modes on the GPU: cuBLASLt's block-scaled GEMMs and lowbit's
 own wgmma kernel (LOWBIT_BLOCK_GEMM) against the CPU emulation within a stated tolerance
-(gemm_block_reference.block_tolerance), the wgmma kernel's raster order (no bit changes), the
+(gemm_block_reference.block_tolerance), the wgmma kernel's raster order and a cubin of its
+kernels run in their place (LOWBIT_BLOCK_GEMM_CUBIN; neither changes a bit), the
 kernel each path runs, and the pairs without a cuBLASLt path (emulated; MXFP8 on cuBLASLt on
 10.x only). All tests are marked `gpu` (they skip without one)."""
 
 from __future__ import annotations
 
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
 import warnings
 
 import jax
@@ -155,3 +161,68 @@ def test_cuda_mxfp8_matches_cpu_emulation(m, n, k, out_dtype, rng, cpu, gpu):
     assert np.all(np.abs(g - c) <= tol), np.max(np.abs(g - c) / tol)
     # A wrongly swizzled scale is off by factors up to 2^30 (the exponents span 110..139).
     assert np.linalg.norm(g - c) <= 2.0**-6 * np.linalg.norm(c) + 1e-30
+
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _cubin_variants(tmp_path):
+    """block_gemm_sm90.cu compiled alone to sm_90a cubins (the library's nvcc flags): "same" from
+    the library's source path (the anonymous namespace's mangled name follows the path, so the
+    override finds the kernel by its exact name), "moved" from a copy elsewhere (found by the
+    name after "BlockGemmKernel"), and tools/sass_control.py's two yield variants of "moved".
+    Skips where nvcc or cuobjdump is missing."""
+    nvcc, cuobjdump = shutil.which("nvcc"), shutil.which("cuobjdump")
+    if nvcc is None or cuobjdump is None:
+        pytest.skip("needs nvcc and cuobjdump on PATH (the GPU machine has both)")
+    source = REPO / "csrc" / "gemm" / "block_gemm_sm90.cu"
+    moved_source = tmp_path / "elsewhere" / source.name
+    moved_source.parent.mkdir()
+    moved_source.write_bytes(source.read_bytes())
+    out = {"same": tmp_path / "same.cubin", "moved": tmp_path / "moved.cubin"}
+    for name, src in (("same", source), ("moved", moved_source)):
+        subprocess.run([nvcc, "-cubin", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a",
+                        "--expt-relaxed-constexpr", "-lineinfo", f"-I{REPO / 'csrc'}", "-o", str(out[name]),
+                        str(src)], check=True)
+    namespaces = {name: set(re.findall(rb"_GLOBAL__N__\w+?_", out[name].read_bytes())) for name in out}
+    assert namespaces["same"] and namespaces["same"] != namespaces["moved"]
+    for policy in ("yield0", "yield1"):
+        out[policy] = tmp_path / f"{policy}.cubin"
+        subprocess.run([sys.executable, str(REPO / "tools" / "sass_control.py"), str(out["moved"]),
+                        str(out[policy]), "--policy", policy, "--ops", "FFMA,FMUL", "--cuobjdump", cuobjdump],
+                       check=True)
+        assert out[policy].read_bytes() != out["moved"].read_bytes()
+    return out
+
+
+@pytest.mark.gpu
+def test_cuda_block_gemm_cubin_override_changes_no_bit(rng, gpu, monkeypatch, tmp_path):
+    """LOWBIT_BLOCK_GEMM_CUBIN (benchmark-only) runs a cubin's kernels in place of the built
+    ones, found by either name; the yield variants of tools/sass_control.py change scheduling
+    bits only, so every mode pair and out dtype gives the built kernel's bits."""
+    if capability_of(gpu) != "9.0":
+        pytest.skip("the wgmma kernel is Hopper's")
+    cubins = _cubin_variants(tmp_path)
+    monkeypatch.setenv("LOWBIT_BLOCK_GEMM", "wgmma")
+    for a_mode, b_mode in PAIRS[:3]:
+        for out_dtype in (BF16, F32):
+            a, b, sa, sb = operands(rng, 520, 1040, 4096, a_mode, b_mode, E4M3, E5M2)
+            f = lambda a, b, sa, sb: call(a, b, sa, sb, a_mode, b_mode, None, out_dtype)  # noqa: E731
+            monkeypatch.delenv("LOWBIT_BLOCK_GEMM_CUBIN", raising=False)
+            want = np.asarray(run_on(gpu, f, a, b, sa, sb))
+            assert np.any(want != 0)
+            for name, path in cubins.items():
+                monkeypatch.setenv("LOWBIT_BLOCK_GEMM_CUBIN", str(path))
+                got = np.asarray(run_on(gpu, f, a, b, sa, sb))
+                np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8), err_msg=name)
+
+
+@pytest.mark.gpu
+def test_cuda_block_gemm_bad_cubin_names_the_variable(rng, gpu, monkeypatch, tmp_path):
+    if capability_of(gpu) != "9.0":
+        pytest.skip("the wgmma kernel is Hopper's")
+    monkeypatch.setenv("LOWBIT_BLOCK_GEMM", "wgmma")
+    monkeypatch.setenv("LOWBIT_BLOCK_GEMM_CUBIN", str(tmp_path / "missing.cubin"))
+    a, b, sa, sb = operands(rng, 256, 256, 512, Mode.BLOCK_1x128, Mode.BLOCK_128x128)
+    with pytest.raises(Exception, match="LOWBIT_BLOCK_GEMM_CUBIN"):
+        np.asarray(run_on(gpu, lambda *x: call(*x, Mode.BLOCK_1x128, Mode.BLOCK_128x128), a, b, sa, sb))
