@@ -218,11 +218,20 @@ def test_cuda_block_gemm_cubin_override_changes_no_bit(rng, gpu, monkeypatch, tm
 
 
 @pytest.mark.gpu
-def test_cuda_block_gemm_bad_cubin_names_the_variable(rng, gpu, monkeypatch, tmp_path):
+def test_cuda_block_gemm_bad_cubin_names_the_variable(rng, cpu, gpu, monkeypatch, tmp_path):
     if capability_of(gpu) != "9.0":
         pytest.skip("the wgmma kernel is Hopper's")
     monkeypatch.setenv("LOWBIT_BLOCK_GEMM", "wgmma")
     monkeypatch.setenv("LOWBIT_BLOCK_GEMM_CUBIN", str(tmp_path / "missing.cubin"))
     a, b, sa, sb = operands(rng, 256, 256, 512, Mode.BLOCK_1x128, Mode.BLOCK_128x128)
+    f = lambda *x: call(*x, Mode.BLOCK_1x128, Mode.BLOCK_128x128)  # noqa: E731
     with pytest.raises(Exception, match="LOWBIT_BLOCK_GEMM_CUBIN"):
-        np.asarray(run_on(gpu, lambda *x: call(*x, Mode.BLOCK_1x128, Mode.BLOCK_128x128), a, b, sa, sb))
+        np.asarray(run_on(gpu, f, a, b, sa, sb))
+    # The failed load is that call's error only (before, it stayed the runtime's last error
+    # and the process's next GEMM reported it as its own launch failing): the next call runs
+    # the built kernel and matches the CPU emulation.
+    monkeypatch.delenv("LOWBIT_BLOCK_GEMM_CUBIN")
+    got = np.asarray(run_on(gpu, f, a, b, sa, sb), np.float64)
+    want = np.asarray(run_on(cpu, f, a, b, sa, sb), np.float64)
+    assert np.any(want != 0)
+    assert np.all(np.abs(got - want) <= block_tolerance(a, b, Mode.BLOCK_1x128, sa, Mode.BLOCK_128x128, sb, F32))

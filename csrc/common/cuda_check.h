@@ -11,6 +11,10 @@ namespace lowbit {
 
 inline Status CudaStatus(cudaError_t err, const char* op, const char* what) {
   if (err == cudaSuccess) return Status::Ok();
+  // A failed runtime call also leaves its error as the thread's last error, which the next
+  // op's LaunchStatus would report as its own launch failing: this status reports it, so
+  // clear it (a sticky error, a broken context, stays and is reported again, as it must).
+  (void)cudaGetLastError();
   return Status::Internal(std::string(op) + ": " + what + " failed: " + cudaGetErrorName(err) +
                           " (" + cudaGetErrorString(err) + ")");
 }

@@ -65,6 +65,7 @@ PFN_cuTensorMapEncodeTiled_v12000 TensorMapEncoder() {
     if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault,
                                          &found) != cudaSuccess ||
         found != cudaDriverEntryPointSuccess) {
+      (void)cudaGetLastError();  // reported by EncodeMap; not the next launch's error
       fn = nullptr;
     }
     return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
@@ -174,8 +175,11 @@ Status OverrideKernel(const void* built, const void** chosen) {
                                     "lowbit_gemm", "cudaLibraryEnumerateKernels"));
   for (cudaKernel_t k : all) {
     const char* other = nullptr;
-    if (cudaFuncGetName(&other, reinterpret_cast<const void*>(k)) == cudaSuccess && !want.empty() &&
-        suffix(other) == want) {
+    if (cudaFuncGetName(&other, reinterpret_cast<const void*>(k)) != cudaSuccess) {
+      (void)cudaGetLastError();  // a nameless kernel is no match, not the next launch's error
+      continue;
+    }
+    if (!want.empty() && suffix(other) == want) {
       kernels.emplace(key, k);
       *chosen = reinterpret_cast<const void*>(k);
       return Status::Ok();
