@@ -102,12 +102,18 @@ def call(a, b, sa, sb, a_mode, b_mode, bias=None, out_dtype=F32):
 # and adds them one at a time. Both are fp32 sums of the same terms, so they differ by at
 # most 2*K*u*sum|p| plus the FP8 tensor cores' inner accumulation (about 14 bits inside a
 # 128-long block: DeepSeek-V3 report 3.3.2), modelled as 4*sqrt(128)*2^-14*sum|p|, and one
-# rounding of the out dtype.
-def block_tolerance(a, b, a_mode, sa, b_mode, sb, out_dtype):
+# rounding of the out dtype, where two fp32 results that close may land an ulp of the output
+# apart: at most eps_out times the output's magnitude, the bias included (with a bias the
+# output can be far larger than the product: a product's magnitude alone once let one bf16
+# ulp of 1.05 fail on the GPU).
+def block_tolerance(a, b, a_mode, sa, b_mode, sb, out_dtype, bias=None):
     a64 = dequantized(a, a_mode, sa).astype(np.float64)
     b64 = dequantized(b, b_mode, sb).astype(np.float64)
     abs_dot = np.abs(a64) @ np.abs(b64).T
     k = a.shape[1]
     eps_out = float(ml_dtypes.finfo(out_dtype).eps)
     gamma = 4 * k * 2.0**-24 + 4 * np.sqrt(128) * 2.0**-14
-    return gamma * abs_dot + eps_out * np.abs(a64 @ b64.T) + float(ml_dtypes.finfo(out_dtype).tiny)
+    dot = a64 @ b64.T
+    out = dot if bias is None else dot + np.asarray(bias, np.float64)
+    magnitude = np.maximum(np.abs(dot), np.abs(out))
+    return gamma * abs_dot + eps_out * magnitude + float(ml_dtypes.finfo(out_dtype).tiny)

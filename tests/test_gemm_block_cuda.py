@@ -43,7 +43,7 @@ def test_cuda_block_gemm_matches_cpu_emulation(a_mode, b_mode, m, n, k, out_dtyp
     f = lambda a, b, sa, sb, bias: call(a, b, sa, sb, a_mode, b_mode, bias, out_dtype)  # noqa: E731
     g = np.asarray(run_on(gpu, f, a, b, sa, sb, bias), np.float64)
     c = np.asarray(run_on(cpu, f, a, b, sa, sb, bias), np.float64)
-    tol = block_tolerance(a, b, a_mode, sa, b_mode, sb, out_dtype)
+    tol = block_tolerance(a, b, a_mode, sa, b_mode, sb, out_dtype, bias)
     assert np.all(np.abs(g - c) <= tol), np.max(np.abs(g - c) / tol)
     # A wrong scale layout would be off by factors of 2^16 (the scales span 2^-12..2^4).
     assert np.linalg.norm(g - c) <= 2.0**-6 * np.linalg.norm(c) + 1e-30
@@ -157,7 +157,7 @@ def test_cuda_mxfp8_matches_cpu_emulation(m, n, k, out_dtype, rng, cpu, gpu):
         hlo = jax.jit(f).lower(*args).compile().as_text()
     c = np.asarray(run_on(cpu, f, a, b, sa, sb, bias), np.float64)
     assert ("lowbit_gemm" in hlo) == gemm_mod.mxfp8_on_cublaslt(capability_of(gpu))
-    tol = block_tolerance(a, b, Mode.MXFP8, sa, Mode.MXFP8, sb, out_dtype)
+    tol = block_tolerance(a, b, Mode.MXFP8, sa, Mode.MXFP8, sb, out_dtype, bias)
     assert np.all(np.abs(g - c) <= tol), np.max(np.abs(g - c) / tol)
     # A wrongly swizzled scale is off by factors up to 2^30 (the exponents span 110..139).
     assert np.linalg.norm(g - c) <= 2.0**-6 * np.linalg.norm(c) + 1e-30
