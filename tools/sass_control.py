@@ -83,6 +83,8 @@ def main(argv=None):
     parser.add_argument("--function", default="BlockGemmKernel")
     parser.add_argument("--cuobjdump", default=shutil.which("cuobjdump") or "cuobjdump")
     args = parser.parse_args(argv)
+    if args.every < 1:
+        parser.error("--every: expected N >= 1")
     ops = set(args.ops.split(","))
     blob = bytearray(open(args.src, "rb").read())
     sections = text_sections(blob)
