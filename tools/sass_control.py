@@ -6,8 +6,8 @@ encoding (one 128-bit instruction, two little-endian 64-bit words) they sit in t
 stall bits 41-44, yield bit 45, reuse flags 58-61. nvcc 13 writes the block GEMM's
 promotion (csrc/gemm/block_gemm_sm90_kernel.cuh: 96 FFMAs per K block) with bit 45 alternating
 between 0 and 1 and bit 45 = 1 on every instruction that sets a reuse flag. Whether the warp
-scheduler switches warps more often through that stretch is the one lever on the promotion
-left untried (docs/performance.md): this tool writes the variants, and
+scheduler switches warps more often through that stretch was one of the two levers on the
+promotion left untried (docs/performance.md has the result): this tool writes the variants, and
 LOWBIT_BLOCK_GEMM_CUBIN=<cubin> runs one in place of the built kernel.
 
     python tools/sass_control.py IN.cubin OUT.cubin --policy yield0 [--every N] [--ops FFMA] [--function BlockGemmKernel]
@@ -110,7 +110,7 @@ def main(argv=None):
                     new &= ~REUSE_MASK
                     if not prev_high & REUSE_MASK:
                         new &= ~YIELD_BIT
-                elif args.policy == "yield0" or args.policy == "yield1":
+                elif args.policy != "keep":  # yield1, or yield0 off its every-N-th
                     new |= YIELD_BIT
             if new != high:
                 struct.pack_into("<Q", blob, at + 8, new)
