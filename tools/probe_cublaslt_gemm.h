@@ -1,7 +1,8 @@
 // The cuBLASLt pieces the fused Dense backward probes share (tools/probe_wgrad_streams.cu,
 // tools/probe_wgrad_bands.cu; not part of the library or its tests): a CUDA-call check, one FP8
-// GEMM in lowbit's convention with its algorithm chosen and printed, and a fill of random
-// finite FP8 codes. Header-only: each probe is one nvcc command.
+// GEMM in lowbit's convention with its algorithm chosen and printed, a fill of random finite FP8
+// codes, the seed Dense backward's operands as today's fused op places them with its GEMMs in
+// today's order (SeedBackward), and an event timer. Header-only: each probe is one nvcc command.
 #pragma once
 
 #include <cublasLt.h>
