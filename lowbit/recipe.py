@@ -4,7 +4,9 @@ A recipe is static configuration: a frozen, hashable dataclass that can be a `ji
 argument or a Flax module field. It says which number formats the forward tensors (x,
 kernel) and the gradients use and how their scales are made; `lowbit.quantize` turns a
 recipe into quantizers. Every recipe validates its fields on construction and raises
-`ValueError` naming the field.
+`ValueError` naming the field. Every recipe also takes TE's `fp8_dpa` and `fp8_mha` (False
+only: lowbit has no FP8 attention) and DelayedScaling TE's `scaling_factor_compute_algo` (None
+only, as on TE's JAX side), so that TE code that spells them out ports unchanged.
 
 `Format` keeps TE's shape: `Format.HYBRID.value.max_fwd == 448`, `.max_bwd == 57344`; the
 dtypes are `Format.HYBRID.fwd_dtype` (float8_e4m3fn) and `.bwd_dtype` (float8_e5m2).
@@ -136,6 +138,16 @@ def _check_mm_params(recipe) -> None:
             _fail(name, field, "a lowbit.recipe.MMParams", getattr(recipe, field))
 
 
+def _check_attention_fields(recipe) -> None:
+    """TE's fp8_dpa / fp8_mha (FP8 in fused attention): accepted so that TE code ports
+    unchanged, and False only: lowbit's softmax and attention run in the input's precision."""
+    name = type(recipe).__name__
+    for field in ("fp8_dpa", "fp8_mha"):
+        if getattr(recipe, field) is not False:
+            _fail(name, field, "False (lowbit has no FP8 attention: softmax and attention run in the "
+                  "input's precision)", getattr(recipe, field))
+
+
 class Recipe:
     """Base class of the recipes: the dtypes of the forward tensors and of the gradients."""
 
@@ -194,9 +206,16 @@ class DelayedScaling(Recipe):
     fp8_gemm_fprop: MMParams = _FPROP_DEFAULT
     fp8_gemm_dgrad: MMParams = _BACKWARD_DEFAULT
     fp8_gemm_wgrad: MMParams = _BACKWARD_DEFAULT
+    scaling_factor_compute_algo: None = None
+    fp8_dpa: bool = False
+    fp8_mha: bool = False
 
     def __post_init__(self):
         name = "DelayedScaling"
+        if self.scaling_factor_compute_algo is not None:  # TE's JAX side refuses it too
+            _fail(name, "scaling_factor_compute_algo", "None (the scale rule is fixed: "
+                  "lowbit.quantize.delayed.update_delayed_scaling)", self.scaling_factor_compute_algo)
+        _check_attention_fields(self)
         if isinstance(self.margin, bool) or not isinstance(self.margin, int):
             _fail(name, "margin", "an int", self.margin)
         if not 0 <= self.margin <= MAX_MARGIN:
@@ -231,8 +250,11 @@ class Float8CurrentScaling(Recipe):
     fp8_gemm_fprop: MMParams = _FPROP_DEFAULT
     fp8_gemm_dgrad: MMParams = _BACKWARD_DEFAULT
     fp8_gemm_wgrad: MMParams = _BACKWARD_DEFAULT
+    fp8_dpa: bool = False
+    fp8_mha: bool = False
 
     def __post_init__(self):
+        _check_attention_fields(self)
         _check_fp8_format("Float8CurrentScaling", self.fp8_format)
         _check_bool("Float8CurrentScaling", "use_power_2_scales", self.use_power_2_scales)
         _check_mm_params(self)
@@ -243,9 +265,12 @@ class MXFP8BlockScaling(Recipe):
     """MXFP8: 32-element blocks along the contracting dim with E8M0 (power-of-two) scales."""
 
     fp8_format: Format = Format.E4M3
+    fp8_dpa: bool = False
+    fp8_mha: bool = False
 
     def __post_init__(self):
         _check_fp8_format("MXFP8BlockScaling", self.fp8_format)
+        _check_attention_fields(self)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -264,9 +289,12 @@ class Float8BlockScaling(Recipe):
     fp8_gemm_fprop: MMParams = _BACKWARD_DEFAULT
     fp8_gemm_dgrad: MMParams = _BACKWARD_DEFAULT
     fp8_gemm_wgrad: MMParams = _BACKWARD_DEFAULT
+    fp8_dpa: bool = False
+    fp8_mha: bool = False
 
     def __post_init__(self):
         name = "Float8BlockScaling"
+        _check_attention_fields(self)
         _check_fp8_format(name, self.fp8_format)
         _check_bool(name, "use_power_2_scales", self.use_power_2_scales)
         for field in ("x_block", "w_block", "grad_block"):
@@ -291,8 +319,11 @@ class NVFP4BlockScaling(Recipe):
     disable_rht: bool = False
     disable_stochastic_rounding: bool = False
     disable_2d_quantization: bool = False
+    fp8_dpa: bool = False
+    fp8_mha: bool = False
 
     def __post_init__(self):
+        _check_attention_fields(self)
         for field in ("disable_rht", "disable_stochastic_rounding", "disable_2d_quantization"):
             _check_bool("NVFP4BlockScaling", field, getattr(self, field))
 

@@ -174,4 +174,32 @@ def test_autocast_rejects_a_non_recipe():
     with pytest.raises(TypeError, match="recipe"):
         with lowbit.autocast(enabled=True, recipe="delayed"):
             pass
-    assert lowbit.fp8_autocast is lowbit.autocast
+
+
+def test_fp8_autocast_takes_te_keyword():
+    """TE's older spelling, `fp8_autocast(enabled=..., fp8_recipe=...)`, ports unchanged."""
+    recipe = Float8CurrentScaling()
+    with lowbit.fp8_autocast(enabled=True, fp8_recipe=recipe):
+        assert lowbit.get_global_recipe() is recipe
+    assert lowbit.get_global_recipe() is None
+    with lowbit.fp8_autocast(enabled=True):
+        assert lowbit.get_global_recipe() == DelayedScaling()
+    with pytest.raises(TypeError, match="fp8_autocast: fp8_recipe"):
+        with lowbit.fp8_autocast(enabled=True, fp8_recipe="delayed"):
+            pass
+
+
+@pytest.mark.parametrize("cls", [DelayedScaling, Float8CurrentScaling, MXFP8BlockScaling,
+                                 Float8BlockScaling, NVFP4BlockScaling])
+def test_te_attention_fields_accepted_false_only(cls):
+    """fp8_dpa / fp8_mha: TE's fields, accepted as False (lowbit has no FP8 attention)."""
+    assert cls(fp8_dpa=False, fp8_mha=False) == cls()
+    for field in ("fp8_dpa", "fp8_mha"):
+        with pytest.raises(ValueError, match=f"{cls.__name__}: {field}: expected False"):
+            cls(**{field: True})
+
+
+def test_delayed_scaling_factor_compute_algo_none_only():
+    assert DelayedScaling(scaling_factor_compute_algo=None) == DelayedScaling()
+    with pytest.raises(ValueError, match="scaling_factor_compute_algo: expected None"):
+        DelayedScaling(scaling_factor_compute_algo=lambda amax, scale, fp8_max, recipe: scale)

@@ -1,6 +1,7 @@
 """autocast, the active recipe, and QuantizerFactory (recipe -> quantizers).
 
-`with lowbit.autocast(enabled=True, recipe=r, mesh_resource=m):` makes `r` the recipe that
+`with lowbit.autocast(enabled=True, recipe=r, mesh_resource=m):` (or TE's older
+`lowbit.fp8_autocast(enabled=True, fp8_recipe=r, mesh_resource=m)`) makes `r` the recipe that
 `get_global_recipe()` returns and `QuantizerFactory.create_set()` uses. enabled=False (the
 default) turns quantization off inside the block whatever `recipe` says; enabled=True with
 no recipe means `DelayedScaling()`, as in TE. Blocks nest; the state lives in a
@@ -74,8 +75,21 @@ _STATE: contextvars.ContextVar[AutocastState] = contextvars.ContextVar(
 @contextlib.contextmanager
 def autocast(enabled: bool = False, recipe: Recipe | None = None, mesh_resource: Any = None):
     """Quantize with `recipe` inside the block when `enabled` (see the module docstring)."""
+    with _autocast(enabled, recipe, mesh_resource, "lowbit.autocast: recipe"):
+        yield
+
+
+@contextlib.contextmanager
+def fp8_autocast(enabled: bool = False, fp8_recipe: Recipe | None = None, mesh_resource: Any = None):
+    """TE's older name, with its keyword for the recipe (`fp8_recipe`): the same as autocast."""
+    with _autocast(enabled, fp8_recipe, mesh_resource, "lowbit.fp8_autocast: fp8_recipe"):
+        yield
+
+
+@contextlib.contextmanager
+def _autocast(enabled: bool, recipe: Recipe | None, mesh_resource: Any, where: str):
     if recipe is not None and not isinstance(recipe, Recipe):
-        raise TypeError(f"lowbit.autocast: recipe: expected a lowbit.recipe recipe, got {recipe!r}")
+        raise TypeError(f"{where}: expected a lowbit.recipe recipe, got {recipe!r}")
     if enabled and recipe is None:
         recipe = DelayedScaling()
     outer = _STATE.get()
@@ -88,9 +102,6 @@ def autocast(enabled: bool = False, recipe: Recipe | None = None, mesh_resource:
                 yield
     finally:
         _STATE.reset(token)
-
-
-fp8_autocast = autocast  # TE's older name
 
 
 @contextlib.contextmanager
