@@ -23,7 +23,8 @@ from lowbit.ops.gemm import GemmScaleMode, block_on_cublaslt, mxfp8_on_cublaslt
 
 
 def _tensor_fp8_native(capability: str) -> bool:
-    """Per-tensor FP8 GEMMs: cuBLASLt on compute capability 8.9 and up (DESIGN.md §4)."""
+    """Per-tensor FP8 GEMMs: cuBLASLt on compute capability 8.9 and up (DESIGN.md §4), where
+    lowbit's kernels have device code for the GPU (the default build: 9.0 and 10.0)."""
     major, minor = (int(v) for v in capability.split("."))
     return (major, minor) >= (8, 9)
 
@@ -74,10 +75,14 @@ def _capability(device) -> tuple[int, int] | None:
 
 
 def recipe_support(cc: tuple[int, int] | None, cuda_registered: bool) -> dict[str, str]:
-    """How each recipe's GEMMs run on a GPU of compute capability `cc` (None: no GPU)."""
+    """How each recipe's GEMMs run on a GPU of compute capability `cc` (None: no GPU). A GPU
+    without lowbit's CUDA handlers (no CUDA library, or none with device code for it: the
+    report's cuda_note says which) runs no lowbit op; the CPU does (JAX_PLATFORMS=cpu)."""
     recipes = {}
     for name, (native_on, needs) in RECIPES.items():
-        if cc is not None and native_on(f"{cc[0]}.{cc[1]}") and cuda_registered:
+        if cc is not None and not cuda_registered:
+            recipes[name] = "not on this GPU (see cuda_note); on the CPU with JAX_PLATFORMS=cpu"
+        elif cc is not None and native_on(f"{cc[0]}.{cc[1]}"):
             recipes[name] = f"native (sm_{cc[0]}{cc[1]})"
         elif cc is not None:
             recipes[name] = f"emulated exactly (needs {needs})"

@@ -4,7 +4,11 @@
 library (lib/liblowbit.so) exports `<prefix>Cpu` for every target and is registered for
 platform "cpu" always; the CUDA library (lib/liblowbit_cuda.so, present when lowbit was
 built with nvcc) exports `<prefix>Cuda` and is registered for platform "CUDA" when a GPU is
-visible. A missing or stale library raises `LowbitLibraryError` saying how to rebuild.
+visible and the library holds device code for it (`LowbitCudaArchProbe`, one call per compute
+capability among JAX's GPUs: the default build is sm_90a and sm_100a machine code, which runs
+on compute capability 9.0 and 10.0 only). A missing or stale library raises
+`LowbitLibraryError` saying how to rebuild; a GPU without device code gets that error, naming
+the GPU and the build's -gencode flags, when an op is lowered for it.
 """
 
 from __future__ import annotations
@@ -59,6 +63,16 @@ _REBUILD = (
 )
 
 
+# The CUDA library's probe for device code (csrc/common/arch_probe.cu).
+CUDA_ARCH_PROBE = "LowbitCudaArchProbe"
+_REBUILD_CUDA = (
+    "Rebuild lowbit for this GPU with nvcc (CUDA 12.8+; on a GPU other than compute capability "
+    "9.0 or 10.0 also LOWBIT_CUDA_ARCH_FLAGS, e.g. `pip install --no-build-isolation "
+    "-Ccmake.define.LOWBIT_CUDA_ARCH_FLAGS=-gencode=arch=compute_89,code=sm_89 .`: untested), or "
+    "run on the CPU with JAX_PLATFORMS=cpu."
+)
+
+
 class LowbitLibraryError(RuntimeError):
     """The native library is missing, stale, or lacks the backend an op was lowered for."""
 
@@ -106,6 +120,8 @@ def _check(lib: ctypes.CDLL, path: Path, suffix: str) -> None:
         abi = None
     prefixes = list(TARGETS.values()) + (list(CPU_ONLY_TARGETS.values()) if suffix == "Cpu" else [])
     missing = [p + suffix for p in prefixes if not hasattr(lib, p + suffix)]
+    if suffix == "Cuda" and not hasattr(lib, CUDA_ARCH_PROBE):
+        missing.append(CUDA_ARCH_PROBE)
     if abi != ABI_VERSION or missing:
         raise LowbitLibraryError(
             f"lowbit: {path} is stale (ABI {abi}, this lowbit expects {ABI_VERSION}"
@@ -119,6 +135,26 @@ def _gpu_present() -> bool:
         return len(jax.devices("gpu")) > 0
     except RuntimeError:
         return False
+
+
+def _gpus_without_device_code(lib: ctypes.CDLL, path: Path) -> str | None:
+    """Why `lib`'s kernels cannot run on a GPU JAX uses, or None when they run on all of them:
+    LowbitCudaArchProbe on one device per compute capability (a probe that cannot tell, e.g.
+    a device JAX numbers differently, blocks nothing)."""
+    probe = getattr(lib, CUDA_ARCH_PROBE)
+    probe.argtypes, probe.restype = [ctypes.c_int], ctypes.c_int
+    one_per_capability = {}
+    for device in jax.devices("gpu"):
+        one_per_capability.setdefault(str(getattr(device, "compute_capability", "?")), device)
+    for capability, device in one_per_capability.items():
+        ordinal = getattr(device, "local_hardware_id", None)
+        if ordinal is None or probe(int(ordinal)) != 1:
+            continue
+        build = lib.LowbitBuildInfo
+        build.restype = ctypes.c_char_p
+        return (f"{path} has no device code for {device.device_kind} (compute capability "
+                f"{capability}); it was built as `{build().decode()}`")
+    return None
 
 
 def load() -> None:
@@ -152,11 +188,13 @@ def load() -> None:
                 _State.cuda_error = f"cannot load {cuda_path}: {e}"
             else:
                 _check(cuda_lib, cuda_path, "Cuda")
-                for target, prefix in TARGETS.items():
-                    fn = getattr(cuda_lib, prefix + "Cuda")
-                    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(fn), platform="CUDA")
                 _State.cuda, _State.cuda_path = cuda_lib, cuda_path
-                _State.cuda_registered = True
+                _State.cuda_error = _gpus_without_device_code(cuda_lib, cuda_path)
+                if _State.cuda_error is None:
+                    for target, prefix in TARGETS.items():
+                        fn = getattr(cuda_lib, prefix + "Cuda")
+                        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(fn), platform="CUDA")
+                    _State.cuda_registered = True
         else:
             _State.cuda_path = cuda_path
             _State.cuda_error = "no GPU is visible to JAX"
@@ -175,11 +213,7 @@ def require_platform(op: str, platform: str) -> None:
     if platform == "cuda" and op in CPU_ONLY_TARGETS:
         raise LowbitLibraryError(f"{op}: has no CUDA handler (its op lowers to a jnp twin on the GPU)")
     if platform == "cuda" and not _State.cuda_registered:
-        raise LowbitLibraryError(
-            f"{op}: cannot lower for CUDA: {_State.cuda_error}. Rebuild lowbit on a machine "
-            "with nvcc (CUDA 12.8+) to get liblowbit_cuda.so, or run on the CPU with "
-            "JAX_PLATFORMS=cpu."
-        )
+        raise LowbitLibraryError(f"{op}: cannot lower for CUDA: {_State.cuda_error}. {_REBUILD_CUDA}")
 
 
 def info() -> dict:
