@@ -2,7 +2,8 @@
 
 The model code below is the tutorial's, unchanged; only the imports differ
 (`transformer_engine.common.recipe` -> `lowbit.recipe`, `transformer_engine.jax.flax` ->
-`lowbit.flax`). Run it at the tutorial's shapes on a GPU, or smaller anywhere:
+`lowbit.flax`); main adds one closing check, the output against the unquantized layer's from
+the same params. Run it at the tutorial's shapes on a GPU, or smaller anywhere:
 
     python examples/te_integration_layer.py --recipe DelayedScaling
     python examples/te_integration_layer.py --small --recipe Float8CurrentScaling
@@ -153,7 +154,7 @@ def main(argv=None):
           f"{jax.tree_util.tree_map(lambda x: x.shape, {k: v for k, v in var_collect.items() if k != 'params'})}")
     y = flax_transformer.apply(var_collect, x, attention_mask=None, deterministic=True)
     print(f"Output shape: {y.shape} dtype: {y.dtype}")
-    utils.speedometer(
+    mean_ms = utils.speedometer(
         model_apply_fn=flax_transformer.apply,
         variables=var_collect,
         input=x,
@@ -163,6 +164,13 @@ def main(argv=None):
         timing_iters=iters,
         warmup_iters=min(iters, 5),
     )
+    # Not in the tutorial: how far the output is from the unquantized layer's, same params.
+    unquantized = FlaxTransformerLayer(hidden_size=hidden_size, ffn_hidden_size=ffn_hidden_size,
+                                       num_attention_heads=num_attention_heads)
+    y_ref = unquantized.apply({"params": var_collect["params"]}, x, attention_mask=None, deterministic=True)
+    rel = float(jnp.linalg.norm((y - y_ref).astype(jnp.float32)) / jnp.linalg.norm(y_ref.astype(jnp.float32)))
+    print(f"output vs the unquantized layer: relative difference {rel:.4f}")
+    return {"mean_ms": mean_ms, "rel_diff": rel, "variables": var_collect}
 
 
 if __name__ == "__main__":

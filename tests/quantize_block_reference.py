@@ -153,16 +153,22 @@ def assert_bits_equal(got, want):
 
 def with_block_specials(rng, shape, dtype):
     """random_with_specials plus, in the 2-D view, an all-zero region, a region of subnormal
-    or tiny values and one of near-max values, each spanning whole 128-blocks where it fits."""
+    or tiny values and one of near-max values, each spanning whole 128-blocks where it fits.
+    Where the zero region would be the whole input (one partial tile), it is the first half of
+    the columns only, so that every shape keeps random values to quantize."""
     x = random_with_specials(rng, shape, dtype).astype(F32)
     x2 = x.reshape(shape[0], int(np.prod(shape[1:]))) if len(shape) > 1 else x.reshape(1, -1)
     info = ml_dtypes.finfo(dtype)
     r, c = x2.shape
-    x2[: min(r, 130), : min(c, 128)] = 0.0  # all-zero 1x128 tiles, 32-blocks and columns
+    zero_cols = min(c, 128) if (r > 130 or c > 128) else c // 2
+    x2[: min(r, 130), :zero_cols] = 0.0  # all-zero 1x128 tiles, 32-blocks and columns
     if c > 128:
         x2[: min(r, 40), 128 : min(c, 256)] = float(info.smallest_subnormal) * rng.integers(-3, 4, (min(r, 40), min(c, 256) - 128))
     if r > 2:
         x2[-1, :] = float(info.max) * rng.uniform(-1, 1, c)
+    if x2.size:
+        normal = np.isfinite(x2) & (np.abs(x2) >= float(info.tiny))
+        assert np.count_nonzero(normal) >= max(1, min(x2.size // 4, 64)), "test data must not be (nearly) all zero"
     return x2.reshape(shape).astype(dtype)
 
 

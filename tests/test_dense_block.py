@@ -118,7 +118,8 @@ def test_dense_multi_dim_and_bf16(recipe, rng):
 def test_layernorm_dense_and_mlp_run_with_block_recipes(recipe, rng):
     h, f = 128, 256
     x = jnp.asarray(rng.normal(size=(2, 24, h)), jnp.float32)
-    gamma, beta = jnp.ones((h,)), jnp.zeros((h,))
+    gamma = jnp.asarray(1 + 0.3 * rng.normal(size=(h,)), jnp.float32)  # not 1 and 0: a path that
+    beta = jnp.asarray(0.3 * rng.normal(size=(h,)), jnp.float32)         # dropped them would pass
     wi = jnp.asarray(rng.normal(size=(h, f)) / np.sqrt(h), jnp.float32)
     wo = jnp.asarray(rng.normal(size=(f, h)) / np.sqrt(f), jnp.float32)
     qs = QuantizerFactory.create_set(recipe())
@@ -126,7 +127,7 @@ def test_layernorm_dense_and_mlp_run_with_block_recipes(recipe, rng):
 
     def ln(x):
         mu = x.mean(-1, keepdims=True)
-        return (x - mu) / jnp.sqrt(((x - mu) ** 2).mean(-1, keepdims=True) + 1e-6)
+        return (x - mu) / jnp.sqrt(((x - mu) ** 2).mean(-1, keepdims=True) + 1e-6) * gamma + beta
 
     y = jax.jit(lambda x, w: lowbit.layernorm_dense(x, w, gamma, beta, quantizer_set=qs))(x, wi)
     assert rel_err(y, ln(x) @ wi) < FWD_TOL

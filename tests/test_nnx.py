@@ -65,9 +65,20 @@ def load_linen_into_nnx(nnx_module, variables):
 
 def linen_vars(module, x):
     v = nn.meta.unbox(module.init(jax.random.PRNGKey(1), x))
-    # Random LoRA b (zero at init) so that LoRA is exercised.
-    return jax.tree_util.tree_map_with_path(
-        lambda p, a: x_in(5, a.shape) * 0.1 if "lora_b" in jax.tree_util.keystr(p) else a, v)
+    # Random LoRA b, norm scales and biases (0, 1 and 0 at init) so that they are exercised:
+    # a twin that dropped one would otherwise compute the same output.
+    def randomize(p, a):
+        name = jax.tree_util.keystr(p)
+        if not name.startswith("['params']"):
+            return a
+        if "lora_b" in name:
+            return x_in(5, a.shape) * 0.1
+        if name.endswith("scale']"):
+            return 1 + 0.3 * x_in(6, a.shape)
+        if name.endswith("bias']"):
+            return 0.3 * x_in(7, a.shape)
+        return a
+    return jax.tree_util.tree_map_with_path(randomize, v)
 
 
 @pytest.mark.parametrize("name", ["dense", "layernorm", "ln_dense", "mlp"])

@@ -383,17 +383,23 @@ def test_block_quantizers_build_scaled_tensors(recipe, rng):
         np.testing.assert_array_equal(bits(dbias), bits(np.asarray(x, np.float32).sum(axis=(0, 1)).astype(x.dtype)))
 
 
-def test_block_recipes_run_dense_and_nvfp4():
+@pytest.mark.parametrize("recipe,bound", [(MXFP8BlockScaling(), 0.08), (Float8BlockScaling(), 0.08),
+                                          (NVFP4BlockScaling(), 0.25)], ids=lambda v: type(v).__name__)
+def test_block_recipes_run_dense_and_nvfp4(recipe, bound, rng):
+    """The block recipes' sets run dense outside jit, close to the unquantized product: E4M3
+    data gives a relative error of 0.035-0.042 at this shape, NVFP4's E2M1 0.146-0.156 (seeds
+    0-2); a GEMM that read k's K axis reversed gives 1.4-1.5."""
     from lowbit.dense import dense
 
-    x, k = jnp.ones((4, 128), jnp.bfloat16), jnp.ones((128, 16), jnp.bfloat16)
-    for recipe in (MXFP8BlockScaling(), Float8BlockScaling()):
-        y = dense(x, k, quantizer_set=QuantizerFactory.create_set(recipe))
-        np.testing.assert_array_equal(np.asarray(y, np.float32), 128.0)  # ones quantize exactly
+    x = jnp.asarray(rng.normal(size=(4, 256)), jnp.bfloat16)
+    k = jnp.asarray(rng.normal(size=(256, 24)) / 16, jnp.bfloat16)
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the one-time NVFP4 emulation notice
-        y = dense(x, k, quantizer_set=QuantizerFactory.create_set(NVFP4BlockScaling()))
-    np.testing.assert_array_equal(np.asarray(y, np.float32), 128.0)  # ones quantize exactly
+        warnings.simplefilter("ignore")  # the one-time emulation notices
+        y = dense(x, k, quantizer_set=QuantizerFactory.create_set(recipe))
+    assert y.shape == (4, 24) and y.dtype == jnp.bfloat16
+    ref = np.asarray(x, np.float32) @ np.asarray(k, np.float32)
+    err = np.linalg.norm(np.asarray(y, np.float32) - ref) / np.linalg.norm(ref)
+    assert err < bound, err
 
 
 @pytest.mark.gpu
