@@ -52,6 +52,9 @@ def parse_activation_type(op: str, activation_type) -> tuple[str, bool]:
 def _params(act_params):
     if act_params is None:
         return 7.0, 1.702
+    if not (hasattr(act_params, "limit") and hasattr(act_params, "alpha")):
+        raise TypeError(f"lowbit.activation: act_params: expected an object with .limit and .alpha "
+                        f"(clamped swiglu's), got {act_params!r}")
     return float(act_params.limit), float(act_params.alpha)
 
 

@@ -69,6 +69,7 @@ from typing import NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from lowbit.ops.dense_backward import dense_backward_fp8, dense_backward_fp8_sharded, dense_backward_plan
@@ -93,6 +94,9 @@ __all__ = ["dense", "GEMM_CHECKPOINT_NAME", "RHT_KEY_TAG", "with_sr_key"]
 
 
 def _normalize_dims(op: str, arg: str, dims: Sequence[int], ndim: int) -> tuple[int, ...]:
+    if isinstance(dims, (int, np.integer)) or not all(isinstance(d, (int, np.integer)) for d in dims):
+        raise ValueError(f"{op}: contracting_dims: expected ((x dims), (kernel dims)), tuples of ints; "
+                         f"{arg}'s are {dims!r}")
     out = []
     for d in dims:
         if not -ndim <= d < ndim:
@@ -107,7 +111,7 @@ def _canonical(x, kernel, contracting_dims):
     """Transposes x so its contracting dims come last and the kernel so they come first (the
     NN form), returning the two arrays and the number of contracting dims."""
     op = "lowbit.dense"
-    if len(contracting_dims) != 2:
+    if not isinstance(contracting_dims, (tuple, list)) or len(contracting_dims) != 2:
         raise ValueError(f"{op}: contracting_dims: expected ((x dims), (kernel dims)), got {contracting_dims}")
     xc = _normalize_dims(op, "x", contracting_dims[0], x.ndim)
     kc = _normalize_dims(op, "kernel", contracting_dims[1], kernel.ndim)
@@ -272,8 +276,17 @@ def backward_gemms(dy, x_col: ScaledTensor1x, k_row: ScaledTensor1x, dgrad_quant
     return dx, dw, dbias, dyq.amax
 
 
+def require_quantizer_set(op: str, quantizer_set, arg: str = "quantizer_set") -> None:
+    """A TypeError naming `op` unless quantizer_set is a QuantizerSet."""
+    if not isinstance(quantizer_set, QuantizerSet):
+        raise TypeError(f"{op}: {arg}: expected a lowbit QuantizerSet (QuantizerFactory.create_set), "
+                        f"got {type(quantizer_set).__name__}")
+
+
 def check_quantizer_set(op: str, quantizer_set: QuantizerSet) -> bool:
-    """True when the set quantizes; False for an empty set; an error for a partial one."""
+    """True when the set quantizes; False for an empty set; an error for a partial one or one
+    that mixes scaling families (per-tensor, block, NVFP4), which no GEMM takes."""
+    require_quantizer_set(op, quantizer_set)
     quantizers = (quantizer_set.x, quantizer_set.kernel, quantizer_set.dgrad)
     if all(q is None for q in quantizers):
         return False
@@ -281,6 +294,9 @@ def check_quantizer_set(op: str, quantizer_set: QuantizerSet) -> bool:
         raise ValueError(f"{op}: quantizer_set: give quantizers for x, kernel and dgrad, or none")
     if len({q.scaling_mode.is_nvfp4 for q in quantizers}) != 1:
         raise ValueError(f"{op}: quantizer_set: NVFP4 quantizers pair only with NVFP4 quantizers")
+    if len({q.scaling_mode.is_tensor_scaling for q in quantizers}) != 1:
+        raise ValueError(f"{op}: quantizer_set: per-tensor quantizers pair only with per-tensor ones, got "
+                         + ", ".join(q.scaling_mode.name for q in quantizers))
     return True
 
 
@@ -321,13 +337,20 @@ def dense(
     kernel's free dims, in x's dtype. sr_key: the PRNG key of NVFP4's stochastic rounding
     (a stream per quantizer) and of the RHT sign vector x's and dy's colwise copies share
     (with_sr_key)."""
+    require_quantizer_set("lowbit.dense", quantizer_set)
     quantizer_set = with_sr_key(quantizer_set, sr_key)
     x, kernel = jnp.asarray(x), jnp.asarray(kernel)
+    bias = None if bias is None else jnp.asarray(bias)
     x, kernel, n_contract = _canonical(x, kernel, contracting_dims)
     out_free = kernel.shape[n_contract:]
     if bias is not None and tuple(bias.shape) != tuple(out_free):
         raise ValueError(f"lowbit.dense: bias: expected shape {tuple(out_free)}, got {tuple(bias.shape)}")
-    if not check_quantizer_set("lowbit.dense", quantizer_set):
+    quantized = check_quantizer_set("lowbit.dense", quantizer_set)
+    if quantized and (x.ndim == n_contract or kernel.ndim == n_contract):
+        arg, shape = ("x", x.shape) if x.ndim == n_contract else ("kernel", kernel.shape)
+        raise ValueError(f"lowbit.dense: {arg}: a quantized dense needs a free (not contracted) dim "
+                         f"on both operands; {arg} of shape {tuple(shape)} has none (add one of size 1)")
+    if not quantized:
         dims = ((tuple(range(x.ndim - n_contract, x.ndim)), tuple(range(n_contract))), ((), ()))
         y = jax.lax.dot_general(x, kernel, dims).astype(x.dtype)
         return y if bias is None else y + bias.astype(y.dtype)

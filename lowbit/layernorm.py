@@ -43,6 +43,8 @@ class NormConfig(NamedTuple):
             raise ValueError(f"{op}: norm_type: expected one of {NORM_TYPES}, got {self.norm_type!r}")
         if not jnp.issubdtype(x.dtype, jnp.floating):
             raise TypeError(f"{op}: x: expected a float dtype, got {x.dtype}")
+        if x.ndim == 0 or x.shape[-1] == 0:
+            raise ValueError(f"{op}: x: expected (..., hidden) with hidden >= 1, got shape {tuple(x.shape)}")
         hidden = x.shape[-1]
         if tuple(gamma.shape) != (hidden,):
             raise ValueError(f"{op}: gamma: expected shape ({hidden},), got {tuple(gamma.shape)}")

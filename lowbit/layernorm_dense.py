@@ -28,7 +28,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from lowbit.dense import backward_gemms, check_quantizer_set, dense, forward_gemm, quantize_2x, with_sr_key
+from lowbit.dense import (backward_gemms, check_quantizer_set, dense, forward_gemm, quantize_2x,
+                          require_quantizer_set, with_sr_key)
 from lowbit.layernorm import NormConfig, layernorm, norm_quantize
 from lowbit.ops.fused_block import fused_block_enabled, norm_quantize_block, norm_stats
 from lowbit.ops.norm import norm_backward, norm_forward
@@ -71,17 +72,24 @@ def layernorm_dense(
     dot_input_axes: accepted, not applied (lowbit.sharding says why)."""
     del dot_input_axes  # names the norm's quantized copies, inside the fused op
     op = "lowbit.layernorm_dense"
+    require_quantizer_set(op, quantizer_set)
     quantizer_set = with_sr_key(quantizer_set, sr_key)
     x, kernel, gamma = jnp.asarray(x), jnp.asarray(kernel), jnp.asarray(gamma)
+    beta = None if beta is None else jnp.asarray(beta)
+    bias = None if bias is None else jnp.asarray(bias)
     x, kernel = logical_constraint(x, layernorm_input_axes), logical_constraint(kernel, kernel_axes)
     cfg = NormConfig(norm_type, bool(zero_centered_gamma), float(epsilon))
     cfg.check(op, x, gamma, beta)
-    if kernel.shape[0] != x.shape[-1]:
+    if kernel.ndim == 0 or kernel.shape[0] != x.shape[-1]:
         raise ValueError(f"{op}: kernel: expected first dim {x.shape[-1]} (x's hidden), got {kernel.shape}")
     out_free = kernel.shape[1:]
     if bias is not None and tuple(bias.shape) != tuple(out_free):
         raise ValueError(f"{op}: bias: expected shape {tuple(out_free)}, got {tuple(bias.shape)}")
-    if not check_quantizer_set(op, quantizer_set):
+    quantized = check_quantizer_set(op, quantizer_set)
+    if quantized and kernel.ndim == 1:
+        raise ValueError(f"{op}: kernel: a quantized layernorm_dense needs an output dim; kernel of shape "
+                         f"{tuple(kernel.shape)} has none (add one of size 1)")
+    if not quantized:
         ln = layernorm(x, gamma, beta, norm_type, zero_centered_gamma, epsilon)
         y = dense(ln, kernel, bias, contracting_dims=((x.ndim - 1,), (0,)))
         return (y, ln) if return_layernorm_output else y

@@ -44,7 +44,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from lowbit.activation import block_quantized, block_quantizes, parse_activation_type
 from lowbit.dense import (backward_gemms, check_quantizer_set, dense, dgrad_wgrad, forward_gemm, quantize_2x,
-                          with_sr_key)
+                          require_quantizer_set, with_sr_key)
 from lowbit.layernorm import NormConfig, fused_2x, layernorm, norm_quantize
 from lowbit.layernorm_dense import norm_block_quantized
 from lowbit.ops.activation import act_backward, act_forward
@@ -99,6 +99,14 @@ def layernorm_mlp(
     wo; dot_1_input_axes, dot_2_input_axes: accepted, not applied (lowbit.sharding says why)."""
     del dot_1_input_axes, dot_2_input_axes  # name the fused ops' quantized copies
     op = "lowbit.layernorm_mlp"
+    for arg, value in (("kernels", kernels), ("biases", biases), ("quantizer_sets", quantizer_sets)):
+        if not isinstance(value, (tuple, list)) or len(value) != 2:
+            raise ValueError(f"{op}: {arg}: expected a pair (one per GEMM), got {type(value).__name__}"
+                             + (f" of length {len(value)}" if isinstance(value, (tuple, list)) else ""))
+    for i, qs in enumerate(quantizer_sets):
+        require_quantizer_set(op, qs, f"quantizer_sets[{i}]")
+    biases = tuple(None if b is None else jnp.asarray(b) for b in biases)
+    beta = None if beta is None else jnp.asarray(beta)
     x, gamma = logical_constraint(jnp.asarray(x), norm_input_axes), jnp.asarray(gamma)
     cfg = NormConfig(norm_type, bool(zero_centered_gamma), float(epsilon))
     cfg.check(op, x, gamma, beta)
@@ -113,8 +121,10 @@ def layernorm_mlp(
     ffn = wi.size // (hidden * n_act)
     if tuple(wo.shape) != (ffn, hidden):
         raise ValueError(f"{op}: kernels[1]: expected ({ffn}, {hidden}), got {tuple(wo.shape)}")
-    if wi_bias is not None and wi_bias.size != n_act * ffn:
-        raise ValueError(f"{op}: biases[0]: expected {n_act * ffn} values, got shape {tuple(wi_bias.shape)}")
+    # (n_act, F) as TE's module makes it, or flat; a (F, n_act) bias would be read transposed.
+    if wi_bias is not None and tuple(jnp.shape(wi_bias)) not in ((n_act, ffn), (n_act * ffn,)):
+        raise ValueError(f"{op}: biases[0]: expected shape ({n_act}, {ffn}) or ({n_act * ffn},), got "
+                         f"{tuple(jnp.shape(wi_bias))}")
     if wo_bias is not None and tuple(wo_bias.shape) != (hidden,):
         raise ValueError(f"{op}: biases[1]: expected shape ({hidden},), got {tuple(wo_bias.shape)}")
     # Also without a key: with_sr_key ties each set's RHT signs (x's and dy's colwise copies).

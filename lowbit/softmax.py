@@ -5,7 +5,7 @@ softmax_fusion_type: SoftmaxType.SCALED, SCALED_MASKED or SCALED_UPPER_TRIANG_MA
 names), or the strings "scaled", "scaled_masked", "scaled_upper_triang". Semantics, mask
 convention (1 = masked out, logit -> -10000) and limits: lowbit/ops/softmax.py. The backward
 uses the forward output only: dx = scale * (y * dy - y * sum(y * dy)); the mask gets no
-gradient.
+gradient. A mask with any other fusion type is an error (TE's function ignores it there).
 """
 
 from __future__ import annotations
@@ -56,6 +56,7 @@ _softmax.defvjp(_fwd, _bwd)
 def softmax(logits, mask=None, scale_factor=1.0, softmax_fusion_type=SoftmaxType.SCALED):
     """Fused scaled (masked / causal) softmax over the last axis of (batch, heads, q, k)."""
     fusion = _fusion_name(softmax_fusion_type)
-    if fusion != "scaled_masked":
-        mask = None
+    if mask is not None and fusion != "scaled_masked":  # TE's function drops it: a silent no-op
+        raise ValueError(f"lowbit.softmax: mask: only softmax_fusion_type SCALED_MASKED applies a mask, "
+                         f"and {fusion!r} would ignore it; pass mask=None or use SCALED_MASKED")
     return _softmax(jnp.asarray(logits), mask, float(scale_factor), fusion)

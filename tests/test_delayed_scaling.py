@@ -9,7 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import lowbit
 from lowbit.quantize.delayed import FLT_MAX, compute_scale, update_delayed_scaling
+from lowbit.quantize.quantizer import DelayedScaleQuantizer
 
 
 def update_ref(history, scale, new_amax, fp8_max, margin, algo):
@@ -131,6 +133,17 @@ def test_bad_arguments():
         update_delayed_scaling(jnp.zeros((2, 2)), jnp.ones(1), 1.0, fp8_max=448.0)
     with pytest.raises(ValueError, match="new_amax"):
         update_delayed_scaling(jnp.zeros(2), jnp.ones(1), jnp.ones(2), fp8_max=448.0)
+    # A fraction, a negative, a bool or too large a margin would be truncated or overflow.
+    for margin in (0.5, -1, True, 2**40):
+        with pytest.raises(ValueError, match="update_delayed_scaling: margin: expected an int in \\[0, 2\\*\\*31\\)"):
+            update_delayed_scaling(jnp.zeros(2), jnp.ones(1), 1.0, fp8_max=448.0, margin=margin)
+    for fp8_max in (-448.0, 0.0, float("inf"), "448"):
+        with pytest.raises(ValueError, match="fp8_max: expected a finite positive number"):
+            update_delayed_scaling(jnp.zeros(2), jnp.ones(1), 1.0, fp8_max=fp8_max)
+        with pytest.raises(ValueError, match="compute_scale: fp8_max: expected a finite positive number"):
+            lowbit.ops.compute_scale(jnp.ones(1), fp8_max=fp8_max)
+    with pytest.raises(ValueError, match="DelayedScaleQuantizer: margin"):
+        DelayedScaleQuantizer(q_dtype=jnp.float8_e4m3fn, margin=0.5)
 
 
 def current_scale_ref(amax, fp8_max, pow2):

@@ -18,7 +18,7 @@ from flax import linen as nn
 import lowbit
 from lowbit.dense import dense
 from lowbit.quantize import QuantizerFactory
-from lowbit.recipe import DelayedScaling, Float8CurrentScaling
+from lowbit.recipe import DelayedScaling, Float8CurrentScaling, MXFP8BlockScaling
 
 
 def q_ref(x, scale, dtype):
@@ -115,6 +115,22 @@ def test_multiple_contracting_dims_and_errors(rng):
         dense(x, k, contracting_dims=((1,), (1,)), quantizer_set=qs)
     with pytest.raises(ValueError, match="lowbit.dense: bias"):
         dense(x, k, jnp.zeros(7), contracting_dims=((1, 2), (0, 1)), quantizer_set=qs)
+    with pytest.raises(ValueError, match="lowbit.dense: contracting_dims: expected"):
+        dense(x, k, contracting_dims=(1, 0), quantizer_set=qs)
+    with pytest.raises(TypeError, match="lowbit.dense: quantizer_set: expected a lowbit QuantizerSet"):
+        dense(x, k, contracting_dims=((1, 2), (0, 1)), quantizer_set="fp8")
+    # A list bias is taken as an array.
+    y_list = dense(x, k, [0.5] * 5, contracting_dims=((1, 2), (0, 1)), quantizer_set=qs)
+    np.testing.assert_array_equal(y_list, dense(x, k, jnp.full((5,), 0.5), contracting_dims=((1, 2), (0, 1)),
+                                                quantizer_set=qs))
+    # Quantized, both operands need a free dim (unquantized, a kernel without one is a dot).
+    with pytest.raises(ValueError, match="lowbit.dense: kernel: a quantized dense needs a free"):
+        dense(x[0], k[0, :, 0], contracting_dims=((1,), (0,)), quantizer_set=qs)
+    assert dense(x[0], k[0, :, 0], contracting_dims=((1,), (0,))).shape == (6,)
+    # A set mixing per-tensor and block quantizers fits no GEMM: refused by dense itself.
+    block = QuantizerFactory.create_set(MXFP8BlockScaling())
+    with pytest.raises(ValueError, match="lowbit.dense: quantizer_set: per-tensor quantizers pair only"):
+        dense(x, k, contracting_dims=((1, 2), (0, 1)), quantizer_set=qs._replace(kernel=block.kernel))
 
 
 class DenseBlock(nn.Module):

@@ -182,6 +182,16 @@ def test_op_errors_name_the_argument(rng):
     with pytest.raises(ValueError, match="q_dtype"):
         dense_backward_fp8(dy, x_col, jnp.ones((256, 1024), f8), one, one, one, one, q_dtype=jnp.bfloat16,
                            dx_dtype=jnp.bfloat16, dk_dtype=f32, compute_dbias=False)
+    # The arguments are checked before the placement (which would call any of these "no placement").
+    k_row = jnp.ones((256, 1024), f8)
+    for args, exc, match in [
+            ((dy[0], x_col, k_row), ValueError, "dense_backward_fp8: dy: expected a 2-D array"),
+            ((dy.astype(jnp.int32), x_col, k_row), TypeError, "dense_backward_fp8: dy: expected float32"),
+            ((dy, x_col.astype(f32), k_row), TypeError, "dense_backward_fp8: x_col: expected float8"),
+            ((dy, x_col[:, :500], k_row), ValueError, "dense_backward_fp8: x_col, k_row: expected shapes")]:
+        with pytest.raises(exc, match=match):
+            dense_backward_fp8(*args, one, one, one, one, q_dtype=jnp.float8_e5m2, dx_dtype=jnp.bfloat16,
+                               dk_dtype=f32, compute_dbias=False)
     with pytest.raises(Exception, match="lowbit_dense_backward_fp8: k_row"):  # the handler's check
         jax.block_until_ready(dense_backward_fp8_p.bind(
             dy, x_col, jnp.ones((256, 1008), f8), one, one, one, one, q_dtype=np.int32(5),

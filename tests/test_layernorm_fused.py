@@ -148,6 +148,9 @@ def test_layernorm_rejects_bad_input(params):
         lowbit.layernorm(x, gamma[:5], beta)
     with pytest.raises(TypeError, match="lowbit.layernorm: x"):
         lowbit.layernorm(jnp.ones((2, 64), jnp.int32), gamma, beta)
+    for shape in ((4, 0), ()):  # no hidden dim to normalise
+        with pytest.raises(ValueError, match="lowbit.layernorm: x: expected \\(..., hidden\\) with hidden >= 1"):
+            lowbit.layernorm(jnp.ones(shape), jnp.ones((0,)), jnp.ones((0,)))
 
 
 @pytest.mark.parametrize("norm_type", ["layernorm", "rmsnorm"])
@@ -222,3 +225,17 @@ def test_layernorm_mlp_rejects_bad_kernels(params):
         lowbit.layernorm_mlp(x, gamma, beta, (wi, wo[:5]), (bi, bo))
     with pytest.raises(ValueError, match="lowbit.layernorm_mlp: biases\\[1\\]"):
         lowbit.layernorm_mlp(x, gamma, beta, (wi, wo), (bi, bo[:3]))
+    # A (F, n_act) first bias has the right size but would be read transposed.
+    with pytest.raises(ValueError, match="lowbit.layernorm_mlp: biases\\[0\\]: expected shape"):
+        lowbit.layernorm_mlp(x, gamma, beta, (wi, wo), (bi.T, bo))
+    np.testing.assert_array_equal(  # the flat form of the same bias is the (n_act, F) one
+        lowbit.layernorm_mlp(x, gamma, beta, (wi, wo), (bi.reshape(-1), bo)),
+        lowbit.layernorm_mlp(x, gamma, beta, (wi, wo), (bi, bo)))
+    with pytest.raises(ValueError, match="lowbit.layernorm_mlp: kernels: expected a pair"):
+        lowbit.layernorm_mlp(x, gamma, beta, (wi,), (bi, bo))
+    with pytest.raises(ValueError, match="lowbit.layernorm_mlp: quantizer_sets: expected a pair"):
+        lowbit.layernorm_mlp(x, gamma, beta, (wi, wo), (bi, bo),
+                             quantizer_sets=QuantizerFactory.create_set(Float8CurrentScaling()))
+    with pytest.raises(TypeError, match="lowbit.layernorm_mlp: quantizer_sets\\[1\\]: expected a lowbit QuantizerSet"):
+        lowbit.layernorm_mlp(x, gamma, beta, (wi, wo), (bi, bo),
+                             quantizer_sets=(QuantizerFactory.create_set(None), "fp8"))

@@ -320,3 +320,25 @@ def test_orbax_checkpoint_roundtrip(tmp_path):
     jax.tree.map(np.testing.assert_array_equal, restored, v)
     assert float(restored[OWG]["x_0_scale"][0]) != 1.0
     np.testing.assert_array_equal(run(module, restored, x)[0], run(module, v, x)[0])
+
+
+def test_bad_configuration_names_the_module_and_field():
+    x = jnp.ones((2, 3, 8), jnp.float32)
+    with pytest.raises(ValueError, match="lowbit.flax.DenseGeneral: axis: axis 5 is out of range for an input of rank 3"):
+        DenseGeneral(4, axis=5).init(jax.random.PRNGKey(0), x)
+    with pytest.raises(ValueError, match="lowbit.flax.DenseGeneral: features: expected positive ints"):
+        DenseGeneral(-1).init(jax.random.PRNGKey(0), x)
+    y, _ = DenseGeneral(4, axis=-1).init_with_output(jax.random.PRNGKey(0), x)
+    assert y.shape == (2, 3, 4)
+    with pytest.raises(ValueError, match="lowbit.flax.LayerNormMLP: activations: 'foo' is neither"):
+        LayerNormMLP(16, activations=("foo",)).init(jax.random.PRNGKey(0), x)
+    import lowbit.flax.nnx as lnnx
+    from flax import nnx
+    with pytest.raises(ValueError, match="lowbit.flax.nnx.DenseGeneral: features: expected positive ints"):
+        lnnx.DenseGeneral(8, 0, rngs=nnx.Rngs(0))
+
+
+def test_activation_params_need_limit_and_alpha():
+    x = jnp.ones((4, 2, 16), jnp.float32)
+    with pytest.raises(TypeError, match="lowbit.activation: act_params: expected an object with .limit and .alpha"):
+        lowbit.activation(x, ("clamped_silu", "clamped_linear"), act_params=3)

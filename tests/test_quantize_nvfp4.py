@@ -216,9 +216,19 @@ def test_bad_input():
         quantize_nvfp4(x, rht_sign_bits=jnp.zeros((2,), jnp.uint32))
     with pytest.raises(ValueError, match="quantize_nvfp4: rowwise, colwise"):
         quantize_nvfp4(x, rowwise=False)
-    with pytest.raises(ValueError, match="quantize_nvfp4: scale"):
+    with pytest.raises(ValueError, match="lowbit.ops.dequantize_nvfp4: scale"):
         dequantize_nvfp4(jnp.zeros((4, 8), jnp.uint8), jnp.zeros((4, 4), jnp.float8_e4m3fn),
                          jnp.ones((1,)), cols=16)
+    good = quantize_nvfp4(jnp.ones((4, 16), jnp.float32))
+    args = (good.rowwise, good.rowwise_scale, good.rowwise_global_scale_inv)
+    with pytest.raises(ValueError, match="dequantize_nvfp4: cols: expected an int >= 0"):
+        dequantize_nvfp4(*args, cols=-1)
+    with pytest.raises(ValueError, match="dequantize_nvfp4: global_scale_inv: expected one float32"):
+        dequantize_nvfp4(*args[:2], jnp.ones((3,)), cols=16)
+    with pytest.raises(ValueError, match="dequantize_nvfp4: rht_sign_bits: expected one integer"):
+        dequantize_nvfp4(*args, cols=16, rht_sign_bits=jnp.zeros((2,), jnp.uint32))
+    with pytest.raises(TypeError, match="dequantize_nvfp4: out_dtype: expected float32, float16 or bfloat16"):
+        dequantize_nvfp4(*args, cols=16, out_dtype=jnp.int8)
 
 
 @pytest.mark.parametrize("shape", [(0, 16), (4, 0), (0, 0)])

@@ -421,3 +421,12 @@ def test_cuda_quantizers_equal_cpu(pow2, rng, cpu, gpu):
 
     a, b = run_on(gpu, step, x), run_on(cpu, step, x)
     jax.tree.map(lambda p, q: np.testing.assert_array_equal(bits(p), bits(q)), a, b)
+
+
+@pytest.mark.parametrize("quantizer", [CurrentScaleQuantizer(q_dtype=jnp.float8_e4m3fn),
+                                       DelayedScaleQuantizer.create(jnp.float8_e4m3fn, amax_history_len=4)],
+                         ids=["current", "delayed"])
+def test_integer_dq_dtype_is_refused(quantizer):
+    """dq_dtype is what dequantize() returns: an integer dtype would truncate the values."""
+    with pytest.raises(TypeError, match="Quantizer.quantize: dq_dtype: expected float32, float16 or bfloat16"):
+        quantizer.quantize(jnp.ones((4, 16), jnp.float32), dq_dtype=jnp.int32)

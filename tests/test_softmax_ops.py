@@ -155,6 +155,10 @@ def test_bad_input():
         lowbit.ops.softmax_backward(x, x[:1])
     with pytest.raises(ValueError, match="lowbit.softmax: softmax_fusion_type"):
         lowbit.softmax(x, None, 1.0, "nope")
+    # TE's function ignores a mask the fusion type does not apply; lowbit refuses it.
+    for fusion in ("scaled", "scaled_upper_triang"):
+        with pytest.raises(ValueError, match=f"lowbit.softmax: mask: .*'{fusion}' would ignore it"):
+            lowbit.softmax(x, np.zeros((2, 1, 4, 4), bool), 1.0, fusion)
 
 
 @pytest.mark.gpu

@@ -22,6 +22,7 @@ from typing import Callable, Iterable, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import linen as nn
 from jax.ad_checkpoint import checkpoint_name
 
@@ -45,8 +46,22 @@ def canonicalize_tuple(x) -> tuple:
     return tuple(x) if isinstance(x, Iterable) else (x,)
 
 
-def normalize_axes(axes: Iterable[int], ndim: int) -> tuple[int, ...]:
-    return tuple(ax if ax >= 0 else ndim + ax for ax in axes)
+def normalize_axes(axes: Iterable[int], ndim: int, op: str = "lowbit.flax", arg: str = "axis") -> tuple[int, ...]:
+    """axes in [0, ndim), negative ones counted from the end; an error naming op and arg for
+    an axis outside the input's rank."""
+    out = []
+    for ax in axes:
+        if not -ndim <= ax < ndim:
+            raise ValueError(f"{op}: {arg}: axis {ax} is out of range for an input of rank {ndim}")
+        out.append(ax % ndim)
+    return tuple(out)
+
+
+def check_features(op: str, features: tuple) -> tuple:
+    """Output sizes: positive ints (an error naming op otherwise)."""
+    if not features or any(isinstance(f, bool) or not isinstance(f, (int, np.integer)) or f < 1 for f in features):
+        raise ValueError(f"{op}: features: expected positive ints, got {features!r}")
+    return tuple(int(f) for f in features)
 
 
 def default_scale_init(scale_init, zero_centered_gamma: bool):
@@ -110,7 +125,11 @@ def _activation_fn(fn_or_name):
             return lambda x: x * jax.nn.sigmoid(1.702 * x)
         if fn_or_name == "squared_relu":
             return lambda x: jnp.square(jax.nn.relu(x))
-        return getattr(nn, fn_or_name)
+        fn = getattr(nn, fn_or_name, None)
+        if not callable(fn):
+            raise ValueError(f"lowbit.flax.LayerNormMLP: activations: {fn_or_name!r} is neither lowbit's fused "
+                             "activation nor a flax.linen function")
+        return fn
     if callable(fn_or_name):
         return fn_or_name
     raise ValueError(f"lowbit.flax.LayerNormMLP: activations: cannot use {fn_or_name!r}")

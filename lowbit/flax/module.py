@@ -151,8 +151,8 @@ class DenseGeneral(LowbitModuleBase):
 
     @nn.compact
     def __call__(self, inputs):
-        features = C.canonicalize_tuple(self.features)
-        axis = C.normalize_axes(C.canonicalize_tuple(self.axis), inputs.ndim)
+        features = C.check_features("lowbit.flax.DenseGeneral", C.canonicalize_tuple(self.features))
+        axis = C.normalize_axes(C.canonicalize_tuple(self.axis), inputs.ndim, "lowbit.flax.DenseGeneral")
         in_shape = tuple(inputs.shape[ax] for ax in axis)
         kernel_init = C.default_kernel_init(self.kernel_init, self.dtype)
         kernel = _param(self, "kernel", kernel_init, self.kernel_axes, in_shape + features, self.dtype)

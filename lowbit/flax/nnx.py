@@ -201,7 +201,8 @@ class DenseGeneral(LowbitModuleBase):
                  enable_low_rank_adaptation: bool = False, low_rank_adaptation_dim: int = 32,
                  low_rank_adaptation_alpha: float | None = None, dtype=jnp.float32,
                  input_axes=(), quantization_recipe: Recipe | None = None, rngs: nnx.Rngs):
-        in_shape, features = C.canonicalize_tuple(in_features), C.canonicalize_tuple(features)
+        in_shape = C.canonicalize_tuple(in_features)
+        features = C.check_features("lowbit.flax.nnx.DenseGeneral", C.canonicalize_tuple(features))
         if len(in_shape) != len(C.canonicalize_tuple(axis)):
             raise ValueError("lowbit.flax.nnx.DenseGeneral: in_features: one size per axis")
         self.axis, self.input_axes = C.canonicalize_tuple(axis), tuple(input_axes)

@@ -168,7 +168,20 @@ def dense_backward_fp8(dy, x_col, k_row, dy_scale, dy_scale_inv, x_scale_inv, k_
     f32/f16/bf16, x_col (k, m) and k_row (k, n) FP8 and the four f32 (1,) scales; dy's copies
     are `q_dtype`; dgrad_split / wgrad_split: each GEMM's accumulation (lowbit.ops.gemm's
     use_split_accumulator). Raises ValueError when no placement fits (dense_backward_plan)."""
+    op = "lowbit.ops.dense_backward_fp8"
+    dy, x_col, k_row = jnp.asarray(dy), jnp.asarray(x_col), jnp.asarray(k_row)
+    for arg, a in (("dy", dy), ("x_col", x_col), ("k_row", k_row)):
+        if a.ndim != 2:
+            raise ValueError(f"{op}: {arg}: expected a 2-D array, got shape {tuple(a.shape)}")
+    if dy.dtype not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16)):
+        raise TypeError(f"{op}: dy: expected float32, float16 or bfloat16, got {dy.dtype}")
+    for arg, a in (("x_col", x_col), ("k_row", k_row)):
+        if a.dtype not in (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2)):
+            raise TypeError(f"{op}: {arg}: expected float8_e4m3fn or float8_e5m2, got {a.dtype}")
     (m, n), k = dy.shape, x_col.shape[0]
+    if x_col.shape != (k, m) or k_row.shape != (k, n):
+        raise ValueError(f"{op}: x_col, k_row: expected shapes (k, {m}) and (k, {n}) with one k for dy "
+                         f"{tuple(dy.shape)}, got {tuple(x_col.shape)} and {tuple(k_row.shape)}")
     if dense_backward_plan(m, n, k, dk_dtype, dx_dtype, compute_dbias) is None:
         raise ValueError(f"lowbit.ops.dense_backward_fp8: dy {dy.shape}, x_col {x_col.shape}: no placement of "
                          "dy's copies fits dk (csrc/dense/dense_backward.h)")

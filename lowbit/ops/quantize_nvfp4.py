@@ -333,12 +333,25 @@ def dequantize_nvfp4(data, scale, global_scale_inv, *, cols: int, rht_sign_bits=
                      out_dtype=jnp.float32) -> jax.Array:
     """One stored copy back to (rows, cols): (e2m1(q) * e4m3(sd)) * global_scale_inv, then
     T again on the full 16-groups of each row when the copy was RHT-transformed."""
+    op = "lowbit.ops.dequantize_nvfp4"
+    if isinstance(cols, bool) or not isinstance(cols, (int, np.integer)) or cols < 0:
+        raise ValueError(f"{op}: cols: expected an int >= 0, got {cols!r}")
+    out_dtype = jnp.dtype(out_dtype)
+    if out_dtype not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16)):
+        raise TypeError(f"{op}: out_dtype: expected float32, float16 or bfloat16, got {out_dtype}")
     data, scale = jnp.asarray(data), jnp.asarray(scale)
     if data.dtype != jnp.uint8 or data.ndim != 2 or data.shape[1] != _cdiv(cols, 2):
-        raise ValueError(f"{OP}: data: expected uint8 (rows, {_cdiv(cols, 2)}), got {data.dtype}{data.shape}")
+        raise ValueError(f"{op}: data: expected uint8 (rows, {_cdiv(cols, 2)}), got {data.dtype}{data.shape}")
     rows = data.shape[0]
     if scale.dtype != E4M3 or scale.shape != scale_shape(rows, cols):
-        raise ValueError(f"{OP}: scale: expected float8_e4m3fn {scale_shape(rows, cols)}, got {scale.dtype}{scale.shape}")
+        raise ValueError(f"{op}: scale: expected float8_e4m3fn {scale_shape(rows, cols)}, got {scale.dtype}{scale.shape}")
+    global_scale_inv = jnp.asarray(global_scale_inv)
+    if global_scale_inv.size != 1 or not jnp.issubdtype(global_scale_inv.dtype, jnp.floating):
+        raise ValueError(f"{op}: global_scale_inv: expected one float32, got "
+                         f"{global_scale_inv.dtype}{global_scale_inv.shape}")
+    if rht_sign_bits is not None and int(np.prod(jnp.shape(rht_sign_bits))) != 1:
+        raise ValueError(f"{op}: rht_sign_bits: expected one integer (16 sign bits), got shape "
+                         f"{jnp.shape(rht_sign_bits)}")
     codes = jnp.stack([data & 0xF, data >> 4], axis=-1).reshape(rows, -1)[:, :cols]
     sd = jax.lax.bitcast_convert_type(scale, jnp.uint8)[:rows, : _cdiv(cols, BLOCK)]
     sd = jnp.repeat(jnp.asarray(_E4M3_VALUES)[sd.astype(jnp.int32)], BLOCK, axis=1)[:, :cols]

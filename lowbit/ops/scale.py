@@ -88,8 +88,27 @@ def _f32(op: str, arg: str, x) -> jax.Array:
     return jax.lax.stop_gradient(x)
 
 
+def check_fp8_max(op: str, fp8_max) -> None:
+    """fp8_max: the format's largest finite value, a finite positive number."""
+    if (isinstance(fp8_max, bool) or not isinstance(fp8_max, (int, float, np.integer, np.floating))
+            or not np.isfinite(fp8_max) or fp8_max <= 0):
+        raise ValueError(f"{op}: fp8_max: expected a finite positive number, got {fp8_max!r}")
+
+
+MAX_OP_MARGIN = 2**31 - 1  # an int32 attribute; from 128 on 2**margin is infinite (defined: scale.h)
+
+
+def check_margin(op: str, margin) -> None:
+    """margin: an int in [0, 2**31) (the recipe allows [0, MAX_MARGIN]); a fraction would
+    otherwise be truncated to an int."""
+    if (isinstance(margin, bool) or not isinstance(margin, (int, np.integer))
+            or not 0 <= margin <= MAX_OP_MARGIN):
+        raise ValueError(f"{op}: margin: expected an int in [0, 2**31), got {margin!r}")
+
+
 def compute_scale(amax, *, fp8_max: float, use_power_2_scales: bool = False):
     """Current scaling: (scale, scale_inv), each of amax's shape, float32."""
+    check_fp8_max("lowbit.ops.compute_scale", fp8_max)
     amax = _f32("lowbit.ops.compute_scale", "amax", amax)
     if amax.size == 0:
         return amax, amax
@@ -111,6 +130,8 @@ def update_delayed_scaling(amax_history, scale, new_amax, *, fp8_max: float, mar
     """One delayed-scaling step (lowbit/quantize/delayed.py documents the rule):
     (new_history (L,), new_scale (1,), scale_inv (1,))."""
     op = "lowbit.ops.update_delayed_scaling"
+    check_fp8_max(op, fp8_max)
+    check_margin(op, margin)
     history = _f32(op, "amax_history", amax_history)
     scale = _f32(op, "scale", scale)
     new_amax = _f32(op, "new_amax", new_amax)

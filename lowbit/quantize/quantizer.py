@@ -45,6 +45,7 @@ import numpy as np
 from lowbit.ops.amax import amax, check_high_precision
 from lowbit.ops.quantize import quantize_fp8
 from lowbit.ops.quantize_block import quantize_fp8_block, quantize_mxfp8
+from lowbit.ops.scale import check_margin
 from lowbit.quantize.delayed import (
     compute_scale_and_inverse,
     scale_inverse,
@@ -136,6 +137,8 @@ class Quantizer:
         axis = _normalize_flatten_axis(op, x, flatten_axis)
         QuantizeLayout.of(is_rowwise, is_colwise)
         dq_dtype = jnp.dtype(x.dtype if dq_dtype is None else dq_dtype)
+        if dq_dtype not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16)):
+            raise TypeError(f"{op}: dq_dtype: expected float32, float16 or bfloat16, got {dq_dtype}")
         return op, jax.lax.stop_gradient(x), axis, dq_dtype
 
     def quantize(
@@ -227,6 +230,7 @@ class DelayedScaleQuantizer(_TensorScaleQuantizer):
 
     def __post_init__(self):
         super().__post_init__()
+        check_margin("DelayedScaleQuantizer", self.margin)
         if self.amax_compute_algo not in AMAX_COMPUTE_ALGOS:
             raise ValueError(
                 f"DelayedScaleQuantizer: amax_compute_algo: expected one of {AMAX_COMPUTE_ALGOS}, "
