@@ -21,8 +21,12 @@ extern "C" {
 // machine code or PTX); -1 - e for any other CUDA error e (no such device, no driver). The
 // calling thread's current device is left as it was.
 __attribute__((visibility("default"))) int LowbitCudaArchProbe(int ordinal) {
-  int previous = 0;
-  cudaError_t err = cudaGetDevice(&previous);
+  // An ordinal past the devices is answered without asking the runtime to switch to it (no
+  // failing API call, which compute-sanitizer would report).
+  int count = 0, previous = 0;
+  cudaError_t err = cudaGetDeviceCount(&count);
+  if (err == cudaSuccess && (ordinal < 0 || ordinal >= count)) err = cudaErrorInvalidDevice;
+  if (err == cudaSuccess) err = cudaGetDevice(&previous);
   if (err == cudaSuccess) err = cudaSetDevice(ordinal);
   if (err != cudaSuccess) {
     cudaGetLastError();
