@@ -28,7 +28,8 @@ def act_ref(x, act_type, gated=False, limit=7.0, alpha=1.702):
     elif act_type == "squared_relu":
         y = jnp.maximum(a, 0.0) ** 2
     elif act_type == "clamped_silu":
-        c = jnp.where(a <= limit, a, np.float32(limit))
+        # NaN stays NaN, as in lowbit's kernels (a bare where would map it to the limit)
+        c = jnp.where(a <= limit, a, jnp.where(jnp.isnan(a), a, np.float32(limit)))
         y = c * sig(np.float32(alpha) * c)
         lim = np.float32(limit)  # TE: the gradient passes at |g| == limit
         g = jnp.where(g > lim, lim, jnp.where(g < -lim, -lim, g)) + 1.0

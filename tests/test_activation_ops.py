@@ -51,6 +51,38 @@ def test_forward_matches_reference(act, gated, dtype, shape, rng):
                                rtol=0 if exact else 4e-6, atol=0 if exact else 1e-6)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16], ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("act,gated", TYPES, ids=lambda v: str(v))
+def test_forward_special_values_match_reference(act, gated, dtype, rng):
+    """inf, -inf, NaN, signed zeros, near-max and large values planted among normal ones: y and
+    its FP8 codes against the jnp reference (NaN where it has NaN, its infinities, the rest
+    within the tolerances above; codes saturate). Subnormal inputs are left out: XLA's CPU
+    flushes them to zero in the reference, where lowbit keeps them
+    (test_subnormals_kept_and_nan_canonical)."""
+    x = make_x(rng, (37, 64), gated, dtype)
+    flat = x.reshape(-1)
+    big = float(ml_dtypes.finfo(dtype).max)
+    specials = np.array([np.inf, -np.inf, np.nan, 0.0, -0.0, big, -big, 0.999 * big, 100.0, -100.0, 20.0, -20.0],
+                        np.float32)
+    flat[rng.choice(flat.size, 3 * specials.size, replace=False)] = np.tile(specials, 3).astype(dtype)
+    scale = np.float32(4.0)
+    out = jax.jit(lambda v, s: lowbit.ops.act_forward(v, act, gated=gated, quant_scale=s, rowwise=True))(x, scale)
+    want = np.asarray(act_ref(x, act, gated), np.float32)
+    y = np.asarray(out.y, np.float32)
+    want_y = np.asarray(jnp.asarray(want).astype(dtype), np.float32)
+    nan = np.isnan(want_y)
+    assert nan.any()  # the specials reach the output
+    np.testing.assert_array_equal(np.isnan(y), nan)
+    inf = np.isinf(want_y)
+    np.testing.assert_array_equal(y[inf], want_y[inf])
+    fin = np.isfinite(want_y)
+    assert_y_close(y[fin], want[fin], dtype, act in EXACT)
+    q, q_want = np.asarray(out.q_rowwise), np.asarray(q_ref(jnp.asarray(want), scale, jnp.float8_e4m3fn))
+    q_nan = np.isnan(q_want.astype(np.float32))
+    np.testing.assert_array_equal(np.isnan(q.astype(np.float32)), q_nan)
+    assert_codes_close(q[~q_nan], q_want[~q_nan], act in EXACT)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
 @pytest.mark.parametrize("act,gated", TYPES, ids=lambda v: str(v))
 def test_backward_matches_vjp(act, gated, dtype, rng):
