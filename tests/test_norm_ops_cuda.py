@@ -309,3 +309,51 @@ def _check_cuda_backward(norm_type, dtype, shape, rng, cpu, gpu, gamma_dtype=np.
     for a, b in zip(again, g):
         if b is not None:
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.gpu
+def test_cuda_concurrent_shapes_from_threads(rng, gpu):
+    """Host threads running the norm forward (FP8 copies) and backward at different hidden sizes
+    at once: the kernels' dynamic shared-memory size follows the shape, and its limit is the
+    kernel's, shared by every thread; it is raised and never lowered under one lock
+    (RaiseDynamicSmemLimit), so no launch fails for another thread's setting. Each thread's
+    results equal those of a single-threaded run."""
+    import threading
+
+    import jax
+
+    def case(hidden):
+        x = jnp.asarray(rng.standard_normal((257, hidden)), jnp.bfloat16)
+        g = jnp.asarray(rng.standard_normal(hidden), jnp.bfloat16)
+        b = jnp.asarray(rng.standard_normal(hidden), jnp.bfloat16)
+
+        def step(x):
+            out = norm_forward(x, g, b, quant_scale=jnp.float32(2.0), rowwise=True, colwise=True)
+            dx, dg, db = norm_backward(x, x, out.mu, out.rsigma, g)
+            return out.y, out.q_colwise, dx, dg, db
+        g, b = jax.device_put((g, b), gpu)
+        return jax.jit(step), jax.device_put(x, gpu)
+
+    cases = [case(h) for h in (256, 1024, 4096, 12288)]
+    want = [jax.tree.map(np.asarray, f(x)) for f, x in cases]
+    errors, results = [], {}
+
+    def run(i):
+        f, x = cases[i % len(cases)]
+        try:
+            for _ in range(40):
+                got = jax.tree.map(np.asarray, f(x))
+            results[i] = got
+        except Exception as e:  # noqa: BLE001 (reported below)
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[:2]
+    for i, got in results.items():
+        jax.tree.map(lambda a, b: np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8)), got,
+                     want[i % len(cases)])
+    assert len(results) == 8

@@ -110,6 +110,7 @@ int ResidentBlocksPerSm() {
             &n, ActTiledKernel<Tag, kBackward, kGated, kType, kTileRows, kChunkRows, kMayBias>, kThreads, 0) !=
             cudaSuccess ||
         n < 1) {
+      (void)cudaGetLastError();  // not the next launch's error (cuda_check.h)
       n = 1;
     }
     cached.store(n, std::memory_order_relaxed);

@@ -107,12 +107,16 @@ using UniquePreference =
 class ScopedDevice {
  public:
   explicit ScopedDevice(int device) {
-    if (cudaGetDevice(&previous_) == cudaSuccess && previous_ != device) {
+    // A failed call's error is cleared: it is not the next launch's (cuda_check.h).
+    if (cudaGetDevice(&previous_) != cudaSuccess) {
+      (void)cudaGetLastError();
+    } else if (previous_ != device) {
       switched_ = cudaSetDevice(device) == cudaSuccess;
+      if (!switched_) (void)cudaGetLastError();
     }
   }
   ~ScopedDevice() {
-    if (switched_) cudaSetDevice(previous_);
+    if (switched_ && cudaSetDevice(previous_) != cudaSuccess) (void)cudaGetLastError();
   }
   ScopedDevice(const ScopedDevice&) = delete;
   ScopedDevice& operator=(const ScopedDevice&) = delete;

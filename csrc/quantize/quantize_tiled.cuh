@@ -86,9 +86,8 @@ Status LaunchTiled(const char* op, const QuantizeFp8Args& a, float* partials, co
   using Shape = TileShape<T, kRows, kStages>;
   auto kernel = QuantizeTiledKernel<Tag, Fmt, kVectorIO, kRows, kStages, Groups, Place>;
   const int smem_bytes = Shape::kSmemBytes + groups.SmemBytes();
-  LOWBIT_RETURN_IF_ERROR(CudaStatus(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                         smem_bytes),
-                                    op, "cudaFuncSetAttribute"));
+  // The grouped kernels' size depends on the group count: raise-only (cuda_check.h).
+  LOWBIT_RETURN_IF_ERROR(RaiseDynamicSmemLimit(kernel, smem_bytes, op));
   // One resident wave: every block loops over tiles, so blocks beyond what fits would
   // only start late. The occupancy query is host-side arithmetic (no device sync).
   int per_sm = 0;
