@@ -4,8 +4,9 @@
 // as rows x hidden (hidden = its last dimension); an output of 0 elements is "not wanted".
 //
 // Backward workspace. The CUDA backward needs NormBackwardWorkspaceBytes(x dtype, rows,
-// hidden) bytes of device scratch (norm_plan.h). XLA's FFI ScratchAllocator does not hand
-// out memory in our setting (jax 0.11), so, as XLA does for its own cuBLAS calls, the
+// hidden) bytes of device scratch (norm_plan.h). XLA's FFI ScratchAllocator allocates at
+// run time, outside XLA's compile-time memory plan (gemm_ffi.cc), so, as XLA does for its own
+// cuBLAS calls, the
 // workspace is one more result of the custom call: a u8 buffer of exactly that size, added
 // by the Python lowering (lowbit/ops/norm.py, which computes the size from the per-device
 // shapes with the same formula) and dropped there. Both handlers bind it; the CPU one

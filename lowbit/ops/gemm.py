@@ -44,7 +44,8 @@ Algorithm (CUDA): `algo` picks entry `algo` of cuBLASLt's heuristic list (0 = it
 docstring lists the kinds and what a bad or out-of-range index does).
 
 Workspace: the lowbit_gemm custom call has a second result, a u8 workspace that XLA's buffer
-assignment plans like any temp (XLA's FFI scratch allocator hands out nothing in jax 0.11):
+assignment plans like any temp (XLA's FFI scratch allocator failed the 256-byte aligned
+requests made for cuBLASLt and allocates outside the compile-time plan: csrc/ffi/gemm_ffi.cc):
 gemm_workspace_bytes() on CUDA (GEMM_WORKSPACE_BYTES, plus the swizzled MXFP8 scales), 0
 bytes on the CPU. It exists only in the lowering rules
 (`_lower_with_workspace`): gemm_p itself has one result, so abstract evaluation, batching

@@ -15,7 +15,8 @@ needed, the batch is mapped with lax.map.
 
 Backward workspace: the CUDA backward needs norm_backward_workspace_bytes(x.dtype, rows,
 hidden) bytes of device scratch (fp32 dgamma/dbeta partials). XLA's FFI ScratchAllocator
-gives none in our setting, so, like XLA's own cuBLAS calls, the lowering of norm_bwd_p adds
+allocates only at run time, outside XLA's compile-time memory plan (csrc/ffi/gemm_ffi.cc), so,
+like XLA's own cuBLAS calls, the lowering of norm_bwd_p adds
 one u8 result of that size to the custom call and drops it; the primitive, its batching
 and its sharding never see it. The lowering runs on the per-device (partitioned) shapes, so
 the workspace is per device. The size is the same on CPU (the CPU handler checks it equals
