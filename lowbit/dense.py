@@ -294,10 +294,21 @@ def check_quantizer_set(op: str, quantizer_set: QuantizerSet) -> bool:
         raise ValueError(f"{op}: quantizer_set: give quantizers for x, kernel and dgrad, or none")
     if len({q.scaling_mode.is_nvfp4 for q in quantizers}) != 1:
         raise ValueError(f"{op}: quantizer_set: NVFP4 quantizers pair only with NVFP4 quantizers")
-    if len({q.scaling_mode.is_tensor_scaling for q in quantizers}) != 1:
-        raise ValueError(f"{op}: quantizer_set: per-tensor quantizers pair only with per-tensor ones, got "
+    if len({_scaling_family(q.scaling_mode) for q in quantizers}) != 1:
+        raise ValueError(f"{op}: quantizer_set: the three quantizers must share a scaling family (per-tensor, "
+                         "MXFP8 or FP8 block, whose 1x128 and 128x128 modes mix), got "
                          + ", ".join(q.scaling_mode.name for q in quantizers))
     return True
+
+
+def _scaling_family(mode: ScalingMode) -> str:
+    """The GEMMs' operand families: per-tensor (delayed or current), MXFP8, FP8 block (1x128
+    and 128x128 pair with each other), NVFP4."""
+    if mode.is_tensor_scaling:
+        return "tensor"
+    if mode.is_nvfp4:
+        return "nvfp4"
+    return "mxfp8" if mode == ScalingMode.MXFP8_1D_SCALING else "fp8_block"
 
 
 # fold_in tag of the RHT sign key of one GEMM's quantizer set (0, 1, 2 are the SR keys).

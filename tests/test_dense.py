@@ -18,7 +18,7 @@ from flax import linen as nn
 import lowbit
 from lowbit.dense import dense
 from lowbit.quantize import QuantizerFactory
-from lowbit.recipe import DelayedScaling, Float8CurrentScaling, MXFP8BlockScaling
+from lowbit.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling
 
 
 def q_ref(x, scale, dtype):
@@ -129,8 +129,11 @@ def test_multiple_contracting_dims_and_errors(rng):
     assert dense(x[0], k[0, :, 0], contracting_dims=((1,), (0,))).shape == (6,)
     # A set mixing per-tensor and block quantizers fits no GEMM: refused by dense itself.
     block = QuantizerFactory.create_set(MXFP8BlockScaling())
-    with pytest.raises(ValueError, match="lowbit.dense: quantizer_set: per-tensor quantizers pair only"):
+    with pytest.raises(ValueError, match="lowbit.dense: quantizer_set: the three quantizers must share a scaling"):
         dense(x, k, contracting_dims=((1, 2), (0, 1)), quantizer_set=qs._replace(kernel=block.kernel))
+    fp8_block = QuantizerFactory.create_set(Float8BlockScaling())
+    with pytest.raises(ValueError, match="MXFP8_1D_SCALING, FP8_BLOCK"):
+        dense(x, k, contracting_dims=((1, 2), (0, 1)), quantizer_set=block._replace(kernel=fp8_block.kernel))
 
 
 class DenseBlock(nn.Module):
