@@ -137,6 +137,13 @@ def _gpu_present() -> bool:
         return False
 
 
+def _build_info(lib: ctypes.CDLL) -> str:
+    """The library's LowbitBuildInfo string (version, ABI, flavor, the CUDA build's flags)."""
+    build = lib.LowbitBuildInfo
+    build.restype = ctypes.c_char_p
+    return build().decode()
+
+
 def _gpus_without_device_code(lib: ctypes.CDLL, path: Path) -> str | None:
     """Why `lib`'s kernels cannot run on a GPU JAX uses, or None when they run on all of them:
     LowbitCudaArchProbe on one device per compute capability (a probe that cannot tell, e.g.
@@ -150,10 +157,8 @@ def _gpus_without_device_code(lib: ctypes.CDLL, path: Path) -> str | None:
         ordinal = getattr(device, "local_hardware_id", None)
         if ordinal is None or probe(int(ordinal)) != 1:
             continue
-        build = lib.LowbitBuildInfo
-        build.restype = ctypes.c_char_p
         return (f"{path} has no device code for {device.device_kind} (compute capability "
-                f"{capability}); it was built as `{build().decode()}`")
+                f"{capability}); it was built as `{_build_info(lib)}`")
     return None
 
 
@@ -219,18 +224,14 @@ def require_platform(op: str, platform: str) -> None:
 def info() -> dict:
     """What was loaded, for `python -m lowbit`."""
     load()
-    build = _State.cpu.LowbitBuildInfo
-    build.restype = ctypes.c_char_p
     out = {
         "cpu_library": str(_State.cpu_path),
-        "cpu_build": build().decode(),
+        "cpu_build": _build_info(_State.cpu),
         "cuda_library": str(_State.cuda_path) if _State.cuda_path else None,
         "cuda_registered": _State.cuda_registered,
         "cuda_note": _State.cuda_error,
         "platforms": ["cpu"] + (["CUDA"] if _State.cuda_registered else []),
     }
     if _State.cuda is not None:
-        cuda_build = _State.cuda.LowbitBuildInfo
-        cuda_build.restype = ctypes.c_char_p
-        out["cuda_build"] = cuda_build().decode()
+        out["cuda_build"] = _build_info(_State.cuda)
     return out

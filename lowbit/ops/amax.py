@@ -22,8 +22,11 @@ HIGH_PRECISION = (jnp.float32, jnp.float16, jnp.bfloat16)
 
 
 def check_high_precision(op: str, arg: str, x) -> None:
-    if x.dtype not in [jnp.dtype(t) for t in HIGH_PRECISION]:
-        raise TypeError(f"{op}: {arg}: expected float32, float16 or bfloat16, got {x.dtype}")
+    """A TypeError naming op and arg unless x (an array, or a dtype) is float32, float16 or
+    bfloat16."""
+    dtype = jnp.dtype(getattr(x, "dtype", x))
+    if dtype not in [jnp.dtype(t) for t in HIGH_PRECISION]:
+        raise TypeError(f"{op}: {arg}: expected float32, float16 or bfloat16, got {dtype}")
 
 
 def _abstract(x, *, rows):

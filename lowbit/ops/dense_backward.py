@@ -44,7 +44,8 @@ from lowbit import _ffi
 from lowbit.ops import gemm as gemm_mod
 from lowbit.ops._primitive import ffi_primitive, vmap_body
 from lowbit.ops._sharding import axes_entry, mesh_axes, named_shardings, pmax_nonnegative, spec_entries
-from lowbit.ops.quantize import quantize_fp8_p
+from lowbit.ops.amax import check_high_precision
+from lowbit.ops.quantize import FP8_DTYPES, quantize_fp8_p
 
 __all__ = ["dense_backward_fp8", "dense_backward_fp8_sharded", "dense_backward_plan"]
 
@@ -173,10 +174,9 @@ def dense_backward_fp8(dy, x_col, k_row, dy_scale, dy_scale_inv, x_scale_inv, k_
     for arg, a in (("dy", dy), ("x_col", x_col), ("k_row", k_row)):
         if a.ndim != 2:
             raise ValueError(f"{op}: {arg}: expected a 2-D array, got shape {tuple(a.shape)}")
-    if dy.dtype not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16)):
-        raise TypeError(f"{op}: dy: expected float32, float16 or bfloat16, got {dy.dtype}")
+    check_high_precision(op, "dy", dy)
     for arg, a in (("x_col", x_col), ("k_row", k_row)):
-        if a.dtype not in (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2)):
+        if a.dtype not in FP8_DTYPES:
             raise TypeError(f"{op}: {arg}: expected float8_e4m3fn or float8_e5m2, got {a.dtype}")
     (m, n), k = dy.shape, x_col.shape[0]
     if x_col.shape != (k, m) or k_row.shape != (k, n):

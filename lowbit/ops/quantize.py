@@ -32,7 +32,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from lowbit.ops._primitive import ffi_primitive, vmap_body
 from lowbit.ops._sharding import mesh_axes, named_shardings, pmax_nonnegative, spec_entries
-from lowbit.ops.amax import HIGH_PRECISION, check_high_precision
+from lowbit.ops.amax import check_high_precision
 
 FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 
@@ -260,8 +260,7 @@ def dequantize_fp8(data, scale_inv, out_dtype=jnp.bfloat16) -> jax.Array:
     if data.dtype not in FP8_DTYPES:
         raise TypeError(f"{op}: data: expected float8_e4m3fn or float8_e5m2, got {data.dtype}")
     out_dtype = jnp.dtype(out_dtype)
-    if out_dtype not in [jnp.dtype(t) for t in HIGH_PRECISION]:
-        raise TypeError(f"{op}: out_dtype: expected float32, float16 or bfloat16, got {out_dtype}")
+    check_high_precision(op, "out_dtype", out_dtype)
     scale_inv = _scale_arg(op, "scale_inv", scale_inv)
     if data.ndim == 0:
         return _dequantize_fn(out_dtype)(data.reshape(1), scale_inv).reshape(())

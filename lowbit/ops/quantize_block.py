@@ -53,7 +53,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from lowbit.ops._primitive import ffi_primitive, vmap_body
 from lowbit.ops._sharding import (SCALE_DIMS, clean_split, compound_sizes, fit_scale, mesh_axes, named_shardings,
                                   spec_entries, tiled_group_rule, transposed_layout)
-from lowbit.ops.amax import HIGH_PRECISION
+from lowbit.ops.amax import check_high_precision
 from lowbit.ops.quantize import FP8_DTYPES, check_quantize_args
 E8M0 = jnp.dtype(jnp.float8_e8m0fnu)
 FP8_BLOCK_LEN = 128
@@ -344,8 +344,7 @@ def _check_dequantize_args(op: str, data, scale, scale_dtype, out_dtype, flatten
     if scale.dtype != scale_dtype:
         raise TypeError(f"{op}: scale: expected {jnp.dtype(scale_dtype).name}, got {scale.dtype}")
     out_dtype = jnp.dtype(out_dtype)
-    if out_dtype not in [jnp.dtype(t) for t in HIGH_PRECISION]:
-        raise TypeError(f"{op}: out_dtype: expected float32, float16 or bfloat16, got {out_dtype}")
+    check_high_precision(op, "out_dtype", out_dtype)
     return data, scale, out_dtype, flatten_axis % data.ndim
 
 

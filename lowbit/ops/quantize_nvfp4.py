@@ -336,9 +336,7 @@ def dequantize_nvfp4(data, scale, global_scale_inv, *, cols: int, rht_sign_bits=
     op = "lowbit.ops.dequantize_nvfp4"
     if isinstance(cols, bool) or not isinstance(cols, (int, np.integer)) or cols < 0:
         raise ValueError(f"{op}: cols: expected an int >= 0, got {cols!r}")
-    out_dtype = jnp.dtype(out_dtype)
-    if out_dtype not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16)):
-        raise TypeError(f"{op}: out_dtype: expected float32, float16 or bfloat16, got {out_dtype}")
+    check_high_precision(op, "out_dtype", out_dtype)
     data, scale = jnp.asarray(data), jnp.asarray(scale)
     if data.dtype != jnp.uint8 or data.ndim != 2 or data.shape[1] != _cdiv(cols, 2):
         raise ValueError(f"{op}: data: expected uint8 (rows, {_cdiv(cols, 2)}), got {data.dtype}{data.shape}")

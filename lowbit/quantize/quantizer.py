@@ -137,8 +137,7 @@ class Quantizer:
         axis = _normalize_flatten_axis(op, x, flatten_axis)
         QuantizeLayout.of(is_rowwise, is_colwise)
         dq_dtype = jnp.dtype(x.dtype if dq_dtype is None else dq_dtype)
-        if dq_dtype not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16)):
-            raise TypeError(f"{op}: dq_dtype: expected float32, float16 or bfloat16, got {dq_dtype}")
+        check_high_precision(op, "dq_dtype", dq_dtype)
         return op, jax.lax.stop_gradient(x), axis, dq_dtype
 
     def quantize(
