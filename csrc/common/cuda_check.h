@@ -49,16 +49,22 @@ Status RaiseDynamicSmemLimit(Kernel kernel, int bytes, const char* op) {
   return status;
 }
 
-// Grid size for a grid-stride loop: enough blocks to fill every SM `blocks_per_sm` times,
-// never more than the work needs (132 SMs assumed where the runtime cannot tell; its error is
-// cleared, so that the next launch's check does not report it as its own).
-inline int GridStrideBlocks(int64_t work_items, int threads, int blocks_per_sm = 4) {
+// The current device's SM count; 132 where the runtime cannot tell (its error is cleared, so
+// that the next launch's check does not report it as its own).
+inline int DeviceSmCount() {
   int device = 0, sms = 132;
   if (cudaGetDevice(&device) != cudaSuccess ||
       cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
     (void)cudaGetLastError();
     sms = 132;
   }
+  return sms;
+}
+
+// Grid size for a grid-stride loop: enough blocks to fill every SM `blocks_per_sm` times,
+// never more than the work needs.
+inline int GridStrideBlocks(int64_t work_items, int threads, int blocks_per_sm = 4) {
+  const int sms = DeviceSmCount();
   int64_t needed = (work_items + threads - 1) / threads;
   int64_t cap = int64_t(sms) * blocks_per_sm;
   int64_t blocks = needed < cap ? needed : cap;

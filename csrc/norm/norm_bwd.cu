@@ -321,7 +321,7 @@ Status Plan(int64_t rows, int64_t hidden, bool aligned, BwdPlan* plan) {
     auto kernel = NormBackwardKernel<Tag, decltype(items)::value, decltype(vec)::value>;
     int per_sm = 0;
     LOWBIT_RETURN_IF_ERROR(PrepareLaunch(kernel, plan->threads, plan->smem, kOp, &per_sm));
-    int64_t cap = int64_t(per_sm) * SmCount();
+    int64_t cap = int64_t(per_sm) * DeviceSmCount();
     // Never more parts than NormBackwardWorkspaceBytes (norm_plan.h) provides for.
     if (cap > kNormBwdMaxBlocks) cap = kNormBwdMaxBlocks;
     plan->grid = int(tiles < cap ? tiles : cap);

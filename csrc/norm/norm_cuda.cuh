@@ -261,16 +261,6 @@ inline bool Aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 1
 // RowGeometry and ChooseRowGeometry live in norm_plan.h (host-only: the backward workspace
 // size depends on them).
 
-inline int SmCount() {  // 132 where the runtime cannot tell (its error cleared: GridStrideBlocks)
-  int device = 0, sms = 132;
-  if (cudaGetDevice(&device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
-    (void)cudaGetLastError();
-    sms = 132;
-  }
-  return sms;
-}
-
 // Readies `kernel` (the exact instantiation that will be launched) for `threads` threads and
 // `dynamic_smem` bytes of dynamic shared memory and returns in *per_sm the blocks that fit
 // on one SM. A block whose static + dynamic shared memory exceeds 48 KB needs the opt-in

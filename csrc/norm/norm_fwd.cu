@@ -251,7 +251,7 @@ Status Launch(const NormForwardArgs& a, const NormFwdTuning& tune, GpuStream str
       set_cluster(p.cluster / 2);
     }
     if (p.cluster == 1) {
-      const int64_t cap = int64_t(per_sm) * SmCount();
+      const int64_t cap = int64_t(per_sm) * DeviceSmCount();
       const int grid = int(p.tiles < cap ? p.tiles : cap);
       kernel<<<grid, threads, smem, stream>>>(p);
       return LaunchStatus(kOp);
