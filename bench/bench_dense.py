@@ -1,6 +1,7 @@
 """Seed Dense (x: 8x2048x8192 bf16 -> 32768 features) forward+backward, side by side in one
 run: bf16 Flax, Flax's FP8 (`Fp8DirectDotGeneralOp`), and lowbit per recipe (delayed,
-current, Float8BlockScaling as `lowbit_block`), both as the `dot_general` drop-in into Flax's
+current, Float8BlockScaling as `lowbit_block`; `module_block_1d` / `_x2` / `_g2`: its other tile
+choices, x/w/grad block_scaling_dim (1,1,1), (2,1,1), (1,1,2), default (1,2,1)), both as the `dot_general` drop-in into Flax's
 Dense (`lowbit_*`) and as lowbit's own Dense module (`module_*`, same params; `*_unfused`: the
 module with LOWBIT_DENSE_BACKWARD=unfused, dy's FP8 copies in buffers of their own instead of
 inside dk's, lowbit.ops.dense_backward; `*_fast_bwd`: the module with the recipe's dgrad and
@@ -79,6 +80,14 @@ def variants():
         "module_delayed": lambda features: LowbitDenseBlock(features, DelayedScaling()),
         "module_current": lambda features: LowbitDenseBlock(features, Float8CurrentScaling()),
         "module_block": lambda features: LowbitDenseBlock(features, Float8BlockScaling()),
+        # TE's other Float8BlockScaling tile choices (x, w, grad block_scaling_dim; 2 = 128x128):
+        # every one has a 1x128 x 1x128 GEMM, in another place than the default's wgrad.
+        "module_block_1d": lambda features: LowbitDenseBlock(features, Float8BlockScaling(
+            x_block_scaling_dim=1, w_block_scaling_dim=1, grad_block_scaling_dim=1)),
+        "module_block_x2": lambda features: LowbitDenseBlock(features, Float8BlockScaling(
+            x_block_scaling_dim=2, w_block_scaling_dim=1, grad_block_scaling_dim=1)),
+        "module_block_g2": lambda features: LowbitDenseBlock(features, Float8BlockScaling(
+            x_block_scaling_dim=1, w_block_scaling_dim=1, grad_block_scaling_dim=2)),
         "module_delayed_unfused": lambda features: LowbitDenseBlock(features, DelayedScaling()),
         "module_current_unfused": lambda features: LowbitDenseBlock(features, Float8CurrentScaling()),
         "module_delayed_fast_bwd": lambda features: LowbitDenseBlock(features, DelayedScaling(**common.FAST_BWD)),

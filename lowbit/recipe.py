@@ -6,7 +6,10 @@ kernel) and the gradients use and how their scales are made; `lowbit.quantize` t
 recipe into quantizers. Every recipe validates its fields on construction and raises
 `ValueError` naming the field. Every recipe also takes TE's `fp8_dpa` and `fp8_mha` (False
 only: lowbit has no FP8 attention) and DelayedScaling TE's `scaling_factor_compute_algo` (None
-only, as on TE's JAX side), so that TE code that spells them out ports unchanged.
+only, as on TE's JAX side), MXFP8BlockScaling TE's `margin` (0 only), and Float8BlockScaling
+TE's `use_f32_scales` and `x/w/grad_block_scaling_dim`, so that TE code that spells them out
+ports unchanged; `Recipe.float8_per_tensor_scaling()` and the current and block recipes'
+`fp8_quant_fwd_inp` / `fp8_quant_fwd_weight` / `fp8_quant_bwd_grad` (QParams) read as in TE.
 
 `Format` keeps TE's shape: `Format.HYBRID.value.max_fwd == 448`, `.max_bwd == 57344`; the
 dtypes are `Format.HYBRID.fwd_dtype` (float8_e4m3fn) and `.bwd_dtype` (float8_e5m2).
@@ -34,6 +37,7 @@ import jax.numpy as jnp
 __all__ = [
     "Format",
     "MMParams",
+    "QParams",
     "Recipe",
     "DelayedScaling",
     "Float8CurrentScaling",
@@ -46,7 +50,9 @@ __all__ = [
 AMAX_COMPUTE_ALGOS = ("max", "most_recent")
 # 2**margin must stay a finite fp32 power of two.
 MAX_MARGIN = 127
+# Float8BlockScaling's tiles by TE's block_scaling_dim: 1 -> 1x128, 2 -> 128x128.
 FP8_BLOCKS = ((1, 128), (128, 128))
+_BLOCK_DIM_FIELDS = ("x_block_scaling_dim", "w_block_scaling_dim", "grad_block_scaling_dim")
 
 
 class FormatMaxima(NamedTuple):
@@ -125,6 +131,17 @@ class MMParams:
         _check_bool("MMParams", "use_split_accumulator", self.use_split_accumulator)
 
 
+@dataclasses.dataclass(frozen=True)
+class QParams:
+    """How a tensor's scale is made (TE's name, read-only here): `power_2_scale` rounds it down
+    to a power of two; `amax_epsilon` is a floor on the amax (0: none; lowbit has no other).
+    Float8CurrentScaling and Float8BlockScaling report theirs as `fp8_quant_fwd_inp`,
+    `fp8_quant_fwd_weight` and `fp8_quant_bwd_grad`, from their own fields."""
+
+    power_2_scale: bool = False
+    amax_epsilon: float = 0.0
+
+
 # TE's defaults: fast accumulation in the forward GEMM, split in dgrad and wgrad.
 _FPROP_DEFAULT = MMParams(use_split_accumulator=False)
 _BACKWARD_DEFAULT = MMParams(use_split_accumulator=True)
@@ -173,6 +190,9 @@ class Recipe:
 
     def float8_current_scaling(self) -> bool:
         return isinstance(self, Float8CurrentScaling)
+
+    def float8_per_tensor_scaling(self) -> bool:
+        return isinstance(self, (DelayedScaling, Float8CurrentScaling))
 
     def mxfp8(self) -> bool:
         return isinstance(self, MXFP8BlockScaling)
@@ -259,33 +279,59 @@ class Float8CurrentScaling(Recipe):
         _check_bool("Float8CurrentScaling", "use_power_2_scales", self.use_power_2_scales)
         _check_mm_params(self)
 
+    @property
+    def fp8_quant_fwd_inp(self) -> QParams:
+        return QParams(power_2_scale=self.use_power_2_scales)
+
+    @property
+    def fp8_quant_fwd_weight(self) -> QParams:
+        return QParams(power_2_scale=self.use_power_2_scales)
+
+    @property
+    def fp8_quant_bwd_grad(self) -> QParams:
+        return QParams(power_2_scale=self.use_power_2_scales)
+
 
 @dataclasses.dataclass(frozen=True)
 class MXFP8BlockScaling(Recipe):
-    """MXFP8: 32-element blocks along the contracting dim with E8M0 (power-of-two) scales."""
+    """MXFP8: 32-element blocks along the contracting dim with E8M0 (power-of-two) scales.
+    `margin`: TE's field, 0 only (the E8M0 scale rule of DESIGN.md section 4 has no margin)."""
 
+    margin: int = 0
     fp8_format: Format = Format.E4M3
     fp8_dpa: bool = False
     fp8_mha: bool = False
 
     def __post_init__(self):
+        if isinstance(self.margin, bool) or not isinstance(self.margin, int) or self.margin != 0:
+            _fail("MXFP8BlockScaling", "margin", "0 (the E8M0 block scale is the block amax's "
+                  "exponent rounded up; it has no margin)", self.margin)
         _check_fp8_format("MXFP8BlockScaling", self.fp8_format)
         _check_attention_fields(self)
 
 
 @dataclasses.dataclass(frozen=True)
 class Float8BlockScaling(Recipe):
-    """FP8 with fp32 block scales (DeepSeek-V3 style, runs on Hopper): 1x128 tiles for
-    activations and gradients, 128x128 for weights. Power-of-two scales by default, as in
-    TE's PyTorch recipe. fp8_gemm_fprop / fp8_gemm_dgrad / fp8_gemm_wgrad: TE's fields, which
-    must say split accumulation: block-scaled GEMMs promote every 128-value block (the only
-    accumulation they have), so fast accumulation is refused rather than ignored."""
+    """FP8 with fp32 block scales (DeepSeek-V3 style, runs on Hopper), TE's fields and
+    defaults: `x_block_scaling_dim`, `w_block_scaling_dim`, `grad_block_scaling_dim` say
+    which tiles x, the kernel and the output gradient are scaled in: 1 = 1x128 (one scale per
+    128 values along a row, in each copy's own orientation), 2 = 128x128; defaults 1, 2, 1.
+    `use_f32_scales`: False (the default) rounds every block scale down to a power of two.
+    fp8_gemm_fprop / fp8_gemm_dgrad / fp8_gemm_wgrad: TE's fields, which must say split
+    accumulation: block-scaled GEMMs promote every 128-value block (the only accumulation they
+    have), so fast accumulation is refused rather than ignored.
 
+    Where TE refuses two 2-D operands in one GEMM (x and w, x and grad, or w and grad both 2),
+    lowbit runs that GEMM exactly through its emulation (cuBLASLt has no 128x128 x 128x128
+    kernel; a one-time notice says so) and the other two on cuBLASLt. The tile shapes are
+    also readable as `x_block`, `w_block`, `grad_block` ((1, 128) or (128, 128)) and the scale
+    rule as `use_power_2_scales`."""
+
+    use_f32_scales: bool = False
     fp8_format: Format = Format.E4M3
-    use_power_2_scales: bool = True
-    x_block: tuple[int, int] = (1, 128)
-    w_block: tuple[int, int] = (128, 128)
-    grad_block: tuple[int, int] = (1, 128)
+    x_block_scaling_dim: int = 1
+    w_block_scaling_dim: int = 2
+    grad_block_scaling_dim: int = 1
     fp8_gemm_fprop: MMParams = _BACKWARD_DEFAULT
     fp8_gemm_dgrad: MMParams = _BACKWARD_DEFAULT
     fp8_gemm_wgrad: MMParams = _BACKWARD_DEFAULT
@@ -296,18 +342,44 @@ class Float8BlockScaling(Recipe):
         name = "Float8BlockScaling"
         _check_attention_fields(self)
         _check_fp8_format(name, self.fp8_format)
-        _check_bool(name, "use_power_2_scales", self.use_power_2_scales)
-        for field in ("x_block", "w_block", "grad_block"):
-            block = getattr(self, field)
-            block = tuple(block) if isinstance(block, (tuple, list)) else block
-            if block not in FP8_BLOCKS:
-                _fail(name, field, f"one of {FP8_BLOCKS}", getattr(self, field))
-            object.__setattr__(self, field, block)
+        _check_bool(name, "use_f32_scales", self.use_f32_scales)
+        for field in _BLOCK_DIM_FIELDS:
+            dim = getattr(self, field)
+            if isinstance(dim, bool) or dim not in (1, 2):
+                _fail(name, field, "1 (1x128 blocks) or 2 (128x128 blocks)", dim)
         _check_mm_params(self)
         for field in _MM_FIELDS:
             if not getattr(self, field).use_split_accumulator:
                 _fail(name, field, "MMParams(use_split_accumulator=True) (block-scaled GEMMs have "
                       "only the split accumulation)", getattr(self, field))
+
+    @property
+    def use_power_2_scales(self) -> bool:
+        return not self.use_f32_scales
+
+    @property
+    def x_block(self) -> tuple[int, int]:
+        return FP8_BLOCKS[self.x_block_scaling_dim - 1]
+
+    @property
+    def w_block(self) -> tuple[int, int]:
+        return FP8_BLOCKS[self.w_block_scaling_dim - 1]
+
+    @property
+    def grad_block(self) -> tuple[int, int]:
+        return FP8_BLOCKS[self.grad_block_scaling_dim - 1]
+
+    @property
+    def fp8_quant_fwd_inp(self) -> QParams:
+        return QParams(power_2_scale=self.use_power_2_scales)
+
+    @property
+    def fp8_quant_fwd_weight(self) -> QParams:
+        return QParams(power_2_scale=self.use_power_2_scales)
+
+    @property
+    def fp8_quant_bwd_grad(self) -> QParams:
+        return QParams(power_2_scale=self.use_power_2_scales)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,7 +15,7 @@ import pytest
 from cuda_lowering import cuda_gemm_calls
 
 import lowbit
-from lowbit.quantize import QuantizerFactory
+from lowbit.quantize import QuantizerFactory, ScalingMode
 from lowbit.recipe import Float8BlockScaling, MXFP8BlockScaling, NVFP4BlockScaling
 from conftest import rel_err
 
@@ -205,3 +205,93 @@ def test_nvfp4_dense_needs_a_key_for_its_gradients():
     qs = QuantizerFactory.create_set(NVFP4BlockScaling())
     with pytest.raises(ValueError, match="stochastic rounding needs a PRNG key"):
         jax.grad(lambda x: jnp.sum(lowbit.dense(x, jnp.ones((32, 32)), quantizer_set=qs)))(jnp.ones((4, 32)))
+
+
+# TE's Float8BlockScaling tile choices (x, w, grad block_scaling_dim: 1 = 1x128, 2 = 128x128):
+# the four TE accepts, and (2, 2, 1), which TE refuses and lowbit runs with its forward GEMM
+# (2-D by 2-D) emulated.
+BLOCK_DIMS = [(1, 2, 1), (1, 1, 1), (2, 1, 1), (1, 1, 2), (2, 2, 1)]
+
+
+def _block_recipe(dims):
+    x, w, g = dims
+    return Float8BlockScaling(x_block_scaling_dim=x, w_block_scaling_dim=w, grad_block_scaling_dim=g)
+
+
+@pytest.mark.parametrize("dims", BLOCK_DIMS, ids=str)
+def test_dense_block_dims_are_products_of_the_dequantized_copies(dims, data):
+    """Every tile choice: each operand's copies are in the tiles the recipe names, and the
+    three GEMMs equal the products of those copies (each is read in its own tiles)."""
+    x, w, bias, dy = data
+    qs = QuantizerFactory.create_set(_block_recipe(dims))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the one-time emulation notice for 2-D by 2-D
+        y, vjp = jax.vjp(jax.jit(lambda x, w, b: lowbit.dense(x, w, b, quantizer_set=qs)), x, w, bias)
+        dx, dw, _ = vjp(dy)
+    both = dict(is_rowwise=True, is_colwise=True, flatten_axis=1)
+    xq, _ = qs.x.quantize(x, **both)
+    wq, _ = qs.kernel.quantize(w, **both)
+    dyq, _ = qs.dgrad.quantize(dy, **both)
+    tiles = {1: ScalingMode.FP8_BLOCK_1x128, 2: ScalingMode.FP8_BLOCK_128x128}
+    for t, dim in ((xq, dims[0]), (wq, dims[1]), (dyq, dims[2])):
+        assert t.rowwise_tensor.scaling_mode == t.colwise_tensor.scaling_mode == tiles[dim]
+    assert_product(np.asarray(y) - bias, deq(xq.rowwise_tensor), deq(wq.colwise_tensor))
+    assert_product(dx, deq(dyq.rowwise_tensor), deq(wq.rowwise_tensor).T)
+    assert_product(dw, deq(xq.colwise_tensor).T, deq(dyq.colwise_tensor))
+
+
+@pytest.mark.parametrize("dims", BLOCK_DIMS, ids=str)
+def test_cuda_lowering_of_block_dims(dims, data, monkeypatch):
+    """Each GEMM's (a, b) scale modes follow the tiles: forward (x, w), dgrad (grad, w),
+    wgrad (x, grad); a 2-D by 2-D pair is no cuBLASLt call (the exact emulation)."""
+    x, w, bias, _ = data
+    qs = QuantizerFactory.create_set(_block_recipe(dims))
+    dense = lambda x, w, b: lowbit.dense(x, w, b, quantizer_set=qs)  # noqa: E731
+    xd, wd, gd = dims
+    want = [p for p in ((xd, wd), (gd, wd), (xd, gd)) if p != (2, 2)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        calls = cuda_gemm_calls(monkeypatch, _grad_program(dense, 3), x, w, bias)
+    assert sorted((c.a_scale_mode, c.b_scale_mode) for c in calls) == sorted(want)
+
+
+def test_te_blockwise_example_ports():
+    """TransformerEngine's Float8BlockScaling example for JAX (its docs' blockwise-scaling
+    page), imports changed, at a smaller size: the recipe's TE fields, autocast and
+    DenseGeneral. Its gradients are those of lowbit.dense with the same recipe's quantizer set
+    (bit for bit: the module adds nothing), and close to the unquantized layer's."""
+    import lowbit as te
+    from lowbit.flax import DenseGeneral
+    from lowbit.recipe import Format
+
+    recipe = Float8BlockScaling(
+        fp8_format=Format.E4M3,
+        x_block_scaling_dim=1,
+        w_block_scaling_dim=2,
+        grad_block_scaling_dim=1,
+    )
+    key = jax.random.PRNGKey(0)
+    with te.autocast(enabled=True, recipe=recipe):
+        layer = DenseGeneral(features=256)
+        x = jax.random.normal(key, (4, 32, 160), dtype=jnp.bfloat16)
+        params = layer.init(key, x)
+        params = jax.tree.map(lambda p: p + 0.1 * jax.random.normal(jax.random.PRNGKey(3), p.shape), params)
+
+        def loss_fn(params):
+            output = layer.apply(params, x)
+            return output.sum()
+
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+    from flax.core.meta import unbox
+
+    params, grads = unbox(params), unbox(grads)  # the modules' params carry their logical axes
+    kernel, bias = params["params"]["kernel"], params["params"]["bias"]
+    qs = QuantizerFactory.create_set(recipe)
+    want = jax.grad(lambda k, b: lowbit.dense(x, k, b, contracting_dims=((2,), (0,)),
+                                              quantizer_set=qs).sum(), argnums=(0, 1))(kernel, bias)
+    for got, w in zip((grads["params"]["kernel"], grads["params"]["bias"]), want):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(w))
+    ref = jax.grad(lambda k, b: (x.astype(jnp.float32) @ k + b).sum(), argnums=(0, 1))(kernel, bias)
+    assert rel_err(grads["params"]["kernel"], ref[0]) < BWD_TOL
+    np.testing.assert_allclose(grads["params"]["bias"], ref[1], rtol=1e-6)
+    assert np.isfinite(float(loss))

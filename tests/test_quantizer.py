@@ -349,7 +349,9 @@ def test_nvfp4_quantizers_quantize_and_sr_needs_a_key():
 
 
 @pytest.mark.parametrize("recipe", [MXFP8BlockScaling(), Float8BlockScaling(),
-                                    Float8BlockScaling(use_power_2_scales=True)], ids=str)
+                                    Float8BlockScaling(use_f32_scales=True),
+                                    Float8BlockScaling(x_block_scaling_dim=2, w_block_scaling_dim=1)],
+                         ids=str)
 def test_block_quantizers_build_scaled_tensors(recipe, rng):
     # The factory's block quantizers return ScaledTensor2x of the lowbit.ops.quantize_block
     # outputs (checked bit for bit against numpy in test_quantize_block_ops.py); here: the

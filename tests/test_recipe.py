@@ -49,7 +49,10 @@ def test_defaults():
     assert not Float8CurrentScaling().use_power_2_scales
     assert MXFP8BlockScaling().fp8_format == Format.E4M3
     b = Float8BlockScaling()
+    assert (b.x_block_scaling_dim, b.w_block_scaling_dim, b.grad_block_scaling_dim) == (1, 2, 1)
     assert (b.x_block, b.w_block, b.grad_block) == ((1, 128), (128, 128), (1, 128))
+    assert b.use_power_2_scales and not b.use_f32_scales
+    assert MXFP8BlockScaling().margin == 0
     n = NVFP4BlockScaling()
     assert not (n.disable_rht or n.disable_stochastic_rounding or n.disable_2d_quantization)
 
@@ -97,9 +100,13 @@ def test_kind_queries():
         (lambda: Float8CurrentScaling(use_power_2_scales="yes"), "use_power_2_scales"),
         (lambda: MXFP8BlockScaling(fp8_format=Format.E5M2), "fp8_format"),
         (lambda: Float8BlockScaling(fp8_format=Format.E5M2), "fp8_format"),
-        (lambda: Float8BlockScaling(x_block=(1, 64)), "x_block"),
-        (lambda: Float8BlockScaling(w_block=(64, 64)), "w_block"),
-        (lambda: Float8BlockScaling(grad_block=128), "grad_block"),
+        (lambda: Float8BlockScaling(x_block_scaling_dim=3), "x_block_scaling_dim"),
+        (lambda: Float8BlockScaling(w_block_scaling_dim=0), "w_block_scaling_dim"),
+        (lambda: Float8BlockScaling(grad_block_scaling_dim=True), "grad_block_scaling_dim"),
+        (lambda: Float8BlockScaling(grad_block_scaling_dim=(1, 128)), "grad_block_scaling_dim"),
+        (lambda: Float8BlockScaling(use_f32_scales=1), "use_f32_scales"),
+        (lambda: MXFP8BlockScaling(margin=1), "margin"),
+        (lambda: MXFP8BlockScaling(margin=0.0), "margin"),
         (lambda: NVFP4BlockScaling(disable_rht=None), "disable_rht"),
         (lambda: NVFP4BlockScaling(disable_2d_quantization=0), "disable_2d_quantization"),
     ],
@@ -109,10 +116,28 @@ def test_invalid_values_name_the_field(make, field):
         make()
 
 
-def test_block_shapes_become_tuples():
-    r = Float8BlockScaling(x_block=[128, 128])
-    assert r.x_block == (128, 128)
-    assert hash(r) == hash(Float8BlockScaling(x_block=(128, 128)))
+@pytest.mark.parametrize("dims", [(1, 2, 1), (1, 1, 1), (2, 1, 1), (1, 1, 2), (2, 2, 1)])
+def test_block_scaling_dims_name_the_tiles(dims):
+    # TE's spelling: 1 = 1x128 tiles, 2 = 128x128. (2, 2, 1) is one TE refuses (2-D by 2-D
+    # forward GEMM); lowbit takes it and emulates that GEMM (tests/test_dense_block.py).
+    x, w, g = dims
+    r = Float8BlockScaling(x_block_scaling_dim=x, w_block_scaling_dim=w, grad_block_scaling_dim=g)
+    tiles = {1: (1, 128), 2: (128, 128)}
+    assert (r.x_block, r.w_block, r.grad_block) == (tiles[x], tiles[w], tiles[g])
+    assert r == Float8BlockScaling(**{f"{n}_block_scaling_dim": d for n, d in zip("xw", (x, w))},
+                                   grad_block_scaling_dim=g)
+    assert hash(r) == hash(dataclasses.replace(r))
+    assert dataclasses.replace(r, x_block_scaling_dim=2).x_block == (128, 128)
+
+
+def test_te_query_methods_and_qparams():
+    from lowbit.recipe import QParams
+
+    assert [r.float8_per_tensor_scaling() for r in ALL_RECIPES] == [True, True, False, False, False]
+    assert Float8BlockScaling().fp8_quant_fwd_inp == QParams(power_2_scale=True, amax_epsilon=0.0)
+    assert Float8BlockScaling(use_f32_scales=True).fp8_quant_bwd_grad == QParams(power_2_scale=False)
+    assert Float8CurrentScaling().fp8_quant_fwd_weight == QParams(power_2_scale=False)
+    assert Float8CurrentScaling(use_power_2_scales=True).fp8_quant_fwd_inp.power_2_scale
 
 
 @pytest.mark.parametrize("recipe", ALL_RECIPES, ids=lambda r: type(r).__name__)
