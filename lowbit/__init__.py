@@ -24,9 +24,30 @@ from lowbit.softmax import softmax  # noqa: E402
 _LAZY = ("flax", "checkpoint_policies", "sharding")
 
 
+# TE's top-level names (transformer_engine.jax): the collection where lowbit's modules keep
+# delayed-scaling state (lowbit's is `_overwrite_with_gradient`, see lowbit.flax; code that
+# indexes variables by this constant ports), and its dict merge.
+NVTE_FP8_COLLECTION_NAME = "_overwrite_with_gradient"
+
+
+def update_collections(new, original):
+    """TE's helper: `original` (a dict or FrozenDict of Flax collections) with the collections
+    of `new` put in place of (or beside) its own; the result has original's type."""
+    from flax.core.frozen_dict import FrozenDict
+
+    for arg, value in (("new", new), ("original", original)):
+        if not isinstance(value, (dict, FrozenDict)):
+            raise TypeError(f"lowbit.update_collections: {arg}: expected a dict or FrozenDict, got "
+                            f"{type(value).__name__}")
+    merged = {**{k: v for k, v in dict(original).items() if k not in new}, **dict(new)}
+    return FrozenDict(merged) if isinstance(original, FrozenDict) else merged
+
+
 def __getattr__(name):
     if name in _LAZY:
         return importlib.import_module(f"lowbit.{name}")
+    if name == "MeshResource":  # TE exports it at the top level too
+        return importlib.import_module("lowbit.sharding").MeshResource
     raise AttributeError(f"module 'lowbit' has no attribute {name!r}")
 
 
@@ -48,5 +69,8 @@ __all__ = [
     "flax",
     "checkpoint_policies",
     "sharding",
+    "MeshResource",
+    "NVTE_FP8_COLLECTION_NAME",
+    "update_collections",
     "__version__",
 ]

@@ -24,6 +24,7 @@ its own quantize() of the activation in x's dtype.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from functools import partial
 
 import jax
@@ -47,6 +48,30 @@ def parse_activation_type(op: str, activation_type) -> tuple[str, bool]:
         return t[0], True
     raise ValueError(f"{op}: activation_type: expected one of (name,) or (name, 'linear') with "
                      f"name in {_NAMES}, or ('clamped_silu', 'clamped_linear'); got {activation_type!r}")
+
+
+# TE's ClampedSwigluParams defaults: the clamped swiglu that the fused MLP paths run
+# (lowbit.layernorm_mlp, the LayerNormMLP modules); activation() takes other values.
+CLAMPED_SWIGLU_DEFAULTS = {"limit": 7.0, "alpha": 1.702}
+
+
+def check_activation_params(op: str, activation_params) -> None:
+    """TE's `activation_params` of layernorm_mlp / LayerNormMLP (a dict for
+    ActivationParams.create): None, or clamped swiglu's at TE's defaults; anything else is an
+    error naming op (lowbit's fused MLP kernels run those defaults only)."""
+    if activation_params is None:
+        return
+    ok = (isinstance(activation_params, Mapping)  # a module field arrives as a FrozenDict
+          and set(activation_params) <= set(CLAMPED_SWIGLU_DEFAULTS))
+    if ok:
+        try:
+            ok = all(float(v) == CLAMPED_SWIGLU_DEFAULTS[k] for k, v in activation_params.items())
+        except (TypeError, ValueError):
+            ok = False
+    if not ok:
+        raise ValueError(f"{op}: activation_params: expected None or clamped swiglu's defaults "
+                         f"{CLAMPED_SWIGLU_DEFAULTS} (other values: lowbit.activation(act_params=...)), "
+                         f"got {activation_params!r}")
 
 
 def _params(act_params):

@@ -86,6 +86,7 @@ from lowbit.quantize.quantizer import (
 )
 from lowbit.quantize.scaling_modes import ScalingMode
 from lowbit.quantize.tensor import ScaledTensor1x, ScaledTensor2x, colwise_permutation
+from lowbit.sharding import check_batch_first, logical_constraint
 
 # Names under which the GEMM outputs are visible to remat policies (checkpoint_policies.py).
 GEMM_CHECKPOINT_NAME = "lowbit_gemm"
@@ -342,15 +343,27 @@ def dense(
     contracting_dims=((1,), (0,)),
     quantizer_set: QuantizerSet = noop_quantizer_set,
     sr_key=None,
+    *,
+    input_axes=None,
+    kernel_axes=None,
+    output_axes=None,
+    transpose_batch_sequence: bool = False,
 ) -> jax.Array:
     """x . kernel over `contracting_dims` (+ bias over the kernel's free dims), quantized by
     `quantizer_set` (see the module docstring). The output has x's free dims then the
     kernel's free dims, in x's dtype. sr_key: the PRNG key of NVFP4's stochastic rounding
     (a stream per quantizer) and of the RHT sign vector x's and dy's colwise copies share
-    (with_sr_key)."""
+    (with_sr_key). TE's keywords: input_axes, kernel_axes, output_axes: logical sharding
+    constraints (axis names, one per dim) on x, kernel and the output, as
+    lowbit.sharding.logical_constraint applies them; transpose_batch_sequence: False only."""
+    check_batch_first("lowbit.dense", transpose_batch_sequence)
     require_quantizer_set("lowbit.dense", quantizer_set)
     quantizer_set = with_sr_key(quantizer_set, sr_key)
     x, kernel = jnp.asarray(x), jnp.asarray(kernel)
+    if input_axes or kernel_axes or output_axes:
+        x, kernel = logical_constraint(x, input_axes), logical_constraint(kernel, kernel_axes)
+        y = dense(x, kernel, bias, contracting_dims, quantizer_set)
+        return logical_constraint(y, output_axes)
     bias = None if bias is None else jnp.asarray(bias)
     x, kernel, n_contract = _canonical(x, kernel, contracting_dims)
     out_free = kernel.shape[n_contract:]

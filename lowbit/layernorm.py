@@ -23,7 +23,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from lowbit.ops.norm import norm_backward, norm_forward
+from lowbit.ops.norm import canonical_norm_type, norm_backward, norm_forward
 from lowbit.quantize.delayed import scale_inverse
 from lowbit.quantize.quantizer import DelayedScaleQuantizer, check_quantizer, no_gradient
 from lowbit.quantize.tensor import ScaledTensor1x, ScaledTensor2x
@@ -123,7 +123,7 @@ def quantized_layernorm(x, gamma, beta=None, norm_type: str = "layernorm",
 def _prepare(op, x, gamma, beta, norm_type, zero_centered_gamma, epsilon):
     x, gamma = jnp.asarray(x), jnp.asarray(gamma)
     beta = None if beta is None else jnp.asarray(beta)
-    cfg = NormConfig(norm_type, bool(zero_centered_gamma), float(epsilon))
+    cfg = NormConfig(canonical_norm_type(norm_type), bool(zero_centered_gamma), float(epsilon))
     cfg.check(op, x, gamma, beta)
     return x, gamma, beta, cfg
 

@@ -32,9 +32,9 @@ from lowbit.dense import (backward_gemms, check_quantizer_set, dense, forward_ge
                           require_quantizer_set, with_sr_key)
 from lowbit.layernorm import NormConfig, layernorm, norm_quantize
 from lowbit.ops.fused_block import fused_block_enabled, norm_quantize_block, norm_stats
-from lowbit.ops.norm import norm_backward, norm_forward
+from lowbit.ops.norm import canonical_norm_type, norm_backward, norm_forward
 from lowbit.quantize.quantizer import QuantizerSet, noop_quantizer_set
-from lowbit.sharding import logical_constraint
+from lowbit.sharding import check_batch_first, logical_constraint
 
 __all__ = ["layernorm_dense", "norm_block_quantized"]
 
@@ -63,22 +63,26 @@ def layernorm_dense(
     quantizer_set: QuantizerSet = noop_quantizer_set,
     return_layernorm_output: bool = False,
     sr_key=None,
+    *,
+    transpose_batch_sequence: bool = False,
 ):
     """norm(x) . kernel (+ bias): x (..., H), kernel (H, N...), output (..., N...) in x's
     dtype; with return_layernorm_output, (output, norm(x)). sr_key: the PRNG key of NVFP4's
     stochastic rounding and RHT signs, given to the set as lowbit.dense does (with_sr_key: SR
     streams per quantizer, one sign vector for ln's and dy's colwise copies).
     layernorm_input_axes, kernel_axes: logical sharding constraints on x and kernel;
-    dot_input_axes: accepted, not applied (lowbit.sharding says why)."""
+    dot_input_axes: accepted, not applied (lowbit.sharding says why); transpose_batch_sequence
+    (TE's keyword): False only."""
     del dot_input_axes  # names the norm's quantized copies, inside the fused op
     op = "lowbit.layernorm_dense"
+    check_batch_first(op, transpose_batch_sequence)
     require_quantizer_set(op, quantizer_set)
     quantizer_set = with_sr_key(quantizer_set, sr_key)
     x, kernel, gamma = jnp.asarray(x), jnp.asarray(kernel), jnp.asarray(gamma)
     beta = None if beta is None else jnp.asarray(beta)
     bias = None if bias is None else jnp.asarray(bias)
     x, kernel = logical_constraint(x, layernorm_input_axes), logical_constraint(kernel, kernel_axes)
-    cfg = NormConfig(norm_type, bool(zero_centered_gamma), float(epsilon))
+    cfg = NormConfig(canonical_norm_type(norm_type), bool(zero_centered_gamma), float(epsilon))
     cfg.check(op, x, gamma, beta)
     if kernel.ndim == 0 or kernel.shape[0] != x.shape[-1]:
         raise ValueError(f"{op}: kernel: expected first dim {x.shape[-1]} (x's hidden), got {kernel.shape}")

@@ -42,15 +42,15 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from lowbit.activation import block_quantized, block_quantizes, parse_activation_type
+from lowbit.activation import block_quantized, block_quantizes, check_activation_params, parse_activation_type
 from lowbit.dense import (backward_gemms, check_quantizer_set, dense, dgrad_wgrad, forward_gemm, quantize_2x,
                           require_quantizer_set, with_sr_key)
 from lowbit.layernorm import NormConfig, fused_2x, layernorm, norm_quantize
 from lowbit.layernorm_dense import norm_block_quantized
 from lowbit.ops.activation import act_backward, act_forward
-from lowbit.ops.norm import norm_backward
+from lowbit.ops.norm import canonical_norm_type, norm_backward
 from lowbit.quantize.quantizer import DelayedScaleQuantizer, noop_quantizer_set
-from lowbit.sharding import logical_constraint
+from lowbit.sharding import check_batch_first, logical_constraint
 
 __all__ = ["layernorm_mlp"]
 
@@ -89,6 +89,9 @@ def layernorm_mlp(
     activation_type: Sequence[str] = ("gelu",),
     quantizer_sets=(noop_quantizer_set, noop_quantizer_set),
     sr_key=None,
+    *,
+    activation_params: dict | None = None,
+    transpose_batch_sequence: bool = False,
 ) -> jax.Array:
     """The MLP block of a transformer layer: x (..., H), kernels (wi (H, n_act, F) or (H, F),
     wo (F, H)), biases (wi_bias (n_act, F) or (F,), wo_bias (H,); None for none). sr_key: the
@@ -96,9 +99,13 @@ def layernorm_mlp(
     with_sr_key(quantizer_sets[i], fold_in(sr_key, i)) (lowbit.dense.with_sr_key): SR streams
     per quantizer, one RHT sign vector per GEMM, shared by the copies its wgrad multiplies.
     norm_input_axes, kernel_1_axes, kernel_2_axes: logical sharding constraints on x, wi and
-    wo; dot_1_input_axes, dot_2_input_axes: accepted, not applied (lowbit.sharding says why)."""
+    wo; dot_1_input_axes, dot_2_input_axes: accepted, not applied (lowbit.sharding says why).
+    TE's keywords: activation_params None or clamped swiglu's defaults (limit 7.0, alpha
+    1.702, what the fused kernels run), transpose_batch_sequence False only."""
     del dot_1_input_axes, dot_2_input_axes  # name the fused ops' quantized copies
     op = "lowbit.layernorm_mlp"
+    check_batch_first(op, transpose_batch_sequence)
+    check_activation_params(op, activation_params)
     for arg, value in (("kernels", kernels), ("biases", biases), ("quantizer_sets", quantizer_sets)):
         if not isinstance(value, (tuple, list)) or len(value) != 2:
             raise ValueError(f"{op}: {arg}: expected a pair (one per GEMM), got {type(value).__name__}"
@@ -108,7 +115,7 @@ def layernorm_mlp(
     biases = tuple(None if b is None else jnp.asarray(b) for b in biases)
     beta = None if beta is None else jnp.asarray(beta)
     x, gamma = logical_constraint(jnp.asarray(x), norm_input_axes), jnp.asarray(gamma)
-    cfg = NormConfig(norm_type, bool(zero_centered_gamma), float(epsilon))
+    cfg = NormConfig(canonical_norm_type(norm_type), bool(zero_centered_gamma), float(epsilon))
     cfg.check(op, x, gamma, beta)
     act_type, gated = parse_activation_type(op, activation_type)
     wi = logical_constraint(jnp.asarray(kernels[0]), kernel_1_axes)

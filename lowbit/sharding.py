@@ -95,6 +95,15 @@ class MeshResource:
         return tuple(dict.fromkeys(n for n in names if n is not None))
 
 
+def check_batch_first(op: str, transpose_batch_sequence) -> None:
+    """TE's `transpose_batch_sequence` (sequence-first inputs): False only, lowbit's dense,
+    layernorm_dense, layernorm_mlp and modules take batch-first inputs; True is an error
+    naming op, not a silent no-op."""
+    if transpose_batch_sequence is not False:
+        raise ValueError(f"{op}: transpose_batch_sequence: expected False (lowbit takes batch-first "
+                         f"inputs), got {transpose_batch_sequence!r}")
+
+
 def logical_constraint(x, axes):
     """x under a logical sharding constraint when `axes` (logical axis names, one per dim) is
     given: flax.linen.with_logical_constraint, i.e. the current logical axis rules and mesh

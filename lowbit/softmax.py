@@ -2,7 +2,7 @@
 custom_vjp over lowbit's fused softmax ops (lowbit.ops.softmax_forward / softmax_backward).
 
 softmax_fusion_type: SoftmaxType.SCALED, SCALED_MASKED or SCALED_UPPER_TRIANG_MASKED (TE's
-names), or the strings "scaled", "scaled_masked", "scaled_upper_triang". Semantics, mask
+names; `SoftmaxFusionType` is the same enum under TE 2.x's name), or the strings "scaled", "scaled_masked", "scaled_upper_triang". Semantics, mask
 convention (1 = masked out, logit -> -10000) and limits: lowbit/ops/softmax.py. The backward
 uses the forward output only: dx = scale * (y * dy - y * sum(y * dy)); the mask gets no
 gradient. A mask with any other fusion type is an error (TE's function ignores it there).
@@ -23,6 +23,19 @@ class SoftmaxType(enum.Enum):
     SCALED = "scaled"
     SCALED_MASKED = "scaled_masked"
     SCALED_UPPER_TRIANG_MASKED = "scaled_upper_triang"
+
+
+# TE 2.x's name for the same enum (its Softmax module's softmax_fusion_type field).
+SoftmaxFusionType = SoftmaxType
+
+
+class AttnSoftmaxType(enum.Enum):
+    """TE's softmax variants (its Softmax module's `softmax_type`): lowbit runs the vanilla
+    softmax only; the others are an error where they are asked for (lowbit.flax.Softmax)."""
+
+    VANILLA_SOFTMAX = "vanilla"
+    OFF_BY_ONE_SOFTMAX = "off_by_one"
+    LEARNABLE_SOFTMAX = "learnable"
 
 
 def _fusion_name(t) -> str:

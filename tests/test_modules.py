@@ -256,7 +256,7 @@ def test_lora(module):
 
 
 def test_layernorm_dense_outputs_and_depth_scaling():
-    module = LayerNormDenseGeneral(16, depth_scaling=4.0)
+    module = LayerNormDenseGeneral(16, depth_scaling=4.0, return_layernorm_output=True)
     x = x_in()
     v = init(module, x)
     y, ln = run(module, v, x)

@@ -256,13 +256,13 @@ def test_nvfp4_layernorm_mlp_keys_equal_the_functional_ones():
     from lowbit.recipe import NVFP4BlockScaling
 
     recipe = NVFP4BlockScaling()
-    model = lnnx.LayerNormMLP(H, F, return_layernorm_output=False, quantization_recipe=recipe, rngs=nnx.Rngs(0))
+    model = lnnx.LayerNormMLP(H, F, quantization_recipe=recipe, rngs=nnx.Rngs(0))  # TE's defaults: gelu, no ln output
     x, key = x_in(7), jax.random.PRNGKey(10)
     qs = (QuantizerFactory.create_set(recipe), QuantizerFactory.create_set(recipe))
     got = nnx.grad(lambda m: jnp.sum(out0(m(x, deterministic=True, sr_key=key)) ** 2))(model)
     scale, ln_bias = model.scale[...], model.ln_bias[...]
     want = jax.grad(lambda wi, wo: jnp.sum(lowbit.layernorm_mlp(
-        x, scale, ln_bias, (wi, wo), activation_type=("relu",), quantizer_sets=qs, sr_key=key) ** 2),
+        x, scale, ln_bias, (wi, wo), activation_type=("gelu",), quantizer_sets=qs, sr_key=key) ** 2),
         argnums=(0, 1))(model.wi_kernel[...], model.wo_kernel[...])
     for name, w in zip(("wi_kernel", "wo_kernel"), want):
         assert np.abs(np.asarray(w)).max() > 0

@@ -17,6 +17,10 @@ makes of it an SR key per quantizer and one RHT sign key per GEMM, shared by the
 wgrad multiplies); a forward without it runs (no SR there; RHT signs all +), a gradient
 without it raises an error naming "sr_rng". This holds for
 make_dot_general_cls, wrap_function_in_state_module and the modules of module.py alike.
+
+`wrap_function_in_te_state_module` is TE's calling convention (f gets a
+`generate_quantizer_set` callable first; the class is named TEWrapper_*), lowbit's
+`wrap_function_in_state_module` passes the set as the `quantizer_set` keyword instead.
 """
 
 from __future__ import annotations
@@ -92,7 +96,25 @@ def wrap_function_in_state_module(f, quantization_recipe, name: str | None = Non
     return Wrapper
 
 
-wrap_function_in_te_state_module = wrap_function_in_state_module
+def wrap_function_in_te_state_module(f, quantization_recipe, name: str | None = None):
+    """TransformerEngine's form of wrap_function_in_state_module, for TE code ported as is: a
+    Linen module class named `TEWrapper_{name or f.__name__}` (TE's name, so variable paths
+    match TE's) whose __call__(*args, **kwargs) calls f(generate_quantizer_set, *args,
+    **kwargs); `generate_quantizer_set(postfix="")` returns the recipe's set bound to this
+    module's state, which lives in `_overwrite_with_gradient` (postfix tells several GEMMs of
+    one f apart: "_0", "_1")."""
+
+    class TEWrapper(nn.Module):
+        def generate_quantizer_set(self, postfix: str = ""):
+            quantizer_set = QuantizerFactory.create_set(quantization_recipe)
+            return _bind_state(self, quantizer_set, postfix)
+
+        @nn.compact
+        def __call__(self, *args, **kwargs):
+            return f(self.generate_quantizer_set, *args, **kwargs)
+
+    TEWrapper.__name__ = TEWrapper.__qualname__ = f"TEWrapper_{name or f.__name__}"
+    return TEWrapper
 
 
 def make_dot_general_cls(quantization_recipe):

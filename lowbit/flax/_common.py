@@ -34,7 +34,8 @@ from lowbit.sharding import logical_constraint
 
 # Activation tuples the fused activation kernels take (TE's pools); anything else (a
 # callable, another flax.linen activation name) runs through the composed path.
-GATED_ACTIVATIONS = tuple((a, "linear") for a in ("gelu", "silu", "relu", "quick_gelu", "squared_relu"))
+GATED_ACTIVATIONS = tuple((a, "linear") for a in ("gelu", "silu", "relu", "quick_gelu", "squared_relu")) + (
+    ("clamped_silu", "clamped_linear"),)  # GPT-OSS's clamped swiglu, at TE's default limit and alpha
 PLAIN_ACTIVATIONS = tuple((a,) for a in ("gelu", "silu", "relu", "quick_gelu", "squared_relu"))
 
 

@@ -30,10 +30,14 @@ import jax.numpy as jnp
 from flax import linen as nn
 
 from lowbit.flax import OVERWRITE_WITH_GRADIENT, _bind_state
+from lowbit.activation import check_activation_params
 from lowbit.flax import _common as C
+from lowbit.ops.norm import canonical_norm_type
 from lowbit.quantize.helper import QuantizerFactory, get_global_recipe
 from lowbit.quantize.quantizer import QuantizerSet
 from lowbit.recipe import Recipe
+from lowbit.sharding import check_batch_first
+from lowbit.softmax import AttnSoftmaxType
 
 Initializer = Callable[..., Any]
 
@@ -45,6 +49,8 @@ __all__ = [
     "LayerNormDenseGeneral",
     "LayerNormMLP",
     "Softmax",
+    "make_dot_general_cls",
+    "wrap_function_in_te_state_module",
 ]
 
 
@@ -55,6 +61,7 @@ def _param(module: nn.Module, name: str, init, axes, shape, dtype):
 
 
 def _norm_params(module, norm_type, hidden, scale_init, scale_axes, bias_init, bias_axes, dtype):
+    norm_type = canonical_norm_type(norm_type)  # TE's spellings: "LayerNorm", "rms_norm", ...
     scale = _param(module, "scale", scale_init, scale_axes, (hidden,), dtype)
     if norm_type == "rmsnorm":
         return scale, None
@@ -73,6 +80,20 @@ def _lora_params(module, prefix, kernel_init, in_shape, features, rank, dtype):
     return a, b
 
 
+def _check_te_fields(module, op: str) -> None:
+    """TE's fields that lowbit takes at their defaults only (an error, never a silent no-op):
+    transpose_batch_sequence (lowbit's modules take batch-first inputs),
+    quantization_checkpoint_name (remat names lowbit's GEMM outputs through
+    lowbit.checkpoint_policies instead of the quantized copies), and LayerNormMLP's
+    activation_params (clamped swiglu at TE's defaults, limit 7.0 and alpha 1.702)."""
+    check_batch_first(op, module.transpose_batch_sequence)
+    if module.quantization_checkpoint_name is not None:
+        raise ValueError(f"{op}: quantization_checkpoint_name: expected None (name the GEMM outputs "
+                         "for remat with lowbit.checkpoint_policies), got "
+                         f"{module.quantization_checkpoint_name!r}")
+    check_activation_params(op, getattr(module, "activation_params", None))
+
+
 class LowbitModuleBase(nn.Module):
     """Base of the quantized modules: builds a GEMM's QuantizerSet from the module's
     `quantization_recipe` or the active autocast recipe, bound to this module's
@@ -84,8 +105,14 @@ class LowbitModuleBase(nn.Module):
         return self.quantization_recipe if self.quantization_recipe is not None else get_global_recipe()
 
     def generate_quantizer_set(self, postfix: str = "", variable_collection: str | None = None,
+                               quantization_checkpoint_name: str | None = None,
                                fp8_recipe: Recipe | None = None) -> QuantizerSet:
-        """The QuantizerSet of one GEMM; `postfix` tells a module's GEMMs apart ("_0", "_1")."""
+        """The QuantizerSet of one GEMM; `postfix` tells a module's GEMMs apart ("_0", "_1").
+        TE's signature; quantization_checkpoint_name: None only (see _check_te_fields)."""
+        if quantization_checkpoint_name is not None:
+            raise ValueError("lowbit.flax: generate_quantizer_set: quantization_checkpoint_name: "
+                             "expected None (name the GEMM outputs for remat with "
+                             f"lowbit.checkpoint_policies), got {quantization_checkpoint_name!r}")
         recipe = fp8_recipe if fp8_recipe is not None else self.active_recipe()
         quantizer_set = QuantizerFactory.create_set(recipe) if recipe is not None else QuantizerSet()
         return _bind_state(self, quantizer_set, postfix,
@@ -104,9 +131,13 @@ class Softmax(nn.Module):
 
     scale_factor: float = 1.0
     softmax_fusion_type: str = "scaled"
+    softmax_type: Any = AttnSoftmaxType.VANILLA_SOFTMAX
 
     @nn.compact
     def __call__(self, inputs, mask=None, bias=None):
+        if self.softmax_type not in (AttnSoftmaxType.VANILLA_SOFTMAX, "vanilla"):
+            raise ValueError("lowbit.flax.Softmax: softmax_type: expected AttnSoftmaxType.VANILLA_SOFTMAX "
+                             f"(lowbit has no off-by-one or learnable softmax), got {self.softmax_type!r}")
         return C.softmax_general(inputs, mask, bias, self.scale_factor, self.softmax_fusion_type)
 
 
@@ -148,9 +179,12 @@ class DenseGeneral(LowbitModuleBase):
     axis: int | Iterable[int] = -1
     dtype: Any = jnp.float32
     input_axes: tuple[str, ...] = ()
+    transpose_batch_sequence: bool = False
+    quantization_checkpoint_name: str | None = None
 
     @nn.compact
     def __call__(self, inputs):
+        _check_te_fields(self, "lowbit.flax.DenseGeneral")
         features = C.check_features("lowbit.flax.DenseGeneral", C.canonicalize_tuple(self.features))
         axis = C.normalize_axes(C.canonicalize_tuple(self.axis), inputs.ndim, "lowbit.flax.DenseGeneral")
         in_shape = tuple(inputs.shape[ax] for ax in axis)
@@ -186,7 +220,7 @@ class LayerNormDenseGeneral(LowbitModuleBase):
     use_bias: bool = False
     bias_init: Initializer = nn.initializers.zeros
     bias_axes: tuple[str, ...] = ()
-    return_layernorm_output: bool = True
+    return_layernorm_output: bool = False
     enable_low_rank_adaptation: bool = False
     low_rank_adaptation_dim: int = 32
     low_rank_adaptation_alpha: float | None = None
@@ -195,9 +229,12 @@ class LayerNormDenseGeneral(LowbitModuleBase):
     layernorm_input_axes: tuple[str, ...] | None = None
     dot_input_axes: tuple[str, ...] | None = None
     depth_scaling: float | None = None
+    transpose_batch_sequence: bool = False
+    quantization_checkpoint_name: str | None = None
 
     @nn.compact
     def __call__(self, inputs):
+        _check_te_fields(self, "lowbit.flax.LayerNormDenseGeneral")
         C.check_last_axis("lowbit.flax.LayerNormDenseGeneral", self.axis, inputs.ndim)
         hidden = inputs.shape[-1]
         features = C.canonicalize_tuple(self.features)
@@ -255,10 +292,11 @@ class LayerNormMLP(LowbitModuleBase):
     bias_init: Initializer = nn.initializers.zeros
     bias_axes_1: tuple[str, ...] = ("act", "mlp")
     bias_axes_2: tuple[str, ...] = ("embed",)
-    return_layernorm_output: bool = True
-    activations: Sequence[str | Callable] = ("relu",)
+    return_layernorm_output: bool = False
+    activations: Sequence[str | Callable] = ("gelu",)
+    activation_params: dict | None = None
     intermediate_dropout_rng_name: str = "dropout"
-    intermediate_dropout_rate: float = 0.1
+    intermediate_dropout_rate: float = 0.0
     intermediate_hidden_dropout_dims: Sequence[int] = ()
     enable_low_rank_adaptation: bool = False
     low_rank_adaptation_dim: int = 32
@@ -270,9 +308,12 @@ class LayerNormMLP(LowbitModuleBase):
     dot_2_input_axes: tuple[str, ...] | None = None
     ffn1_ckpt_name: str = "ffn1"
     ffn2_ckpt_name: str = "ffn2"
+    transpose_batch_sequence: bool = False
+    quantization_checkpoint_name: str | None = None
 
     @nn.compact
     def __call__(self, inputs, deterministic: bool = False):
+        _check_te_fields(self, "lowbit.flax.LayerNormMLP")
         C.check_last_axis("lowbit.flax.LayerNormMLP", self.axis, inputs.ndim)
         qs1 = self.generate_quantizer_set("_0")
         qs2 = self.generate_quantizer_set("_1")
@@ -316,3 +357,6 @@ class LayerNormMLP(LowbitModuleBase):
             activations=acts, want_ln=self.return_layernorm_output, dropout=dropout, lora=lora,
             ffn1_ckpt_name=self.ffn1_ckpt_name, ffn2_ckpt_name=self.ffn2_ckpt_name)
 
+
+# TE defines these two in flax/module.py as well: the same objects as lowbit.flax's.
+from lowbit.flax import make_dot_general_cls, wrap_function_in_te_state_module  # noqa: E402,F401

@@ -44,6 +44,7 @@ from flax import nnx
 
 from lowbit.dense import with_sr_key
 from lowbit.flax import _common as C
+from lowbit.ops.norm import canonical_norm_type
 from lowbit.quantize.helper import QuantizerFactory, get_global_recipe
 from lowbit.quantize.quantizer import DelayedScaleQuantizer, QuantizerSet
 from lowbit.recipe import DelayedScaling, Recipe
@@ -166,6 +167,7 @@ class Softmax(nnx.Module):
 def _norm_params(num_features, layernorm_type, zero_centered_gamma, scale_init,
                  scale_axes, bias_init, bias_axes, dtype, rngs):
     """(scale, ln_bias or None) Params."""
+    layernorm_type = canonical_norm_type(layernorm_type)  # TE's spellings: "LayerNorm", ...
     if layernorm_type not in ("layernorm", "rmsnorm"):
         raise ValueError(f"lowbit.flax.nnx: layernorm_type: expected 'layernorm' or 'rmsnorm', got {layernorm_type!r}")
     scale_init = C.default_scale_init(scale_init, zero_centered_gamma)
@@ -232,7 +234,7 @@ class LayerNormDenseGeneral(LowbitModuleBase):
                  epsilon: float = 1e-6, zero_centered_gamma: bool = False, scale_init=None,
                  scale_axes=("embed",), ln_bias_init=nn.initializers.zeros, ln_bias_axes=("embed",),
                  kernel_init=None, kernel_axes=(), use_bias: bool = False,
-                 bias_init=nn.initializers.zeros, bias_axes=(), return_layernorm_output: bool = True,
+                 bias_init=nn.initializers.zeros, bias_axes=(), return_layernorm_output: bool = False,
                  enable_low_rank_adaptation: bool = False, low_rank_adaptation_dim: int = 32,
                  low_rank_adaptation_alpha: float | None = None, dtype=jnp.float32,
                  layernorm_input_axes=None, dot_input_axes=None, depth_scaling: float | None = None,
@@ -278,10 +280,10 @@ class LayerNormMLP(LowbitModuleBase):
                  kernel_init=None, kernel_axes_1=("embed", "act", "mlp"), kernel_axes_2=("mlp", "embed"),
                  use_bias: bool = False, bias_init=nn.initializers.zeros,
                  bias_axes_1=("act", "mlp"), bias_axes_2=("embed",),
-                 return_layernorm_output: bool = True,
-                 activations: Sequence[str | Callable] = ("relu",),
+                 return_layernorm_output: bool = False,
+                 activations: Sequence[str | Callable] = ("gelu",),
                  intermediate_dropout_rng_name: str = "dropout",
-                 intermediate_dropout_rate: float = 0.1,
+                 intermediate_dropout_rate: float = 0.0,
                  intermediate_hidden_dropout_dims: Sequence[int] = (),
                  enable_low_rank_adaptation: bool = False, low_rank_adaptation_dim: int = 32,
                  low_rank_adaptation_alpha: float | None = None, dtype=jnp.float32,

@@ -334,7 +334,17 @@ def _bwd_op(cfg: _Bwd):
 
 # ---------------------------------------------------------------- public API
 
+def canonical_norm_type(norm_type):
+    """TE's spellings of a norm type: "LayerNorm", "layer_norm", "RMSNorm", "rms_norm" ...
+    become "layernorm" / "rmsnorm" (lowercased, stripped, without "-" and "_"); anything
+    else is returned unchanged for the caller's check to name."""
+    if isinstance(norm_type, str):
+        return norm_type.lower().strip().replace("-", "").replace("_", "")
+    return norm_type
+
+
 def _norm_type(op: str, norm_type) -> int:
+    norm_type = canonical_norm_type(norm_type)
     if norm_type not in NORM_TYPES:
         raise ValueError(f"{op}: norm_type: expected 'layernorm' or 'rmsnorm', got {norm_type!r}")
     return NORM_TYPES[norm_type]

@@ -254,8 +254,14 @@ class QuantizerFactory:
     ) -> QuantizerSet | tuple[QuantizerSet, ...]:
         """The QuantizerSet of `recipe` (TE's keyword `fp8_recipe` works too), else of the
         active autocast recipe; a set of None (no quantization) when there is neither. With
-        n_quantizer_sets > 1, a tuple of independent sets."""
+        n_quantizer_sets > 1, a tuple of independent sets. TE's positional form,
+        create_set(n_quantizer_sets, fp8_recipe=...), works too: an int first is the count."""
         op = "QuantizerFactory.create_set"
+        if isinstance(recipe, int) and not isinstance(recipe, bool):
+            if n_quantizer_sets != 1:
+                raise ValueError(f"{op}: n_quantizer_sets: given twice, as the first argument "
+                                 f"({recipe}) and by keyword ({n_quantizer_sets})")
+            recipe, n_quantizer_sets = None, recipe
         if recipe is not None and fp8_recipe is not None:
             raise ValueError(f"{op}: pass recipe or fp8_recipe, not both")
         if n_groups is not None:

@@ -1,0 +1,264 @@
+"""TransformerEngine code ports to lowbit by changing its imports: the module defaults of TE's
+source (LayerNormMLP, LayerNormDenseGeneral), wrap_function_in_te_state_module's calling
+convention, TE's fields and keywords taken at their defaults (or an error naming them), norm
+type spellings, and TE's top-level names. Seed 000's usage example runs as written."""
+
+from __future__ import annotations
+
+import flax
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import linen as nn
+from flax.core.meta import unbox
+
+import lowbit
+from lowbit.quantize import QuantizerFactory
+from lowbit.recipe import DelayedScaling, Float8CurrentScaling
+
+
+def _x(shape=(2, 12, 64), seed=0):
+    return jax.random.normal(jax.random.PRNGKey(seed), shape, jnp.float32)
+
+
+def test_seed_000_usage_example_runs_with_imports_changed():
+    # Seed 000's example, imports changed (transformer_engine.jax -> lowbit); before TE's
+    # defaults its apply asked for a "dropout" RNG (intermediate_dropout_rate was 0.1).
+    from lowbit.flax.module import LayerNormMLP
+    from lowbit.quantize import autocast
+    from lowbit.sharding import MeshResource
+
+    class MyTransformerBlock(nn.Module):
+        hidden_dim: int = 64
+        mlp_dim: int = 128
+
+        @nn.compact
+        def __call__(self, x):
+            # Fused LayerNorm + MLP with FP8 quantization
+            x = LayerNormMLP(
+                intermediate_dim=self.mlp_dim,
+                activations=("gelu",),
+            )(x)
+            return x
+
+    model, input_data = MyTransformerBlock(), _x()
+    fp8_recipe, mesh_resource = DelayedScaling(), MeshResource()
+    with autocast(enabled=True, recipe=fp8_recipe, mesh_resource=mesh_resource):
+        params = model.init(jax.random.PRNGKey(1), input_data)
+        output = model.apply(params, input_data)
+    out, ln_out = output
+    assert out.shape == input_data.shape and ln_out is None
+    # The quantized block against the same parameters unquantized (FP8: a few percent).
+    ref, _ = model.apply(params, input_data)
+    assert float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref)) < 0.08
+    assert not np.array_equal(np.asarray(out), np.asarray(ref))  # quantization did happen
+
+
+def test_module_defaults_are_te_s():
+    from lowbit.flax.module import LayerNormDenseGeneral, LayerNormMLP
+
+    mlp = LayerNormMLP()
+    assert mlp.activations == ("gelu",) and mlp.intermediate_dropout_rate == 0.0
+    assert not mlp.return_layernorm_output and not LayerNormDenseGeneral(8).return_layernorm_output
+    x = _x()
+    for module in (LayerNormDenseGeneral(16), LayerNormMLP(32)):
+        v = module.init(jax.random.PRNGKey(0), x)
+        y, ln = module.apply(v, x)
+        assert ln is None and y.shape[:-1] == x.shape[:-1]
+    # gelu is the default: the same as asking for it.
+    v = LayerNormMLP(32).init(jax.random.PRNGKey(0), x)
+    np.testing.assert_array_equal(LayerNormMLP(32).apply(v, x)[0],
+                                  LayerNormMLP(32, activations=("gelu",)).apply(v, x)[0])
+    assert not np.allclose(LayerNormMLP(32).apply(v, x)[0],
+                           LayerNormMLP(32, activations=("relu",)).apply(v, x)[0])
+
+
+def test_wrap_function_in_te_state_module_uses_te_s_calling_convention():
+    from lowbit.flax.module import wrap_function_in_te_state_module
+
+    recipe = DelayedScaling(amax_history_len=4)
+
+    def my_dense(generate_quantizer_set, x, kernel):  # TE's convention: the generator first
+        return lowbit.dense(x, kernel, contracting_dims=((1,), (0,)),
+                            quantizer_set=generate_quantizer_set())
+
+    def two_gemms(generate_quantizer_set, x, k1, k2):
+        h = lowbit.dense(x, k1, quantizer_set=generate_quantizer_set("_0"))
+        return lowbit.dense(h, k2, quantizer_set=generate_quantizer_set("_1"))
+
+    cls = wrap_function_in_te_state_module(my_dense, recipe, "my_dense")
+    assert cls.__name__ == "TEWrapper_my_dense"
+    x = _x((24, 48))
+    kernel = jax.random.normal(jax.random.PRNGKey(2), (48, 40)) / 7
+    v = cls().init(jax.random.PRNGKey(0), x, kernel)
+    state = v[lowbit.NVTE_FP8_COLLECTION_NAME]
+    assert set(state) == {f"{t}_{s}" for t in ("x", "kernel", "grad") for s in ("scale", "amax_history")}
+    assert state["x_amax_history"].shape == (4,)
+    y = cls().apply(v, x, kernel)
+    want = lowbit.dense(x, kernel, quantizer_set=QuantizerFactory.create_set(recipe))
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(want))
+    k2 = jax.random.normal(jax.random.PRNGKey(3), (40, 8)) / 6
+    v2 = wrap_function_in_te_state_module(two_gemms, recipe)().init(jax.random.PRNGKey(0), x, kernel, k2)
+    assert {n for n in v2["_overwrite_with_gradient"] if n.endswith("_scale")} == {
+        f"{t}_{i}_scale" for t in ("x", "kernel", "grad") for i in (0, 1)}
+    # lowbit's own form keeps passing the set as a keyword.
+    own = lowbit.flax.wrap_function_in_state_module(
+        lambda x, k, quantizer_set: lowbit.dense(x, k, quantizer_set=quantizer_set), recipe, "mine")
+    assert own.__name__ == "Wrapper_mine"
+    np.testing.assert_array_equal(np.asarray(own().apply(own().init(jax.random.PRNGKey(0), x, kernel), x, kernel)),
+                                  np.asarray(want))
+
+
+@pytest.mark.parametrize("make, field", [
+    (lambda m: m.DenseGeneral(8, transpose_batch_sequence=True), "transpose_batch_sequence"),
+    (lambda m: m.DenseGeneral(8, quantization_checkpoint_name="q"), "quantization_checkpoint_name"),
+    (lambda m: m.LayerNormDenseGeneral(8, transpose_batch_sequence=True), "transpose_batch_sequence"),
+    (lambda m: m.LayerNormMLP(16, quantization_checkpoint_name="q"), "quantization_checkpoint_name"),
+    (lambda m: m.LayerNormMLP(16, activation_params={"limit": 5.0}), "activation_params"),
+    (lambda m: m.LayerNormMLP(16, activation_params={"beta": 1.0}), "activation_params"),
+])
+def test_te_fields_at_other_values_name_the_field(make, field):
+    from lowbit.flax import module as m
+
+    x = _x()
+    with pytest.raises(ValueError, match=f"lowbit.flax.[A-Za-z]+: {field}: expected"):
+        make(m).init(jax.random.PRNGKey(0), x)
+
+
+def test_te_fields_at_their_defaults_change_nothing():
+    from lowbit.flax import module as m
+
+    x = _x()
+    for plain, spelled in (
+        (m.DenseGeneral(8), m.DenseGeneral(8, transpose_batch_sequence=False, quantization_checkpoint_name=None)),
+        (m.LayerNormMLP(16, activations=("clamped_silu", "clamped_linear")),
+         m.LayerNormMLP(16, activations=("clamped_silu", "clamped_linear"),
+                        activation_params={"limit": 7.0, "alpha": 1.702})),
+    ):
+        v = plain.init(jax.random.PRNGKey(0), x)
+        np.testing.assert_array_equal(np.asarray(jax.tree.leaves(plain.apply(v, x))[0]),
+                                      np.asarray(jax.tree.leaves(spelled.apply(v, x))[0]))
+    logits = _x((2, 2, 8, 8))
+    from lowbit.softmax import AttnSoftmaxType
+
+    np.testing.assert_array_equal(m.Softmax(softmax_type=AttnSoftmaxType.VANILLA_SOFTMAX).apply({}, logits),
+                                  m.Softmax().apply({}, logits))
+    with pytest.raises(ValueError, match="lowbit.flax.Softmax: softmax_type: expected"):
+        m.Softmax(softmax_type=AttnSoftmaxType.OFF_BY_ONE_SOFTMAX).apply({}, logits)
+
+
+def test_layer_norm_mlp_runs_te_s_clamped_swiglu():
+    """("clamped_silu", "clamped_linear") (GPT-OSS's clamped swiglu) in the module, as TE's
+    LayerNormMLP takes it: min(a, 7) * sigmoid(1.702 * min(a, 7)) * (clip(g, -7, 7) + 1)."""
+    from lowbit.flax.module import LayerNormMLP
+
+    x = _x()
+    m = LayerNormMLP(32, activations=("clamped_silu", "clamped_linear"))
+    v = unbox(m.init(jax.random.PRNGKey(1), x))
+    v["params"]["scale"] = 8 * v["params"]["scale"]  # large enough that the clamps bite
+    y, _ = m.apply(v, x)
+    p = v["params"]
+    mu = x.mean(-1, keepdims=True)
+    ln = (x - mu) / jnp.sqrt(((x - mu) ** 2).mean(-1, keepdims=True) + 1e-6) * p["scale"] + p["ln_bias"]
+    h = jnp.einsum("bsh,hnf->bsnf", ln, p["wi_kernel"])
+    a, g = jnp.minimum(h[..., 0, :], 7.0), jnp.clip(h[..., 1, :], -7.0, 7.0) + 1
+    assert float(jnp.max(h[..., 1, :])) > 7.0  # the clamp is exercised
+    ref = (a * jax.nn.sigmoid(1.702 * a) * g) @ p["wo_kernel"]
+    np.testing.assert_allclose(np.asarray(y), np.asarray(ref), rtol=1e-5, atol=1e-5 * float(jnp.abs(ref).max()))
+
+
+def test_functions_take_te_s_keywords():
+    x, k = _x((4, 6, 32)), jax.random.normal(jax.random.PRNGKey(4), (32, 16)) / 6
+    g, b = 1 + 0.1 * _x((32,), 5), 0.1 * _x((32,), 6)
+    qs = QuantizerFactory.create_set(Float8CurrentScaling())
+    plain = lowbit.dense(x, k, contracting_dims=((2,), (0,)), quantizer_set=qs)
+    hinted = lowbit.dense(x, k, contracting_dims=((2,), (0,)), quantizer_set=qs, input_axes=None,
+                          kernel_axes=None, output_axes=None, transpose_batch_sequence=False)
+    np.testing.assert_array_equal(np.asarray(plain), np.asarray(hinted))
+    for call, op in (
+        (lambda: lowbit.dense(x, k, contracting_dims=((2,), (0,)), transpose_batch_sequence=True), "dense"),
+        (lambda: lowbit.layernorm_dense(x, k, g, b, transpose_batch_sequence=True), "layernorm_dense"),
+        (lambda: lowbit.layernorm_mlp(x, g, b, (k, k.T), transpose_batch_sequence=True), "layernorm_mlp"),
+        (lambda: lowbit.layernorm_mlp(x, g, b, (k, k.T), activation_params={"alpha": 2.0}), "layernorm_mlp"),
+    ):
+        with pytest.raises(ValueError, match=f"lowbit.{op}: (transpose_batch_sequence|activation_params): expected"):
+            call()
+
+
+def test_dense_axes_hints_are_sharding_constraints():
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
+
+    from lowbit.sharding import MeshResource, global_shard_guard, logical_axis_rules
+
+    mesh = Mesh(np.array(jax.devices("cpu")[:8]).reshape(2, 4), ("dp", "tp"))
+    x, k = _x((4, 6, 32)), jax.random.normal(jax.random.PRNGKey(4), (32, 16)) / 6
+    qs = QuantizerFactory.create_set(Float8CurrentScaling())
+    hints = dict(input_axes=("batch", None, None), kernel_axes=(None, "mlp"), output_axes=("batch", None, "mlp"))
+    f = lambda x, k, **kw: lowbit.dense(x, k, contracting_dims=((2,), (0,)), quantizer_set=qs, **kw)  # noqa: E731
+    with global_shard_guard(MeshResource(dp_resource="dp", tp_resource="tp")), \
+            nn.logical_axis_rules(logical_axis_rules()), jax.set_mesh(mesh):
+        assert str(jax.make_jaxpr(lambda x, k: f(x, k, **hints))(x, k)).count("sharding_constraint") == 3
+        assert "sharding_constraint" not in str(jax.make_jaxpr(f)(x, k))
+        y = jax.jit(lambda x, k: f(x, k, **hints))(x, k)
+    assert y.sharding.spec == P("dp", None, "tp")
+    np.testing.assert_allclose(np.asarray(y), np.asarray(f(x, k)), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("spelling, canonical", [("LayerNorm", "layernorm"), ("layer_norm", "layernorm"),
+                                                 ("RMSNorm", "rmsnorm"), ("rms_norm", "rmsnorm")])
+def test_norm_type_spellings(spelling, canonical):
+    from lowbit.flax.module import LayerNorm
+
+    x, g = _x(), 1 + 0.1 * _x((64,), 1)
+    b = 0.1 * _x((64,), 2) if canonical == "layernorm" else None
+    np.testing.assert_array_equal(np.asarray(lowbit.layernorm(x, g, b, spelling)),
+                                  np.asarray(lowbit.layernorm(x, g, b, canonical)))
+    v = LayerNorm(layernorm_type=spelling).init(jax.random.PRNGKey(0), x)
+    assert ("ln_bias" in v["params"]) == (canonical == "layernorm")
+    np.testing.assert_array_equal(np.asarray(LayerNorm(layernorm_type=spelling).apply(v, x)),
+                                  np.asarray(LayerNorm(layernorm_type=canonical).apply(v, x)))
+    with pytest.raises(ValueError, match="norm_type: expected"):
+        lowbit.layernorm(x, g, b, "batchnorm")
+
+
+def test_te_top_level_names():
+    from lowbit.sharding import MeshResource
+    from lowbit.softmax import SoftmaxFusionType, SoftmaxType
+
+    assert lowbit.MeshResource is MeshResource and SoftmaxFusionType is SoftmaxType
+    assert lowbit.NVTE_FP8_COLLECTION_NAME == lowbit.flax.OVERWRITE_WITH_GRADIENT
+    original = {"params": {"w": 1}, "_overwrite_with_gradient": {"s": 2}}
+    new = {"_overwrite_with_gradient": {"s": 3}, "extra": {"e": 4}}
+    merged = lowbit.update_collections(new, original)
+    assert merged == {"params": {"w": 1}, "_overwrite_with_gradient": {"s": 3}, "extra": {"e": 4}}
+    assert original["_overwrite_with_gradient"] == {"s": 2}  # not modified in place
+    frozen = lowbit.update_collections(new, flax.core.freeze(original))
+    assert isinstance(frozen, flax.core.FrozenDict) and frozen["_overwrite_with_gradient"]["s"] == 3
+    with pytest.raises(TypeError, match="lowbit.update_collections: new: expected a dict"):
+        lowbit.update_collections([("a", 1)], original)
+
+
+def test_create_set_takes_te_s_positional_count():
+    sets = QuantizerFactory.create_set(2, fp8_recipe=Float8CurrentScaling())
+    assert isinstance(sets, tuple) and len(sets) == 2 and all(s.x is not None for s in sets)
+    with pytest.raises(ValueError, match="n_quantizer_sets: given twice"):
+        QuantizerFactory.create_set(2, n_quantizer_sets=3, fp8_recipe=Float8CurrentScaling())
+
+
+def test_training_state_round_trip_through_update_collections():
+    """TE's loop shape: the delayed-scaling state's "gradient" merged back with update_collections
+    changes the state from step to step."""
+    from lowbit.flax.module import DenseGeneral
+
+    model = DenseGeneral(16, quantization_recipe=DelayedScaling(amax_history_len=3))
+    x = _x()
+    v = unbox(model.init(jax.random.PRNGKey(0), x))
+    grads = jax.grad(lambda v: jnp.sum(model.apply(v, x) ** 2))(v)
+    name = lowbit.NVTE_FP8_COLLECTION_NAME
+    v2 = lowbit.update_collections({name: grads[name]}, v)
+    assert v2["params"] is v["params"]
+    assert not np.array_equal(np.asarray(v2[name]["x_amax_history"]), np.asarray(v[name]["x_amax_history"]))
+    assert float(v2[name]["x_amax_history"][-1]) == pytest.approx(float(jnp.max(jnp.abs(x))), rel=1e-6)
+    assert float(v2[name]["x_scale"][0]) != float(v[name]["x_scale"][0])
