@@ -1,0 +1,55 @@
+"""lowbit.cpp_extensions.quantization: TE's import path
+(transformer_engine.jax.cpp_extensions.quantization) over lowbit's quantizers.
+
+quantize(x, quantizer) is quantizer.quantize(x) making the copies the quantizer's q_layout
+names: a ScaledTensor2x (rowwise + colwise) for ROWWISE_COLWISE, which QuantizerFactory
+makes, else one ScaledTensor1x; the copies' layouts are those of lowbit.quantize.tensor
+(the colwise copy of tensor and FP8-block scaling transposed). flatten_axis splits x into
+rows x[:flatten_axis] and columns x[flatten_axis:] as in TE. quantize_dbias adds the bias
+gradient (the sums of x over its rows, from the quantize kernel's pass). dequantize is the
+ScaledTensor's own dequantize() (a ScaledTensor2x dequantizes its rowwise copy).
+
+lowbit quantizers are immutable: feed the tensor's amax to quantizer.update() for the next
+step's delayed scale (TE updates its quantizer object in place). With quantizer=None,
+quantize returns x unchanged, as TE's does.
+"""
+
+from __future__ import annotations
+
+from lowbit.cpp_extensions._common import check_flag, named_errors
+from lowbit.quantize.quantizer import check_quantizer
+from lowbit.quantize.tensor import ScaledTensor
+
+__all__ = ["quantize", "quantize_dbias", "dequantize"]
+
+
+def _quantize(op, x, quantizer, flatten_axis, compute_dbias):
+    check_quantizer(op, quantizer)
+    layout = quantizer.q_layout
+    with named_errors(op):
+        return quantizer.quantize(x, is_rowwise=layout.has_rowwise, is_colwise=layout.has_colwise,
+                                  flatten_axis=flatten_axis, compute_dbias=compute_dbias)
+
+
+def quantize(x, quantizer, flatten_axis=-1):
+    """The ScaledTensor of x as `quantizer` codes it (x itself when quantizer is None)."""
+    if quantizer is None:
+        return x
+    return _quantize("lowbit.cpp_extensions.quantize", x, quantizer, flatten_axis, False)[0]
+
+
+def quantize_dbias(dz, quantizer, is_dbias=True, flatten_axis=-1):
+    """(ScaledTensor of dz, dbias: the sums of dz over its rows in dz's dtype, or None
+    when is_dbias is False)."""
+    op = "lowbit.cpp_extensions.quantize_dbias"
+    is_dbias = check_flag(op, "is_dbias", is_dbias)
+    return _quantize(op, dz, quantizer, flatten_axis, is_dbias)
+
+
+def dequantize(x):
+    """x's values in its dq_dtype and logical shape (a ScaledTensor2x: its rowwise copy)."""
+    if not isinstance(x, ScaledTensor):
+        raise TypeError(f"lowbit.cpp_extensions.dequantize: x: expected a lowbit.quantize "
+                        f"ScaledTensor, got {type(x).__name__}")
+    with named_errors("lowbit.cpp_extensions.dequantize"):
+        return x.dequantize()
