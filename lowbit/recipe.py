@@ -33,6 +33,7 @@ import enum
 from typing import NamedTuple
 
 import jax.numpy as jnp
+import numpy as np
 
 __all__ = [
     "Format",
@@ -345,8 +346,9 @@ class Float8BlockScaling(Recipe):
         _check_bool(name, "use_f32_scales", self.use_f32_scales)
         for field in _BLOCK_DIM_FIELDS:
             dim = getattr(self, field)
-            if isinstance(dim, bool) or dim not in (1, 2):
+            if isinstance(dim, (bool, np.bool_)) or not isinstance(dim, (int, np.integer)) or dim not in (1, 2):
                 _fail(name, field, "1 (1x128 blocks) or 2 (128x128 blocks)", dim)
+            object.__setattr__(self, field, int(dim))  # a NumPy int hashes and compares as the int
         _check_mm_params(self)
         for field in _MM_FIELDS:
             if not getattr(self, field).use_split_accumulator:

@@ -8,6 +8,7 @@ import threading
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import lowbit
@@ -104,6 +105,7 @@ def test_kind_queries():
         (lambda: Float8BlockScaling(w_block_scaling_dim=0), "w_block_scaling_dim"),
         (lambda: Float8BlockScaling(grad_block_scaling_dim=True), "grad_block_scaling_dim"),
         (lambda: Float8BlockScaling(grad_block_scaling_dim=(1, 128)), "grad_block_scaling_dim"),
+        (lambda: Float8BlockScaling(x_block_scaling_dim=1.0), "x_block_scaling_dim"),
         (lambda: Float8BlockScaling(use_f32_scales=1), "use_f32_scales"),
         (lambda: MXFP8BlockScaling(margin=1), "margin"),
         (lambda: MXFP8BlockScaling(margin=0.0), "margin"),
@@ -128,6 +130,7 @@ def test_block_scaling_dims_name_the_tiles(dims):
                                    grad_block_scaling_dim=g)
     assert hash(r) == hash(dataclasses.replace(r))
     assert dataclasses.replace(r, x_block_scaling_dim=2).x_block == (128, 128)
+    assert r == Float8BlockScaling(x_block_scaling_dim=np.int64(x), w_block_scaling_dim=w, grad_block_scaling_dim=g)
 
 
 def test_te_query_methods_and_qparams():
