@@ -19,28 +19,11 @@ from lowbit.layernorm import layernorm, quantized_layernorm  # noqa: E402
 from lowbit.layernorm_dense import layernorm_dense  # noqa: E402
 from lowbit.layernorm_mlp import layernorm_mlp  # noqa: E402
 from lowbit.quantize.helper import autocast, fp8_autocast, get_global_recipe  # noqa: E402
+# TE's top-level names (transformer_engine.jax): the state collection's name and its merge.
+from lowbit.quantize.helper import NVTE_FP8_COLLECTION_NAME, update_collections  # noqa: E402
 from lowbit.softmax import softmax  # noqa: E402
 
 _LAZY = ("flax", "checkpoint_policies", "sharding")
-
-
-# TE's top-level names (transformer_engine.jax): the collection where lowbit's modules keep
-# delayed-scaling state (lowbit's is `_overwrite_with_gradient`, see lowbit.flax; code that
-# indexes variables by this constant ports), and its dict merge.
-NVTE_FP8_COLLECTION_NAME = "_overwrite_with_gradient"
-
-
-def update_collections(new, original):
-    """TE's helper: `original` (a dict or FrozenDict of Flax collections) with the collections
-    of `new` put in place of (or beside) its own; the result has original's type."""
-    from flax.core.frozen_dict import FrozenDict
-
-    for arg, value in (("new", new), ("original", original)):
-        if not isinstance(value, (dict, FrozenDict)):
-            raise TypeError(f"lowbit.update_collections: {arg}: expected a dict or FrozenDict, got "
-                            f"{type(value).__name__}")
-    merged = {**{k: v for k, v in dict(original).items() if k not in new}, **dict(new)}
-    return FrozenDict(merged) if isinstance(original, FrozenDict) else merged
 
 
 def __getattr__(name):

@@ -19,33 +19,12 @@ import numpy as np
 
 import lowbit
 from lowbit import _ffi
-from lowbit.ops.gemm import GemmScaleMode, block_on_cublaslt, mxfp8_on_cublaslt
+from lowbit.quantize.support import RECIPE_GATES
 
 
-def _tensor_fp8_native(capability: str) -> bool:
-    """Per-tensor FP8 GEMMs: cuBLASLt on compute capability 8.9 and up (DESIGN.md §4), where
-    lowbit's kernels have device code for the GPU (the default build: 9.0 and 10.0)."""
-    major, minor = (int(v) for v in capability.split("."))
-    return (major, minor) >= (8, 9)
-
-
-def _fp8_block_native(capability: str) -> bool:
-    return block_on_cublaslt((GemmScaleMode.BLOCK_1x128, GemmScaleMode.BLOCK_128x128), capability)
-
-
-# Each recipe's hardware-GEMM gate on a CUDA device of compute capability "major.minor" (for
-# the block recipes the very predicates lowbit.ops.gemm's CUDA lowerings apply) and the
-# devices it names. MXFP8's and
-# NVFP4's cuBLASLt paths (10.x only: mxfp8_on_cublaslt, which nvfp4_gemm shares) are wired
-# into lowbit.dense, all three GEMMs (NVFP4's RHT wgrad included), compiled in but never run
-# on a Blackwell GPU.
-RECIPES = {
-    "DelayedScaling": (_tensor_fp8_native, "sm_89+"),
-    "Float8CurrentScaling": (_tensor_fp8_native, "sm_89+"),
-    "Float8BlockScaling": (_fp8_block_native, "sm_90"),
-    "MXFP8BlockScaling": (mxfp8_on_cublaslt, "sm_100 (compute capability 10.x)"),
-    "NVFP4BlockScaling": (mxfp8_on_cublaslt, "sm_100 (compute capability 10.x)"),
-}
+# Each recipe's hardware-GEMM gate and the devices it names: lowbit.quantize.support, which
+# also answers TE's is_scaling_mode_supported.
+RECIPES = RECIPE_GATES
 
 
 def _cuda_driver_version() -> str | None:

@@ -305,7 +305,7 @@ def check_quantizer_set(op: str, quantizer_set: QuantizerSet) -> bool:
 def _scaling_family(mode: ScalingMode) -> str:
     """The GEMMs' operand families: per-tensor (delayed or current), MXFP8, FP8 block (1x128
     and 128x128 pair with each other), NVFP4."""
-    if mode.is_tensor_scaling:
+    if mode.is_tensor_scaling():
         return "tensor"
     if mode.is_nvfp4:
         return "nvfp4"
@@ -454,7 +454,7 @@ def fused_backward(dy, x_col: ScaledTensor1x, k_row: ScaledTensor1x, dgrad_quant
             return None
     if not isinstance(dgrad_quantizer, (DelayedScaleQuantizer, CurrentScaleQuantizer)):
         return None
-    if not all(t.scaling_mode.is_tensor_scaling for t in (x_col, k_row)):
+    if not all(t.scaling_mode.is_tensor_scaling() for t in (x_col, k_row)):
         return None
     n_lead = len(static.x_shape) - static.n_contract
     m, k = math.prod(static.x_shape[:n_lead]), math.prod(static.x_shape[n_lead:])

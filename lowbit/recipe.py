@@ -237,10 +237,12 @@ class DelayedScaling(Recipe):
             _fail(name, "scaling_factor_compute_algo", "None (the scale rule is fixed: "
                   "lowbit.quantize.delayed.update_delayed_scaling)", self.scaling_factor_compute_algo)
         _check_attention_fields(self)
-        if isinstance(self.margin, bool) or not isinstance(self.margin, int):
-            _fail(name, "margin", "an int", self.margin)
+        whole = isinstance(self.margin, (float, np.floating)) and float(self.margin).is_integer()
+        if isinstance(self.margin, bool) or not (isinstance(self.margin, (int, np.integer)) or whole):
+            _fail(name, "margin", "a whole number (an int, or a float such as TE's 5.0)", self.margin)
         if not 0 <= self.margin <= MAX_MARGIN:
             _fail(name, "margin", f"0 <= margin <= {MAX_MARGIN}", self.margin)
+        object.__setattr__(self, "margin", int(self.margin))
         _check_fp8_format(name, self.fp8_format)
         if isinstance(self.amax_history_len, bool) or not isinstance(self.amax_history_len, int):
             _fail(name, "amax_history_len", "an int", self.amax_history_len)

@@ -135,8 +135,13 @@ def test_bad_arguments():
         update_delayed_scaling(jnp.zeros(2), jnp.ones(1), jnp.ones(2), fp8_max=448.0)
     # A fraction, a negative, a bool or too large a margin would be truncated or overflow.
     for margin in (0.5, -1, True, 2**40):
-        with pytest.raises(ValueError, match="update_delayed_scaling: margin: expected an int in \\[0, 2\\*\\*31\\)"):
+        with pytest.raises(ValueError, match="update_delayed_scaling: margin: expected a whole number in \\[0, 2\\*\\*31\\)"):
             update_delayed_scaling(jnp.zeros(2), jnp.ones(1), 1.0, fp8_max=448.0, margin=margin)
+    # A whole float (TE's quantizers default to margin=0.0) is that int.
+    history = jnp.asarray([3.0, 7.5])
+    for a, b in zip(update_delayed_scaling(history, jnp.ones(1), 2.0, fp8_max=448.0, margin=2.0),
+                    update_delayed_scaling(history, jnp.ones(1), 2.0, fp8_max=448.0, margin=2)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     for fp8_max in (-448.0, 0.0, float("inf"), "448"):
         with pytest.raises(ValueError, match="fp8_max: expected a finite positive number"):
             update_delayed_scaling(jnp.zeros(2), jnp.ones(1), 1.0, fp8_max=fp8_max)

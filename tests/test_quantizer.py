@@ -71,7 +71,7 @@ SHAPES_AXES = [((32, 48), -1), ((4, 6, 40), -1), ((4, 6, 40), 1), ((3, 5, 7, 8),
 
 
 def test_scaling_modes():
-    assert ScalingMode.DELAYED_TENSOR_SCALING.is_tensor_scaling
+    assert ScalingMode.DELAYED_TENSOR_SCALING.is_tensor_scaling()
     assert ScalingMode.CURRENT_TENSOR_SCALING.block_shape is None
     assert ScalingMode.MXFP8_1D_SCALING.block_shape == (1, 32)
     assert ScalingMode.MXFP8_1D_SCALING.scale_dtype == jnp.float8_e8m0fnu

@@ -54,6 +54,8 @@ def test_defaults():
     assert (b.x_block, b.w_block, b.grad_block) == ((1, 128), (128, 128), (1, 128))
     assert b.use_power_2_scales and not b.use_f32_scales
     assert MXFP8BlockScaling().margin == 0
+    whole = DelayedScaling(margin=5.0)  # TE's own tests write a float margin
+    assert whole.margin == 5 and type(whole.margin) is int and whole == DelayedScaling(margin=5)
     n = NVFP4BlockScaling()
     assert not (n.disable_rht or n.disable_stochastic_rounding or n.disable_2d_quantization)
 

@@ -266,3 +266,89 @@ def test_training_state_round_trip_through_update_collections():
     assert not np.array_equal(np.asarray(v2[name]["x_amax_history"]), np.asarray(v[name]["x_amax_history"]))
     assert float(v2[name]["x_amax_history"][-1]) == pytest.approx(float(jnp.max(jnp.abs(x))), rel=1e-6)
     assert float(v2[name]["x_scale"][0]) != float(v[name]["x_scale"][0])
+
+
+def _native_modes_expected():
+    """Which modes run natively here, from the devices themselves (an independent statement of
+    lowbit.quantize.support's gates: per-tensor FP8 from sm_89, FP8 blocks on 9.0, MXFP8/NVFP4
+    on 10.x, all only where lowbit's CUDA library is loaded)."""
+    from lowbit import _ffi
+    from lowbit.quantize import ScalingMode as M
+
+    try:
+        gpus = jax.devices("gpu")
+    except RuntimeError:
+        gpus = []
+    if not gpus or not _ffi.info()["cuda_registered"]:
+        return set(), 0
+    major, minor = (int(v) for v in str(gpus[0].compute_capability).split("."))
+    modes = set()
+    if (major, minor) >= (8, 9):
+        modes |= {M.DELAYED_TENSOR_SCALING, M.CURRENT_TENSOR_SCALING}
+    if (major, minor) == (9, 0):
+        modes |= {M.FP8_BLOCK_1x128, M.FP8_BLOCK_128x128}
+    if major == 10:
+        modes |= {M.MXFP8_1D_SCALING, M.NVFP4_1D_SCALING, M.NVFP4_2D_SCALING}
+    return modes, major * 10 + minor
+
+
+def test_te_support_queries():
+    from lowbit.quantize import (ScalingMode, get_device_compute_capability, get_supported_quantization_recipes,
+                                 get_supported_scaling_modes, helper, is_fp8_available, is_scaling_mode_supported)
+
+    want, cc = _native_modes_expected()
+    assert get_device_compute_capability() == cc
+    assert set(get_supported_scaling_modes()) == want
+    assert is_scaling_mode_supported(ScalingMode.NO_SCALING) == (True, "")
+    for mode in ScalingMode:
+        if mode == ScalingMode.NO_SCALING:
+            continue
+        ok, why = helper.is_scaling_mode_supported(mode)  # TE's `helper.` spelling too
+        assert ok == (mode in want) and (why == "") == ok
+        if not ok:
+            assert "emulat" in why or "CUDA library" in why
+    assert is_fp8_available() == is_scaling_mode_supported(ScalingMode.DELAYED_TENSOR_SCALING)
+    names = {type(r).__name__ for r in get_supported_quantization_recipes()}
+    by_mode = {"DelayedScaling": ScalingMode.DELAYED_TENSOR_SCALING,
+               "Float8CurrentScaling": ScalingMode.CURRENT_TENSOR_SCALING,
+               "Float8BlockScaling": ScalingMode.FP8_BLOCK_1x128,
+               "MXFP8BlockScaling": ScalingMode.MXFP8_1D_SCALING,
+               "NVFP4BlockScaling": ScalingMode.NVFP4_1D_SCALING}
+    assert names == {n for n, m in by_mode.items() if m in want}
+    with pytest.raises(TypeError, match="scaling_mode: expected a lowbit.quantize.ScalingMode"):
+        is_scaling_mode_supported("delayed")
+
+
+def test_te_quantize_names():
+    from lowbit.quantize import QuantizeLayout, ScalingMode, get_global_quantize_recipe
+    from lowbit.quantize import update_collections as quantize_update_collections
+
+    assert quantize_update_collections is lowbit.update_collections
+    with lowbit.autocast(enabled=True, recipe=Float8CurrentScaling()):
+        assert get_global_quantize_recipe() == Float8CurrentScaling()
+    assert get_global_quantize_recipe() is None
+    pair = QuantizerFactory.create(n_quantizers=2, scaling_mode=ScalingMode.DELAYED_TENSOR_SCALING,
+                                   q_dtype=jnp.float8_e4m3fn, q_layout=QuantizeLayout.ROWWISE, margin=0.0)
+    assert len(pair) == 2 and all(q.margin == 0 and type(q.margin) is int for q in pair)
+    single = QuantizerFactory.create(ScalingMode.CURRENT_TENSOR_SCALING, jnp.float8_e4m3fn)
+    assert single.q_dtype == jnp.float8_e4m3fn
+    with pytest.raises(ValueError, match="QuantizerFactory.create: n_quantizers: expected an int >= 1"):
+        QuantizerFactory.create(ScalingMode.CURRENT_TENSOR_SCALING, jnp.float8_e4m3fn, n_quantizers=0)
+    with pytest.raises(ValueError, match="margin: expected a whole number"):
+        QuantizerFactory.create(ScalingMode.DELAYED_TENSOR_SCALING, jnp.float8_e4m3fn, margin=0.5)
+
+
+def test_te_scaling_mode_and_layout_queries():
+    from lowbit.quantize import QuantizeLayout as L
+    from lowbit.quantize import ScalingMode as M
+
+    assert [m for m in M if m.is_tensor_scaling()] == [M.DELAYED_TENSOR_SCALING, M.CURRENT_TENSOR_SCALING]
+    assert {m for m in M if m.is_1d_block_scaling()} == {M.MXFP8_1D_SCALING, M.FP8_BLOCK_1x128,
+                                                          M.NVFP4_1D_SCALING, M.NVFP4_2D_SCALING}
+    assert [m for m in M if m.is_nvfp4_scaling] == [M.NVFP4_1D_SCALING, M.NVFP4_2D_SCALING]
+    assert [m for m in M if m.is_mxfp8_scaling] == [M.MXFP8_1D_SCALING]
+    assert M.DELAYED_TENSOR_SCALING.get_compatible_q_dtypes() == {jnp.float8_e4m3fn, jnp.float8_e5m2}
+    assert M.NVFP4_1D_SCALING.get_compatible_q_dtypes() == {jnp.float4_e2m1fn}
+    assert [(lay.is_rowwise_colwise, lay.is_rowwise_only, lay.is_colwise_only) for lay in
+            (L.ROWWISE_COLWISE, L.ROWWISE, L.COLWISE)] == [(True, False, False), (False, True, False),
+                                                          (False, False, True)]

@@ -98,12 +98,15 @@ def check_fp8_max(op: str, fp8_max) -> None:
 MAX_OP_MARGIN = 2**31 - 1  # an int32 attribute; from 128 on 2**margin is infinite (defined: scale.h)
 
 
-def check_margin(op: str, margin) -> None:
-    """margin: an int in [0, 2**31) (the recipe allows [0, MAX_MARGIN]); a fraction would
-    otherwise be truncated to an int."""
-    if (isinstance(margin, bool) or not isinstance(margin, (int, np.integer))
+def check_margin(op: str, margin) -> int:
+    """margin as an int in [0, 2**31) (the recipe allows [0, MAX_MARGIN]): an int, or a float
+    with no fraction (TE's quantizers default to margin=0.0); a fraction would otherwise be
+    truncated."""
+    whole = isinstance(margin, (float, np.floating)) and float(margin).is_integer()
+    if (isinstance(margin, bool) or not (isinstance(margin, (int, np.integer)) or whole)
             or not 0 <= margin <= MAX_OP_MARGIN):
-        raise ValueError(f"{op}: margin: expected an int in [0, 2**31), got {margin!r}")
+        raise ValueError(f"{op}: margin: expected a whole number in [0, 2**31), got {margin!r}")
+    return int(margin)
 
 
 def compute_scale(amax, *, fp8_max: float, use_power_2_scales: bool = False):
@@ -131,7 +134,7 @@ def update_delayed_scaling(amax_history, scale, new_amax, *, fp8_max: float, mar
     (new_history (L,), new_scale (1,), scale_inv (1,))."""
     op = "lowbit.ops.update_delayed_scaling"
     check_fp8_max(op, fp8_max)
-    check_margin(op, margin)
+    margin = check_margin(op, margin)
     history = _f32(op, "amax_history", amax_history)
     scale = _f32(op, "scale", scale)
     new_amax = _f32(op, "new_amax", new_amax)

@@ -6,12 +6,15 @@ carries the quantized tensors and the quantizer state as pytrees.
 
 from lowbit.quantize.delayed import compute_scale, update_delayed_scaling
 from lowbit.quantize.helper import (
+    NVTE_FP8_COLLECTION_NAME,
     QuantizerFactory,
     autocast,
     fp8_autocast,
     get_global_mesh_resource,
+    get_global_quantize_recipe,
     get_global_recipe,
     is_quantization_enabled,
+    update_collections,
 )
 from lowbit.quantize.quantizer import (
     BlockScaleQuantizer,
@@ -24,9 +27,17 @@ from lowbit.quantize.quantizer import (
     noop_quantizer_set,
 )
 from lowbit.quantize.scaling_modes import DataFamily, QuantizeLayout, ScalingMode
+from lowbit.quantize.support import (
+    get_device_compute_capability,
+    get_supported_quantization_recipes,
+    get_supported_scaling_modes,
+    is_fp8_available,
+    is_scaling_mode_supported,
+)
 from lowbit.quantize.tensor import ScaledTensor, ScaledTensor1x, ScaledTensor2x
 
 __all__ = [
+    "NVTE_FP8_COLLECTION_NAME",
     "BlockScaleQuantizer",
     "CurrentScaleQuantizer",
     "DataFamily",
@@ -44,9 +55,16 @@ __all__ = [
     "autocast",
     "compute_scale",
     "fp8_autocast",
+    "get_device_compute_capability",
     "get_global_mesh_resource",
+    "get_global_quantize_recipe",
     "get_global_recipe",
+    "get_supported_quantization_recipes",
+    "get_supported_scaling_modes",
+    "is_fp8_available",
     "is_quantization_enabled",
+    "is_scaling_mode_supported",
     "noop_quantizer_set",
+    "update_collections",
     "update_delayed_scaling",
 ]

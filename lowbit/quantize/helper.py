@@ -120,6 +120,27 @@ def get_global_recipe() -> Recipe | None:
     return _STATE.get().recipe
 
 
+get_global_quantize_recipe = get_global_recipe  # TE 2.x's name
+
+# TE's names (transformer_engine.jax and .quantize): the collection where lowbit's modules keep
+# delayed-scaling state (lowbit's is `_overwrite_with_gradient`, lowbit.flax; code that indexes
+# variables by this constant ports), and its dict merge.
+NVTE_FP8_COLLECTION_NAME = "_overwrite_with_gradient"
+
+
+def update_collections(new, original):
+    """TE's helper: `original` (a dict or FrozenDict of Flax collections) with the collections
+    of `new` put in place of (or beside) its own; the result has original's type."""
+    from flax.core.frozen_dict import FrozenDict
+
+    for arg, value in (("new", new), ("original", original)):
+        if not isinstance(value, (dict, FrozenDict)):
+            raise TypeError(f"lowbit.update_collections: {arg}: expected a dict or FrozenDict, got "
+                            f"{type(value).__name__}")
+    merged = {**{k: v for k, v in dict(original).items() if k not in new}, **dict(new)}
+    return FrozenDict(merged) if isinstance(original, FrozenDict) else merged
+
+
 def get_global_mesh_resource() -> Any:
     return _STATE.get().mesh_resource
 
@@ -219,8 +240,18 @@ class QuantizerFactory:
         margin: int = 0,
         amax_compute_algo: str = "max",
         use_power_2_scales: bool = False,
-    ) -> Quantizer | None:
-        """One quantizer for `scaling_mode`; None for NO_SCALING."""
+        n_quantizers: int = 1,
+    ) -> Quantizer | None | tuple:
+        """One quantizer for `scaling_mode`; None for NO_SCALING. n_quantizers (TE's keyword):
+        with n > 1, a tuple of n equal, independent quantizers."""
+        if isinstance(n_quantizers, bool) or not isinstance(n_quantizers, int) or n_quantizers < 1:
+            raise ValueError(f"QuantizerFactory.create: n_quantizers: expected an int >= 1, got {n_quantizers!r}")
+        if n_quantizers > 1:
+            one = QuantizerFactory.create(scaling_mode, q_dtype, q_layout=q_layout,
+                                          amax_history_len=amax_history_len, margin=margin,
+                                          amax_compute_algo=amax_compute_algo,
+                                          use_power_2_scales=use_power_2_scales)
+            return (one,) * n_quantizers  # immutable pytrees: sharing one is sharing none
         if scaling_mode == ScalingMode.NO_SCALING:
             return None
         if scaling_mode == ScalingMode.DELAYED_TENSOR_SCALING:
@@ -278,3 +309,13 @@ class QuantizerFactory:
             for _ in range(count)
         )
         return sets[0] if count == 1 else sets
+
+
+# TE's support queries live beside these in its quantize/helper.py (`helper.is_scaling_mode_supported`).
+from lowbit.quantize.support import (  # noqa: E402,F401
+    get_device_compute_capability,
+    get_supported_quantization_recipes,
+    get_supported_scaling_modes,
+    is_fp8_available,
+    is_scaling_mode_supported,
+)

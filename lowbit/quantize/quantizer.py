@@ -229,7 +229,7 @@ class DelayedScaleQuantizer(_TensorScaleQuantizer):
 
     def __post_init__(self):
         super().__post_init__()
-        check_margin("DelayedScaleQuantizer", self.margin)
+        object.__setattr__(self, "margin", check_margin("DelayedScaleQuantizer", self.margin))
         if self.amax_compute_algo not in AMAX_COMPUTE_ALGOS:
             raise ValueError(
                 f"DelayedScaleQuantizer: amax_compute_algo: expected one of {AMAX_COMPUTE_ALGOS}, "

@@ -36,10 +36,26 @@ class ScalingMode(enum.Enum):
     NVFP4_1D_SCALING = "nvfp4_1d_scaling"
     NVFP4_2D_SCALING = "nvfp4_2d_scaling"
 
-    @property
     def is_tensor_scaling(self) -> bool:
-        """One fp32 scale per tensor (delayed or current)."""
+        """One fp32 scale per tensor (delayed or current). A method, as in TE."""
         return self in (ScalingMode.DELAYED_TENSOR_SCALING, ScalingMode.CURRENT_TENSOR_SCALING)
+
+    def is_1d_block_scaling(self) -> bool:
+        """Scales per run of values along one dim as the GEMM reads them (TE's method): MXFP8,
+        NVFP4 (its 16x16 weight tiles are stored as 1-D scales too, as in TE) and FP8 1x128."""
+        return self in (ScalingMode.MXFP8_1D_SCALING, ScalingMode.FP8_BLOCK_1x128) or self.is_nvfp4
+
+    @property
+    def is_nvfp4_scaling(self) -> bool:  # TE's name
+        return self.is_nvfp4
+
+    @property
+    def is_mxfp8_scaling(self) -> bool:  # TE's name
+        return self == ScalingMode.MXFP8_1D_SCALING
+
+    def get_compatible_q_dtypes(self) -> set:
+        """TE's query: the dtypes this mode's data may have (data_dtypes, as a set)."""
+        return set(self.data_dtypes)
 
     @property
     def is_block_scaling(self) -> bool:
@@ -76,7 +92,7 @@ class ScalingMode(enum.Enum):
         scaling: Hopper's FP8 GEMMs take both operands K-major), False when it keeps the
         input's shape (MXFP8: Blackwell reads either major-ness). NVFP4's colwise copy is
         transposed too (its 16-value blocks run along the wgrad GEMM's K)."""
-        return self.is_tensor_scaling or self.is_nvfp4 or self in (ScalingMode.FP8_BLOCK_1x128,
+        return self.is_tensor_scaling() or self.is_nvfp4 or self in (ScalingMode.FP8_BLOCK_1x128,
                                                                    ScalingMode.FP8_BLOCK_128x128)
 
 
@@ -115,6 +131,18 @@ class QuantizeLayout(enum.Enum):
     @property
     def has_colwise(self) -> bool:
         return self != QuantizeLayout.ROWWISE
+
+    @property
+    def is_rowwise_colwise(self) -> bool:  # TE's names for the three layouts
+        return self == QuantizeLayout.ROWWISE_COLWISE
+
+    @property
+    def is_rowwise_only(self) -> bool:
+        return self == QuantizeLayout.ROWWISE
+
+    @property
+    def is_colwise_only(self) -> bool:
+        return self == QuantizeLayout.COLWISE
 
     @classmethod
     def of(cls, rowwise: bool, colwise: bool) -> QuantizeLayout:

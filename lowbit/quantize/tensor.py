@@ -95,7 +95,7 @@ class ScaledTensor1x(ScaledTensor):
         mode = self.scaling_mode
         if mode == ScalingMode.NO_SCALING:
             values = self.data.astype(self.dq_dtype)
-        elif mode.is_tensor_scaling:
+        elif mode.is_tensor_scaling():
             values = (self.data.astype(jnp.float32) * self.scale_inv).astype(self.dq_dtype)
         elif mode in (ScalingMode.FP8_BLOCK_1x128, ScalingMode.FP8_BLOCK_128x128):
             from lowbit.ops.quantize_block import dequantize_fp8_block
