@@ -19,7 +19,7 @@ import numpy as np
 
 import lowbit
 from lowbit import _ffi
-from lowbit.quantize.support import RECIPE_GATES
+from lowbit.quantize.support import RECIPE_GATES, local_gpus
 
 
 # Each recipe's hardware-GEMM gate and the devices it names: lowbit.quantize.support, which
@@ -36,13 +36,6 @@ def _cuda_driver_version() -> str | None:
     if libcuda.cuDriverGetVersion(ctypes.byref(version)) != 0:
         return None
     return f"{version.value // 1000}.{(version.value % 1000) // 10}"
-
-
-def _gpus():
-    try:
-        return jax.devices("gpu")
-    except RuntimeError:
-        return []
 
 
 def _capability(device) -> tuple[int, int] | None:
@@ -72,7 +65,7 @@ def recipe_support(cc: tuple[int, int] | None, cuda_registered: bool) -> dict[st
 
 def report() -> dict:
     info = _ffi.info()
-    gpus = _gpus()
+    gpus = local_gpus()
     cc = _capability(gpus[0]) if gpus else None
     recipes = recipe_support(cc, info["cuda_registered"])
     return {

@@ -143,6 +143,23 @@ class QParams:
     amax_epsilon: float = 0.0
 
 
+class _ScaleQParams:
+    """TE's per-tensor-kind scale parameters of a recipe with one scale rule for x, the kernel
+    and the gradient (its `use_power_2_scales`), read-only."""
+
+    @property
+    def fp8_quant_fwd_inp(self) -> QParams:
+        return QParams(power_2_scale=self.use_power_2_scales)
+
+    @property
+    def fp8_quant_fwd_weight(self) -> QParams:
+        return QParams(power_2_scale=self.use_power_2_scales)
+
+    @property
+    def fp8_quant_bwd_grad(self) -> QParams:
+        return QParams(power_2_scale=self.use_power_2_scales)
+
+
 # TE's defaults: fast accumulation in the forward GEMM, split in dgrad and wgrad.
 _FPROP_DEFAULT = MMParams(use_split_accumulator=False)
 _BACKWARD_DEFAULT = MMParams(use_split_accumulator=True)
@@ -263,7 +280,7 @@ class DelayedScaling(Recipe):
 
 
 @dataclasses.dataclass(frozen=True)
-class Float8CurrentScaling(Recipe):
+class Float8CurrentScaling(_ScaleQParams, Recipe):
     """Per-tensor scales from each tensor's own amax (`scale = max_fp8 / amax`), optionally
     rounded down to a power of two. fp8_gemm_fprop / fp8_gemm_dgrad / fp8_gemm_wgrad: each
     GEMM's accumulation (MMParams; the module docstring)."""
@@ -281,18 +298,6 @@ class Float8CurrentScaling(Recipe):
         _check_fp8_format("Float8CurrentScaling", self.fp8_format)
         _check_bool("Float8CurrentScaling", "use_power_2_scales", self.use_power_2_scales)
         _check_mm_params(self)
-
-    @property
-    def fp8_quant_fwd_inp(self) -> QParams:
-        return QParams(power_2_scale=self.use_power_2_scales)
-
-    @property
-    def fp8_quant_fwd_weight(self) -> QParams:
-        return QParams(power_2_scale=self.use_power_2_scales)
-
-    @property
-    def fp8_quant_bwd_grad(self) -> QParams:
-        return QParams(power_2_scale=self.use_power_2_scales)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -314,7 +319,7 @@ class MXFP8BlockScaling(Recipe):
 
 
 @dataclasses.dataclass(frozen=True)
-class Float8BlockScaling(Recipe):
+class Float8BlockScaling(_ScaleQParams, Recipe):
     """FP8 with fp32 block scales (DeepSeek-V3 style, runs on Hopper), TE's fields and
     defaults: `x_block_scaling_dim`, `w_block_scaling_dim`, `grad_block_scaling_dim` say
     which tiles x, the kernel and the output gradient are scaled in: 1 = 1x128 (one scale per
@@ -372,18 +377,6 @@ class Float8BlockScaling(Recipe):
     @property
     def grad_block(self) -> tuple[int, int]:
         return FP8_BLOCKS[self.grad_block_scaling_dim - 1]
-
-    @property
-    def fp8_quant_fwd_inp(self) -> QParams:
-        return QParams(power_2_scale=self.use_power_2_scales)
-
-    @property
-    def fp8_quant_fwd_weight(self) -> QParams:
-        return QParams(power_2_scale=self.use_power_2_scales)
-
-    @property
-    def fp8_quant_bwd_grad(self) -> QParams:
-        return QParams(power_2_scale=self.use_power_2_scales)
 
 
 @dataclasses.dataclass(frozen=True)

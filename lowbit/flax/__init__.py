@@ -31,10 +31,10 @@ import jax.numpy as jnp
 from flax import linen as nn
 
 from lowbit.dense import dense
-from lowbit.quantize.helper import QuantizerFactory
+from lowbit.quantize.helper import NVTE_FP8_COLLECTION_NAME, QuantizerFactory
 from lowbit.quantize.quantizer import DelayedScaleQuantizer, QuantizerSet
 
-OVERWRITE_WITH_GRADIENT = "_overwrite_with_gradient"
+OVERWRITE_WITH_GRADIENT = NVTE_FP8_COLLECTION_NAME  # "_overwrite_with_gradient"
 
 # QuantizerSet field -> variable name prefix (TE's names).
 _STATE_PREFIX = {"x": "x", "kernel": "kernel", "dgrad": "grad"}

@@ -87,11 +87,14 @@ def _check_te_fields(module, op: str) -> None:
     lowbit.checkpoint_policies instead of the quantized copies), and LayerNormMLP's
     activation_params (clamped swiglu at TE's defaults, limit 7.0 and alpha 1.702)."""
     check_batch_first(op, module.transpose_batch_sequence)
-    if module.quantization_checkpoint_name is not None:
-        raise ValueError(f"{op}: quantization_checkpoint_name: expected None (name the GEMM outputs "
-                         "for remat with lowbit.checkpoint_policies), got "
-                         f"{module.quantization_checkpoint_name!r}")
+    _check_checkpoint_name(op, module.quantization_checkpoint_name)
     check_activation_params(op, getattr(module, "activation_params", None))
+
+
+def _check_checkpoint_name(op: str, name) -> None:
+    if name is not None:
+        raise ValueError(f"{op}: quantization_checkpoint_name: expected None (name the GEMM outputs "
+                         f"for remat with lowbit.checkpoint_policies), got {name!r}")
 
 
 class LowbitModuleBase(nn.Module):
@@ -109,10 +112,7 @@ class LowbitModuleBase(nn.Module):
                                fp8_recipe: Recipe | None = None) -> QuantizerSet:
         """The QuantizerSet of one GEMM; `postfix` tells a module's GEMMs apart ("_0", "_1").
         TE's signature; quantization_checkpoint_name: None only (see _check_te_fields)."""
-        if quantization_checkpoint_name is not None:
-            raise ValueError("lowbit.flax: generate_quantizer_set: quantization_checkpoint_name: "
-                             "expected None (name the GEMM outputs for remat with "
-                             f"lowbit.checkpoint_policies), got {quantization_checkpoint_name!r}")
+        _check_checkpoint_name("lowbit.flax: generate_quantizer_set", quantization_checkpoint_name)
         recipe = fp8_recipe if fp8_recipe is not None else self.active_recipe()
         quantizer_set = QuantizerFactory.create_set(recipe) if recipe is not None else QuantizerSet()
         return _bind_state(self, quantizer_set, postfix,

@@ -61,7 +61,8 @@ _MODE_RECIPE = {
 _RECIPES = (DelayedScaling, Float8CurrentScaling, Float8BlockScaling, MXFP8BlockScaling, NVFP4BlockScaling)
 
 
-def _gpus():
+def local_gpus():
+    """This process's GPUs (none on a CPU-only jax)."""
     try:
         return jax.devices("gpu")
     except RuntimeError:
@@ -71,7 +72,7 @@ def _gpus():
 def get_device_compute_capability(gpu_id: int = 0) -> int:
     """The compute capability of GPU `gpu_id` as TE writes it (90 for 9.0); 0 when there is
     no such GPU (the CPU)."""
-    gpus = _gpus()
+    gpus = local_gpus()
     if isinstance(gpu_id, bool) or not isinstance(gpu_id, int) or gpu_id < 0:
         raise ValueError(f"lowbit.quantize.get_device_compute_capability: gpu_id: expected an int >= 0, "
                          f"got {gpu_id!r}")
@@ -110,7 +111,7 @@ def is_scaling_mode_supported(scaling_mode=ScalingMode.NO_SCALING, gpu_id=None) 
     mode = _check_mode(scaling_mode)
     if mode == ScalingMode.NO_SCALING:
         return True, ""
-    ids = [gpu_id] if gpu_id is not None else list(range(max(1, len(_gpus()))))
+    ids = [gpu_id] if gpu_id is not None else list(range(max(1, len(local_gpus()))))
     for i in ids:
         ok, why = _gate(_MODE_RECIPE[mode], i)
         if not ok:
@@ -130,5 +131,5 @@ def get_supported_scaling_modes() -> list[ScalingMode]:
 
 def get_supported_quantization_recipes() -> list:
     """Default instances of the recipes whose GEMMs run natively on every local GPU."""
-    n = max(1, len(_gpus()))
+    n = max(1, len(local_gpus()))
     return [r() for r in _RECIPES if all(_gate(r.__name__, i)[0] for i in range(n))]
