@@ -244,6 +244,25 @@ def test_te_top_level_names():
         lowbit.update_collections([("a", 1)], original)
 
 
+def test_te_flax_package_names():
+    # TE's flax package exports extend_logical_axis_rules (lowbit.sharding's, the same
+    # function); TE's attention and transformer layers are not ported, and asking for one
+    # says so and names what to build the layer from, unlike a plain missing attribute.
+    import lowbit.flax as te_flax
+    from lowbit.sharding import MeshResource, extend_logical_axis_rules
+
+    assert te_flax.extend_logical_axis_rules is extend_logical_axis_rules
+    with lowbit.autocast(enabled=False, mesh_resource=MeshResource(dp_resource="data")):
+        rules = dict(te_flax.extend_logical_axis_rules((("my_embed", None),)))
+    assert rules["my_embed"] is None and rules["batch"] == "data"
+    for name in ("DotProductAttention", "MultiHeadAttention", "RelativePositionBiases",
+                 "TransformerLayer", "TransformerLayerType"):
+        with pytest.raises(AttributeError, match=f"{name}.*not part of lowbit.*LayerNormDenseGeneral"):
+            getattr(te_flax, name)
+    with pytest.raises(AttributeError, match=r"has no attribute 'NoSuchModule'$"):
+        te_flax.NoSuchModule
+
+
 def test_create_set_takes_te_s_positional_count():
     sets = QuantizerFactory.create_set(2, fp8_recipe=Float8CurrentScaling())
     assert isinstance(sets, tuple) and len(sets) == 2 and all(s.x is not None for s in sets)

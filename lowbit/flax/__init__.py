@@ -21,6 +21,11 @@ make_dot_general_cls, wrap_function_in_state_module and the modules of module.py
 `wrap_function_in_te_state_module` is TE's calling convention (f gets a
 `generate_quantizer_set` callable first; the class is named TEWrapper_*), lowbit's
 `wrap_function_in_state_module` passes the set as the `quantizer_set` keyword instead.
+
+`extend_logical_axis_rules` is lowbit.sharding's, here where TE's flax package has it. TE's
+attention and transformer layers (DotProductAttention, MultiHeadAttention,
+RelativePositionBiases, TransformerLayer, TransformerLayerType, in TE's flax/transformer.py)
+are not part of lowbit: asking for one is an AttributeError that says so and what to use.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from flax import linen as nn
 from lowbit.dense import dense
 from lowbit.quantize.helper import NVTE_FP8_COLLECTION_NAME, QuantizerFactory
 from lowbit.quantize.quantizer import DelayedScaleQuantizer, QuantizerSet
+from lowbit.sharding import extend_logical_axis_rules
 
 OVERWRITE_WITH_GRADIENT = NVTE_FP8_COLLECTION_NAME  # "_overwrite_with_gradient"
 
@@ -48,6 +54,7 @@ __all__ = [
     "LowbitModuleBase",
     "Softmax",
     "TransformerEngineBase",
+    "extend_logical_axis_rules",
     "make_dot_general_cls",
     "wrap_function_in_state_module",
     "wrap_function_in_te_state_module",
@@ -150,10 +157,23 @@ from lowbit.flax.module import (  # noqa: E402
 )
 
 
+# TE's flax names that lowbit does not port (TE's flax/transformer.py: attention, cuDNN fused
+# attention, the transformer layer), for the error below.
+_TE_TRANSFORMER_NAMES = frozenset({"DotProductAttention", "MultiHeadAttention", "RelativePositionBiases",
+                                   "TransformerLayer", "TransformerLayerType"})
+
+
 def __getattr__(name):
     """`lowbit.flax.nnx` (the NNX twins) as an attribute too, imported on first use."""
     if name == "nnx":
         import importlib
 
         return importlib.import_module("lowbit.flax.nnx")
+    if name in _TE_TRANSFORMER_NAMES:
+        raise AttributeError(
+            f"module 'lowbit.flax' has no attribute {name!r}: TransformerEngine's attention and "
+            f"transformer layers (transformer_engine.jax.flax.{name}) are not part of lowbit. Build the "
+            f"layer from lowbit.flax's LayerNormDenseGeneral (the QKV projection), DenseGeneral and "
+            f"LayerNormMLP around your own attention, as examples/fused_layer.py does, or keep Flax's "
+            f"modules and pass make_dot_general_cls(recipe) as their dot_general")
     raise AttributeError(f"module 'lowbit.flax' has no attribute {name!r}")
