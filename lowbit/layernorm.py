@@ -30,7 +30,18 @@ from lowbit.quantize.tensor import ScaledTensor1x, ScaledTensor2x
 
 NORM_TYPES = ("layernorm", "rmsnorm")
 
-__all__ = ["layernorm", "quantized_layernorm", "NormConfig", "norm_quantize", "fused_2x"]
+__all__ = ["layernorm", "quantized_layernorm", "NormConfig", "norm_quantize", "fused_2x",
+           "canonicalize_norm_type"]
+
+
+def canonicalize_norm_type(x) -> str:
+    """TE's name: "LayerNorm", "layer_norm", "RMSNorm", ... -> "layernorm" / "rmsnorm"; anything
+    else is a ValueError naming it (TE asserts)."""
+    canonical = canonical_norm_type(x)
+    if canonical not in NORM_TYPES:
+        raise ValueError(f"lowbit.layernorm.canonicalize_norm_type: x: expected a spelling of "
+                         f"{NORM_TYPES}, got {x!r}")
+    return canonical
 
 
 class NormConfig(NamedTuple):

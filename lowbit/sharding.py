@@ -36,6 +36,9 @@ with_logical_constraint under the current logical axis rules; a no-op without a 
 dot_input_axes / dot_1_input_axes / dot_2_input_axes name tensors that exist only inside the
 fused ops (the norm's and the activation's quantized copies): these are accepted and not
 applied; those copies take their sharding from x's through the ops' partitioning rules.
+
+TE's mesh queries and constraint wrappers (is_mesh_available, get_mesh_axis_size,
+with_sharding_constraint_by_logical_axes, ...) are here by TE's names: lowbit/sharding_mesh.py.
 """
 
 from __future__ import annotations
@@ -44,6 +47,9 @@ import dataclasses
 from typing import Sequence
 
 from lowbit.quantize.helper import get_global_mesh_resource, mesh_resource_guard
+from lowbit.sharding_mesh import (get_all_mesh_axes, get_mesh_axis_rank, get_mesh_axis_size,
+                                  get_num_devices_in_mesh, is_mesh_available, num_of_devices,
+                                  with_sharding_constraint, with_sharding_constraint_by_logical_axes)
 
 __all__ = [
     "logical_constraint",
@@ -55,6 +61,10 @@ __all__ = [
     "BATCH_AXES", "SEQLEN_AXES", "SEQLEN_TP_AXES", "SEQLEN_CP_AXES", "HEAD_AXES",
     "HIDDEN_AXES", "HIDDEN_TP_AXES", "JOINED_AXES", "W_NO_SHARD_AXES", "W_FSDP_AXES",
     "W_TP_AXES", "W_JOINED_AXES",
+    # TE's mesh queries and constraint wrappers (lowbit/sharding_mesh.py)
+    "is_mesh_available", "get_all_mesh_axes", "num_of_devices", "get_num_devices_in_mesh",
+    "get_mesh_axis_size", "get_mesh_axis_rank", "with_sharding_constraint",
+    "with_sharding_constraint_by_logical_axes",
 ]
 
 AxisName = str | tuple[str, ...] | None

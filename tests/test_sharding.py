@@ -93,6 +93,64 @@ def test_logical_axis_rules_map_te_names_through_the_mesh_resource():
             assert nn.logical_to_mesh_axes(("embed", "act", "mlp")) == P("dp", None, "tp")
 
 
+def test_te_mesh_queries():
+    from lowbit import sharding as sh
+
+    assert sh.num_of_devices() == len(jax.devices())
+    assert not sh.is_mesh_available() and sh.get_all_mesh_axes() == ()
+    assert sh.get_num_devices_in_mesh() == 1 and sh.get_mesh_axis_size(None) == 1
+    assert sh.get_mesh_axis_rank("dp") == 0  # no mesh given: TE's 0
+    mesh = cpu_mesh(tp=2)
+    for enter in (lambda: jax.set_mesh(mesh), lambda: mesh):
+        with enter():
+            assert sh.is_mesh_available() and sh.get_all_mesh_axes() == ("dp", "tp")
+            assert sh.get_num_devices_in_mesh() == 4 and sh.get_mesh_axis_size("tp") == 2
+            with pytest.raises(ValueError, match="get_mesh_axis_size: axis: 'fsdp' is not an axis"):
+                sh.get_mesh_axis_size("fsdp")
+    assert sh.get_num_devices_in_mesh(cpu_mesh(tp=4)) == 8
+    with pytest.raises(ValueError, match="get_mesh_axis_rank: axis: 'x'"):
+        sh.get_mesh_axis_rank("x", mesh)
+    ranks = jax.shard_map(lambda v: v + sh.get_mesh_axis_rank("tp", mesh), mesh=mesh,
+                          in_specs=P("dp", "tp"), out_specs=P("dp", "tp"))(jnp.zeros((2, 2), jnp.int32))
+    np.testing.assert_array_equal(np.asarray(ranks), [[0, 1], [0, 1]])
+
+
+def test_te_sharding_constraints():
+    from lowbit import sharding as sh
+
+    x = jnp.arange(8 * 6, dtype=jnp.float32).reshape(8, 6)
+    # No mesh, no spec, no names: x itself.
+    assert sh.with_sharding_constraint(x, P("dp")) is x
+    assert sh.with_sharding_constraint_by_logical_axes(x, None) is x
+    mesh = cpu_mesh(tp=2)
+    with jax.set_mesh(mesh):
+        assert sh.with_sharding_constraint(x, None) is x
+        out = jax.jit(lambda v: sh.with_sharding_constraint(v, P("dp", "tp")) * 2)(x)
+        assert out.sharding.spec == P("dp", "tp")
+        np.testing.assert_array_equal(np.asarray(out), np.asarray(x) * 2)
+        with pytest.raises(ValueError, match="with_sharding_constraint: pspec"):
+            sh.with_sharding_constraint(x, P("dp", None, "tp"))
+        # Inside shard_map the manual axis is dropped from the spec (all dropped: a no-op).
+        def body(v):
+            v = sh.with_sharding_constraint(v, P("dp"))
+            return sh.with_sharding_constraint(v, P(("dp",), None)) + 1
+        out = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("dp"), out_specs=P("dp"),
+                                    axis_names={"dp"}))(x)
+        np.testing.assert_array_equal(np.asarray(out), np.asarray(x) + 1)
+        # Logical names: the current flax rules (a name without a rule stays unsharded) ...
+        with nn.logical_axis_rules((("batch", "dp"), ("embed", "tp"))):
+            out = jax.jit(lambda v: sh.with_sharding_constraint_by_logical_axes(v, ("batch", "nope")))(x)
+            assert tuple(out.sharding.spec) in (("dp",), ("dp", None))
+            out = jax.jit(lambda v: sh.with_sharding_constraint_by_logical_axes(v, ["batch", "embed"]))(x)
+            assert out.sharding.spec == P("dp", "tp")
+        # ... else lowbit's table from the global MeshResource.
+        with global_shard_guard(MeshResource(dp_resource="dp", tp_resource="tp")):
+            out = jax.jit(lambda v: sh.with_sharding_constraint_by_logical_axes(v, ("batch", "mlp")))(x)
+            assert out.sharding.spec == P("dp", "tp")
+        with pytest.raises(ValueError, match="by_logical_axes: logical_axis_names: expected one name"):
+            sh.with_sharding_constraint_by_logical_axes(x, ("batch",))
+
+
 # ---------------------------------------------------------------- functions
 
 def _inputs(rng, batch=B):

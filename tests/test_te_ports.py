@@ -263,6 +263,41 @@ def test_te_flax_package_names():
         te_flax.NoSuchModule
 
 
+@pytest.mark.parametrize("q_dtype", [jnp.float8_e4m3fn, jnp.float8_e5m2])
+@pytest.mark.parametrize("margin", [0, 2.0])
+def test_compute_scale_from_amax_is_te_s_formula(q_dtype, margin):
+    from lowbit.quantize import compute_scale_from_amax
+
+    rng = np.random.default_rng(7)
+    amaxes = np.concatenate([rng.uniform(1e-3, 1e3, 6), rng.uniform(1e-30, 1e-20, 2),
+                             [0.0, -1.0, np.inf, np.nan, 1e-40, 448.0, 57344.0]]).astype(np.float32)
+    old = np.array([0.37], np.float32)
+    fp8_max = np.float32(jnp.finfo(q_dtype).max)
+    for a in amaxes:
+        # TE's few lines, with DESIGN §4's clamp of an infinite quotient to FLT_MAX.
+        with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
+            sf = (fp8_max / a) / np.float32(2.0 ** margin)
+        want = old if not (a > 0 and np.isfinite(a)) else np.minimum(sf, np.finfo(np.float32).max)
+        got = np.asarray(compute_scale_from_amax(jnp.array([a]), q_dtype, margin, jnp.asarray(old)))
+        assert got.shape == (1,) and got.dtype == np.float32
+        np.testing.assert_array_equal(got, np.asarray(want, np.float32).reshape(1), err_msg=str(a))
+    assert float(compute_scale_from_amax(0.0, q_dtype, margin)[0]) == 1.0  # default scale 1
+    with pytest.raises(TypeError, match="compute_scale_from_amax: q_dtype"):
+        compute_scale_from_amax(1.0, jnp.bfloat16, 0)
+    with pytest.raises(ValueError, match="compute_scale_from_amax: amax: expected one value"):
+        compute_scale_from_amax(jnp.ones(2), q_dtype, 0)
+
+
+def test_canonicalize_norm_type():
+    from lowbit.layernorm import canonicalize_norm_type
+
+    for spelling, want in (("LayerNorm", "layernorm"), ("layer_norm", "layernorm"),
+                           (" RMS-Norm ", "rmsnorm"), ("rmsnorm", "rmsnorm")):
+        assert canonicalize_norm_type(spelling) == want
+    with pytest.raises(ValueError, match="canonicalize_norm_type: x: .*'batchnorm'"):
+        canonicalize_norm_type("batchnorm")
+
+
 def test_create_set_takes_te_s_positional_count():
     sets = QuantizerFactory.create_set(2, fp8_recipe=Float8CurrentScaling())
     assert isinstance(sets, tuple) and len(sets) == 2 and all(s.x is not None for s in sets)

@@ -4,7 +4,7 @@ The kernels live in lowbit.ops; this package decides which to call with which sc
 carries the quantized tensors and the quantizer state as pytrees.
 """
 
-from lowbit.quantize.delayed import compute_scale, update_delayed_scaling
+from lowbit.quantize.delayed import compute_scale, compute_scale_from_amax, update_delayed_scaling
 from lowbit.quantize.helper import (
     NVTE_FP8_COLLECTION_NAME,
     QuantizerFactory,
@@ -54,6 +54,7 @@ __all__ = [
     "ScalingMode",
     "autocast",
     "compute_scale",
+    "compute_scale_from_amax",
     "fp8_autocast",
     "get_device_compute_capability",
     "get_global_mesh_resource",

@@ -27,6 +27,7 @@ scale_inv = 1 / scale, correctly rounded (also by the op).
 from __future__ import annotations
 
 import jax
+import ml_dtypes
 import numpy as np
 
 from lowbit.ops import scale as scale_ops
@@ -38,6 +39,7 @@ __all__ = [
     "compute_scale",
     "compute_scale_and_inverse",
     "scale_inverse",
+    "compute_scale_from_amax",
     "FLT_MAX",
 ]
 
@@ -101,6 +103,29 @@ def compute_scale(amax, *, fp8_max: float, use_power_2_scales: bool = False) -> 
     """Current scaling: max_fp8 / amax with the rules of this module's preamble."""
     return compute_scale_and_inverse(
         amax, fp8_max=fp8_max, use_power_2_scales=use_power_2_scales)[0]
+
+
+def compute_scale_from_amax(amax, q_dtype, margin=0.0, scale=None) -> jax.Array:
+    """TE's name (transformer_engine.jax.quantize): scale = (max(q_dtype) / amax) / 2**margin as
+    a (1,) float32, `scale` (default 1) kept where amax <= 0 or is not finite, an infinite
+    quotient clamped to FLT_MAX (the delayed rule of this module's preamble, for one amax).
+    q_dtype is an FP8 dtype (jnp.float8_e4m3fn or jnp.float8_e5m2); margin a whole number."""
+    op = "lowbit.quantize.compute_scale_from_amax"
+    try:
+        dtype = np.dtype(q_dtype)
+    except TypeError:
+        dtype = None
+    if dtype not in (np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e5m2)):
+        raise TypeError(f"{op}: q_dtype: expected float8_e4m3fn or float8_e5m2, got {q_dtype!r}")
+    if np.size(amax) != 1:
+        raise ValueError(f"{op}: amax: expected one value, got shape {np.shape(amax)}")
+    fp8_max = float(ml_dtypes.finfo(dtype).max)
+    if scale is None:
+        scale = np.ones((1,), np.float32)
+    amax = jax.numpy.reshape(jax.numpy.asarray(amax, jax.numpy.float32), (1,))
+    _, new_scale, _ = scale_ops.update_delayed_scaling(amax, scale, amax, fp8_max=fp8_max,
+                                                       margin=margin)
+    return new_scale
 
 
 def scale_inverse(scale) -> jax.Array:
