@@ -47,9 +47,13 @@ import dataclasses
 from typing import Sequence
 
 from lowbit.quantize.helper import get_global_mesh_resource, mesh_resource_guard
-from lowbit.sharding_mesh import (get_all_mesh_axes, get_mesh_axis_rank, get_mesh_axis_size,
-                                  get_num_devices_in_mesh, is_mesh_available, num_of_devices,
-                                  with_sharding_constraint, with_sharding_constraint_by_logical_axes)
+from lowbit.sharding_mesh import (all_reduce_max_along_all_axes_except_PP,  # noqa: F401 (TE's names)
+                                  all_reduce_sum_along_dp_fsdp, all_reduce_sum_along_dp_fsdp_tpsp,
+                                  dp_or_fsdp_axis_size, get_all_mesh_axes, get_mesh_axis_rank,
+                                  get_mesh_axis_rank_host, get_mesh_axis_size, get_num_devices_in_mesh,
+                                  get_padded_spec, is_mesh_available, lax_paral_op, num_of_devices,
+                                  tpsp_axis_size, with_sharding_constraint,
+                                  with_sharding_constraint_by_logical_axes)
 
 __all__ = [
     "logical_constraint",
@@ -64,7 +68,10 @@ __all__ = [
     # TE's mesh queries and constraint wrappers (lowbit/sharding_mesh.py)
     "is_mesh_available", "get_all_mesh_axes", "num_of_devices", "get_num_devices_in_mesh",
     "get_mesh_axis_size", "get_mesh_axis_rank", "with_sharding_constraint",
-    "with_sharding_constraint_by_logical_axes",
+    "with_sharding_constraint_by_logical_axes", "get_padded_spec", "lax_paral_op",
+    "all_reduce_sum_along_dp_fsdp", "all_reduce_sum_along_dp_fsdp_tpsp",
+    "all_reduce_max_along_all_axes_except_PP", "tpsp_axis_size", "dp_or_fsdp_axis_size",
+    "get_mesh_axis_rank_host",
 ]
 
 AxisName = str | tuple[str, ...] | None

@@ -18,6 +18,14 @@ by TE's names, for code that calls them (lowbit.sharding re-exports every one):
                                              lowbit's table (lowbit.sharding.logical_axis_rules,
                                              from the global MeshResource) stands in, as TE's
                                              own table does there. names None or () : no-op.
+    get_padded_spec(spec, ndim)              spec padded with None to ndim entries
+    lax_paral_op(x, op, mesh_resource, mesh) op(x, axis) (jax.lax.psum, pmax, ...) over the
+                                             named axis inside shard_map; x when it is None
+    all_reduce_sum_along_dp_fsdp(x, mesh), all_reduce_sum_along_dp_fsdp_tpsp(x, mesh),
+    all_reduce_max_along_all_axes_except_PP(x, mesh)
+                                             psums / pmax over the global MeshResource's axes
+    tpsp_axis_size(), dp_or_fsdp_axis_size() sizes of the global MeshResource's axes (1: unset)
+    get_mesh_axis_rank_host(axis, mesh)      this host's first device's index along axis
 
 Errors name the function and the argument (an axis the mesh lacks, a spec or names list
 longer than x's rank), where TE asserts.
@@ -28,6 +36,9 @@ from __future__ import annotations
 import math
 
 import jax
+import numpy as np
+
+from lowbit.quantize.helper import get_global_mesh_resource
 
 __all__ = [
     "is_mesh_available",
@@ -38,6 +49,14 @@ __all__ = [
     "get_mesh_axis_rank",
     "with_sharding_constraint",
     "with_sharding_constraint_by_logical_axes",
+    "get_padded_spec",
+    "lax_paral_op",
+    "all_reduce_sum_along_dp_fsdp",
+    "all_reduce_sum_along_dp_fsdp_tpsp",
+    "all_reduce_max_along_all_axes_except_PP",
+    "tpsp_axis_size",
+    "dp_or_fsdp_axis_size",
+    "get_mesh_axis_rank_host",
 ]
 
 
@@ -131,3 +150,65 @@ def with_sharding_constraint_by_logical_axes(x, logical_axis_names):
 
     spec = nn.logical_to_mesh_axes(names, logical_axis_rules())
     return with_sharding_constraint(x, spec)
+
+
+def get_padded_spec(spec, ndim: int) -> tuple:
+    if spec is None:
+        return (None,) * ndim
+    spec = tuple(spec)
+    if len(spec) > ndim:
+        raise ValueError(f"lowbit.sharding.get_padded_spec: spec: {spec} has more than ndim={ndim} entries")
+    return spec + (None,) * (ndim - len(spec))
+
+
+def lax_paral_op(x, ops, mesh_resource, mesh, **kwargs):
+    if mesh_resource is None:
+        return x
+    _check_axis("lax_paral_op", mesh_resource, mesh)
+    return ops(x, mesh_resource, **kwargs)
+
+
+def _resource():
+    from lowbit.sharding import MeshResource
+
+    r = get_global_mesh_resource()
+    return r if isinstance(r, MeshResource) else MeshResource()
+
+
+def all_reduce_sum_along_dp_fsdp(x, mesh):
+    r = _resource()
+    x = lax_paral_op(x, jax.lax.psum, r.dp_resource, mesh)
+    return lax_paral_op(x, jax.lax.psum, r.fsdp_resource, mesh)
+
+
+def all_reduce_sum_along_dp_fsdp_tpsp(x, mesh):
+    x = lax_paral_op(x, jax.lax.psum, _resource().tpsp_resource, mesh)
+    return all_reduce_sum_along_dp_fsdp(x, mesh)
+
+
+def all_reduce_max_along_all_axes_except_PP(x, mesh):  # noqa: N802 (TE's name)
+    pp = _resource().pp_resource
+    for axis in mesh.axis_names:
+        if axis != pp:
+            x = jax.lax.pmax(x, axis)
+    return x
+
+
+def tpsp_axis_size() -> int:
+    return get_mesh_axis_size(_resource().tpsp_resource)
+
+
+def dp_or_fsdp_axis_size() -> int:
+    r = _resource()
+    dp = get_mesh_axis_size(r.dp_resource)
+    return dp if dp > 1 else get_mesh_axis_size(r.fsdp_resource)
+
+
+def get_mesh_axis_rank_host(axis, mesh) -> int:
+    _check_axis("get_mesh_axis_rank_host", axis, mesh)
+    device = jax.local_devices()[0]
+    where = np.argwhere(mesh.devices == device)
+    if where.size == 0:
+        raise ValueError(f"lowbit.sharding.get_mesh_axis_rank_host: mesh: this host's device {device} "
+                         f"is not in the mesh")
+    return int(where[0][mesh.axis_names.index(axis)])

@@ -115,6 +115,42 @@ def test_te_mesh_queries():
     np.testing.assert_array_equal(np.asarray(ranks), [[0, 1], [0, 1]])
 
 
+def test_te_collective_helpers():
+    from lowbit import sharding as sh
+
+    mesh = cpu_mesh(tp=2)
+    # One value per device: v[i, j] = 10 i + j on the (dp, tp) grid.
+    v = jnp.array([[0.0, 1.0], [10.0, 11.0]], jnp.float32)
+
+    def run(fn):
+        return np.asarray(jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=P("dp", "tp"),
+                                                out_specs=P("dp", "tp")))(v))
+
+    with global_shard_guard(MeshResource(dp_resource="dp", tpsp_resource="tp", pp_resource="tp")):
+        np.testing.assert_array_equal(run(lambda x: sh.all_reduce_sum_along_dp_fsdp(x, mesh)),
+                                      [[10, 12], [10, 12]])  # over dp only (no fsdp axis)
+        np.testing.assert_array_equal(run(lambda x: sh.all_reduce_sum_along_dp_fsdp_tpsp(x, mesh)),
+                                      [[22, 22], [22, 22]])
+        np.testing.assert_array_equal(run(lambda x: sh.all_reduce_max_along_all_axes_except_PP(x, mesh)),
+                                      [[10, 11], [10, 11]])  # not over tp, the pp axis here
+        np.testing.assert_array_equal(run(lambda x: sh.lax_paral_op(x, jax.lax.pmax, "tp", mesh)),
+                                      [[1, 1], [11, 11]])
+        assert sh.lax_paral_op(v, jax.lax.psum, None, mesh) is v
+        with pytest.raises(ValueError, match="lax_paral_op: axis: 'fsdp'"):
+            sh.lax_paral_op(v, jax.lax.psum, "fsdp", mesh)
+        with jax.set_mesh(mesh):
+            assert sh.tpsp_axis_size() == 2 and sh.dp_or_fsdp_axis_size() == 2
+    with jax.set_mesh(mesh), global_shard_guard(MeshResource(fsdp_resource="tp")):
+        assert sh.tpsp_axis_size() == 1 and sh.dp_or_fsdp_axis_size() == 2
+    assert sh.get_padded_spec(None, 2) == (None, None) and sh.get_padded_spec(P("dp"), 3) == ("dp", None, None)
+    with pytest.raises(ValueError, match="get_padded_spec: spec"):
+        sh.get_padded_spec(("a", "b"), 1)
+    # This host's first device sits at (0, 0) of cpu_mesh, at (1, 1) of the reversed one.
+    assert sh.get_mesh_axis_rank_host("tp", mesh) == 0
+    flipped = Mesh(np.array(jax.devices("cpu")[:4])[::-1].reshape(2, 2), ("dp", "tp"))
+    assert sh.get_mesh_axis_rank_host("dp", flipped) == 1 and sh.get_mesh_axis_rank_host("tp", flipped) == 1
+
+
 def test_te_sharding_constraints():
     from lowbit import sharding as sh
 
