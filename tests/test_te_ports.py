@@ -362,6 +362,8 @@ def test_te_support_queries():
         if not ok:
             assert "emulat" in why or "CUDA library" in why
     assert is_fp8_available() == is_scaling_mode_supported(ScalingMode.DELAYED_TENSOR_SCALING)
+    from lowbit.quantize import is_fp8_gemm_with_all_layouts_supported
+    assert is_fp8_gemm_with_all_layouts_supported() == (100 <= cc < 120)  # False on the CPU and Hopper
     names = {type(r).__name__ for r in get_supported_quantization_recipes()}
     by_mode = {"DelayedScaling": ScalingMode.DELAYED_TENSOR_SCALING,
                "Float8CurrentScaling": ScalingMode.CURRENT_TENSOR_SCALING,

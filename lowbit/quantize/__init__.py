@@ -32,6 +32,7 @@ from lowbit.quantize.support import (
     get_supported_quantization_recipes,
     get_supported_scaling_modes,
     is_fp8_available,
+    is_fp8_gemm_with_all_layouts_supported,
     is_scaling_mode_supported,
 )
 from lowbit.quantize.tensor import ScaledTensor, ScaledTensor1x, ScaledTensor2x
@@ -64,6 +65,7 @@ __all__ = [
     "get_supported_scaling_modes",
     "is_fp8_available",
     "is_quantization_enabled",
+    "is_fp8_gemm_with_all_layouts_supported",
     "is_scaling_mode_supported",
     "noop_quantizer_set",
     "update_collections",

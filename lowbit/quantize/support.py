@@ -25,6 +25,7 @@ __all__ = [
     "get_supported_quantization_recipes",
     "get_supported_scaling_modes",
     "is_fp8_available",
+    "is_fp8_gemm_with_all_layouts_supported",
     "is_scaling_mode_supported",
 ]
 
@@ -80,6 +81,13 @@ def get_device_compute_capability(gpu_id: int = 0) -> int:
         return 0
     major, minor = str(gpus[gpu_id].compute_capability).split(".")
     return int(major) * 10 + int(minor)
+
+
+def is_fp8_gemm_with_all_layouts_supported(gpu_id: int = 0) -> bool:
+    """TE's query: does GPU `gpu_id`'s FP8 GEMM take every operand layout (Blackwell, compute
+    capability 10.x-11.x)? False on Hopper (K-major operands only: lowbit's quantizers then
+    write the transposed colwise copies) and on the CPU."""
+    return 100 <= get_device_compute_capability(gpu_id) < 120
 
 
 def _gate(recipe_name: str, gpu_id: int) -> tuple[bool, str]:
