@@ -261,6 +261,10 @@ def test_te_flax_package_names():
             getattr(te_flax, name)
     with pytest.raises(AttributeError, match=r"has no attribute 'NoSuchModule'$"):
         te_flax.NoSuchModule
+    # TE's module file's type names, for annotations in ported code.
+    from lowbit.flax.module import Array, DType, Initializer, PRNGKey, PrecisionLike, Shape  # noqa: F401
+
+    assert Array is jax.Array and Shape == tuple[int, ...]
 
 
 @pytest.mark.parametrize("q_dtype", [jnp.float8_e4m3fn, jnp.float8_e5m2])

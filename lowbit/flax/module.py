@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Iterable, Sequence
 
+import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
@@ -39,6 +40,12 @@ from lowbit.recipe import Recipe
 from lowbit.sharding import check_batch_first
 from lowbit.softmax import AttnSoftmaxType
 
+# TE's type names (transformer_engine.jax.flax.module), for annotations in ported code.
+PRNGKey = Any
+Shape = tuple[int, ...]
+DType = Any  # a jnp dtype
+Array = jax.Array
+PrecisionLike = None | str | jax.lax.Precision | tuple[str, str] | tuple[jax.lax.Precision, jax.lax.Precision]
 Initializer = Callable[..., Any]
 
 __all__ = [
