@@ -25,7 +25,8 @@ by TE's names, for code that calls them (lowbit.sharding re-exports every one):
     all_reduce_max_along_all_axes_except_PP(x, mesh)
                                              psums / pmax over the global MeshResource's axes
     tpsp_axis_size(), dp_or_fsdp_axis_size() sizes of the global MeshResource's axes (1: unset)
-    get_mesh_axis_rank_host(axis, mesh)      this host's first device's index along axis
+    get_mesh_axis_rank_host(axis, mesh)      the index along axis of this process's first device
+                                             (of the mesh's platform)
 
 Errors name the function and the argument (an axis the mesh lacks, a spec or names list
 longer than x's rank), where TE asserts.
@@ -206,7 +207,8 @@ def dp_or_fsdp_axis_size() -> int:
 
 def get_mesh_axis_rank_host(axis, mesh) -> int:
     _check_axis("get_mesh_axis_rank_host", axis, mesh)
-    device = jax.local_devices()[0]
+    # This process's first device of the mesh's platform (a CPU mesh on a GPU machine too).
+    device = jax.local_devices(backend=mesh.devices.flat[0].platform)[0]
     where = np.argwhere(mesh.devices == device)
     if where.size == 0:
         raise ValueError(f"lowbit.sharding.get_mesh_axis_rank_host: mesh: this host's device {device} "
