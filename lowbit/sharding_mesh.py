@@ -21,15 +21,18 @@ by TE's names, for code that calls them (lowbit.sharding re-exports every one):
     get_padded_spec(spec, ndim)              spec padded with None to ndim entries
     lax_paral_op(x, op, mesh_resource, mesh) op(x, axis) (jax.lax.psum, pmax, ...) over the
                                              named axis inside shard_map; x when it is None
-    all_reduce_sum_along_dp_fsdp(x, mesh), all_reduce_sum_along_dp_fsdp_tpsp(x, mesh),
+    all_reduce_sum_along_dp_fsdp(x, mesh), all_reduce_sum_along_dp_fsdp_tpsp(x, mesh)
+                                             psums over the global MeshResource's dp and fsdp
+                                             (and tpsp) axes, inside shard_map
     all_reduce_max_along_all_axes_except_PP(x, mesh)
-                                             psums / pmax over the global MeshResource's axes
+                                             pmax over every axis of mesh but the global
+                                             MeshResource's pp axis
     tpsp_axis_size(), dp_or_fsdp_axis_size() sizes of the global MeshResource's axes (1: unset)
     get_mesh_axis_rank_host(axis, mesh)      the index along axis of this process's first device
                                              (of the mesh's platform)
 
-Errors name the function and the argument (an axis the mesh lacks, a spec or names list
-longer than x's rank), where TE asserts.
+Errors name the function and the argument (an axis the mesh lacks, a spec longer than x's
+rank, a names list of another length than x's rank), where TE asserts.
 """
 
 from __future__ import annotations
