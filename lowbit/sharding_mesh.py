@@ -42,8 +42,6 @@ import math
 import jax
 import numpy as np
 
-from lowbit.quantize.helper import get_global_mesh_resource
-
 __all__ = [
     "is_mesh_available",
     "get_all_mesh_axes",
@@ -173,10 +171,9 @@ def lax_paral_op(x, ops, mesh_resource, mesh, **kwargs):
 
 
 def _resource():
-    from lowbit.sharding import MeshResource
+    from lowbit.sharding import global_mesh_resource  # lowbit.sharding imports this module
 
-    r = get_global_mesh_resource()
-    return r if isinstance(r, MeshResource) else MeshResource()
+    return global_mesh_resource()
 
 
 def all_reduce_sum_along_dp_fsdp(x, mesh):
