@@ -27,10 +27,10 @@ scale_inv = 1 / scale, correctly rounded (also by the op).
 from __future__ import annotations
 
 import jax
-import ml_dtypes
 import numpy as np
 
 from lowbit.ops import scale as scale_ops
+from lowbit.ops.quantize import FP8_DTYPES
 from lowbit.recipe import AMAX_COMPUTE_ALGOS
 
 __all__ = [
@@ -115,11 +115,11 @@ def compute_scale_from_amax(amax, q_dtype, margin=0.0, scale=None) -> jax.Array:
         dtype = np.dtype(q_dtype)
     except TypeError:
         dtype = None
-    if dtype not in (np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e5m2)):
+    if dtype not in FP8_DTYPES:
         raise TypeError(f"{op}: q_dtype: expected float8_e4m3fn or float8_e5m2, got {q_dtype!r}")
     if np.size(amax) != 1:
         raise ValueError(f"{op}: amax: expected one value, got shape {np.shape(amax)}")
-    fp8_max = float(ml_dtypes.finfo(dtype).max)
+    fp8_max = float(jax.numpy.finfo(dtype).max)
     if scale is None:
         scale = np.ones((1,), np.float32)
     amax = jax.numpy.reshape(jax.numpy.asarray(amax, jax.numpy.float32), (1,))
