@@ -15,7 +15,6 @@
 #include "probe_cublaslt_gemm.h"
 
 #include <cstring>
-#include <map>
 #include <set>
 #include <string>
 
@@ -49,25 +48,6 @@ struct Config {
   std::string label;
   float ms = 0;
 };
-
-std::string Describe(const cublasLtMatmulAlgo_t& algo) {
-  int id = 0, splitk = 0, swz = 0, custom = 0;
-  uint16_t cluster = 0, inner = 0;
-  uint32_t tile32 = 0, stages32 = 0;
-  size_t sz;
-  cublasLtMatmulAlgoConfigGetAttribute(&algo, CUBLASLT_ALGO_CONFIG_ID, &id, sizeof(id), &sz);
-  cublasLtMatmulAlgoConfigGetAttribute(&algo, CUBLASLT_ALGO_CONFIG_TILE_ID, &tile32, sizeof(tile32), &sz);
-  cublasLtMatmulAlgoConfigGetAttribute(&algo, CUBLASLT_ALGO_CONFIG_STAGES_ID, &stages32, sizeof(stages32), &sz);
-  cublasLtMatmulAlgoConfigGetAttribute(&algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &splitk, sizeof(splitk), &sz);
-  cublasLtMatmulAlgoConfigGetAttribute(&algo, CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING, &swz, sizeof(swz), &sz);
-  cublasLtMatmulAlgoConfigGetAttribute(&algo, CUBLASLT_ALGO_CONFIG_CUSTOM_OPTION, &custom, sizeof(custom), &sz);
-  cublasLtMatmulAlgoConfigGetAttribute(&algo, CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID, &cluster, sizeof(cluster), &sz);
-  cublasLtMatmulAlgoConfigGetAttribute(&algo, CUBLASLT_ALGO_CONFIG_INNER_SHAPE_ID, &inner, sizeof(inner), &sz);
-  char buf[160];
-  std::snprintf(buf, sizeof(buf), "id %3d tile %3u stages %3u inner %2u cluster %2u swz %d custom %2d splitk %d", id,
-                tile32, stages32, unsigned(inner), unsigned(cluster), swz, custom, splitk);
-  return buf;
-}
 
 struct Runner {
   Problem p;

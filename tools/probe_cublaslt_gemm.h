@@ -1,6 +1,8 @@
-// The cuBLASLt pieces the fused Dense backward probes share (tools/probe_wgrad_streams.cu,
-// tools/probe_wgrad_bands.cu; not part of the library or its tests): a CUDA-call check, one FP8
-// GEMM in lowbit's convention with its algorithm chosen and printed, a fill of random finite FP8
+// The cuBLASLt pieces the probes share (tools/probe_wgrad_streams.cu, tools/probe_wgrad_bands.cu,
+// tools/probe_algo_space.cu; not part of the library or its tests): a CUDA-call check, an
+// algorithm's configuration in one line (Describe; before 2026-11-29 the cluster id, a uint16,
+// was read into an int and always printed 0), one FP8 GEMM in lowbit's convention with its
+// algorithm chosen and printed, a fill of random finite FP8
 // codes, the seed Dense backward's operands as today's fused op places them with its GEMMs in
 // today's order (SeedBackward), and an event timer. Header-only: each probe is one nvcc command.
 #pragma once
@@ -13,6 +15,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <string>
 #include <vector>
 
 #define CK(x)                                                                                  \
@@ -26,6 +29,26 @@
 
 static cublasLtHandle_t g_lt;
 static const size_t kWs = size_t(32) << 20;
+
+// An algorithm's configuration in one line (each attribute read at its documented width).
+inline std::string Describe(const cublasLtMatmulAlgo_t& algo) {
+  int id = 0, splitk = 0, swz = 0, custom = 0;
+  uint16_t cluster = 0, inner = 0;
+  uint32_t tile32 = 0, stages32 = 0;
+  size_t sz;
+  cublasLtMatmulAlgoConfigGetAttribute(&algo, CUBLASLT_ALGO_CONFIG_ID, &id, sizeof(id), &sz);
+  cublasLtMatmulAlgoConfigGetAttribute(&algo, CUBLASLT_ALGO_CONFIG_TILE_ID, &tile32, sizeof(tile32), &sz);
+  cublasLtMatmulAlgoConfigGetAttribute(&algo, CUBLASLT_ALGO_CONFIG_STAGES_ID, &stages32, sizeof(stages32), &sz);
+  cublasLtMatmulAlgoConfigGetAttribute(&algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &splitk, sizeof(splitk), &sz);
+  cublasLtMatmulAlgoConfigGetAttribute(&algo, CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING, &swz, sizeof(swz), &sz);
+  cublasLtMatmulAlgoConfigGetAttribute(&algo, CUBLASLT_ALGO_CONFIG_CUSTOM_OPTION, &custom, sizeof(custom), &sz);
+  cublasLtMatmulAlgoConfigGetAttribute(&algo, CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID, &cluster, sizeof(cluster), &sz);
+  cublasLtMatmulAlgoConfigGetAttribute(&algo, CUBLASLT_ALGO_CONFIG_INNER_SHAPE_ID, &inner, sizeof(inner), &sz);
+  char buf[160];
+  std::snprintf(buf, sizeof(buf), "id %3d tile %3u stages %3u inner %2u cluster %2u swz %d custom %2d splitk %d", id,
+                tile32, stages32, unsigned(inner), unsigned(cluster), swz, custom, splitk);
+  return buf;
+}
 
 // One GEMM in lowbit's convention: out[m, n] (row pitch ldd) = a[m, k] . b[n, k]^T, a and b
 // row-major FP8 with row pitches lda, ldb; `batch` entries strided.
@@ -74,15 +97,8 @@ struct Gemm {
     }
     algo = r[0].algo;
     ws = r[0].workspaceSize;
-    int id = 0, tile = 0, stages = 0, splitk = 0, cluster = 0;
-    size_t sz;
-    cublasLtMatmulAlgoConfigGetAttribute(&algo, CUBLASLT_ALGO_CONFIG_ID, &id, sizeof(id), &sz);
-    cublasLtMatmulAlgoConfigGetAttribute(&algo, CUBLASLT_ALGO_CONFIG_TILE_ID, &tile, sizeof(tile), &sz);
-    cublasLtMatmulAlgoConfigGetAttribute(&algo, CUBLASLT_ALGO_CONFIG_STAGES_ID, &stages, sizeof(stages), &sz);
-    cublasLtMatmulAlgoConfigGetAttribute(&algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &splitk, sizeof(splitk), &sz);
-    cublasLtMatmulAlgoConfigGetAttribute(&algo, CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID, &cluster, sizeof(cluster), &sz);
-    std::printf("%-28s m %6ld n %6ld k %6ld batch %d ws_limit %8zu: algo %d tile %d stages %d splitk %d cluster %d ws %zu (of %d)\n",
-                name, long(m), long(n), long(k), batch, ws_limit, id, tile, stages, splitk, cluster, ws, found);
+    std::printf("%-28s m %6ld n %6ld k %6ld batch %d ws_limit %8zu: %s ws %zu (of %d)\n", name, long(m), long(n),
+                long(k), batch, ws_limit, Describe(algo).c_str(), ws, found);
   }
   void Run(const void* a, const void* b, void* d, void* wsp, cudaStream_t s) {
     float alpha = 1.f, beta = 0.f;
