@@ -35,7 +35,7 @@ from lowbit.quantize.support import (
     is_fp8_gemm_with_all_layouts_supported,
     is_scaling_mode_supported,
 )
-from lowbit.quantize.tensor import ScaledTensor, ScaledTensor1x, ScaledTensor2x
+from lowbit.quantize.tensor import NoScaleTensor, ScaledTensor, ScaledTensor1x, ScaledTensor2x, TensorUsage
 
 __all__ = [
     "NVTE_FP8_COLLECTION_NAME",
@@ -45,6 +45,7 @@ __all__ = [
     "DelayedScaleQuantizer",
     "GemmAccumulation",
     "NVFP4Quantizer",
+    "NoScaleTensor",
     "QuantizeLayout",
     "Quantizer",
     "QuantizerFactory",
@@ -53,6 +54,7 @@ __all__ = [
     "ScaledTensor1x",
     "ScaledTensor2x",
     "ScalingMode",
+    "TensorUsage",
     "autocast",
     "compute_scale",
     "compute_scale_from_amax",

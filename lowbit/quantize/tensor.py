@@ -16,7 +16,15 @@ values for MXFP8), padding included.
 `amax` (shape (1,), fp32) is max|x| of the high-precision input when the quantizer
 computed it (delayed scaling feeds it to `Quantizer.update`), else None.
 
-`ScaledTensor2x` holds a rowwise and a colwise copy of the same tensor.
+`ScaledTensor2x` holds a rowwise and a colwise copy of the same tensor. `get_tensor(usage)`
+picks the copy a GEMM takes for a `TensorUsage` (TE's names): the operand's contracting dims
+must be K-major, so LHS (contracting its trailing dims) and RHS_TRANS take the rowwise copy,
+LHS_TRANS and RHS (contracting their leading dims) the colwise one, for every scaling mode
+(lowbit's GEMMs are always TN, as TE's on Hopper).
+
+`NoScaleTensor` is TE's wrapper of a high-precision array (data, and its amax or None): what
+TE's cpp_extensions return where no quantizer was given, so ported code that reads `.data`
+works; `dequantize()` is the data itself.
 
 Leaves are data, scale_inv and amax; scaling_mode, dq_dtype, is_colwise and flatten_axis
 are static pytree metadata, so ScaledTensors pass through jit, scan, vmap and grad.
@@ -30,6 +38,7 @@ so XLA fuses it into its consumer; it is the same formula as
 from __future__ import annotations
 
 import dataclasses
+import enum
 
 import jax
 import jax.numpy as jnp
@@ -37,7 +46,31 @@ import numpy as np
 
 from lowbit.quantize.scaling_modes import ScalingMode
 
-__all__ = ["ScaledTensor", "ScaledTensor1x", "ScaledTensor2x", "NVFP4Tensor1x", "colwise_permutation"]
+__all__ = ["NoScaleTensor", "ScaledTensor", "ScaledTensor1x", "ScaledTensor2x", "NVFP4Tensor1x",
+           "TensorUsage", "colwise_permutation"]
+
+
+class TensorUsage(enum.Enum):
+    """How a GEMM C = A . B takes an operand (TE's enum): LHS is A in its normal form
+    (contracting its trailing dims), LHS_TRANS A transposed (contracting its leading dims),
+    RHS is B normal (contracting its leading dims), RHS_TRANS B transposed (its trailing)."""
+
+    LHS = 0
+    LHS_TRANS = 1
+    RHS = 2
+    RHS_TRANS = 3
+
+    @property
+    def takes_colwise(self) -> bool:
+        """Whether the usage contracts the leading dims, which only the colwise copy holds
+        K-major."""
+        return self in (TensorUsage.LHS_TRANS, TensorUsage.RHS)
+
+
+def _check_usage(usage) -> TensorUsage:
+    if not isinstance(usage, TensorUsage):
+        raise TypeError(f"get_tensor: usage: expected a lowbit.quantize.TensorUsage, got {usage!r}")
+    return usage
 
 BLOCK_DEQUANTIZE_PENDING = (
     "{mode}: dequantize of block-scaled tensors lands with issue Quantization II"
@@ -90,6 +123,15 @@ class ScaledTensor1x(ScaledTensor):
             return tuple(self.data.shape[i] for i in permutation)
         return tuple(self.data.shape)
 
+    def get_tensor(self, usage: TensorUsage) -> "ScaledTensor1x":
+        """This copy, if it is the one `usage` needs (module doc); else a ValueError."""
+        if _check_usage(usage).takes_colwise != self.is_colwise:
+            have = "colwise" if self.is_colwise else "rowwise"
+            raise ValueError(f"get_tensor: usage: {usage} needs the "
+                             f"{'colwise' if usage.takes_colwise else 'rowwise'} copy; this "
+                             f"ScaledTensor1x is the {have} one")
+        return self
+
     def dequantize(self) -> jax.Array:
         """data * scale_inv in the logical layout, as dq_dtype."""
         mode = self.scaling_mode
@@ -129,8 +171,28 @@ class ScaledTensor2x(ScaledTensor):
     def amax(self) -> jax.Array | None:
         return self.rowwise_tensor.amax
 
-    def get_tensor(self, colwise: bool) -> ScaledTensor1x:
+    @property
+    def ndim(self) -> int:
+        return self.rowwise_tensor.ndim
+
+    def get_tensor(self, usage: TensorUsage | bool | None = None, *, colwise: bool | None = None
+                   ) -> ScaledTensor1x:
+        """The copy a GEMM takes for `usage` (a TensorUsage, as in TE: module doc), or
+        lowbit's spelling get_tensor(colwise=True / False)."""
+        if isinstance(usage, (bool, np.bool_)) and colwise is None:
+            usage, colwise = None, bool(usage)
+        if (usage is None) == (colwise is None):
+            raise TypeError("ScaledTensor2x.get_tensor: pass a TensorUsage or colwise=, not both "
+                            f"or neither (got usage={usage!r}, colwise={colwise!r})")
+        if usage is not None:
+            colwise = _check_usage(usage).takes_colwise
         return self.colwise_tensor if colwise else self.rowwise_tensor
+
+    def get_rowwise_tensor(self) -> ScaledTensor1x:
+        return self.rowwise_tensor
+
+    def get_colwise_tensor(self) -> ScaledTensor1x:
+        return self.colwise_tensor
 
     def dequantize(self) -> jax.Array:
         return self.rowwise_tensor.dequantize()
@@ -182,3 +244,55 @@ jax.tree_util.register_dataclass(
 jax.tree_util.register_dataclass(
     ScaledTensor2x, data_fields=["rowwise_tensor", "colwise_tensor"], meta_fields=[]
 )
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class NoScaleTensor:
+    """A high-precision array in TE's tensor interface (module doc): `data`, and `amax` (its
+    max |data|, (1,) f32) where the op that made it computed one, else None."""
+
+    data: jax.Array
+    amax: jax.Array | None = None
+
+    def __post_init__(self):
+        if not hasattr(self.data, "shape") or not hasattr(self.data, "dtype"):
+            raise TypeError(f"NoScaleTensor: data: expected an array, got {type(self.data).__name__}")
+
+    @property
+    def ndim(self) -> int:
+        return self.data.ndim
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.data.shape)
+
+    @property
+    def dtype(self):
+        return self.data.dtype
+
+    def dequantize(self) -> jax.Array:
+        """The data itself: nothing to undo."""
+        return self.data
+
+    def get_tensor(self, usage: TensorUsage) -> "NoScaleTensor":
+        """Itself, for every usage (a high-precision GEMM operand takes any layout)."""
+        _check_usage(usage)
+        return self
+
+    def apply_sharding_constraint_by_logical_axes(self, logical_axis_names) -> "NoScaleTensor":
+        """The data under lowbit.sharding.with_sharding_constraint_by_logical_axes."""
+        from lowbit.sharding_mesh import with_sharding_constraint_by_logical_axes
+
+        if not logical_axis_names:
+            return self
+        return NoScaleTensor(with_sharding_constraint_by_logical_axes(self.data, logical_axis_names), self.amax)
+
+    def checkpoint(self, quantizer) -> "NoScaleTensor":
+        """Itself; a quantizer is an error (there is nothing quantized to checkpoint), as in TE."""
+        if quantizer is not None:
+            raise ValueError("NoScaleTensor.checkpoint: quantizer: expected None (a NoScaleTensor "
+                             f"holds no quantized data), got {type(quantizer).__name__}")
+        return self
+
+
+jax.tree_util.register_dataclass(NoScaleTensor, data_fields=["data", "amax"], meta_fields=[])
