@@ -26,7 +26,8 @@ from lowbit.cpp_extensions import (dequantize, layernorm_bwd, layernorm_fwd, nor
                                    rmsnorm_fwd)
 from lowbit.layernorm import NormConfig, norm_quantize
 from lowbit.ops.norm import norm_backward, norm_forward
-from lowbit.quantize import QuantizeLayout, QuantizerFactory, ScaledTensor1x, ScaledTensor2x
+from lowbit.quantize import (NoScaleTensor, QuantizeLayout, QuantizerFactory, ScaledTensor1x,
+                             ScaledTensor2x)
 from lowbit.quantize.scaling_modes import ScalingMode
 from lowbit.recipe import (DelayedScaling, Float8BlockScaling, Float8CurrentScaling,
                            MXFP8BlockScaling, NVFP4BlockScaling)
@@ -121,8 +122,9 @@ def test_seed_003_equals_lowbit_ops(recipe, norm_type, dtype, rng):
 
     beta_arg = beta if norm_type == "layernorm" else None  # TE ignores beta for rmsnorm
     ref = norm_forward(x, gamma, beta_arg, norm_type=norm_type, epsilon=1e-5)
-    if quantizer is None:
-        assert_same_bits(ns["output"], ref.y)
+    if quantizer is None:  # TE 2.12 wraps the unquantized output
+        assert isinstance(ns["output"], NoScaleTensor) and ns["output"].amax is None
+        assert_same_bits(ns["output"].data, ref.y)
     else:
         cfg = NormConfig(norm_type, False, 1e-5)
         ref_q, _, q_mu, q_rsigma = norm_quantize(x, gamma, beta_arg, cfg, quantizer, False)
@@ -145,7 +147,7 @@ def test_seed_003_gradients_match_jax_grad(norm_type, rng):
     ns = run_seed(SEED_003, norm_type, x=x, gamma=gamma, beta=beta, grad_output=grad_output,
                   fp8_quantizer=None)
     y, vjp = jax.vjp(lambda x, g, b: norm_ref(x, g, b, norm_type), x, gamma, beta)
-    np.testing.assert_allclose(ns["output"], y, rtol=1e-5, atol=1e-5 * np.abs(y).max())
+    np.testing.assert_allclose(ns["output"].data, y, rtol=1e-5, atol=1e-5 * np.abs(y).max())
     refs = vjp(grad_output)
     names = ["dx", "dgamma", "dbeta"] if norm_type == "layernorm" else ["dx", "dgamma"]
     for name, ref in zip(names, refs):
@@ -234,7 +236,24 @@ def test_quantize_layouts_flatten_axis_dbias_and_none(rng):
     assert_same_bits(got, q.quantize(tensor, is_colwise=True, compute_dbias=True))
     assert got[1].shape == (SHAPE[-1],)
     assert quantize_dbias(tensor, q, is_dbias=False)[1] is None
-    assert quantize(tensor, None) is tensor
+    none = quantize(tensor, None)  # TE 2.12: a NoScaleTensor, and a NoScaleTensor passes through
+    assert isinstance(none, NoScaleTensor) and none.data is tensor and none.amax is None
+    assert quantize(none, None) is none
+    assert dequantize(none) is tensor
+    # TE's fp32 row sums, in x's dtype; fp32 sums in another order: within 1e-5 relative (the
+    # 111-term sums' rounding), bf16 within one bf16 rounding (2**-8 relative) of that
+    got, dbias = quantize_dbias(none, None, flatten_axis=2)
+    assert got.data is tensor and dbias.dtype == jnp.float32 and dbias.shape == SHAPE[2:]
+    ref = np.asarray(tensor, np.float64).sum(axis=(0, 1))
+    np.testing.assert_allclose(dbias, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+    half = tensor.astype(jnp.bfloat16)
+    dbias = quantize_dbias(half, None, flatten_axis=1)[1]
+    assert dbias.dtype == jnp.bfloat16 and dbias.shape == SHAPE[1:]
+    ref = np.asarray(half, np.float64).sum(axis=0)
+    np.testing.assert_allclose(np.asarray(dbias, np.float32), ref, rtol=2**-8, atol=1e-5 * np.abs(ref).max())
+    assert quantize_dbias(tensor, None, is_dbias=False)[1] is None
+    # NoScaleTensor input quantizes its data
+    assert_same_bits(quantize(NoScaleTensor(tensor), q), quantize(tensor, q))
 
 
 # ---------------------------------------------------------------- spellings and bad input

@@ -12,6 +12,8 @@ import contextlib
 
 import numpy as np
 
+from lowbit.quantize.tensor import NoScaleTensor
+
 
 @contextlib.contextmanager
 def named_errors(op: str):
@@ -33,3 +35,8 @@ def check_flag(op: str, name: str, value, hint: str = "") -> bool:
     shape = getattr(value, "shape", None)
     got = f"an array of shape {tuple(shape)}" if shape is not None else repr(value)
     raise TypeError(f"{op}: {name}: expected a bool, got {got}{hint}")
+
+
+def unwrap(x):
+    """A NoScaleTensor's data (TE's functions take either it or a plain array), else x."""
+    return x.data if isinstance(x, NoScaleTensor) else x

@@ -5,8 +5,8 @@ No numerics live here. The forward functions run lowbit.ops.norm_forward, or wit
 quantizer lowbit.layernorm.norm_quantize (delayed scaling: the FP8 copies written by the norm
 kernel itself; other quantizers: the norm, then quantizer.quantize); the backward functions
 run lowbit.ops.norm_backward. x is (..., hidden), normalized over its last axis; mu and rsigma
-are float32 x.shape[:-1] (mu is None for rmsnorm); the output has x's dtype and shape, or is
-the ScaledTensor of the copies the quantizer's q_layout names (a ScaledTensor2x, rowwise +
+are float32 x.shape[:-1] (mu is None for rmsnorm); the output is a NoScaleTensor of x's dtype
+and shape (its amax None) as in TE 2.12, or the ScaledTensor of the copies the quantizer's q_layout names (a ScaledTensor2x, rowwise +
 colwise, for ROWWISE_COLWISE, which QuantizerFactory makes; else that one ScaledTensor1x).
 
 Differences from TE, all documented TE behaviour kept otherwise:
@@ -29,10 +29,11 @@ import math
 
 import jax.numpy as jnp
 
-from lowbit.cpp_extensions._common import check_flag, named_errors
+from lowbit.cpp_extensions._common import check_flag, named_errors, unwrap
 from lowbit.layernorm import NORM_TYPES, NormConfig, norm_quantize
 from lowbit.ops.norm import canonical_norm_type, norm_backward, norm_forward
 from lowbit.quantize.quantizer import check_quantizer
+from lowbit.quantize.tensor import NoScaleTensor
 
 __all__ = [
     "layernorm_fwd",
@@ -75,12 +76,12 @@ def _forward(op, x, gamma, beta, norm_type, zero_centered_gamma, epsilon, quanti
                      _epsilon(op, epsilon))
     if quantizer is not None:
         check_quantizer(op, quantizer)
-    x, gamma = jnp.asarray(x), jnp.asarray(gamma)
+    x, gamma = jnp.asarray(unwrap(x)), jnp.asarray(gamma)
     beta = None if norm_type == "rmsnorm" or beta is None else jnp.asarray(beta)
     with named_errors(op):
         if quantizer is None:
             out = norm_forward(x, gamma, beta, epsilon=cfg.epsilon, **cfg.kwargs())
-            return out.y, out.mu, out.rsigma
+            return NoScaleTensor(out.y), out.mu, out.rsigma
         both, _, mu, rsigma = norm_quantize(x, gamma, beta, cfg, quantizer, False)
     layout = quantizer.q_layout
     if layout.has_rowwise and layout.has_colwise:
@@ -91,7 +92,7 @@ def _forward(op, x, gamma, beta, norm_type, zero_centered_gamma, epsilon, quanti
 def _backward(op, dz, x, mu, rsigma, gamma, norm_type, zero_centered_gamma, hint=""):
     zero_centered_gamma = check_flag(op, "zero_centered_gamma", zero_centered_gamma, hint)
     with named_errors(op):
-        return norm_backward(dz, x, mu, rsigma, gamma, norm_type=norm_type,
+        return norm_backward(unwrap(dz), unwrap(x), mu, rsigma, gamma, norm_type=norm_type,
                              zero_centered_gamma=zero_centered_gamma)
 
 

@@ -11,19 +11,36 @@ ScaledTensor's own dequantize() (a ScaledTensor2x dequantizes its rowwise copy).
 
 lowbit quantizers are immutable: feed the tensor's amax to quantizer.update() for the next
 step's delayed scale (TE updates its quantizer object in place). With quantizer=None,
-quantize returns x unchanged, as TE's does.
+quantize returns x wrapped in a NoScaleTensor (x itself if it is one) and quantize_dbias
+that and the fp32 sums of x over its rows in x's dtype, as TE 2.12 does. Every function
+takes a NoScaleTensor wherever TE's takes one (its data is the input).
 """
 
 from __future__ import annotations
 
-from lowbit.cpp_extensions._common import check_flag, named_errors
+import jax.numpy as jnp
+
+from lowbit.cpp_extensions._common import check_flag, named_errors, unwrap
 from lowbit.quantize.quantizer import check_quantizer
-from lowbit.quantize.tensor import ScaledTensor
+from lowbit.quantize.tensor import NoScaleTensor, ScaledTensor
 
 __all__ = ["quantize", "quantize_dbias", "dequantize"]
 
 
+def row_sums(op, x, flatten_axis, dtype=None):
+    """The fp32 sums of x over its rows x.shape[:flatten_axis], in `dtype` (x's by default):
+    TE's bias gradient where no kernel computes it."""
+    axis = flatten_axis + x.ndim if flatten_axis < 0 else flatten_axis
+    if not 0 < axis < x.ndim:
+        raise ValueError(f"{op}: flatten_axis: expected -{x.ndim} < flatten_axis < {x.ndim} "
+                         f"(rows and columns both non-empty) for shape {x.shape}, got {flatten_axis}")
+    return jnp.sum(x.astype(jnp.float32), axis=tuple(range(axis))).astype(dtype or x.dtype)
+
+
 def _quantize(op, x, quantizer, flatten_axis, compute_dbias):
+    x = unwrap(x)
+    if quantizer is None:
+        return NoScaleTensor(x), (row_sums(op, x, flatten_axis) if compute_dbias else None)
     check_quantizer(op, quantizer)
     layout = quantizer.q_layout
     with named_errors(op):
@@ -32,24 +49,26 @@ def _quantize(op, x, quantizer, flatten_axis, compute_dbias):
 
 
 def quantize(x, quantizer, flatten_axis=-1):
-    """The ScaledTensor of x as `quantizer` codes it (x itself when quantizer is None)."""
+    """The ScaledTensor of x as `quantizer` codes it (a NoScaleTensor of x when quantizer is
+    None)."""
     if quantizer is None:
-        return x
+        return x if isinstance(x, NoScaleTensor) else NoScaleTensor(unwrap(x))
     return _quantize("lowbit.cpp_extensions.quantize", x, quantizer, flatten_axis, False)[0]
 
 
 def quantize_dbias(dz, quantizer, is_dbias=True, flatten_axis=-1):
-    """(ScaledTensor of dz, dbias: the sums of dz over its rows in dz's dtype, or None
-    when is_dbias is False)."""
+    """(ScaledTensor of dz (a NoScaleTensor when quantizer is None), dbias: the sums of dz over
+    its rows in dz's dtype, or None when is_dbias is False)."""
     op = "lowbit.cpp_extensions.quantize_dbias"
     is_dbias = check_flag(op, "is_dbias", is_dbias)
     return _quantize(op, dz, quantizer, flatten_axis, is_dbias)
 
 
 def dequantize(x):
-    """x's values in its dq_dtype and logical shape (a ScaledTensor2x: its rowwise copy)."""
-    if not isinstance(x, ScaledTensor):
+    """x's values in its dq_dtype and logical shape (a ScaledTensor2x: its rowwise copy; a
+    NoScaleTensor: its data)."""
+    if not isinstance(x, (ScaledTensor, NoScaleTensor)):
         raise TypeError(f"lowbit.cpp_extensions.dequantize: x: expected a lowbit.quantize "
-                        f"ScaledTensor, got {type(x).__name__}")
+                        f"ScaledTensor or NoScaleTensor, got {type(x).__name__}")
     with named_errors("lowbit.cpp_extensions.dequantize"):
         return x.dequantize()
