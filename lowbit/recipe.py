@@ -20,7 +20,12 @@ layer's three GEMMs accumulates, with TE's `MMParams` fields `fp8_gemm_fprop`,
 their partial sums to fp32 every few K steps, the precise choice) or fast accumulation (fewer
 promotions: faster, less precise). The defaults, fast for the forward GEMM and split for the
 two backward GEMMs, are TE PyTorch's and Flax FP8's (its backward dots run at
-Precision.HIGHEST). They reach the GEMMs through the quantizer set
+Precision.HIGHEST), and what TE's JAX side declares (its DelayedScaling config sets
+FP8_2X_ACC_DGRAD / _WGRAD). TE JAX 2.12 does not act on that: its `gemm` falls back to
+FP8_2X_ACC_FPROP (False) for every GEMM its `dense`, `layernorm_dense` and `layernorm_mlp` call
+(a TODO in its gemm.py), so it runs all three at fast accumulation; `fp8_gemm_dgrad=
+MMParams(False), fp8_gemm_wgrad=MMParams(False)` reproduces that here. They reach the GEMMs
+through the quantizer set
 (`QuantizerSet.accumulation`); on the CPU the GEMM reference has one accumulation and the
 choice changes nothing. Float8BlockScaling takes the same fields but only split (its GEMMs
 have no other accumulation); the MXFP8 and NVFP4 recipes do not have them.
