@@ -6,6 +6,16 @@ lowbit.layernorm.norm_quantize, the lowbit.quantize quantizers): no numerics liv
 normalization.py and quantization.py say where they differ from TE.
 """
 
+from lowbit.cpp_extensions.gemm import (
+    CollectiveOp,
+    CollectiveOpSet,
+    gemm,
+    gemm_uses_jax_dot,
+    get_non_contracting_dims,
+    noop_collective_op_set,
+    sanitize_dims,
+    transpose_dims,
+)
 from lowbit.cpp_extensions.normalization import (
     layernorm_bwd,
     layernorm_fwd,
@@ -17,7 +27,15 @@ from lowbit.cpp_extensions.normalization import (
 from lowbit.cpp_extensions.quantization import dequantize, quantize, quantize_dbias
 
 __all__ = [
+    "CollectiveOp",
+    "CollectiveOpSet",
     "dequantize",
+    "gemm",
+    "gemm_uses_jax_dot",
+    "get_non_contracting_dims",
+    "noop_collective_op_set",
+    "sanitize_dims",
+    "transpose_dims",
     "layernorm_bwd",
     "layernorm_fwd",
     "normalization_bwd",
