@@ -21,7 +21,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from lowbit.cpp_extensions import (dequantize, layernorm_bwd, layernorm_fwd, normalization_bwd,
+from lowbit.cpp_extensions import (AmaxScope, dequantize, layernorm_bwd, layernorm_fwd, normalization_bwd,
                                    normalization_fwd, quantize, quantize_dbias, rmsnorm_bwd,
                                    rmsnorm_fwd)
 from lowbit.layernorm import NormConfig, norm_quantize
@@ -311,3 +311,29 @@ def test_bad_input_names_the_function_and_argument(rng):
     for error, pattern, call in cases:
         with pytest.raises(error, match=pattern):
             call()
+
+
+def test_te_2_12_keywords(rng):
+    """amax_scope (every AmaxScope: lowbit's one amax rule), transpose_batch_sequence and
+    output_amax_when_no_scaling=False change nothing; other values raise naming them."""
+    x, gamma, beta = make(rng)
+    q = x_quantizer(Float8CurrentScaling())
+    calls = {
+        "quantize": lambda **kw: quantize(x, q, **kw),
+        "quantize_dbias": lambda **kw: quantize_dbias(x, q, **kw),
+        "layernorm_fwd": lambda **kw: layernorm_fwd(x, gamma, beta, False, 1e-5, q, **kw),
+        "rmsnorm_fwd": lambda **kw: rmsnorm_fwd(x, gamma, False, 1e-5, q, **kw),
+        "normalization_fwd": lambda **kw: normalization_fwd(x, gamma, beta, "layernorm", False, 1e-5, q, **kw),
+    }
+    for name, call in calls.items():
+        ref = call()
+        for scope in AmaxScope:
+            assert_same_bits(call(amax_scope=scope, transpose_batch_sequence=True), ref)
+        with pytest.raises(TypeError, match=f"lowbit.cpp_extensions.{name}: amax_scope: expected None"):
+            call(amax_scope="TPSP")
+        with pytest.raises(TypeError, match=f"lowbit.cpp_extensions.{name}: transpose_batch_sequence"):
+            call(transpose_batch_sequence=None)
+        if name in ("layernorm_fwd", "rmsnorm_fwd"):
+            assert_same_bits(call(output_amax_when_no_scaling=False), ref)
+            with pytest.raises(ValueError, match=f"{name}: output_amax_when_no_scaling: expected False"):
+                call(output_amax_when_no_scaling=True)

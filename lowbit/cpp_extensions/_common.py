@@ -40,3 +40,21 @@ def check_flag(op: str, name: str, value, hint: str = "") -> bool:
 def unwrap(x):
     """A NoScaleTensor's data (TE's functions take either it or a plain array), else x."""
     return x.data if isinstance(x, NoScaleTensor) else x
+
+
+def check_te_keywords(op: str, amax_scope, transpose_batch_sequence,
+                      output_amax_when_no_scaling=False) -> None:
+    """TE 2.12's extra keywords of its quantize, norm and activation entry points, accepted
+    where lowbit computes what TE does: amax_scope None or an AmaxScope (lowbit's one amax
+    rule: lowbit.cpp_extensions.amax), transpose_batch_sequence either bool (TE reads it only
+    to find a TPSP-sharded sequence dim for the amax), output_amax_when_no_scaling False
+    (lowbit does not report an amax for an unquantized output): True is an error."""
+    from lowbit.cpp_extensions.amax import AmaxScope
+
+    if amax_scope is not None and not isinstance(amax_scope, AmaxScope):
+        raise TypeError(f"{op}: amax_scope: expected None or a lowbit.cpp_extensions.AmaxScope, "
+                        f"got {amax_scope!r}")
+    check_flag(op, "transpose_batch_sequence", transpose_batch_sequence)
+    if check_flag(op, "output_amax_when_no_scaling", output_amax_when_no_scaling):
+        raise ValueError(f"{op}: output_amax_when_no_scaling: expected False (lowbit reports no "
+                         f"amax for an unquantized output), got True")

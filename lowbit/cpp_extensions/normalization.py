@@ -21,6 +21,8 @@ Differences from TE, all documented TE behaviour kept otherwise:
   ignored for rmsnorm, as TE ignores it. The backward's epsilon and beta are accepted for
   TE's signatures and unused: the backward reads mu and rsigma.
 - A single-copy layout (ROWWISE or COLWISE) returns that copy of norm_quantize's two.
+- The forwards take TE 2.12's amax_scope, transpose_batch_sequence and
+  output_amax_when_no_scaling as lowbit.cpp_extensions._common.check_te_keywords says.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import math
 
 import jax.numpy as jnp
 
-from lowbit.cpp_extensions._common import check_flag, named_errors, unwrap
+from lowbit.cpp_extensions._common import check_flag, check_te_keywords, named_errors, unwrap
 from lowbit.layernorm import NORM_TYPES, NormConfig, norm_quantize
 from lowbit.ops.norm import canonical_norm_type, norm_backward, norm_forward
 from lowbit.quantize.quantizer import check_quantizer
@@ -96,23 +98,30 @@ def _backward(op, dz, x, mu, rsigma, gamma, norm_type, zero_centered_gamma, hint
                              zero_centered_gamma=zero_centered_gamma)
 
 
-def layernorm_fwd(x, gamma, beta, zero_centered_gamma=False, epsilon=1e-6, quantizer=None):
+def layernorm_fwd(x, gamma, beta, zero_centered_gamma=False, epsilon=1e-6, quantizer=None,
+                  amax_scope=None, transpose_batch_sequence=False, output_amax_when_no_scaling=False):
     """LayerNorm of x: (output, mu, rsigma); output quantized when a quantizer is given."""
-    return _forward(_OP.format("layernorm_fwd"), x, gamma, beta, "layernorm",
+    op = _OP.format("layernorm_fwd")
+    check_te_keywords(op, amax_scope, transpose_batch_sequence, output_amax_when_no_scaling)
+    return _forward(op, x, gamma, beta, "layernorm",
                     zero_centered_gamma, epsilon, quantizer)
 
 
-def rmsnorm_fwd(x, gamma, zero_centered_gamma=False, epsilon=1e-6, quantizer=None):
+def rmsnorm_fwd(x, gamma, zero_centered_gamma=False, epsilon=1e-6, quantizer=None,
+                amax_scope=None, transpose_batch_sequence=False, output_amax_when_no_scaling=False):
     """RMSNorm of x: (output, rsigma); output quantized when a quantizer is given."""
-    output, _, rsigma = _forward(_OP.format("rmsnorm_fwd"), x, gamma, None, "rmsnorm",
+    op = _OP.format("rmsnorm_fwd")
+    check_te_keywords(op, amax_scope, transpose_batch_sequence, output_amax_when_no_scaling)
+    output, _, rsigma = _forward(op, x, gamma, None, "rmsnorm",
                                  zero_centered_gamma, epsilon, quantizer)
     return output, rsigma
 
 
 def normalization_fwd(x, gamma, beta, norm_type, zero_centered_gamma=False, epsilon=1e-6,
-                      quantizer=None):
+                      quantizer=None, amax_scope=None, transpose_batch_sequence=False):
     """(output, mu, rsigma) of `norm_type` ('layernorm' or 'rmsnorm'; mu None for rmsnorm)."""
     op = _OP.format("normalization_fwd")
+    check_te_keywords(op, amax_scope, transpose_batch_sequence)
     return _forward(op, x, gamma, beta, _norm_type(op, norm_type), zero_centered_gamma, epsilon,
                     quantizer)
 

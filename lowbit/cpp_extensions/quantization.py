@@ -13,14 +13,16 @@ lowbit quantizers are immutable: feed the tensor's amax to quantizer.update() fo
 step's delayed scale (TE updates its quantizer object in place). With quantizer=None,
 quantize returns x wrapped in a NoScaleTensor (x itself if it is one) and quantize_dbias
 that and the fp32 sums of x over its rows in x's dtype, as TE 2.12 does. Every function
-takes a NoScaleTensor wherever TE's takes one (its data is the input).
+takes a NoScaleTensor wherever TE's takes one (its data is the input), and TE 2.12's
+amax_scope and transpose_batch_sequence keywords (lowbit.cpp_extensions._common.
+check_te_keywords: lowbit's one amax rule for every scope).
 """
 
 from __future__ import annotations
 
 import jax.numpy as jnp
 
-from lowbit.cpp_extensions._common import check_flag, named_errors, unwrap
+from lowbit.cpp_extensions._common import check_flag, check_te_keywords, named_errors, unwrap
 from lowbit.quantize.quantizer import check_quantizer
 from lowbit.quantize.tensor import NoScaleTensor, ScaledTensor
 
@@ -48,18 +50,21 @@ def _quantize(op, x, quantizer, flatten_axis, compute_dbias):
                                   flatten_axis=flatten_axis, compute_dbias=compute_dbias)
 
 
-def quantize(x, quantizer, flatten_axis=-1):
+def quantize(x, quantizer, flatten_axis=-1, amax_scope=None, transpose_batch_sequence=False):
     """The ScaledTensor of x as `quantizer` codes it (a NoScaleTensor of x when quantizer is
-    None)."""
+    None). amax_scope, transpose_batch_sequence: TE's (_common.check_te_keywords)."""
+    check_te_keywords("lowbit.cpp_extensions.quantize", amax_scope, transpose_batch_sequence)
     if quantizer is None:
         return x if isinstance(x, NoScaleTensor) else NoScaleTensor(unwrap(x))
     return _quantize("lowbit.cpp_extensions.quantize", x, quantizer, flatten_axis, False)[0]
 
 
-def quantize_dbias(dz, quantizer, is_dbias=True, flatten_axis=-1):
+def quantize_dbias(dz, quantizer, is_dbias=True, flatten_axis=-1, amax_scope=None,
+                   transpose_batch_sequence=False):
     """(ScaledTensor of dz (a NoScaleTensor when quantizer is None), dbias: the sums of dz over
     its rows in dz's dtype, or None when is_dbias is False)."""
     op = "lowbit.cpp_extensions.quantize_dbias"
+    check_te_keywords(op, amax_scope, transpose_batch_sequence)
     is_dbias = check_flag(op, "is_dbias", is_dbias)
     return _quantize(op, dz, quantizer, flatten_axis, is_dbias)
 
