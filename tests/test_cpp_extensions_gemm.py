@@ -19,6 +19,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from gemm_reference import FROBENIUS, assert_close_gemm, gemm_atol, gemm_ref
 from lowbit.cpp_extensions import (CollectiveOp, CollectiveOpSet, gemm, gemm_uses_jax_dot,
                                    get_non_contracting_dims, noop_collective_op_set, sanitize_dims,
                                    transpose_dims)
@@ -56,6 +57,21 @@ def taken_copies(x_q, k_q, x, w):
     wq, _ = k_q.quantize(w, is_rowwise=False, is_colwise=True, flatten_axis=1)
     return (dataclasses.replace(xq, dq_dtype=jnp.float32).dequantize(),
             dataclasses.replace(wq, dq_dtype=jnp.float32).dequantize())
+
+
+def assert_gemm_of(out, xd, wd, *, fast=True, bias=None):
+    """out within the accumulation model of lowbit's GEMM tests (tests/gemm_reference.py) of
+    xd (M..., K) . wd (K, N), the fp32 values the GEMM multiplies: on the CPU two fp32 sums in
+    different orders; on a GPU Hopper's FP8 tensor-core sums (fast: unpromoted over all of K;
+    else promoted every 128 products, which block scaling always does), plus the output's
+    rounding and a relative Frobenius bound."""
+    a = np.asarray(xd, np.float32).reshape(-1, xd.shape[-1])
+    b = np.asarray(wd, np.float32).T
+    model = "cpu" if jax.default_backend() == "cpu" else ("fp8_fast" if fast else "fp8_split")
+    atol = gemm_atol(a, b, 1.0, 1.0, out.dtype, model=model, bias=bias)
+    want = gemm_ref(jnp.asarray(a), jnp.asarray(b), 1.0, 1.0, bias, jnp.float32)
+    assert_close_gemm(np.asarray(out, np.float32).reshape(want.shape), want, atol,
+                      max_rel_frobenius=FROBENIUS.get(model))
 
 
 def reference(a, b, n_contract, out_dtype):
@@ -119,8 +135,9 @@ def test_quantized_matches_dequantized_reference(recipe, rng):
     out = gemm(x, w, lhs_quantizer=x_q, rhs_quantizer=k_q)
     assert out.dtype == jnp.bfloat16 and out.shape == (*M_SHAPE, N)
     # the reference multiplies the very copies the GEMM takes: x's rowwise (blocks along K)
-    # and w's colwise (blocks down its K columns), dequantized in fp32 (exact)
-    assert_close_to(out, reference(*taken_copies(x_q, k_q, x, w), 1, jnp.float32), 1e-5)
+    # and w's colwise (blocks down its K columns), dequantized in fp32 (exact); per-tensor
+    # FP8 at TE's default fast accumulation
+    assert_gemm_of(out, *taken_copies(x_q, k_q, x, w), fast=recipe in ("delayed", "current"))
     # and within the format's error of the unquantized product (E4M3: 2**-4 per operand)
     assert_close_to(out, reference(x, w, 1, jnp.float32), 0.1)
 
@@ -151,13 +168,19 @@ def test_quantized_bias_and_accumulation_choice(rng):
     bias = jnp.asarray(rng.standard_normal(N), jnp.bfloat16)
     out = gemm(x, w, lhs_quantizer=x_q, rhs_quantizer=k_q, bias=bias, fuse_bias=True)
     plain = gemm(x, w, lhs_quantizer=x_q, rhs_quantizer=k_q)
-    ref = reference(*taken_copies(x_q, k_q, x, w), 1, jnp.float32) + np.asarray(bias, np.float32)
-    assert_close_to(out, ref, 1e-5)
+    copies = taken_copies(x_q, k_q, x, w)
+    assert_gemm_of(out, *copies, bias=bias)
     assert not np.array_equal(np.asarray(out, np.float32), np.asarray(plain, np.float32))
-    # the accumulation choice reaches the GEMM (one CPU accumulation: equal bits here)
-    for split in (True, False):
-        np.testing.assert_array_equal(
-            gemm(x, w, lhs_quantizer=x_q, rhs_quantizer=k_q, use_split_accumulator=split), plain)
+    # the accumulation choice reaches the GEMM call (None: the recipe's fprop, fast by
+    # default); each result is within its model; the CPU has one accumulation: equal bits
+    for split in (True, False, None):
+        call = jax.jit(lambda x, w: gemm(x, w, lhs_quantizer=x_q, rhs_quantizer=k_q,
+                                         use_split_accumulator=split))
+        assert f"use_split_accumulator = {str(bool(split)).lower()}" in call.lower(x, w).as_text()
+        got = call(x, w)
+        assert_gemm_of(got, *copies, fast=not split)
+        if jax.default_backend() == "cpu":
+            np.testing.assert_array_equal(got, plain)
 
 
 # ---------------------------------------------------------------- helpers and bad input
