@@ -5,6 +5,7 @@ carries the quantized tensors and the quantizer state as pytrees.
 """
 
 from lowbit.quantize.delayed import compute_scale, compute_scale_from_amax, update_delayed_scaling
+from lowbit.quantize.factory import ScaledTensorFactory
 from lowbit.quantize.helper import (
     NVTE_FP8_COLLECTION_NAME,
     QuantizerFactory,
@@ -53,6 +54,7 @@ __all__ = [
     "ScaledTensor",
     "ScaledTensor1x",
     "ScaledTensor2x",
+    "ScaledTensorFactory",
     "ScalingMode",
     "TensorUsage",
     "autocast",
