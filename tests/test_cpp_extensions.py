@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from pytree_bits import assert_same_bits
 
 from lowbit.cpp_extensions import (AmaxScope, dequantize, layernorm_bwd, layernorm_fwd, normalization_bwd,
                                    normalization_fwd, quantize, quantize_dbias, rmsnorm_bwd,
@@ -91,13 +92,6 @@ def x_quantizer(recipe):
     return q.update(jnp.array([5.0], jnp.float32)) if isinstance(recipe, DelayedScaling) else q
 
 
-def assert_same_bits(a, b):
-    """Same pytree structure (types, static metadata) and bit-identical leaves."""
-    assert jax.tree.structure(a) == jax.tree.structure(b)
-    for la, lb in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-        la, lb = np.asarray(la), np.asarray(lb)
-        assert la.dtype == lb.dtype and la.shape == lb.shape
-        assert la.tobytes() == lb.tobytes()
 
 
 def run_seed(code, norm_type="layernorm", **names):

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from pytree_bits import assert_same_bits
 
 import lowbit
 from lowbit.cpp_extensions.activation import (ActivationParams, ClampedSwigluParams, act_lu,
@@ -111,13 +112,6 @@ def quantizer(recipe, which, amax=None):
     return q
 
 
-def assert_same_bits(a, b):
-    """Same pytree structure (types, static metadata) and bit-identical leaves."""
-    assert jax.tree.structure(a) == jax.tree.structure(b)
-    for la, lb in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-        la, lb = np.asarray(la), np.asarray(lb)
-        assert la.dtype == lb.dtype and la.shape == lb.shape
-        assert la.tobytes() == lb.tobytes()
 
 
 def f32(a):

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from pytree_bits import assert_same_bits
 
 from lowbit.cpp_extensions.softmax import (
     is_softmax_kernel_available, jax_general_softmax, jax_scaled_masked_softmax,
@@ -87,10 +88,6 @@ def bwd(fusion, dz, y, x, mask, scale=SCALE):
     return scaled_upper_triang_masked_softmax_bwd(dz, y, x, scale)
 
 
-def assert_same_bits(a, b):
-    a, b = np.asarray(a), np.asarray(b)
-    assert a.dtype == b.dtype and a.shape == b.shape
-    np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
 
 
 @pytest.mark.parametrize("shape", SHAPES)

@@ -7,10 +7,10 @@ dim checks that flatten_axis is the logical split. Bad input raises naming the a
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from pytree_bits import assert_same_bits
 
 from lowbit.quantize import QuantizeLayout, QuantizerFactory, ScaledTensor2x, ScaledTensorFactory, ScalingMode
 
@@ -18,10 +18,6 @@ MODES = [ScalingMode.DELAYED_TENSOR_SCALING, ScalingMode.CURRENT_TENSOR_SCALING,
          ScalingMode.MXFP8_1D_SCALING, ScalingMode.FP8_BLOCK_1x128, ScalingMode.FP8_BLOCK_128x128]
 
 
-def assert_same(a, b):
-    assert jax.tree.structure(a) == jax.tree.structure(b)
-    for la, lb in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-        np.testing.assert_array_equal(np.asarray(la).view(np.uint8), np.asarray(lb).view(np.uint8))
 
 
 def layout_of(t) -> str:
@@ -42,18 +38,18 @@ def test_rebuilds_the_quantizers_tensors(mode, shape, flatten_axis, rng):
                                          scaling_mode=mode, dq_dtype=jnp.bfloat16, data_layout=layouts,
                                          flatten_axis=flatten_axis)
     assert isinstance(made, ScaledTensor2x) and made.shape == shape
-    assert_same(made, both)
+    assert_same_bits(made, both)
     np.testing.assert_array_equal(made.colwise_tensor.dequantize(), col.dequantize())
     kw = dict(amax=row.amax, scaling_mode=mode, dq_dtype=jnp.bfloat16, data_layout=layouts,
               flatten_axis=flatten_axis)
-    assert_same(ScaledTensorFactory.create(row.data, row.scale_inv, col.data, col.scale_inv,
+    assert_same_bits(ScaledTensorFactory.create(row.data, row.scale_inv, col.data, col.scale_inv,
                                            q_layout=QuantizeLayout.ROWWISE_COLWISE, **kw), both)
-    assert_same(ScaledTensorFactory.create(row.data, row.scale_inv, None, None,
+    assert_same_bits(ScaledTensorFactory.create(row.data, row.scale_inv, None, None,
                                            q_layout=QuantizeLayout.ROWWISE, **kw), row)
     kw["data_layout"] = layouts[1] + "N"  # TE's create takes the single copy's layout first
-    assert_same(ScaledTensorFactory.create(None, None, col.data, col.scale_inv,
+    assert_same_bits(ScaledTensorFactory.create(None, None, col.data, col.scale_inv,
                                            q_layout=QuantizeLayout.COLWISE, **kw), col)
-    assert_same(ScaledTensorFactory.create_1x(col.data, col.scale_inv, row.amax, mode, jnp.bfloat16,
+    assert_same_bits(ScaledTensorFactory.create_1x(col.data, col.scale_inv, row.amax, mode, jnp.bfloat16,
                                               is_colwise=True, data_layout=layouts[1],
                                               flatten_axis=flatten_axis), col)
 

@@ -202,7 +202,6 @@ def gemm(lhs, rhs, contracting_dims=((-1,), (0,)), lhs_quantizer=None, rhs_quant
     if [lshape[d] for d in lcd] != [rshape[d] for d in rcd]:
         raise ValueError(f"{_OP}: contracting_dims: lhs {lshape} at {lcd} and rhs {rshape} at {rcd} "
                          f"contract different sizes")
-    l_free = tuple(lshape[d] for d in range(lhs_nd) if d not in lcd)
     r_free = tuple(rshape[d] for d in range(rhs_nd) if d not in rcd)
 
     quantized = [isinstance(lhs, ScaledTensor) or lhs_quantizer is not None,
