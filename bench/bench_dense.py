@@ -5,8 +5,9 @@ choices, x/w/grad block_scaling_dim (1,1,1), (2,1,1), (1,1,2), default (1,2,1)),
 Dense (`lowbit_*`) and as lowbit's own Dense module (`module_*`, same params; `*_unfused`: the
 module with LOWBIT_DENSE_BACKWARD=unfused, dy's FP8 copies in buffers of their own instead of
 inside dk's, lowbit.ops.dense_backward; `*_fast_bwd`: the module with the recipe's dgrad and
-wgrad at fast accumulation, fp8_gemm_dgrad / fp8_gemm_wgrad = MMParams(False), not the default
-numerics). Prints time
+wgrad at fast accumulation, fp8_gemm_dgrad / fp8_gemm_wgrad = MMParams(False), TE JAX 2.12's
+numerics, not the default; `module_delayed_fast_dgrad`: the dgrad alone fast, the wgrad, whose
+contraction runs over the tokens, split). Prints time
 (variants timed round-robin, common.time_steps), speedup over bf16, the compiled step's peak
 memory, and the GEMM-only floor: the three lowbit FP8 GEMMs of the step (fwd, dgrad, wgrad)
 timed alone, beside the per-tensor FP8 GEMM ceiling and the block-scaled one (1x128 x
@@ -92,6 +93,8 @@ def variants():
         "module_current_unfused": lambda features: LowbitDenseBlock(features, Float8CurrentScaling()),
         "module_delayed_fast_bwd": lambda features: LowbitDenseBlock(features, DelayedScaling(**common.FAST_BWD)),
         "module_current_fast_bwd": lambda features: LowbitDenseBlock(features, Float8CurrentScaling(**common.FAST_BWD)),
+        "module_delayed_fast_dgrad": lambda features: LowbitDenseBlock(features, DelayedScaling(
+            fp8_gemm_dgrad=common.FAST_BWD["fp8_gemm_dgrad"])),
     }
 
 
