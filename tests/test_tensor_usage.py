@@ -69,8 +69,13 @@ def test_no_scale_tensor(rng):
     with pytest.raises(ValueError, match="NoScaleTensor.checkpoint: quantizer: expected None"):
         t.checkpoint(QuantizerFactory.create(ScalingMode.CURRENT_TENSOR_SCALING, jnp.float8_e4m3fn))
     assert t.apply_sharding_constraint_by_logical_axes(()) is t
-    with pytest.raises(TypeError, match="NoScaleTensor: data: expected an array"):
-        NoScaleTensor([1.0, 2.0])
+    # JAX rebuilds the pytree with other leaves: vmap's in_axes, tree.map, eval_shape
+    ndims = jax.tree.map(lambda leaf: leaf.ndim, t)
+    assert isinstance(ndims, NoScaleTensor) and (ndims.data, ndims.amax) == (2, 1)
+    shapes = jax.eval_shape(lambda t: NoScaleTensor(t.data * 2, t.amax), t)
+    assert shapes.data.shape == (5, 7) and shapes.amax.shape == (1,)
+    batched = jax.vmap(lambda t: t.data.sum(), in_axes=(NoScaleTensor(0, None),))(t)
+    assert batched.shape == (5,)
 
     # a pytree: leaves data and amax (None is an empty subtree), through jit and grad
     leaves = jax.tree.leaves(t)

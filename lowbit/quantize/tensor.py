@@ -253,10 +253,8 @@ class NoScaleTensor:
 
     data: jax.Array
     amax: jax.Array | None = None
-
-    def __post_init__(self):
-        if not hasattr(self.data, "shape") or not hasattr(self.data, "dtype"):
-            raise TypeError(f"NoScaleTensor: data: expected an array, got {type(self.data).__name__}")
+    # No check of the fields' types: JAX rebuilds pytrees with other leaves (vmap's in_axes,
+    # tree.map's results, eval_shape's ShapeDtypeStructs).
 
     @property
     def ndim(self) -> int:
