@@ -12,6 +12,7 @@ input, whose message names the entry point and the argument.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -160,6 +161,23 @@ def test_quantized_layouts_prequantized_and_set_agree(recipe, rng):
     qset = QuantizerFactory.create_set(RECIPES[recipe])._replace(x=x_q, kernel=k_q)
     np.testing.assert_array_equal(gemm(x, w, quantizer_set=qset), out)
     np.testing.assert_array_equal(jax.jit(lambda x, w: gemm(x, w, lhs_quantizer=x_q, rhs_quantizer=k_q))(x, w), out)
+
+
+def test_delayed_quantizer_warns_that_its_amax_is_lost(rng):
+    """gemm returns the product only: a delayed-scaling quantizer's amax cannot reach
+    quantizer.update(), so gemm says so; a pre-quantized operand (whose amax the caller has)
+    gives the same bits without the warning."""
+    x, w = operands(rng)
+    x_q, k_q = quantizers("delayed")
+    with pytest.warns(UserWarning, match="gemm: lhs's delayed-scaling quantizer: its amax is not returned"):
+        out = gemm(x, w, lhs_quantizer=x_q, rhs_quantizer=k_q)
+    xq, _ = x_q.quantize(x, is_rowwise=True, is_colwise=False, flatten_axis=2)
+    wq, _ = k_q.quantize(w, is_rowwise=False, is_colwise=True, flatten_axis=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        warnings.filterwarnings("ignore", message=".*exact emulation")  # the CPU's FP8 notice
+        np.testing.assert_array_equal(gemm(xq, wq), out)
+    np.testing.assert_array_equal(xq.amax, jnp.max(jnp.abs(x)).astype(jnp.float32).reshape(1))
 
 
 def test_quantized_bias_and_accumulation_choice(rng):

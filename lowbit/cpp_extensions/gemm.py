@@ -22,6 +22,11 @@ Differences from TE, all else as TE's code does it:
   and any collective_op but CollectiveOp.NONE raise an error naming them.
 - Each operand's contracting dims must be consecutive and its leading or its trailing dims
   (TE asserts the first; in the middle its output order would follow the stored copy).
+- A delayed-scaling quantizer given to gemm quantizes with its stored scale, but its amax is
+  lost: lowbit's quantizers are immutable and gemm returns the product only, where TE updates
+  the quantizer object in place. gemm warns (UserWarning) when given one; to keep a delayed
+  scale moving, quantize the operand with lowbit.cpp_extensions.quantize first, pass the
+  ScaledTensor, and feed its amax to quantizer.update().
 - As in TE, bias is added only with fuse_bias=True (grad False), and gelu_input is read only
   with fuse_gelu; transpose_batch_sequence only matters to TE's collective GEMMs, so it is
   accepted and changes nothing here.
@@ -30,6 +35,7 @@ Differences from TE, all else as TE's code does it:
 from __future__ import annotations
 
 import enum
+import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -37,7 +43,7 @@ import jax
 import jax.numpy as jnp
 
 from lowbit.cpp_extensions._common import check_flag, named_errors, unwrap
-from lowbit.quantize.quantizer import check_quantizer
+from lowbit.quantize.quantizer import DelayedScaleQuantizer, check_quantizer
 from lowbit.quantize.tensor import ScaledTensor, ScaledTensor1x, ScaledTensor2x, TensorUsage
 
 __all__ = [
@@ -148,6 +154,10 @@ def _quantized_operand(name, t, quantizer, cd, usage):
     flatten_axis = max(cd) + 1 if colwise else min(cd)
     if not isinstance(t, ScaledTensor):
         check_quantizer(_OP, quantizer)
+        if isinstance(quantizer, DelayedScaleQuantizer):
+            warnings.warn(f"{_OP}: {name}'s delayed-scaling quantizer: its amax is not returned, so "
+                          f"its scale will not move (TE updates the quantizer in place; see the "
+                          f"module docstring)", stacklevel=3)
         with named_errors(_OP):
             t, _ = quantizer.quantize(t, is_rowwise=not colwise, is_colwise=colwise, flatten_axis=flatten_axis)
     if isinstance(t, ScaledTensor2x):
