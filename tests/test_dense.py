@@ -150,8 +150,8 @@ def test_make_dot_general_cls_state_layout():
     x = jnp.ones((2, 8, 24), jnp.bfloat16)
     variables = DenseBlock(cls).init(jax.random.key(0), x)
     state = variables[lowbit.flax.OVERWRITE_WITH_GRADIENT]
-    assert set(state) == {"Wrapper_dot_general_0", "Wrapper_dot_general_1"}
-    shapes = jax.tree.map(lambda v: v.shape, state["Wrapper_dot_general_0"])
+    assert set(state) == {"TEWrapper_dot_general_0", "TEWrapper_dot_general_1"}
+    shapes = jax.tree.map(lambda v: v.shape, state["TEWrapper_dot_general_0"])
     assert shapes == {"x_scale": (1,), "x_amax_history": (16,), "kernel_scale": (1,),
                       "kernel_amax_history": (16,), "grad_scale": (1,), "grad_amax_history": (16,)}
     stateless = DenseBlock(lowbit.flax.make_dot_general_cls(Float8CurrentScaling())).init(jax.random.key(0), x)
@@ -189,8 +189,8 @@ def test_flax_training_steps(recipe, rng):
         variables = step(variables)
         states.append(variables.get(lowbit.flax.OVERWRITE_WITH_GRADIENT))
     if isinstance(recipe, DelayedScaling):
-        s1 = states[0]["Wrapper_dot_general_0"]
-        s2 = states[1]["Wrapper_dot_general_0"]
+        s1 = states[0]["TEWrapper_dot_general_0"]
+        s2 = states[1]["TEWrapper_dot_general_0"]
         assert float(s1["x_scale"][0]) != 1.0  # the first step's scale came from its amax
         assert not np.array_equal(np.asarray(s1["x_amax_history"]), np.asarray(s2["x_amax_history"]))
         y_quant = quant.apply(variables, x)

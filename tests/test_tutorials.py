@@ -109,7 +109,7 @@ def test_layer_tutorial_script_runs(recipe, capsys):
     assert "Mean time:" in out and result["mean_ms"] > 0
     assert 0 < result["rel_diff"] < SCRIPT_BOUNDS[recipe]
     if recipe == "DelayedScaling":
-        assert "_overwrite_with_gradient" in out and "Wrapper_dot_general_0" in out
+        assert "_overwrite_with_gradient" in out and "TEWrapper_dot_general_0" in out
         assert "_overwrite_with_gradient" in result["variables"]
 
 

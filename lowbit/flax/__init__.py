@@ -126,12 +126,14 @@ def wrap_function_in_te_state_module(f, quantization_recipe, name: str | None = 
 
 def make_dot_general_cls(quantization_recipe):
     """A module class usable as `nn.Dense(dot_general=cls())` that runs lowbit.dense.
-    NVFP4BlockScaling: pass the "sr_rng" RNG stream to the model's apply,
+    It is TE's: wrap_function_in_te_state_module's `TEWrapper_dot_general`, so its state's
+    variable path (`_overwrite_with_gradient/.../TEWrapper_dot_general_0/x_scale`, ...) is
+    the one TE gives. NVFP4BlockScaling: pass the "sr_rng" RNG stream to the model's apply,
     `model.apply(variables, x, rngs={"sr_rng": key})`, with a fresh key per step; gradients
     without it raise an error naming the stream (see the module docstring)."""
 
-    def dot_general(x, kernel, dimension_numbers, precision=None, preferred_element_type=None,
-                    quantizer_set=None):
+    def dot_general(generate_quantizer_set, x, kernel, dimension_numbers, precision=None,
+                    preferred_element_type=None):
         del precision  # lowbit's GEMMs accumulate in fp32 whatever the precision asks
         contracting, batch = dimension_numbers
         if tuple(batch[0]) or tuple(batch[1]):
@@ -139,10 +141,10 @@ def make_dot_general_cls(quantization_recipe):
                 "lowbit.flax.make_dot_general_cls: dimension_numbers: batch dimensions are not "
                 f"supported by the quantized dense, got {dimension_numbers}"
             )
-        y = dense(x, kernel, contracting_dims=contracting, quantizer_set=quantizer_set)
+        y = dense(x, kernel, contracting_dims=contracting, quantizer_set=generate_quantizer_set())
         return y if preferred_element_type is None else y.astype(preferred_element_type)
 
-    return wrap_function_in_state_module(dot_general, quantization_recipe, "dot_general")
+    return wrap_function_in_te_state_module(dot_general, quantization_recipe, "dot_general")
 
 
 # The TE-style modules (module.py) build on _bind_state above; NNX twins: lowbit.flax.nnx.
