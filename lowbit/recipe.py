@@ -140,12 +140,17 @@ class MMParams:
 @dataclasses.dataclass(frozen=True)
 class QParams:
     """How a tensor's scale is made (TE's name, read-only here): `power_2_scale` rounds it down
-    to a power of two; `amax_epsilon` is a floor on the amax (0: none; lowbit has no other).
+    to a power of two; `amax_epsilon` is a floor on the amax (0: none; lowbit has no other);
+    NVFP4's `random_hadamard_transform`, `stochastic_rounding` and `fp4_2d_quantization`.
     Float8CurrentScaling and Float8BlockScaling report theirs as `fp8_quant_fwd_inp`,
-    `fp8_quant_fwd_weight` and `fp8_quant_bwd_grad`, from their own fields."""
+    `fp8_quant_fwd_weight` and `fp8_quant_bwd_grad`, NVFP4BlockScaling as `fp4_quant_*`, from
+    their own fields."""
 
     power_2_scale: bool = False
     amax_epsilon: float = 0.0
+    random_hadamard_transform: bool = False
+    stochastic_rounding: bool = False
+    fp4_2d_quantization: bool = False
 
 
 class _ScaleQParams:
@@ -226,6 +231,10 @@ class Recipe:
     def nvfp4(self) -> bool:
         return isinstance(self, NVFP4BlockScaling)
 
+    def custom(self) -> bool:
+        """TE's CustomRecipe test: lowbit has none, so False."""
+        return False
+
 
 @dataclasses.dataclass(frozen=True)
 class DelayedScaling(Recipe):
@@ -241,17 +250,19 @@ class DelayedScaling(Recipe):
     the module docstring).
     """
 
+    # TE's fields in TE's order (positional calls port), then lowbit's, by keyword only.
     margin: int = 0
     fp8_format: Format = Format.HYBRID
     amax_history_len: int = 1024
     amax_compute_algo: str = "max"
+    scaling_factor_compute_algo: None = None
     reduce_amax: bool = True
+    fp8_dpa: bool = False
+    fp8_mha: bool = False
+    _: dataclasses.KW_ONLY
     fp8_gemm_fprop: MMParams = _FPROP_DEFAULT
     fp8_gemm_dgrad: MMParams = _BACKWARD_DEFAULT
     fp8_gemm_wgrad: MMParams = _BACKWARD_DEFAULT
-    scaling_factor_compute_algo: None = None
-    fp8_dpa: bool = False
-    fp8_mha: bool = False
 
     def __post_init__(self):
         name = "DelayedScaling"
@@ -290,8 +301,8 @@ class Float8CurrentScaling(_ScaleQParams, Recipe):
     rounded down to a power of two. fp8_gemm_fprop / fp8_gemm_dgrad / fp8_gemm_wgrad: each
     GEMM's accumulation (MMParams; the module docstring)."""
 
+    use_power_2_scales: bool = False  # TE's order: positional calls port
     fp8_format: Format = Format.HYBRID
-    use_power_2_scales: bool = False
     fp8_gemm_fprop: MMParams = _FPROP_DEFAULT
     fp8_gemm_dgrad: MMParams = _BACKWARD_DEFAULT
     fp8_gemm_wgrad: MMParams = _BACKWARD_DEFAULT
@@ -393,6 +404,8 @@ class NVFP4BlockScaling(Recipe):
     disable_rht: bool = False
     disable_stochastic_rounding: bool = False
     disable_2d_quantization: bool = False
+    fp4_format: Format = Format.E2M1  # TE's fields, E2M1 and E4M3 (the block scales') only
+    fp8_format: Format = Format.E4M3
     fp8_dpa: bool = False
     fp8_mha: bool = False
 
@@ -400,14 +413,26 @@ class NVFP4BlockScaling(Recipe):
         _check_attention_fields(self)
         for field in ("disable_rht", "disable_stochastic_rounding", "disable_2d_quantization"):
             _check_bool("NVFP4BlockScaling", field, getattr(self, field))
+        if self.fp4_format is not Format.E2M1:
+            _fail("NVFP4BlockScaling", "fp4_format", "Format.E2M1 (NVFP4's data)", self.fp4_format)
+        if self.fp8_format is not Format.E4M3:
+            _fail("NVFP4BlockScaling", "fp8_format", "Format.E4M3 (NVFP4's block scales)", self.fp8_format)
 
     @property
-    def fp4_format(self) -> Format:
-        return Format.E2M1
+    def fp4_quant_fwd_inp(self) -> QParams:
+        """TE's: x's colwise (wgrad) copy takes the RHT unless disabled."""
+        return QParams(random_hadamard_transform=not self.disable_rht)
 
     @property
-    def fp8_format(self) -> Format:  # the block scales' format
-        return Format.E4M3
+    def fp4_quant_fwd_weight(self) -> QParams:
+        """TE's: the kernel in 16x16 blocks unless disabled."""
+        return QParams(fp4_2d_quantization=not self.disable_2d_quantization)
+
+    @property
+    def fp4_quant_bwd_grad(self) -> QParams:
+        """TE's: the gradient with the RHT and stochastic rounding unless disabled."""
+        return QParams(random_hadamard_transform=not self.disable_rht,
+                       stochastic_rounding=not self.disable_stochastic_rounding)
 
     @property
     def fwd_dtype(self):

@@ -412,3 +412,34 @@ def test_te_scaling_mode_and_layout_queries():
     assert [(lay.is_rowwise_colwise, lay.is_rowwise_only, lay.is_colwise_only) for lay in
             (L.ROWWISE_COLWISE, L.ROWWISE, L.COLWISE)] == [(True, False, False), (False, True, False),
                                                           (False, False, True)]
+
+
+def test_recipes_take_te_positional_order_and_nvfp4_fields():
+    """TE 2.12's field order (DelayedScaling: margin, fp8_format, amax_history_len,
+    amax_compute_algo, scaling_factor_compute_algo, reduce_amax, fp8_dpa, fp8_mha;
+    Float8CurrentScaling: use_power_2_scales first), lowbit's fp8_gemm_* by keyword only on
+    DelayedScaling; NVFP4BlockScaling's fp4_format / fp8_format fields and fp4_quant_* QParams;
+    Recipe.custom() False."""
+    from lowbit.recipe import (DelayedScaling, Float8CurrentScaling, Format, MMParams,
+                               NVFP4BlockScaling, QParams)
+
+    r = DelayedScaling(2, Format.E4M3, 16, "most_recent", None, True, False, False)
+    assert (r.margin, r.fp8_format, r.amax_history_len, r.amax_compute_algo) == (2, Format.E4M3, 16, "most_recent")
+    with pytest.raises(TypeError, match="positional"):
+        DelayedScaling(0, Format.HYBRID, 16, "max", None, True, False, False, MMParams(False))
+    assert not DelayedScaling(fp8_gemm_dgrad=MMParams(False)).fp8_gemm_dgrad.use_split_accumulator
+    assert Float8CurrentScaling(True).use_power_2_scales and Float8CurrentScaling(True).fp8_format is Format.HYBRID
+    assert Float8CurrentScaling(True).fp8_quant_fwd_inp.power_2_scale
+
+    n = NVFP4BlockScaling(fp4_format=Format.E2M1, fp8_format=Format.E4M3)
+    assert n == NVFP4BlockScaling() and hash(n) == hash(NVFP4BlockScaling())
+    assert n.fp4_quant_fwd_inp == QParams(random_hadamard_transform=True)
+    assert n.fp4_quant_fwd_weight == QParams(fp4_2d_quantization=True)
+    assert n.fp4_quant_bwd_grad == QParams(random_hadamard_transform=True, stochastic_rounding=True)
+    off = NVFP4BlockScaling(disable_rht=True, disable_stochastic_rounding=True, disable_2d_quantization=True)
+    assert off.fp4_quant_fwd_inp == off.fp4_quant_fwd_weight == off.fp4_quant_bwd_grad == QParams()
+    with pytest.raises(ValueError, match="NVFP4BlockScaling: fp4_format"):
+        NVFP4BlockScaling(fp4_format=Format.E4M3)
+    with pytest.raises(ValueError, match="NVFP4BlockScaling: fp8_format"):
+        NVFP4BlockScaling(fp8_format=Format.HYBRID)
+    assert not any(r.custom() for r in (DelayedScaling(), Float8CurrentScaling(), n))
