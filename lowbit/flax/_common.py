@@ -80,11 +80,16 @@ def default_kernel_init(kernel_init, dtype):
 
 def stacked_init(init, n: int, axis: int = -2):
     """An initializer of n independently drawn (in, out) kernels stacked along `axis`:
-    LayerNormMLP's wi (H, n_act, F), each slice initialised like a plain (H, F) kernel."""
+    LayerNormMLP's wi (H, n_act, F), each slice initialised like a plain (H, F) kernel, from
+    TE's key chain (each kernel's key split off the running key), so that a seed gives TE's
+    initial weights."""
 
     def init_fn(key, each_shape, dtype=jnp.float32):
-        keys = jax.random.split(key, n)
-        return jnp.stack([init(k, each_shape, dtype) for k in keys], axis=axis).astype(dtype)
+        kernels = []
+        for _ in range(n):
+            key, init_key = jax.random.split(key)
+            kernels.append(init(init_key, each_shape, dtype))
+        return jnp.stack(kernels, axis=axis).astype(dtype)
 
     return init_fn
 
