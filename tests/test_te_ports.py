@@ -443,3 +443,37 @@ def test_recipes_take_te_positional_order_and_nvfp4_fields():
     with pytest.raises(ValueError, match="NVFP4BlockScaling: fp8_format"):
         NVFP4BlockScaling(fp8_format=Format.HYBRID)
     assert not any(r.custom() for r in (DelayedScaling(), Float8CurrentScaling(), n))
+
+
+def test_layernorm_mlp_wi_kernel_follows_te_key_chain():
+    """TE's kernel_1_init draws each activation's kernel from `key, init_key = split(key)` in
+    turn: the same seed gives TE's initial wi_kernel (the stacked slices are those draws)."""
+    from lowbit.flax._common import stacked_init
+
+    init = jax.nn.initializers.lecun_normal()
+    key = jax.random.PRNGKey(11)
+    got = stacked_init(init, 2, axis=-2)(key, (64, 128), jnp.float32)
+    k1, first = jax.random.split(key)
+    _, second = jax.random.split(k1)
+    np.testing.assert_array_equal(got[:, 0, :], init(first, (64, 128), jnp.float32))
+    np.testing.assert_array_equal(got[:, 1, :], init(second, (64, 128), jnp.float32))
+
+
+def test_functional_names_are_their_modules_too(rng):
+    """TE's `te.dense.dense(...)` form (transformer_engine.jax.dense is a module) and lowbit's
+    `lowbit.dense(...)` both work, and `import lowbit.dense as m` gives the module."""
+    import importlib
+
+    import lowbit as te
+
+    x = jnp.asarray(rng.standard_normal((4, 32)), jnp.bfloat16)
+    k = jnp.asarray(rng.standard_normal((32, 16)), jnp.bfloat16)
+    np.testing.assert_array_equal(te.dense.dense(x, k), te.dense(x, k))
+    module = importlib.import_module("lowbit.dense")
+    assert module is te.dense and module.dense(x, k).shape == (4, 16)
+    assert te.layernorm.canonicalize_norm_type("RMSNorm") == "rmsnorm"
+    assert te.softmax.SoftmaxType is not None and te.layernorm_mlp.layernorm_mlp is not None
+    for name in ("activation", "layernorm", "layernorm_dense", "layernorm_mlp", "softmax"):
+        assert callable(getattr(te, name)) and callable(getattr(getattr(te, name), name))
+    grad = jax.grad(lambda k: te.dense(x, k).astype(jnp.float32).sum())(k)
+    np.testing.assert_array_equal(grad, jax.grad(lambda k: te.dense.dense(x, k).astype(jnp.float32).sum())(k))
