@@ -477,3 +477,48 @@ def test_functional_names_are_their_modules_too(rng):
         assert callable(getattr(te, name)) and callable(getattr(getattr(te, name), name))
     grad = jax.grad(lambda k: te.dense(x, k).astype(jnp.float32).sum())(k)
     np.testing.assert_array_equal(grad, jax.grad(lambda k: te.dense.dense(x, k).astype(jnp.float32).sum())(k))
+
+
+def test_quantizer_factory_takes_te_signatures():
+    """TE's create_set(scaling_mode=, fwd_dtype=, bwd_dtype=, is_2x2x=) (its noop set's own
+    spelling) and create(n_quantizers, scaling_mode, q_dtype, q_layout) positionally, beside
+    lowbit's forms; TE arguments lowbit has no use for raise naming them."""
+    from lowbit.quantize import CurrentScaleQuantizer, DelayedScaleQuantizer, QuantizeLayout, ScalingMode
+
+    e4m3, e5m2 = jnp.float8_e4m3fn, jnp.float8_e5m2
+    qs = QuantizerFactory.create_set(scaling_mode=ScalingMode.DELAYED_TENSOR_SCALING, fwd_dtype=e4m3,
+                                     bwd_dtype=e5m2, is_2x2x=True, amax_history_len=8)
+    assert all(isinstance(q, DelayedScaleQuantizer) for q in qs.quantizers)
+    assert (qs.x.q_dtype, qs.kernel.q_dtype, qs.dgrad.q_dtype) == (e4m3, e4m3, e5m2)
+    assert qs.x.amax_history.shape == (8,) and qs.x.q_layout == QuantizeLayout.ROWWISE_COLWISE
+    one = QuantizerFactory.create_set(scaling_mode=ScalingMode.CURRENT_TENSOR_SCALING, fwd_dtype=e4m3,
+                                      bwd_dtype=e5m2, is_2x2x=False)
+    assert one.x.q_layout == QuantizeLayout.ROWWISE and isinstance(one.dgrad, CurrentScaleQuantizer)
+    assert QuantizerFactory.create_set(scaling_mode=ScalingMode.NO_SCALING, is_2x2x=False).quantizers == (None,) * 3
+    assert len(QuantizerFactory.create_set(3, fp8_recipe=Float8CurrentScaling())) == 3
+
+    q = QuantizerFactory.create(1, ScalingMode.CURRENT_TENSOR_SCALING, e4m3, QuantizeLayout.ROWWISE)
+    assert isinstance(q, CurrentScaleQuantizer) and q.q_layout == QuantizeLayout.ROWWISE
+    lowbit_form = QuantizerFactory.create(ScalingMode.CURRENT_TENSOR_SCALING, e4m3)
+    assert isinstance(lowbit_form, CurrentScaleQuantizer) and lowbit_form.q_layout == QuantizeLayout.ROWWISE_COLWISE
+    assert len(QuantizerFactory.create(2, ScalingMode.CURRENT_TENSOR_SCALING, e4m3)) == 2
+
+    op = "QuantizerFactory.create_set"
+    cases = [
+        (ValueError, f"{op}: quantize_meta_set: only None",
+         lambda: QuantizerFactory.create_set(fp8_recipe=DelayedScaling(), quantize_meta_set=object())),
+        (ValueError, f"{op}: checkpoint_name: only None", lambda: QuantizerFactory.create_set(checkpoint_name="q")),
+        (ValueError, f"{op}: scaling_mode / fwd_dtype / bwd_dtype: not with a recipe",
+         lambda: QuantizerFactory.create_set(fp8_recipe=DelayedScaling(), scaling_mode=ScalingMode.NO_SCALING)),
+        (ValueError, f"{op}: bwd_dtype: required", lambda: QuantizerFactory.create_set(
+            scaling_mode=ScalingMode.CURRENT_TENSOR_SCALING, fwd_dtype=e4m3)),
+        (TypeError, f"{op}: unexpected keyword 'flatten'", lambda: QuantizerFactory.create_set(flatten=1)),
+        (TypeError, "QuantizerFactory.create: scaling_mode: given both",
+         lambda: QuantizerFactory.create(ScalingMode.CURRENT_TENSOR_SCALING, e4m3,
+                                         scaling_mode=ScalingMode.CURRENT_TENSOR_SCALING)),
+        (ValueError, "QuantizerFactory.create: checkpoint_name: only None",
+         lambda: QuantizerFactory.create(1, ScalingMode.CURRENT_TENSOR_SCALING, e4m3, None, None, "q")),
+    ]
+    for exc, pattern, call in cases:
+        with pytest.raises(exc, match=pattern):
+            call()

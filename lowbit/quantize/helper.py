@@ -228,26 +228,52 @@ def _quantizer_set(recipe: Recipe) -> QuantizerSet:
 
 
 class QuantizerFactory:
-    """Makes quantizers from a recipe (or from the active autocast recipe)."""
+    """Makes quantizers from a recipe (or from the active autocast recipe), with TE's
+    signatures too: create(n_quantizers, scaling_mode, q_dtype, q_layout, ...) positionally,
+    create_set(n_quantizer_sets, scaling_mode, fwd_dtype, bwd_dtype, is_2x2x, ...)."""
+
+    _CREATE_KEYWORDS = ("amax_history_len", "margin", "amax_compute_algo", "use_power_2_scales")
 
     @staticmethod
-    def create(
-        scaling_mode: ScalingMode,
-        q_dtype,
-        *,
-        q_layout: QuantizeLayout = QuantizeLayout.ROWWISE_COLWISE,
-        amax_history_len: int = 1024,
-        margin: int = 0,
-        amax_compute_algo: str = "max",
-        use_power_2_scales: bool = False,
-        n_quantizers: int = 1,
-    ) -> Quantizer | None | tuple:
-        """One quantizer for `scaling_mode`; None for NO_SCALING. n_quantizers (TE's keyword):
-        with n > 1, a tuple of n equal, independent quantizers."""
+    def create(*args, scaling_mode: ScalingMode | None = None, q_dtype=None,
+               q_layout: QuantizeLayout | None = None, n_quantizers: int | None = None,
+               n_groups: int | None = None, checkpoint_name: str | None = None,
+               amax_history_len: int = 1024, margin: int = 0, amax_compute_algo: str = "max",
+               use_power_2_scales: bool = False) -> Quantizer | None | tuple:
+        """One quantizer for `scaling_mode`; None for NO_SCALING; with n_quantizers > 1 a tuple
+        of n equal, independent quantizers. Positional arguments in lowbit's order
+        (scaling_mode, q_dtype) or, when the first is an int, TE's (n_quantizers,
+        scaling_mode, q_dtype, q_layout, n_groups, checkpoint_name). q_layout defaults to
+        ROWWISE_COLWISE. n_groups (grouped quantizers) and checkpoint_name (TE's remat name
+        of the quantized copies) other than None are errors naming them."""
+        op = "QuantizerFactory.create"
+        te_order = bool(args) and isinstance(args[0], int) and not isinstance(args[0], bool)
+        names = (("n_quantizers", "scaling_mode", "q_dtype", "q_layout", "n_groups", "checkpoint_name")
+                 if te_order else ("scaling_mode", "q_dtype"))
+        if len(args) > len(names):
+            raise TypeError(f"{op}: takes at most {len(names)} positional arguments ({', '.join(names)}), "
+                            f"got {len(args)}")
+        given = dict(scaling_mode=scaling_mode, q_dtype=q_dtype, q_layout=q_layout, n_quantizers=n_quantizers,
+                     n_groups=n_groups, checkpoint_name=checkpoint_name)
+        for name, value in zip(names, args):
+            if given[name] is not None:
+                raise TypeError(f"{op}: {name}: given both positionally and by keyword")
+            given[name] = value
+        scaling_mode, q_dtype, q_layout = given["scaling_mode"], given["q_dtype"], given["q_layout"]
+        n_quantizers = 1 if given["n_quantizers"] is None else given["n_quantizers"]
+        if not isinstance(scaling_mode, ScalingMode):
+            raise TypeError(f"{op}: scaling_mode: expected a ScalingMode, got {scaling_mode!r}")
+        if given["n_groups"]:
+            raise NotImplementedError(f"{op}: n_groups: grouped quantizers land with the grouped GEMM")
+        if given["checkpoint_name"] is not None:
+            raise ValueError(f"{op}: checkpoint_name: only None (lowbit names its GEMM outputs for "
+                             f"remat: lowbit.checkpoint_policies), got {given['checkpoint_name']!r}")
+        if q_layout is None:
+            q_layout = QuantizeLayout.ROWWISE_COLWISE
         if isinstance(n_quantizers, bool) or not isinstance(n_quantizers, int) or n_quantizers < 1:
-            raise ValueError(f"QuantizerFactory.create: n_quantizers: expected an int >= 1, got {n_quantizers!r}")
+            raise ValueError(f"{op}: n_quantizers: expected an int >= 1, got {n_quantizers!r}")
         if n_quantizers > 1:
-            one = QuantizerFactory.create(scaling_mode, q_dtype, q_layout=q_layout,
+            one = QuantizerFactory.create(scaling_mode=scaling_mode, q_dtype=q_dtype, q_layout=q_layout,
                                           amax_history_len=amax_history_len, margin=margin,
                                           amax_compute_algo=amax_compute_algo,
                                           use_power_2_scales=use_power_2_scales)
@@ -277,16 +303,30 @@ class QuantizerFactory:
 
     @staticmethod
     def create_set(
-        recipe: Recipe | None = None,
-        *,
-        fp8_recipe: Recipe | None = None,
-        n_quantizer_sets: int = 1,
+        recipe: Recipe | int | None = None,
+        scaling_mode: ScalingMode | None = None,
+        fwd_dtype=None,
+        bwd_dtype=None,
+        is_2x2x: bool | None = None,
         n_groups: int | None = None,
+        checkpoint_name: str | None = None,
+        fp8_recipe: Recipe | None = None,
+        *,
+        n_quantizer_sets: int = 1,
+        quantize_meta_set=None,
+        **kwargs,
     ) -> QuantizerSet | tuple[QuantizerSet, ...]:
         """The QuantizerSet of `recipe` (TE's keyword `fp8_recipe` works too), else of the
         active autocast recipe; a set of None (no quantization) when there is neither. With
-        n_quantizer_sets > 1, a tuple of independent sets. TE's positional form,
-        create_set(n_quantizer_sets, fp8_recipe=...), works too: an int first is the count."""
+        n_quantizer_sets > 1, a tuple of independent sets. TE's signature works too:
+        create_set(n_quantizer_sets, scaling_mode, fwd_dtype, bwd_dtype, is_2x2x, ...) (an int
+        first is the count): with a scaling_mode (no recipe) x and the kernel get that mode's
+        quantizers of fwd_dtype, the gradient of bwd_dtype, both copies unless is_2x2x is
+        False (TE's default: both for FP8 and block modes, on Hopper's TN GEMMs), keyword
+        arguments (amax_history_len, margin, amax_compute_algo, use_power_2_scales) going to
+        create(). quantize_meta_set (TE's Flax state for a recipe's quantizers) and
+        checkpoint_name other than None are errors: lowbit's quantizers carry their state,
+        which lowbit.flax binds to module variables."""
         op = "QuantizerFactory.create_set"
         if isinstance(recipe, int) and not isinstance(recipe, bool):
             if n_quantizer_sets != 1:
@@ -297,18 +337,53 @@ class QuantizerFactory:
             raise ValueError(f"{op}: pass recipe or fp8_recipe, not both")
         if n_groups is not None:
             raise NotImplementedError(f"{op}: n_groups: grouped quantizers land with the grouped GEMM")
+        if checkpoint_name is not None:
+            raise ValueError(f"{op}: checkpoint_name: only None (lowbit names its GEMM outputs for "
+                             f"remat: lowbit.checkpoint_policies), got {checkpoint_name!r}")
+        if quantize_meta_set is not None:
+            raise ValueError(f"{op}: quantize_meta_set: only None (lowbit's quantizers carry their "
+                             f"own state; lowbit.flax binds it to module variables)")
+        unknown = sorted(set(kwargs) - set(QuantizerFactory._CREATE_KEYWORDS))
+        if unknown:
+            raise TypeError(f"{op}: unexpected keyword {unknown[0]!r}")
         count = n_quantizer_sets
         if isinstance(count, bool) or not isinstance(count, int) or count < 1:
             raise ValueError(f"{op}: n_quantizer_sets: expected an int >= 1, got {count!r}")
         recipe = recipe if recipe is not None else fp8_recipe
+        if scaling_mode is not None or fwd_dtype is not None or bwd_dtype is not None:
+            if recipe is not None:
+                raise ValueError(f"{op}: scaling_mode / fwd_dtype / bwd_dtype: not with a recipe "
+                                 f"(the recipe names its modes and dtypes), as in TE")
+            return _counted(count, lambda: _mode_set(op, scaling_mode, fwd_dtype, bwd_dtype, is_2x2x, kwargs))
+        if kwargs:
+            raise TypeError(f"{op}: {sorted(kwargs)[0]}: only with scaling_mode (a recipe has its own)")
         recipe = recipe if recipe is not None else get_global_recipe()
         if recipe is not None and not isinstance(recipe, Recipe):
             raise TypeError(f"{op}: recipe: expected a lowbit.recipe recipe, got {recipe!r}")
-        sets = tuple(
-            QuantizerSet() if recipe is None else _quantizer_set(recipe)
-            for _ in range(count)
-        )
-        return sets[0] if count == 1 else sets
+        return _counted(count, lambda: QuantizerSet() if recipe is None else _quantizer_set(recipe))
+
+
+def _counted(count: int, make):
+    sets = tuple(make() for _ in range(count))
+    return sets[0] if count == 1 else sets
+
+
+def _mode_set(op, scaling_mode, fwd_dtype, bwd_dtype, is_2x2x, kwargs) -> QuantizerSet:
+    """TE's create_set(scaling_mode=, fwd_dtype=, bwd_dtype=, is_2x2x=): one mode for all
+    three quantizers."""
+    mode = ScalingMode.NO_SCALING if scaling_mode is None else scaling_mode
+    if not isinstance(mode, ScalingMode):
+        raise TypeError(f"{op}: scaling_mode: expected a ScalingMode, got {scaling_mode!r}")
+    if mode == ScalingMode.NO_SCALING:
+        return QuantizerSet()
+    for name, dtype in (("fwd_dtype", fwd_dtype), ("bwd_dtype", bwd_dtype)):
+        if dtype is None:
+            raise ValueError(f"{op}: {name}: required with scaling_mode {mode.name}")
+    both = True if is_2x2x is None else bool(is_2x2x)
+    layout = QuantizeLayout.ROWWISE_COLWISE if both else QuantizeLayout.ROWWISE
+    x, kernel, grad = (QuantizerFactory.create(scaling_mode=mode, q_dtype=d, q_layout=layout, **kwargs)
+                       for d in (fwd_dtype, fwd_dtype, bwd_dtype))
+    return QuantizerSet(x=x, kernel=kernel, dgrad=grad)
 
 
 # TE's support queries live beside these in its quantize/helper.py (`helper.is_scaling_mode_supported`).
