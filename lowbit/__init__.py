@@ -34,6 +34,7 @@ class _FunctionModule(types.ModuleType):
 
 for _name in ("activation", "dense", "layernorm", "layernorm_dense", "layernorm_mlp", "softmax"):
     importlib.import_module(f"lowbit.{_name}").__class__ = _FunctionModule
+del _name
 from lowbit import activation, dense, layernorm, layernorm_dense, layernorm_mlp, softmax  # noqa: E402
 
 _LAZY = ("flax", "checkpoint_policies", "sharding")
