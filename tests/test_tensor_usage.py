@@ -106,3 +106,20 @@ def test_no_scale_tensor_sharding_by_logical_axes(rng):
     np.testing.assert_array_equal(out.amax, amax)
     with pytest.raises(ValueError, match="logical_axis_names: expected one name"):
         NoScaleTensor(data).apply_sharding_constraint_by_logical_axes(("batch",))
+
+
+@pytest.mark.parametrize("mode", list(ScalingMode), ids=lambda m: m.name)
+def test_scaling_mode_te_queries(mode):
+    """TE's ScalingMode queries: get_quantize_layout agrees with get_tensor's choice,
+    get_data_layout with the stored copies, get_scale_dtype with scale_dtype."""
+    from lowbit.quantize import QuantizeLayout
+
+    assert mode.is_colwise_transposed == mode.colwise_is_transposed
+    assert mode.get_data_layout() == ("NT" if mode.colwise_is_transposed else "NN")
+    assert mode.get_scale_dtype() == (mode.scale_dtype or jnp.float32)
+    for usage in TensorUsage:
+        want = (QuantizeLayout.COLWISE if usage.takes_colwise and mode != ScalingMode.NO_SCALING
+                else QuantizeLayout.ROWWISE)
+        assert mode.get_quantize_layout(usage) == want
+    with pytest.raises(TypeError, match="get_quantize_layout: usage"):
+        mode.get_quantize_layout("LHS")

@@ -95,6 +95,30 @@ class ScalingMode(enum.Enum):
         return self.is_tensor_scaling() or self.is_nvfp4 or self in (ScalingMode.FP8_BLOCK_1x128,
                                                                    ScalingMode.FP8_BLOCK_128x128)
 
+    @property
+    def is_colwise_transposed(self) -> bool:  # TE's name
+        return self.colwise_is_transposed
+
+    def get_scale_dtype(self):
+        """TE's query: the scales' dtype (fp32 for NO_SCALING, TE's placeholder)."""
+        return self.scale_dtype if self.scale_dtype is not None else jnp.float32
+
+    def get_data_layout(self) -> str:
+        """TE's query: the rowwise then the colwise copy's stored layout, "N" or "T"."""
+        return "NT" if self.colwise_is_transposed else "NN"
+
+    def get_quantize_layout(self, usage) -> "QuantizeLayout":
+        """TE's query: the copy a GEMM takes for a lowbit.quantize.TensorUsage. lowbit's GEMMs
+        are K-major on every device, so LHS / RHS_TRANS take the rowwise copy, LHS_TRANS / RHS
+        the colwise one; NO_SCALING the rowwise (the array itself)."""
+        from lowbit.quantize.tensor import TensorUsage
+
+        if not isinstance(usage, TensorUsage):
+            raise TypeError(f"ScalingMode.get_quantize_layout: usage: expected a TensorUsage, got {usage!r}")
+        if self == ScalingMode.NO_SCALING or not usage.takes_colwise:
+            return QuantizeLayout.ROWWISE
+        return QuantizeLayout.COLWISE
+
 
 _BLOCK_SHAPE = {
     ScalingMode.MXFP8_1D_SCALING: (1, 32),
