@@ -19,11 +19,14 @@ Checked, on odd shapes in f32, f16 and bf16 with a scale that bf16/f16 cannot re
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from softmax_reference import make, tol
 from pytree_bits import assert_same_bits
 
 from lowbit.cpp_extensions.softmax import (
@@ -57,21 +60,7 @@ FWD = {"scaled": scaled_softmax_fwd, "scaled_masked": scaled_masked_softmax_fwd,
 OP = "lowbit.cpp_extensions."
 
 
-def tol(dtype):
-    eps = float(jnp.finfo(dtype).eps)
-    return dict(rtol=max(eps, 4e-6), atol=max(eps / 8, 1e-7))
-
-
-def make(rng, shape, dtype, fusion, mask_batch=None):
-    x = (rng.standard_normal(shape) * 4).astype(dtype)
-    if fusion != "scaled_masked":
-        return x, None
-    b, _, q, k = shape
-    # TE's uint8 mask: 1 masks out, any other value (here 0 or 2) keeps
-    mask = rng.choice(np.array([0, 1, 2], np.uint8), (mask_batch or b, 1, q, k), p=[.5, .3, .2])
-    mask[0, 0, 0, :] = 1  # one fully masked row
-    mask[0, 0, 1, :] = 2  # and one kept by 2s
-    return x, mask
+make = functools.partial(make, te_mask=True)  # TE's uint8 masks (softmax_reference.make)
 
 
 def fwd(fusion, x, mask, scale=SCALE):

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from softmax_reference import make, tol
 from conftest import run_on
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -41,21 +42,6 @@ def softmax_ref(x, mask=None, scale=1.0, fusion="scaled"):
 DTYPES = [np.float32, np.float16, ml_dtypes.bfloat16]
 FUSIONS = ["scaled", "scaled_masked", "scaled_upper_triang"]
 SHAPES = [(1, 1, 1, 1), (2, 3, 5, 7), (2, 2, 33, 33), (1, 2, 16, 1000)]
-
-
-def tol(dtype):
-    eps = float(jnp.finfo(dtype).eps)
-    return dict(rtol=max(eps, 4e-6), atol=max(eps / 8, 1e-7))
-
-
-def make(rng, shape, dtype, fusion, mask_batch=None):
-    x = (rng.standard_normal(shape) * 4).astype(dtype)
-    if fusion != "scaled_masked":
-        return x, None
-    b, _, q, k = shape
-    mask = rng.random((mask_batch or b, 1, q, k)) < 0.3
-    mask[0, 0, 0, :] = True  # one fully masked row
-    return x, mask
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
