@@ -20,23 +20,22 @@ check_te_keywords: lowbit's one amax rule for every scope).
 
 from __future__ import annotations
 
-import jax.numpy as jnp
-
 from lowbit.cpp_extensions._common import check_flag, check_te_keywords, named_errors, unwrap
 from lowbit.quantize.quantizer import check_quantizer
+from lowbit.quantize.quantizer import row_sums as quantizer_row_sums
 from lowbit.quantize.tensor import NoScaleTensor, ScaledTensor
 
 __all__ = ["quantize", "quantize_dbias", "dequantize"]
 
 
 def row_sums(op, x, flatten_axis, dtype=None):
-    """The fp32 sums of x over its rows x.shape[:flatten_axis], in `dtype` (x's by default):
-    TE's bias gradient where no kernel computes it."""
+    """lowbit.quantize.quantizer.row_sums of x split at flatten_axis (TE's bias gradient where
+    no kernel computes it), the split checked and named for `op`."""
     axis = flatten_axis + x.ndim if flatten_axis < 0 else flatten_axis
     if not 0 < axis < x.ndim:
         raise ValueError(f"{op}: flatten_axis: expected -{x.ndim} < flatten_axis < {x.ndim} "
                          f"(rows and columns both non-empty) for shape {x.shape}, got {flatten_axis}")
-    return jnp.sum(x.astype(jnp.float32), axis=tuple(range(axis))).astype(dtype or x.dtype)
+    return quantizer_row_sums(x, axis, dtype)
 
 
 def _quantize(op, x, quantizer, flatten_axis, compute_dbias):
@@ -55,7 +54,7 @@ def quantize(x, quantizer, flatten_axis=-1, amax_scope=None, transpose_batch_seq
     None). amax_scope, transpose_batch_sequence: TE's (_common.check_te_keywords)."""
     check_te_keywords("lowbit.cpp_extensions.quantize", amax_scope, transpose_batch_sequence)
     if quantizer is None:
-        return x if isinstance(x, NoScaleTensor) else NoScaleTensor(unwrap(x))
+        return x if isinstance(x, NoScaleTensor) else NoScaleTensor(x)
     return _quantize("lowbit.cpp_extensions.quantize", x, quantizer, flatten_axis, False)[0]
 
 

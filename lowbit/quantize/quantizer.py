@@ -98,6 +98,12 @@ def _normalize_flatten_axis(op: str, x: jax.Array, flatten_axis: int) -> int:
     return axis
 
 
+def row_sums(x, axis: int, dtype=None):
+    """The fp32 sums of x over its rows x.shape[:axis] (axis >= 0), in `dtype` (x's by
+    default): a bias gradient where no kernel computes it."""
+    return jnp.sum(x.astype(jnp.float32), axis=tuple(range(axis))).astype(dtype or x.dtype)
+
+
 @dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
 class Quantizer:
     """Base class: q_dtype is the quantized dtype, q_layout the copies the recipe wants
@@ -428,7 +434,7 @@ class NVFP4Quantizer(Quantizer):
         tensor = ScaledTensor2x(row, col) if row is not None and col is not None else (row or col)
         dbias = None
         if compute_dbias:
-            dbias = jnp.sum(x.astype(jnp.float32), axis=tuple(range(axis))).astype(x.dtype)
+            dbias = row_sums(x, axis)
         return tensor, dbias
 
 
