@@ -15,6 +15,8 @@ import enum
 
 import jax.numpy as jnp
 
+from lowbit.quantize import scale_shapes
+
 __all__ = ["ScalingMode", "QuantizeLayout", "DataFamily"]
 
 
@@ -106,6 +108,22 @@ class ScalingMode(enum.Enum):
     def get_data_layout(self) -> str:
         """TE's query: the rowwise then the colwise copy's stored layout, "N" or "T"."""
         return "NT" if self.colwise_is_transposed else "NN"
+
+    def get_scale_shape(self, data_shape, data_layout="N", is_colwise=False, is_padded=True,
+                        flatten_axis=-1, broadcast_2d_scale_shape_to_1d=False) -> tuple[int, ...]:
+        """TE's query: the scale shape TE 2.12 gives a copy of `data_shape` (a colwise "T" copy
+        given transposed, flatten_axis counted in x's layout). lowbit's own scale arrays are
+        2-D: for MXFP8 / NVFP4 the padded shape flattened at flatten_axis (NVFP4_2D with
+        broadcast_2d_scale_shape_to_1d=True); FP8_BLOCK_* (not in TE) return lowbit's arrays'
+        shapes. TE's asserts are ValueErrors. lowbit/quantize/scale_shapes.py has the formulas."""
+        return scale_shapes.scale_shape(self, data_shape, data_layout, is_colwise, is_padded, flatten_axis,
+                                        broadcast_2d_scale_shape_to_1d)
+
+    def get_scale_shape_2x(self, data_shape, is_padded=True, flatten_axis=-1,
+                           broadcast_2d_scale_shape_to_1d=False) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """TE's query: (rowwise, colwise) scale shapes of x's two copies (get_scale_shape's)."""
+        return scale_shapes.scale_shape_2x(self, data_shape, is_padded, flatten_axis,
+                                           broadcast_2d_scale_shape_to_1d)
 
     def get_quantize_layout(self, usage) -> "QuantizeLayout":
         """TE's query: the copy a GEMM takes for a lowbit.quantize.TensorUsage. lowbit's GEMMs
