@@ -14,7 +14,15 @@ TransformerEngine:
         with nn.logical_axis_rules(lowbit.sharding.logical_axis_rules()): ...
 
 `global_shard_guard(r)` and `lowbit.autocast(mesh_resource=r)` set the same global value
-(lowbit.quantize.helper.mesh_resource_guard); `global_mesh_resource()` reads it.
+(lowbit.quantize.helper.mesh_resource_guard); `global_mesh_resource()` reads it (an empty
+MeshResource outside any guard, where TE asserts that one is set).
+
+TE's own logical names (BATCH_AXES = "nvte_batch", ...) map through TE's table,
+`get_sharding_map_logic_axis_to_mesh_axis()`: under a mesh, batch on fsdp when the fsdp axis
+has more than one device (else dp), heads / hidden_tp / w_tp on tpsp when that axis has more
+than one device (else tp). `extend_logical_axis_rules(rules)` is TE's: `rules` plus that table,
+nothing else. `logical_axis_rules()` is lowbit's fuller table: Flax / T5X names ("batch",
+"embed", "mlp", ...) as well, TE's names as TE's table maps them.
 
 Amax reduction scope (every device must cast with the same scale):
   - DelayedScaling: the amax of each tensor is the max over every device that holds a
@@ -46,6 +54,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
+import jax
+
 from lowbit.quantize.helper import get_global_mesh_resource, mesh_resource_guard
 from lowbit.sharding_mesh import (all_reduce_max_along_all_axes_except_PP,  # noqa: F401 (TE's names)
                                   all_reduce_sum_along_dp_fsdp, all_reduce_sum_along_dp_fsdp_tpsp,
@@ -54,6 +64,7 @@ from lowbit.sharding_mesh import (all_reduce_max_along_all_axes_except_PP,  # no
                                   get_padded_spec, is_mesh_available, lax_paral_op, num_of_devices,
                                   tpsp_axis_size, with_sharding_constraint,
                                   with_sharding_constraint_by_logical_axes)
+from lowbit.sharding_mesh import _current_mesh
 
 __all__ = [
     "logical_constraint",
@@ -62,6 +73,7 @@ __all__ = [
     "global_mesh_resource",
     "logical_axis_rules",
     "extend_logical_axis_rules",
+    "get_sharding_map_logic_axis_to_mesh_axis",
     "BATCH_AXES", "SEQLEN_AXES", "SEQLEN_TP_AXES", "SEQLEN_CP_AXES", "HEAD_AXES",
     "HIDDEN_AXES", "HIDDEN_TP_AXES", "JOINED_AXES", "W_NO_SHARD_AXES", "W_FSDP_AXES",
     "W_TP_AXES", "W_JOINED_AXES",
@@ -151,14 +163,64 @@ def _batch_axes(r: MeshResource) -> AxisName:
     return None if not axes else (axes[0] if len(axes) == 1 else axes)
 
 
+def _te_axis_table(r: MeshResource, enabled) -> dict[str, AxisName]:
+    """TE's table for its logical names; enabled(axis): the named axis has more than one device."""
+    tp = r.tpsp_resource if enabled(r.tpsp_resource) else r.tp_resource
+    return {
+        BATCH_AXES: r.fsdp_resource if enabled(r.fsdp_resource) else r.dp_resource,
+        SEQLEN_AXES: None,
+        SEQLEN_TP_AXES: r.tpsp_resource,
+        SEQLEN_CP_AXES: r.cp_resource,
+        HEAD_AXES: tp,
+        HIDDEN_AXES: None,
+        HIDDEN_TP_AXES: tp,
+        JOINED_AXES: None,
+        W_NO_SHARD_AXES: None,
+        W_FSDP_AXES: r.fsdp_resource,
+        W_TP_AXES: tp,
+        W_JOINED_AXES: None,
+    }
+
+
+def get_sharding_map_logic_axis_to_mesh_axis() -> dict[str, AxisName]:
+    """TE's map from its logical names (BATCH_AXES, ...) to the global MeshResource's mesh
+    axes, under the current mesh: {} without a mesh or inside a shard_map over every mesh
+    axis. As in TE, tp and tpsp may not both have more than one device, and an axis the
+    MeshResource names for tp, tpsp or fsdp must be in the mesh (ValueErrors here, where TE
+    asserts); an unset MeshResource is an empty one (TE asserts one is set)."""
+    mesh = _current_mesh()
+    if mesh.empty:
+        return {}
+    if sorted(jax.sharding.get_abstract_mesh().manual_axes) == sorted(mesh.axis_names):
+        return {}
+    r = global_mesh_resource()
+    if get_mesh_axis_size(r.tp_resource) > 1 and get_mesh_axis_size(r.tpsp_resource) > 1:
+        raise ValueError(f"lowbit.sharding.get_sharding_map_logic_axis_to_mesh_axis: the global "
+                         f"MeshResource: tensor parallelism and tensor sequence parallelism cannot "
+                         f"both be enabled, got tp_resource={r.tp_resource!r} and "
+                         f"tpsp_resource={r.tpsp_resource!r}")
+    return _te_axis_table(r, lambda axis: get_mesh_axis_size(axis) > 1)
+
+
+def _named_axis_enabled(axis) -> bool:
+    """For lowbit's table: a named axis counts as more than one device unless the current
+    mesh has it at size 1 (the table may be built before the mesh is entered)."""
+    if axis is None:
+        return False
+    mesh = _current_mesh()
+    return mesh.empty or axis not in mesh.shape or mesh.shape[axis] > 1
+
+
 def logical_axis_rules(resource: MeshResource | None = None) -> tuple[tuple[str, AxisName], ...]:
     """(logical name, mesh axes) pairs for `flax.linen.logical_axis_rules`, from `resource`
-    (default: the global one). Flax gives each tensor dim the first rule whose mesh axes are
-    still free in that tensor, so a weight's "embed" takes fsdp while an activation whose
-    "batch" already uses the fsdp axis keeps its hidden dim whole."""
+    (default: the global one): Flax / T5X names, then TE's names as TE's table maps them
+    (get_sharding_map_logic_axis_to_mesh_axis; without a mesh, every named axis counts as
+    having more than one device). Flax gives each tensor dim the first rule whose mesh axes
+    are still free in that tensor, so a weight's "embed" takes fsdp while an activation
+    whose "batch" already uses the fsdp axis keeps its hidden dim whole."""
     r = global_mesh_resource() if resource is None else resource
     tp = r.tp_resource
-    rules = (
+    flax_rules = (
         # Flax / T5X-style names (TE's module defaults use these)
         ("batch", _batch_axes(r)),
         ("length", r.cp_resource),
@@ -171,38 +233,30 @@ def logical_axis_rules(resource: MeshResource | None = None) -> tuple[tuple[str,
         ("qkv_dim", None),
         ("vocab", tp),
         ("norm", None),
-        # TE's names
-        (BATCH_AXES, _batch_axes(r)),
-        (SEQLEN_AXES, None),
-        (SEQLEN_TP_AXES, r.tpsp_resource),
-        (SEQLEN_CP_AXES, r.cp_resource),
-        (HEAD_AXES, tp),
-        (HIDDEN_AXES, None),
-        (HIDDEN_TP_AXES, tp),
-        (JOINED_AXES, None),
-        (W_NO_SHARD_AXES, None),
-        (W_FSDP_AXES, r.fsdp_resource),
-        (W_TP_AXES, tp),
-        (W_JOINED_AXES, None),
     )
-    return rules
+    return flax_rules + tuple(_te_axis_table(r, _named_axis_enabled).items())
 
 
-def extend_logical_axis_rules(rules: Sequence[tuple[str, AxisName]]) -> tuple[tuple[str, AxisName], ...]:
-    """`rules` followed by lowbit's (logical_axis_rules()) for the names `rules` leaves out.
-    A name given in `rules` with a different mapping than lowbit's is kept as given only if
-    lowbit maps it to None; otherwise it is a ValueError (TE's check)."""
+def extend_logical_axis_rules(rules: Sequence[tuple[str, str | None]]) -> tuple[tuple[str, AxisName], ...]:
+    """TE's: `rules` followed by TE's table (get_sharding_map_logic_axis_to_mesh_axis, so
+    nothing without a mesh) for the names `rules` leaves out. Each rule maps a name to one
+    mesh axis name or None; a TE name given in `rules` must be given once, mapped as TE's
+    table maps it. ValueErrors here where TE asserts. lowbit's Flax-name rules are not added
+    (as in TE): logical_axis_rules() has them."""
+    op = "lowbit.sharding.extend_logical_axis_rules"
     given: dict[str, list] = {}
     for item in rules:
         if len(item) != 2 or not isinstance(item[0], str):
-            raise ValueError(f"lowbit.sharding.extend_logical_axis_rules: rules: expected "
-                             f"(name, mesh axes) pairs, got {item!r}")
+            raise ValueError(f"{op}: rules: expected (axis_name, mesh_axis_name) pairs, got {item!r}")
+        if not (item[1] is None or isinstance(item[1], str)):
+            raise ValueError(f"{op}: rules: the mesh axis of {item[0]!r} must be a str or None, "
+                             f"got {item[1]!r}")
         given.setdefault(item[0], []).append(item[1])
     extended = list(rules)
-    for name, axes in logical_axis_rules():
+    for name, axes in get_sharding_map_logic_axis_to_mesh_axis().items():
         if name not in given:
             extended.append((name, axes))
-        elif axes is not None and given[name] != [axes]:
-            raise ValueError(f"lowbit.sharding.extend_logical_axis_rules: rules: {name!r} maps to "
-                             f"{given[name]}, but the global MeshResource maps it to {axes!r}")
+        elif given[name] != [axes]:
+            raise ValueError(f"{op}: rules: {name!r} maps to {given[name]}, but TE's rules map it "
+                             f"to {axes!r}")
     return tuple(extended)

@@ -246,15 +246,19 @@ def test_te_top_level_names():
 
 def test_te_flax_package_names():
     # TE's flax package exports extend_logical_axis_rules (lowbit.sharding's, the same
-    # function); TE's attention and transformer layers are not ported, and asking for one
-    # says so and names what to build the layer from, unlike a plain missing attribute.
+    # function: the rules plus TE's table, which needs a mesh); TE's attention and
+    # transformer layers are not ported, and asking for one says so and names what to build
+    # the layer from, unlike a plain missing attribute.
     import lowbit.flax as te_flax
     from lowbit.sharding import MeshResource, extend_logical_axis_rules
 
     assert te_flax.extend_logical_axis_rules is extend_logical_axis_rules
+    mesh = jax.sharding.Mesh(np.array(jax.devices("cpu")[:2]), ("data",))
     with lowbit.autocast(enabled=False, mesh_resource=MeshResource(dp_resource="data")):
-        rules = dict(te_flax.extend_logical_axis_rules((("my_embed", None),)))
-    assert rules["my_embed"] is None and rules["batch"] == "data"
+        assert te_flax.extend_logical_axis_rules((("my_embed", None),)) == (("my_embed", None),)
+        with jax.set_mesh(mesh):
+            rules = dict(te_flax.extend_logical_axis_rules((("my_embed", None),)))
+    assert rules["my_embed"] is None and rules["nvte_batch"] == "data" and "batch" not in rules
     for name in ("DotProductAttention", "MultiHeadAttention", "RelativePositionBiases",
                  "TransformerLayer", "TransformerLayerType"):
         with pytest.raises(AttributeError, match=f"{name}.*not part of lowbit.*LayerNormDenseGeneral"):
