@@ -45,6 +45,8 @@ TARGETS: dict[str, str] = {
     "lowbit_gemm": "LowbitGemm",
     "lowbit_gemm_swizzle_scales": "LowbitGemmSwizzleScales",
     "lowbit_gemm_nvfp4": "LowbitGemmNvfp4",
+    "lowbit_gemm_accumulate": "LowbitGemmAccumulate",
+    "lowbit_quantize_fp8_block_colwise_rows": "LowbitQuantizeFp8BlockColwiseRows",
     "lowbit_compute_scale": "LowbitComputeScale",
     "lowbit_scale_inverse": "LowbitScaleInverse",
     "lowbit_update_delayed_scaling": "LowbitUpdateDelayedScaling",

@@ -13,6 +13,11 @@
 // lowering makes it u8[kGemmWorkspaceBytes], the CPU lowering u8[0]; both handlers bind
 // it (one primitive lowers to both), the CPU one ignores it.
 //
+// lowbit_gemm_accumulate: out (M, N) = c + a_scale_inv * b_scale_inv * a @ b^T for FP8
+// operands (tensor or block scale modes; gemm.h's "Accumulation into out"), c aliased to out
+// by lowbit/ops/gemm_accumulate.py: a GEMM split along K adds its parts in place, without a
+// second (M, N) buffer (lowbit.dense's block backward runs its wgrad so).
+//
 // lowbit_gemm_nvfp4: out (M, N) = dequant(a) (M, K) @ dequant(b) (N, K)^T + bias for NVFP4
 // operands (gemm.h's kNvfp4): a / b packed E2M1 as u8 (rows, ceil(K/2)), their e4m3 scale
 // arrays, their f32 (1,) global_scale_invs, K as an attribute (the packed width cannot tell
@@ -23,6 +28,7 @@
 // the sm_100 MXFP8 GEMM applies inside GemmCuda; an op of its own so that the CUDA kernel is
 // tested against the CPU reference bit for bit on any GPU.
 #include <cstdint>
+#include <cstring>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -33,6 +39,8 @@
 
 #if defined(LOWBIT_CUDA_HANDLERS)
 #include <cuda_runtime_api.h>
+
+#include "common/cuda_check.h"
 #endif
 
 namespace lowbit {
@@ -72,10 +80,11 @@ Status CheckScale(const char* arg, const ffi::AnyBuffer& scale, GemmScaleMode mo
   return Status::Ok();
 }
 
-// Checks every buffer against the others and fills `args` (pointers, types, sizes).
+// Checks every buffer against the others and fills `args` (pointers, types, sizes); bias is
+// null for lowbit_gemm_accumulate, which has none.
 Status GemmArgsFromBuffers(const ffi::AnyBuffer& a, const ffi::AnyBuffer& b,
                            const ffi::AnyBuffer& a_scale_inv, const ffi::AnyBuffer& b_scale_inv,
-                           const ffi::AnyBuffer& bias, ffi::AnyBuffer& out,
+                           const ffi::AnyBuffer* bias, ffi::AnyBuffer& out,
                            bool use_split_accumulator, int32_t a_scale_mode,
                            int32_t b_scale_mode, int32_t algo, bool algo_or_first, GemmArgs* args) {
   const auto ad = a.dimensions(), bd = b.dimensions(), od = out.dimensions();
@@ -98,20 +107,20 @@ Status GemmArgsFromBuffers(const ffi::AnyBuffer& a, const ffi::AnyBuffer& b,
   LOWBIT_RETURN_IF_ERROR(CheckGemmScaleModes(args->a_scale_mode, args->b_scale_mode, args->a_type));
   LOWBIT_RETURN_IF_ERROR(CheckScale("a_scale_inv", a_scale_inv, args->a_scale_mode, ad[0], ad[1]));
   LOWBIT_RETURN_IF_ERROR(CheckScale("b_scale_inv", b_scale_inv, args->b_scale_mode, bd[0], bd[1]));
-  const int64_t bias_count = int64_t(bias.element_count());
-  if (bias.dimensions().size() != 1 || (bias_count != 0 && bias_count != bd[0])) {
+  const int64_t bias_count = bias ? int64_t(bias->element_count()) : 0;
+  if (bias && (bias->dimensions().size() != 1 || (bias_count != 0 && bias_count != bd[0]))) {
     return Invalid("bias", "expected shape (" + std::to_string(bd[0]) + ",) or (0,), got " +
-                               Shape(bias.dimensions()));
+                               Shape(bias->dimensions()));
   }
-  if (bias_count != 0 && ToDType(bias.element_type()) != args->out_type) {
+  if (bias_count != 0 && ToDType(bias->element_type()) != args->out_type) {
     return Invalid("bias", std::string("expected the out type ") + DTypeName(args->out_type) +
-                               ", got " + DTypeName(ToDType(bias.element_type())));
+                               ", got " + DTypeName(ToDType(bias->element_type())));
   }
   args->a = a.untyped_data();
   args->b = b.untyped_data();
   args->a_scale_inv = a_scale_inv.untyped_data();
   args->b_scale_inv = b_scale_inv.untyped_data();
-  args->bias = bias_count != 0 ? bias.untyped_data() : nullptr;
+  args->bias = bias_count != 0 ? bias->untyped_data() : nullptr;
   args->out = out.untyped_data();
   args->m = ad[0];
   args->n = bd[0];
@@ -125,6 +134,33 @@ Status GemmArgsFromBuffers(const ffi::AnyBuffer& a, const ffi::AnyBuffer& b,
   args->algo = algo;
   args->algo_or_first = algo_or_first;
   return Status::Ok();
+}
+
+// lowbit_gemm_accumulate: c must be out's shape and type (XLA aliases the two; a c in a
+// buffer of its own is copied into out first by the handlers), then the GEMM's checks.
+Status GemmAccumulateArgsFromBuffers(const ffi::AnyBuffer& a, const ffi::AnyBuffer& b,
+                                     const ffi::AnyBuffer& a_scale_inv,
+                                     const ffi::AnyBuffer& b_scale_inv, const ffi::AnyBuffer& c,
+                                     ffi::AnyBuffer& out, bool use_split_accumulator,
+                                     int32_t a_scale_mode, int32_t b_scale_mode, int32_t algo,
+                                     bool algo_or_first, GemmArgs* args) {
+  Status s = GemmArgsFromBuffers(a, b, a_scale_inv, b_scale_inv, nullptr, out, use_split_accumulator,
+                                 a_scale_mode, b_scale_mode, algo, algo_or_first, args);
+  if (!s.ok()) {  // the same checks, named after this op
+    std::string text = s.message();
+    const std::string from = "lowbit_gemm:";
+    if (text.rfind(from, 0) == 0) text = "lowbit_gemm_accumulate:" + text.substr(from.size());
+    return Status::InvalidArgument(text);
+  }
+  if (c.element_type() != out.element_type() || c.dimensions().size() != 2 ||
+      c.dimensions()[0] != args->m || c.dimensions()[1] != args->n) {
+    return lowbit::Invalid("lowbit_gemm_accumulate", "c",
+                           "expected out's shape (" + std::to_string(args->m) + ", " + std::to_string(args->n) +
+                               ") and type " + DTypeName(args->out_type) + ", got " +
+                               DTypeName(ToDType(c.element_type())) + " " + Shape(c.dimensions()));
+  }
+  args->accumulate = true;
+  return CheckGemmAccumulate(*args);
 }
 
 // Checks the NVFP4 GEMM's buffers and fills `args`.
@@ -226,11 +262,27 @@ ffi::Error GemmCpu(ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer a_scale_in
                    int32_t algo, bool algo_or_first) {
   (void)workspace;  // the reference needs none; the CPU lowering passes u8[0]
   GemmArgs args;
-  Status s = GemmArgsFromBuffers(a, b, a_scale_inv, b_scale_inv, bias, *out,
+  Status s = GemmArgsFromBuffers(a, b, a_scale_inv, b_scale_inv, &bias, *out,
                                  use_split_accumulator, a_scale_mode, b_scale_mode, algo,
                                  algo_or_first, &args);
   if (s.ok()) s = GemmRef(args);
   return ToFfiError(s);
+}
+
+ffi::Error GemmAccumulateCpu(ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer a_scale_inv,
+                             ffi::AnyBuffer b_scale_inv, ffi::AnyBuffer c,
+                             ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> workspace,
+                             bool use_split_accumulator, int32_t a_scale_mode, int32_t b_scale_mode,
+                             int32_t algo, bool algo_or_first) {
+  (void)workspace;
+  GemmArgs args;
+  Status s = GemmAccumulateArgsFromBuffers(a, b, a_scale_inv, b_scale_inv, c, *out, use_split_accumulator,
+                                           a_scale_mode, b_scale_mode, algo, algo_or_first, &args);
+  if (!s.ok()) return ToFfiError(s);
+  if (c.untyped_data() != out->untyped_data()) {
+    std::memcpy(out->untyped_data(), c.untyped_data(), out->size_bytes());
+  }
+  return ToFfiError(GemmRef(args));
 }
 
 ffi::Error GemmNvfp4Cpu(ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer a_scale,
@@ -262,7 +314,7 @@ ffi::Error GemmGpu(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuffer a
                    ffi::Result<ffi::AnyBuffer> workspace, bool use_split_accumulator,
                    int32_t a_scale_mode, int32_t b_scale_mode, int32_t algo, bool algo_or_first) {
   GemmArgs args;
-  Status s = GemmArgsFromBuffers(a, b, a_scale_inv, b_scale_inv, bias, *out,
+  Status s = GemmArgsFromBuffers(a, b, a_scale_inv, b_scale_inv, &bias, *out,
                                  use_split_accumulator, a_scale_mode, b_scale_mode, algo,
                                  algo_or_first, &args);
   if (!s.ok()) return ToFfiError(s);
@@ -298,6 +350,27 @@ Status CheckWorkspace(const GemmArgs& args, ffi::AnyBuffer& workspace, const cha
                             std::to_string(kGemmWorkspaceAlignment) + "-byte aligned buffer from XLA");
   }
   return Status::Ok();
+}
+
+ffi::Error GemmAccumulateGpu(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuffer a,
+                             ffi::AnyBuffer b, ffi::AnyBuffer a_scale_inv, ffi::AnyBuffer b_scale_inv,
+                             ffi::AnyBuffer c, ffi::Result<ffi::AnyBuffer> out,
+                             ffi::Result<ffi::AnyBuffer> workspace, bool use_split_accumulator,
+                             int32_t a_scale_mode, int32_t b_scale_mode, int32_t algo, bool algo_or_first) {
+  GemmArgs args;
+  Status s = GemmAccumulateArgsFromBuffers(a, b, a_scale_inv, b_scale_inv, c, *out, use_split_accumulator,
+                                           a_scale_mode, b_scale_mode, algo, algo_or_first, &args);
+  if (!s.ok()) return ToFfiError(s);
+  if (c.untyped_data() != out->untyped_data() && out->size_bytes() != 0) {
+    s = CudaStatus(cudaMemcpyAsync(out->untyped_data(), c.untyped_data(), out->size_bytes(),
+                                   cudaMemcpyDeviceToDevice, stream),
+                   "lowbit_gemm_accumulate", "cudaMemcpyAsync (c to out)");
+    if (!s.ok()) return ToFfiError(s);
+  }
+  if (args.m == 0 || args.n == 0 || args.k == 0) return ffi::Error::Success();  // out = c
+  s = CheckWorkspace(args, *workspace, "lowbit_gemm_accumulate");
+  if (s.ok()) s = GemmCuda(args, device_ordinal, workspace->untyped_data(), stream);
+  return ToFfiError(s);
 }
 
 ffi::Error GemmNvfp4Gpu(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuffer a,
@@ -346,6 +419,22 @@ LOWBIT_FFI_BACKEND_HANDLER(LowbitGemm, lowbit::Gemm,
                                .Attr<int32_t>("b_scale_mode")  // GemmScaleMode of b_scale_inv
                                .Attr<int32_t>("algo")  // cuBLASLt heuristic index (LOWBIT_GEMM_ALGO); checked, unused on the CPU
                                .Attr<bool>("algo_or_first"));  // algo is a library default: past cuBLASLt's list, its first choice runs
+LOWBIT_FFI_BACKEND_HANDLER(LowbitGemmAccumulate, lowbit::GemmAccumulate,
+                           xffi::Ffi::Bind()
+                               LOWBIT_FFI_CUDA_ONLY(.Ctx<xffi::PlatformStream<cudaStream_t>>())  // stream
+                               LOWBIT_FFI_CUDA_ONLY(.Ctx<xffi::DeviceOrdinal>())  // device
+                               .Arg<xffi::AnyBuffer>()  // a: (M, K) fp8, row-major
+                               .Arg<xffi::AnyBuffer>()  // b: (N, K) fp8, row-major
+                               .Arg<xffi::AnyBuffer>()  // a_scale_inv: as lowbit_gemm's
+                               .Arg<xffi::AnyBuffer>()  // b_scale_inv: as lowbit_gemm's
+                               .Arg<xffi::AnyBuffer>()  // c: (M, N) in out's type; aliased to out by the lowering
+                               .Ret<xffi::AnyBuffer>()  // out: (M, N) bf16 / f16 / f32 = c + a @ b
+                               .Ret<xffi::AnyBuffer>()  // workspace: as lowbit_gemm's
+                               .Attr<bool>("use_split_accumulator")
+                               .Attr<int32_t>("a_scale_mode")
+                               .Attr<int32_t>("b_scale_mode")
+                               .Attr<int32_t>("algo")
+                               .Attr<bool>("algo_or_first"));
 LOWBIT_FFI_BACKEND_HANDLER(LowbitGemmNvfp4, lowbit::GemmNvfp4,
                            xffi::Ffi::Bind()
                                LOWBIT_FFI_CUDA_ONLY(.Ctx<xffi::PlatformStream<cudaStream_t>>())  // stream

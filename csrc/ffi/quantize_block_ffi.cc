@@ -9,6 +9,12 @@
 // (its scale result must then be empty too); for an empty x every result is empty. dbias
 // (the column sums, quantize/block_dbias.h) is f32 or x's dtype of shape shape[fa:], or (0,)
 // when not requested; the CUDA handlers take its per-tile-row workspace from XLA's scratch.
+//
+// lowbit_quantize_fp8_block_colwise_rows: the colwise copy (and its scale_inv) of rows
+// [row_begin, row_begin + row_count) of a 2-D x, read in place (no slice of x is made), equal
+// to lowbit_quantize_fp8_block's colwise copy of those rows: row_begin is a multiple of 128,
+// so the window's blocks are x's. lowbit.dense's block backward quantizes dy's colwise copy
+// so, one band of rows per wgrad launch, to keep only a band alive (lowbit/ops/quantize_block_rows.py).
 #include <string>
 
 #include "ffi/ffi_util.h"
@@ -138,6 +144,41 @@ Status QuantizeMxArgs(const ffi::AnyBuffer& x, const Copies& c, int32_t flatten_
   return CheckDbias(op, x, c.dbias, shape, flatten_axis, &a->dbias, &a->dbias_dtype);
 }
 
+constexpr const char* kQuantizeBlockRowsOp = "lowbit_quantize_fp8_block_colwise_rows";
+
+Status QuantizeBlockRowsArgs(const ffi::AnyBuffer& x, ffi::Result<ffi::AnyBuffer>& colwise,
+                             ffi::Result<ffi::AnyBuffer>& colwise_scale, int64_t row_begin,
+                             int64_t row_count, bool tile_2d, bool pow2_scales, QuantizeFp8BlockArgs* a) {
+  const char* op = kQuantizeBlockRowsOp;
+  LOWBIT_RETURN_IF_ERROR(ExpectHighPrecision(op, "x", x));
+  const Dims shape = DimsOf(x);
+  if (shape.size() != 2) return Invalid(op, "x", "expected rank 2 (rows, cols), got " + ShapeString(shape));
+  if (row_begin < 0 || row_begin % 128 != 0 || row_count < 0 || row_begin + row_count > shape[0]) {
+    return Invalid(op, "row_begin", "expected a multiple of 128 with row_begin + row_count <= " +
+                                        std::to_string(shape[0]) + ", got row_begin " + std::to_string(row_begin) +
+                                        ", row_count " + std::to_string(row_count));
+  }
+  const int64_t cols = shape[1];
+  bool requested = false;
+  LOWBIT_RETURN_IF_ERROR(ExpectOptionalFp8(op, "colwise", colwise, Dims{cols, row_count}, &requested));
+  if (!requested && cols * row_count != 0) return Invalid(op, "colwise", "expected an fp8 result");
+  if (requested) {
+    LOWBIT_RETURN_IF_ERROR(ExpectTypeAndDims(op, "colwise_scale_inv", *colwise_scale, ffi::DataType::F32,
+                                             ScaleShape(Fp8BlockScaleDims(cols, row_count, tile_2d))));
+  }
+  const size_t esize = ToDType(x.element_type()) == DType::kF32 ? 4 : 2;  // ExpectHighPrecision: f32, f16, bf16
+  a->x = static_cast<const char*>(x.untyped_data()) + size_t(row_begin) * size_t(cols) * esize;
+  a->x_dtype = ToDType(x.element_type());
+  a->rows = row_count;
+  a->cols = cols;
+  a->out_dtype = requested ? ToDType(colwise->element_type()) : DType::kE4M3;
+  a->tile_2d = tile_2d;
+  a->pow2_scales = pow2_scales;
+  a->colwise = requested ? static_cast<uint8_t*>(colwise->untyped_data()) : nullptr;
+  a->colwise_scale_inv = requested ? static_cast<float*>(colwise_scale->untyped_data()) : nullptr;
+  return Status::Ok();
+}
+
 // Shared dequantize validation: data fp8 of any rank >= 1 viewed at flatten_axis, the scale
 // array of `want_scale` dims and `scale_type`, out high precision of data's shape.
 Status DequantizeArgs(const char* op, const char* scale_arg, const ffi::AnyBuffer& data,
@@ -175,6 +216,15 @@ ffi::Error QuantizeBlockCpu(ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> rowwis
   Status s = QuantizeBlockArgs(x, {rowwise, rowwise_scale_inv, colwise, colwise_scale_inv, dbias},
                                flatten_axis, tile_2d, pow2_scales, &a);
   if (s.ok()) s = QuantizeFp8BlockRef(a);
+  return ToFfiError(s);
+}
+
+ffi::Error QuantizeBlockRowsCpu(ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> colwise,
+                                ffi::Result<ffi::AnyBuffer> colwise_scale_inv, int64_t row_begin,
+                                int64_t row_count, bool tile_2d, bool pow2_scales) {
+  QuantizeFp8BlockArgs a;
+  Status s = QuantizeBlockRowsArgs(x, colwise, colwise_scale_inv, row_begin, row_count, tile_2d, pow2_scales, &a);
+  if (s.ok() && a.rows * a.cols != 0) s = QuantizeFp8BlockRef(a);
   return ToFfiError(s);
 }
 
@@ -230,6 +280,15 @@ ffi::Error QuantizeBlockGpu(cudaStream_t stream, ffi::ScratchAllocator scratch, 
                         std::string(kQuantizeBlockOp) + ": dbias", &workspace);
   }
   if (s.ok()) s = QuantizeFp8BlockCuda(a, workspace, stream);
+  return ToFfiError(s);
+}
+
+ffi::Error QuantizeBlockRowsGpu(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> colwise,
+                                ffi::Result<ffi::AnyBuffer> colwise_scale_inv, int64_t row_begin,
+                                int64_t row_count, bool tile_2d, bool pow2_scales) {
+  QuantizeFp8BlockArgs a;
+  Status s = QuantizeBlockRowsArgs(x, colwise, colwise_scale_inv, row_begin, row_count, tile_2d, pow2_scales, &a);
+  if (s.ok() && a.rows * a.cols != 0) s = QuantizeFp8BlockCuda(a, nullptr, stream);  // no dbias: no workspace
   return ToFfiError(s);
 }
 
@@ -292,6 +351,16 @@ LOWBIT_FFI_BACKEND_HANDLER(LowbitQuantizeFp8Block, lowbit::QuantizeBlock,
                                .Ret<xffi::AnyBuffer>()  // colwise_scale_inv: f32 Fp8BlockScaleDims(cols, rows), or (0,)
                                .Ret<xffi::AnyBuffer>()  // dbias: f32 or x's dtype, shape[fa:], or (0,)
                                .Attr<int32_t>("flatten_axis")
+                               .Attr<bool>("tile_2d")  // 128x128 tiles, else 1x128
+                               .Attr<bool>("pow2_scales"));
+LOWBIT_FFI_BACKEND_HANDLER(LowbitQuantizeFp8BlockColwiseRows, lowbit::QuantizeBlockRows,
+                           xffi::Ffi::Bind()
+                               LOWBIT_FFI_CUDA_ONLY(.Ctx<xffi::PlatformStream<cudaStream_t>>())  // stream
+                               .Arg<xffi::AnyBuffer>()  // x: f32/f16/bf16 (rows, cols)
+                               .Ret<xffi::AnyBuffer>()  // colwise: fp8 (cols, row_count)
+                               .Ret<xffi::AnyBuffer>()  // colwise_scale_inv: f32 Fp8BlockScaleDims(cols, row_count)
+                               .Attr<int64_t>("row_begin")  // a multiple of 128
+                               .Attr<int64_t>("row_count")
                                .Attr<bool>("tile_2d")  // 128x128 tiles, else 1x128
                                .Attr<bool>("pow2_scales"));
 LOWBIT_FFI_BACKEND_HANDLER(LowbitDequantizeFp8Block, lowbit::DequantizeBlock,

@@ -204,7 +204,9 @@ Status GemmCuda(const GemmArgs& args, int device_ordinal, void* workspace, GpuSt
   const bool block = IsBlockScaleMode(args.a_scale_mode);
   if (fp8) LOWBIT_RETURN_IF_ERROR(CheckFp8Problem(args, device_ordinal, device->capability));
   // FP8 block scaling on Hopper: lowbit's own wgmma kernel where LOWBIT_BLOCK_GEMM asks for it.
-  if (block && BlockGemmSm90Requested() && BlockGemmSm90Applies(args, device->capability)) {
+  LOWBIT_RETURN_IF_ERROR(CheckGemmAccumulate(args));
+  // (An accumulating GEMM stays on cuBLASLt: the wgmma kernel writes out without reading it.)
+  if (block && !args.accumulate && BlockGemmSm90Requested() && BlockGemmSm90Applies(args, device->capability)) {
     return BlockGemmSm90Cuda(args, device_ordinal, stream);
   }
   if (block) LOWBIT_RETURN_IF_ERROR(CheckBlockScaleProblem(args, device_ordinal, device->capability));
@@ -256,7 +258,7 @@ Status GemmCuda(const GemmArgs& args, int device_ordinal, void* workspace, GpuSt
   }
   const float host_one = 1.0f, host_zero = 0.0f;
   const void* alpha = &host_one;
-  const void* beta = &host_zero;
+  const void* beta = args.accumulate ? &host_one : &host_zero;  // FP8 only (CheckGemmAccumulate)
   if (!fp8) {  // 16-bit: the scale_invs; NVFP4: the global scale_invs
     LOWBIT_RETURN_IF_ERROR(GemmAlphaBetaCuda(
         nvfp4 ? args.a_global_scale_inv : static_cast<const float*>(args.a_scale_inv),

@@ -17,6 +17,11 @@
 // products in increasing k order starting from +0; y = fl(fl(a_scale_inv * b_scale_inv) *
 // acc); y = fl(y + bias[n]); out = y rounded to the out type (nearest even).
 //
+// Accumulation into out (GemmArgs::accumulate, lowbit_gemm_accumulate): out holds C (M, N, the
+// out type) on entry and y = fl(y + C[m,n]) takes the bias's place (no bias then), so that
+// out = C + a @ b with one more fp32 rounding: cuBLASLt's beta = 1. FP8 operands only (tensor
+// or block scale modes), one dense GEMM (CheckGemmAccumulate).
+//
 // Block scale modes (FP8 operands only; a_scale_mode / b_scale_mode, GemmScaleMode below):
 // the scale_invs are then 2-D arrays in the quantizers' GEMM-ready layouts, for an operand of
 // R rows (M for a, N for b) and K columns:
@@ -125,6 +130,8 @@ struct GemmArgs {
   // at its pointer + j * batch_stride_i elements (a stride of 0 shares the operand).
   int32_t batch = 1;
   int64_t batch_stride_a = 0, batch_stride_b = 0, batch_stride_d = 0;
+  // out = C + a @ b, C being out's contents on entry (see "Accumulation into out" above).
+  bool accumulate = false;
 };
 
 // algo is an index into the list cublasLtMatmulAlgoGetHeuristic returns, 0..kGemmMaxAlgo-1.
@@ -213,6 +220,23 @@ inline Status CheckGemmTypes(DType a, DType b, DType out) {
   if (out != a && out != DType::kF32) {
     return Status::InvalidArgument(op + "out: with " + DTypeName(a) + " operands expected " +
                                    DTypeName(a) + " or f32, got " + DTypeName(out));
+  }
+  return Status::Ok();
+}
+
+// The limits of GemmArgs::accumulate, shared by both handlers: FP8 operands (the CUDA
+// launcher passes beta on the host for them), no bias, one dense GEMM (no NVFP4).
+inline Status CheckGemmAccumulate(const GemmArgs& args) {
+  if (!args.accumulate) return Status::Ok();
+  if (!IsFp8(args.a_type) || args.a_scale_mode == GemmScaleMode::kNvfp4) {
+    return Status::InvalidArgument(std::string("lowbit_gemm_accumulate: a: expected FP8 operands, got ") +
+                                   DTypeName(args.a_type));
+  }
+  if (args.bias != nullptr) {
+    return Status::InvalidArgument("lowbit_gemm_accumulate: bias: an accumulating GEMM takes none");
+  }
+  if (args.batch != 1 || args.lda != 0 || args.ldb != 0 || args.ldd != 0) {
+    return Status::InvalidArgument("lowbit_gemm_accumulate: one GEMM of dense operands only");
   }
   return Status::Ok();
 }

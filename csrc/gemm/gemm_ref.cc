@@ -196,6 +196,7 @@ void GemmRows(const GemmArgs& args, float scale, int64_t row_begin, int64_t row_
           for (int64_t j = 0; j < tile_n; ++j) {
             float y = scale * acc[i][j];
             if (bias) y = y + LoadAsFloat(OutTag{}, bias[n0 + j0 + j]);
+            if (args.accumulate) y = y + LoadAsFloat(OutTag{}, row[j]);
             row[j] = StoreFromFloat(OutTag{}, y);
           }
         }
@@ -267,6 +268,7 @@ Status GemmRef(const GemmArgs& args) {
       (args.ldd != 0 && args.ldd != args.n) || args.batch != 1) {
     return Status::InvalidArgument("lowbit_gemm: lda, ldb, ldd, batch: the reference takes one GEMM of dense operands");
   }
+  LOWBIT_RETURN_IF_ERROR(CheckGemmAccumulate(args));
   if (args.m == 0 || args.n == 0) return Status::Ok();
   const float scale =
       IsBlockScaleMode(args.a_scale_mode)

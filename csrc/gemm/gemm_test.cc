@@ -75,6 +75,30 @@ TEST(GemmRef, SmallExactFp8) {
   EXPECT_EQ(out, (std::vector<float>{4.0f, 28.0f, 2.0f, -76.0f}));
 }
 
+TEST(GemmRef, AccumulateAddsIntoOut) {
+  // The SmallExactFp8 product (4, 28, 2, -76) added to out's contents in fp32: 1 + 4, -28 + 28,
+  // 2^24 + 2 (the next float up from 2^24), inf - 76.
+  std::vector<uint8_t> a = {FloatToE4m3(1), FloatToE4m3(2), FloatToE4m3(3), FloatToE4m3(-4)};
+  std::vector<uint8_t> b = {FloatToE5m2(1), FloatToE5m2(0.5f), FloatToE5m2(-2), FloatToE5m2(8)};
+  const float sa = 0.5f, sb = 4.0f;
+  std::vector<float> out = {1.0f, -28.0f, 16777216.0f, INFINITY};
+  GemmArgs args = Args(a.data(), DType::kE4M3, b.data(), DType::kE5M2, &sa, &sb, out.data(), DType::kF32, 2, 2, 2);
+  args.accumulate = true;
+  ASSERT_TRUE(GemmRef(args).ok());
+  EXPECT_EQ(out, (std::vector<float>{5.0f, 0.0f, 16777218.0f, INFINITY}));
+  // bf16 operands have no accumulating form; nor does a GEMM with a bias.
+  std::vector<uint16_t> h = {0x3f80, 0x3f80};
+  std::vector<float> o(1);
+  GemmArgs half = Args(h.data(), DType::kBF16, h.data() + 1, DType::kBF16, &sa, &sb, o.data(), DType::kF32, 1, 1, 1);
+  half.accumulate = true;
+  const Status s = GemmRef(half);
+  EXPECT_FALSE(s.ok());
+  EXPECT_NE(s.message().find("lowbit_gemm_accumulate: a: expected FP8 operands"), std::string::npos);
+  const float bias = 1.0f;
+  args.bias = &bias;
+  EXPECT_NE(GemmRef(args).message().find("lowbit_gemm_accumulate: bias"), std::string::npos);
+}
+
 TEST(GemmRef, SumsInIncreasingK) {
   // Products 2^23, 0.5, 0.5: k ascending rounds 2^23 + 0.5 to 2^23 twice; summing the two
   // halves first would give 2^23 + 1.
