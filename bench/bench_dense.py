@@ -4,7 +4,8 @@ current, Float8BlockScaling as `lowbit_block`; `module_block_1d` / `_x2` / `_g2`
 choices, x/w/grad block_scaling_dim (1,1,1), (2,1,1), (1,1,2), default (1,2,1)), both as the `dot_general` drop-in into Flax's
 Dense (`lowbit_*`) and as lowbit's own Dense module (`module_*`, same params; `*_unfused`: the
 module with LOWBIT_DENSE_BACKWARD=unfused, dy's FP8 copies in buffers of their own instead of
-inside dk's, lowbit.ops.dense_backward; `*_fast_bwd`: the module with the recipe's dgrad and
+inside dk's, lowbit.ops.dense_backward, or for `module_block_unfused` dy's colwise block copy
+made whole instead of in bands of tokens, lowbit.dense_block_backward; `*_fast_bwd`: the module with the recipe's dgrad and
 wgrad at fast accumulation, fp8_gemm_dgrad / fp8_gemm_wgrad = MMParams(False), TE JAX 2.12's
 numerics, not the default; `module_delayed_fast_dgrad`: the dgrad alone fast, the wgrad, whose
 contraction runs over the tokens, split). Prints time
@@ -91,6 +92,7 @@ def variants():
             x_block_scaling_dim=1, w_block_scaling_dim=1, grad_block_scaling_dim=2)),
         "module_delayed_unfused": lambda features: LowbitDenseBlock(features, DelayedScaling()),
         "module_current_unfused": lambda features: LowbitDenseBlock(features, Float8CurrentScaling()),
+        "module_block_unfused": lambda features: LowbitDenseBlock(features, Float8BlockScaling()),
         "module_delayed_fast_bwd": lambda features: LowbitDenseBlock(features, DelayedScaling(**common.FAST_BWD)),
         "module_current_fast_bwd": lambda features: LowbitDenseBlock(features, Float8CurrentScaling(**common.FAST_BWD)),
         "module_delayed_fast_dgrad": lambda features: LowbitDenseBlock(features, DelayedScaling(

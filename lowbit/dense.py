@@ -57,6 +57,10 @@ blocks, or runs the unfused primitives where they have no placement, or where th
 one device); under one without (pure DP) the unfused ops run unless
 LOWBIT_DENSE_BACKWARD=fused_sharded; neither with FSDP,
 sequence parallelism or LOWBIT_GEMM_PSUM=fp32 (fused_backward says why, with the numbers).
+Memory (Float8BlockScaling, f32 kernel, one device): dy's colwise copy is made in bands of
+tokens after the dgrad, each band feeding one wgrad launch that adds into dk in place
+(lowbit.dense_block_backward), so only one band of it is alive; LOWBIT_DENSE_BACKWARD=unfused
+turns that off too.
 """
 
 from __future__ import annotations
@@ -72,6 +76,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
+from lowbit.dense_block_backward import applies as block_backward_applies
+from lowbit.dense_block_backward import banded_block_backward
 from lowbit.ops.dense_backward import dense_backward_fp8, dense_backward_fp8_sharded, dense_backward_plan
 from lowbit.ops.gemm import GemmScaleMode, gemm, psum_in_fp32
 from lowbit.ops.gemm_nvfp4 import emulated_nvfp4_gemm, nvfp4_gemm
@@ -477,12 +483,27 @@ def fused_backward(dy, x_col: ScaledTensor1x, k_row: ScaledTensor1x, dgrad_quant
     return dx, dw, dbias, amax
 
 
+def _banded_block_backward_applies(x_col, k_row, dgrad_quantizer, static: _Static, n_lead: int) -> bool:
+    """Whether the Float8BlockScaling backward runs with dy's colwise copy in bands
+    (lowbit.dense_block_backward: the step's peak at most bf16's): one device, no sequence
+    parallelism, LOWBIT_DENSE_BACKWARD not "unfused", and what `applies` asks of the set."""
+    if _dense_backward_mode() == "unfused" or _mesh_axes() or sequence_parallel():
+        return False
+    return block_backward_applies(dgrad_quantizer, x_col, k_row, static.kernel_dtype,
+                                  math.prod(static.x_shape[:n_lead]))
+
+
 def _dense_bwd(static, residuals, dy):
     x_col, k_row, quantizer_set, x_amax, k_amax = residuals
     n_lead = len(static.x_shape) - static.n_contract
     fused = fused_backward(dy, x_col, k_row, quantizer_set.dgrad, static, quantizer_set.accumulation)
     if fused is not None:
         dx, dw, dbias, dy_amax = fused
+    elif _banded_block_backward_applies(x_col, k_row, quantizer_set.dgrad, static, n_lead):
+        dx, dw, dbias = banded_block_backward(
+            dy, x_col, k_row, quantizer_set.dgrad, static.has_bias, static.x_dtype, static.x_shape,
+            static.kernel_shape, n_lead, GEMM_CHECKPOINT_NAME)
+        dy_amax = None  # block scales: no amax
     else:
         dx, dw, dbias, dy_amax = backward_gemms(
             dy, x_col, k_row, quantizer_set.dgrad, static.has_bias, static.x_dtype,
