@@ -18,7 +18,8 @@ Parameters are created through `nn.with_logical_partitioning`, so `nn.logical_ax
 + `nn.logical_to_mesh_sharding` shard them; TE's defaults: LayerNorm scale/ln_bias
 ("embed",), LayerNormMLP wi_kernel ("embed", "act", "mlp"), wo_kernel ("mlp", "embed"),
 wi_bias ("act", "mlp"), wo_bias ("embed",); DenseGeneral's are the caller's (kernel_axes).
-The shared math (paths, LoRA) is in _common.py.
+Initializer fields left None (kernel_init, scale_init) are resolved in __post_init__ to
+TE's defaults, as TE's modules do. The shared math (paths, LoRA) is in _common.py.
 """
 
 from __future__ import annotations
@@ -85,6 +86,17 @@ def _lora_params(module, prefix, kernel_init, in_shape, features, rank, dtype):
     a = _param(module, f"{prefix}lora_a_kernel", kernel_init, (), a_shape, dtype)
     b = _param(module, f"{prefix}lora_b_kernel", nn.initializers.zeros, (), b_shape, dtype)
     return a, b
+
+
+def _fill_default_initializers(module) -> None:
+    """TE's __post_init__: a kernel_init left None becomes TE's default,
+    variance_scaling(1.0, "fan_in", "truncated_normal", dtype=module.dtype), and a scale_init
+    left None ones (zeros with zero_centered_gamma), so the fields hold the initializers that
+    __call__ uses from construction on; given initializers are kept."""
+    if getattr(module, "kernel_init", False) is None:
+        module.kernel_init = C.default_kernel_init(None, module.dtype)
+    if getattr(module, "scale_init", False) is None:
+        module.scale_init = C.default_scale_init(None, module.zero_centered_gamma)
 
 
 def _check_te_fields(module, op: str) -> None:
@@ -161,12 +173,14 @@ class LayerNorm(nn.Module):
     bias_axes: tuple[str, ...] = ("embed",)
     dtype: Any = jnp.float32
 
+    def __post_init__(self):
+        _fill_default_initializers(self)
+        super().__post_init__()
+
     @nn.compact
     def __call__(self, x):
-        scale, ln_bias = _norm_params(
-            self, self.layernorm_type, x.shape[-1],
-            C.default_scale_init(self.scale_init, self.zero_centered_gamma), self.scale_axes,
-            self.bias_init, self.bias_axes, self.dtype)
+        scale, ln_bias = _norm_params(self, self.layernorm_type, x.shape[-1], self.scale_init, self.scale_axes,
+                                      self.bias_init, self.bias_axes, self.dtype)
         return C.norm(x, scale, ln_bias, self.layernorm_type, self.zero_centered_gamma, self.epsilon)
 
 
@@ -189,19 +203,22 @@ class DenseGeneral(LowbitModuleBase):
     transpose_batch_sequence: bool = False
     quantization_checkpoint_name: str | None = None
 
+    def __post_init__(self):
+        _fill_default_initializers(self)
+        super().__post_init__()
+
     @nn.compact
     def __call__(self, inputs):
         _check_te_fields(self, "lowbit.flax.DenseGeneral")
         features = C.check_features("lowbit.flax.DenseGeneral", C.canonicalize_tuple(self.features))
         axis = C.normalize_axes(C.canonicalize_tuple(self.axis), inputs.ndim, "lowbit.flax.DenseGeneral")
         in_shape = tuple(inputs.shape[ax] for ax in axis)
-        kernel_init = C.default_kernel_init(self.kernel_init, self.dtype)
-        kernel = _param(self, "kernel", kernel_init, self.kernel_axes, in_shape + features, self.dtype)
+        kernel = _param(self, "kernel", self.kernel_init, self.kernel_axes, in_shape + features, self.dtype)
         bias = (_param(self, "bias", self.bias_init, self.bias_axes, features, self.dtype)
                 if self.use_bias else None)
         lora = None
         if self.enable_low_rank_adaptation:
-            lora = (*_lora_params(self, "", kernel_init, in_shape, features,
+            lora = (*_lora_params(self, "", self.kernel_init, in_shape, features,
                                   self.low_rank_adaptation_dim, self.dtype),
                     self.low_rank_adaptation_alpha)
         return C.dense_general(inputs, kernel, bias, axis, self.generate_quantizer_set(),
@@ -239,6 +256,10 @@ class LayerNormDenseGeneral(LowbitModuleBase):
     transpose_batch_sequence: bool = False
     quantization_checkpoint_name: str | None = None
 
+    def __post_init__(self):
+        _fill_default_initializers(self)
+        super().__post_init__()
+
     @nn.compact
     def __call__(self, inputs):
         _check_te_fields(self, "lowbit.flax.LayerNormDenseGeneral")
@@ -248,15 +269,12 @@ class LayerNormDenseGeneral(LowbitModuleBase):
         quantizer_set = self.generate_quantizer_set()
         scale = ln_bias = None
         if self.enable_layernorm:
-            scale, ln_bias = _norm_params(
-                self, self.layernorm_type, hidden,
-                C.default_scale_init(self.scale_init, self.zero_centered_gamma), self.scale_axes,
-                self.ln_bias_init, self.ln_bias_axes, self.dtype)
-        kernel_init = C.default_kernel_init(self.kernel_init, self.dtype)
-        kernel = _param(self, "kernel", kernel_init, self.kernel_axes, (hidden, *features), self.dtype)
+            scale, ln_bias = _norm_params(self, self.layernorm_type, hidden, self.scale_init, self.scale_axes,
+                                          self.ln_bias_init, self.ln_bias_axes, self.dtype)
+        kernel = _param(self, "kernel", self.kernel_init, self.kernel_axes, (hidden, *features), self.dtype)
         lora = None
         if self.enable_low_rank_adaptation:
-            lora = (*_lora_params(self, "", kernel_init, (hidden,), features,
+            lora = (*_lora_params(self, "", self.kernel_init, (hidden,), features,
                                   self.low_rank_adaptation_dim, self.dtype),
                     self.low_rank_adaptation_alpha)
         bias = (_param(self, "bias", self.bias_init, self.bias_axes, features, self.dtype)
@@ -318,6 +336,10 @@ class LayerNormMLP(LowbitModuleBase):
     transpose_batch_sequence: bool = False
     quantization_checkpoint_name: str | None = None
 
+    def __post_init__(self):
+        _fill_default_initializers(self)
+        super().__post_init__()
+
     @nn.compact
     def __call__(self, inputs, deterministic: bool = False):
         _check_te_fields(self, "lowbit.flax.LayerNormMLP")
@@ -328,16 +350,13 @@ class LayerNormMLP(LowbitModuleBase):
         n_act, hidden, ffn = len(acts), inputs.shape[-1], self.intermediate_dim
         scale = ln_bias = None
         if self.enable_layernorm:
-            scale, ln_bias = _norm_params(
-                self, self.layernorm_type, hidden,
-                C.default_scale_init(self.scale_init, self.zero_centered_gamma), self.scale_axes,
-                self.ln_bias_init, self.ln_bias_axes, self.dtype)
-        kernel_init = C.default_kernel_init(self.kernel_init, self.dtype)
+            scale, ln_bias = _norm_params(self, self.layernorm_type, hidden, self.scale_init, self.scale_axes,
+                                          self.ln_bias_init, self.ln_bias_axes, self.dtype)
         wi = self.param("wi_kernel",
-                        nn.with_logical_partitioning(C.stacked_init(kernel_init, n_act),
+                        nn.with_logical_partitioning(C.stacked_init(self.kernel_init, n_act),
                                                      C.logical_axes(self.kernel_axes_1, 3)),
                         (hidden, ffn), self.dtype)
-        wo = _param(self, "wo_kernel", kernel_init, self.kernel_axes_2, (ffn, hidden), self.dtype)
+        wo = _param(self, "wo_kernel", self.kernel_init, self.kernel_axes_2, (ffn, hidden), self.dtype)
         wi_bias = wo_bias = None
         if self.use_bias:
             wi_bias = _param(self, "wi_bias", self.bias_init, self.bias_axes_1, (n_act, ffn), self.dtype)
@@ -346,10 +365,10 @@ class LayerNormMLP(LowbitModuleBase):
         if self.enable_low_rank_adaptation:
             rank = self.low_rank_adaptation_dim
             wi_a = self.param("wi_lora_a_kernel",
-                              nn.with_logical_partitioning(C.stacked_init(kernel_init, n_act), (None,) * 3),
+                              nn.with_logical_partitioning(C.stacked_init(self.kernel_init, n_act), (None,) * 3),
                               (hidden, rank), self.dtype)
             wi_b = _param(self, "wi_lora_b_kernel", nn.initializers.zeros, (), (n_act, rank, ffn), self.dtype)
-            wo_a, wo_b = _lora_params(self, "wo_", kernel_init, (ffn,), (hidden,), rank, self.dtype)
+            wo_a, wo_b = _lora_params(self, "wo_", self.kernel_init, (ffn,), (hidden,), rank, self.dtype)
             lora = (wi_a, wi_b, wo_a, wo_b, self.low_rank_adaptation_alpha)
         dropout = None
         if self.intermediate_dropout_rate > 0 and not deterministic:
