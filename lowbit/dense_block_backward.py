@@ -26,7 +26,7 @@ rowwise pass, then the bands), and the wgrad runs as BANDS launches.
 Where it applies (`applies`; elsewhere dense runs the plain backward): FP8 block quantizers
 (Float8BlockScaling, any tile choice), an f32 kernel (dk's partial sums then stay fp32; a
 16-bit dk would round each band), at least two bands of 128 tokens, a process with one device
-(`single_device`: its two ops have no sharding rules, so under a sharded jit XLA would gather
+(`single_device`: one of its default platform and one CPU device; its two ops have no sharding rules, so under a sharded jit XLA would gather
 their operands, where the plain backward's ops partition; a MeshResource with axes needs more
 than one device anyway), and LOWBIT_DENSE_BACKWARD not "unfused".
 """
@@ -77,8 +77,9 @@ def k_band_scale(scale, mode: GemmScaleMode, rows: int, k: int, k0: int, k1: int
 
 
 def single_device() -> bool:
-    """Whether this process has one device (the banded backward's ops run unpartitioned)."""
-    return jax.device_count() == 1
+    """Whether this process has one device of its default platform and one CPU device (the
+    banded backward's ops run unpartitioned; a computation may be placed on either)."""
+    return jax.device_count() == 1 and len(jax.devices("cpu")) == 1
 
 
 def applies(dgrad_quantizer, x_col: ScaledTensor1x, k_row: ScaledTensor1x, kernel_dtype, m: int) -> bool:

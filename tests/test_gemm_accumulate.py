@@ -54,6 +54,7 @@ def _bits(x):
     return x.view({2: np.uint16, 4: np.uint32}[x.dtype.itemsize])
 
 
+@pytest.mark.cpu_reference
 @pytest.mark.parametrize("a_dtype,b_dtype", FP8_PAIRS, ids=lambda d: jnp.dtype(d).name)
 @pytest.mark.parametrize("c_dtype", [BF16, F32], ids=["bf16", "f32"])
 @pytest.mark.parametrize("m,n,k", SHAPES, ids=str)
@@ -65,6 +66,7 @@ def test_tensor_mode_equals_reference_plus_c(m, n, k, a_dtype, b_dtype, c_dtype,
     np.testing.assert_array_equal(_bits(got), _bits(want))
 
 
+@pytest.mark.cpu_reference
 @pytest.mark.parametrize("a_mode,b_mode", PAIRS, ids=PAIR_IDS)
 @pytest.mark.parametrize("c_dtype", [BF16, F32], ids=["bf16", "f32"])
 @pytest.mark.parametrize("m,n,k", [(7, 17, 200), (130, 33, 300), (256, 128, 512)], ids=str)
@@ -86,6 +88,7 @@ def test_c_is_aliased_to_the_output_and_reused_under_donation(rng):
     assert compiled.memory_analysis().alias_size_in_bytes == c.nbytes
 
 
+@pytest.mark.cpu_reference
 def test_vmap_maps_each_problem(rng):
     a = jnp.asarray(rng.standard_normal((3, 16, 64)).astype(np.float32)).astype(E4M3)
     b = jnp.asarray(rng.standard_normal((3, 8, 64)).astype(np.float32)).astype(E5M2)

@@ -10,10 +10,10 @@ Operands as lowbit.ops.gemm's 2-D form: a (M, K) and b (N, K) FP8 (not both E5M2
 (M, N) bf16, f16 or f32, which is also the output's dtype. No bias. Values: y = the GEMM's fp32
 result (as lowbit_gemm computes it, before its rounding to the output type), then
 out = fl(y + c) rounded to c's dtype: on the CPU exactly that (the reference's sums); on CUDA
-cuBLASLt's epilogue where the custom call applies (FP8 operands, K and N multiples of 16, and
-for block modes also M, with a cuBLASLt path for the mode pair on this device), else the same
-formula through lowbit.ops.gemm with an f32 output and an f32 add (a separate (M, N) f32
-buffer then). Single device: no sharding rule (under jit with sharded operands XLA replicates
+cuBLASLt's epilogue where the custom call applies (FP8 operands, N a multiple of 16, and for
+block modes also M, with a cuBLASLt path for the mode pair on this device; K is zero-padded to
+16 where needed), else the same formula through lowbit.ops.gemm with an f32 output and an f32
+add (a separate (M, N) f32 buffer then). Single device: no sharding rule (under jit with sharded operands XLA replicates
 the call); vmap maps it with lax.map.
 """
 
@@ -31,7 +31,7 @@ from lowbit import _ffi
 from lowbit.ops._primitive import ffi_primitive
 from lowbit.ops.gemm import _check_scale_modes, gemm_p
 from lowbit.ops.gemm_args import _scale_arg
-from lowbit.ops.gemm_config import (FP8, FP8_DIM_MULTIPLE, OUT, GemmScaleMode, _checked_algo, _cublaslt_block_ready,
+from lowbit.ops.gemm_config import (FP8, FP8_DIM_MULTIPLE, MXFP8_K_MULTIPLE, OUT, GemmScaleMode, _checked_algo, _cublaslt_block_ready,
                                     block_on_cublaslt, kind_algo, algo_kind)
 from lowbit.ops.gemm_scales import gemm_workspace_bytes
 
@@ -77,16 +77,29 @@ def _separate(a, b, sa, sb, c, **params):
     return (y + c.astype(jnp.float32)).astype(c.dtype)
 
 
+def _padded_k(a, b, sa, sb, c, **params):
+    """The custom call on a and b zero-padded along K to a multiple of 16 (zero terms leave
+    every sum unchanged; a 16-padding adds no 128-block, so the block scale arrays stay)."""
+    pad = (-a.shape[1]) % FP8_DIM_MULTIPLE
+    a, b = jnp.pad(a, ((0, 0), (0, pad))), jnp.pad(b, ((0, 0), (0, pad)))
+    return gemm_accumulate_p.bind(a, b, sa, sb, c, **params)
+
+
 def _cuda_lowering(ctx, a, b, sa, sb, c, **params):
+    """The custom call where cuBLASLt takes the problem as it is; K padded to 16 where only K
+    is off (_padded_k, which comes back here); else the separate GEMM and add (_separate)."""
     (m, k), n = ctx.avals_in[0].shape, ctx.avals_in[1].shape[0]
     modes = (GemmScaleMode(int(params["a_scale_mode"])), GemmScaleMode(int(params["b_scale_mode"])))
+    mxfp8 = modes[0] == GemmScaleMode.MXFP8
     if modes[0] == GemmScaleMode.TENSOR:
-        ready = k % FP8_DIM_MULTIPLE == 0 and n % FP8_DIM_MULTIPLE == 0
+        ready = n % FP8_DIM_MULTIPLE == 0
     else:
         ready = (block_on_cublaslt(modes, _gemm_module._cuda_capability())
-                 and _cublaslt_block_ready(m, n, k, 0, modes[0] == GemmScaleMode.MXFP8, ctx.avals_in[4].dtype))
-    if not ready or not (m and n and k):
+                 and _cublaslt_block_ready(m, n, FP8_DIM_MULTIPLE, 0, mxfp8, ctx.avals_in[4].dtype))
+    if not ready or not (m and n and k) or (mxfp8 and k % MXFP8_K_MULTIPLE):
         return mlir.lower_fun(functools.partial(_separate, **params), multiple_results=False)(ctx, a, b, sa, sb, c)
+    if k % FP8_DIM_MULTIPLE:
+        return mlir.lower_fun(functools.partial(_padded_k, **params), multiple_results=False)(ctx, a, b, sa, sb, c)
     _ffi.require_platform("lowbit_gemm_accumulate", "cuda")
     return _emit(ctx, (a, b, sa, sb, c), gemm_workspace_bytes(modes[0], m, n, k), params)
 
