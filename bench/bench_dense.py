@@ -5,7 +5,8 @@ choices, x/w/grad block_scaling_dim (1,1,1), (2,1,1), (1,1,2), default (1,2,1)),
 Dense (`lowbit_*`) and as lowbit's own Dense module (`module_*`, same params; `*_unfused`: the
 module with LOWBIT_DENSE_BACKWARD=unfused, dy's FP8 copies in buffers of their own instead of
 inside dk's, lowbit.ops.dense_backward, or for `module_block_unfused` dy's colwise block copy
-made whole instead of in bands of tokens, lowbit.dense_block_backward; `*_fast_bwd`: the module with the recipe's dgrad and
+made whole instead of in bands of tokens, lowbit.dense_block_backward; `module_block_bands2` /
+`_bands4`: that backward with 2 or 4 bands (LOWBIT_DENSE_BLOCK_BANDS) instead of its default; `*_fast_bwd`: the module with the recipe's dgrad and
 wgrad at fast accumulation, fp8_gemm_dgrad / fp8_gemm_wgrad = MMParams(False), TE JAX 2.12's
 numerics, not the default; `module_delayed_fast_dgrad`: the dgrad alone fast, the wgrad, whose
 contraction runs over the tokens, split). Prints time
@@ -38,6 +39,7 @@ from quickstart_jax_utils import make_step  # noqa: E402
 
 import lowbit  # noqa: E402
 from lowbit.dense import DENSE_BACKWARD_ENV  # noqa: E402
+from lowbit.dense_block_backward import BANDS_ENV  # noqa: E402
 from lowbit.ops.gemm import GemmScaleMode, scale_shape  # noqa: E402
 from lowbit.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling  # noqa: E402
 
@@ -93,6 +95,8 @@ def variants():
         "module_delayed_unfused": lambda features: LowbitDenseBlock(features, DelayedScaling()),
         "module_current_unfused": lambda features: LowbitDenseBlock(features, Float8CurrentScaling()),
         "module_block_unfused": lambda features: LowbitDenseBlock(features, Float8BlockScaling()),
+        "module_block_bands2": lambda features: LowbitDenseBlock(features, Float8BlockScaling()),
+        "module_block_bands4": lambda features: LowbitDenseBlock(features, Float8BlockScaling()),
         "module_delayed_fast_bwd": lambda features: LowbitDenseBlock(features, DelayedScaling(**common.FAST_BWD)),
         "module_current_fast_bwd": lambda features: LowbitDenseBlock(features, Float8CurrentScaling(**common.FAST_BWD)),
         "module_delayed_fast_dgrad": lambda features: LowbitDenseBlock(features, DelayedScaling(
@@ -219,6 +223,8 @@ def main(argv=None):
 
     def build_step(name, model):
         step = make_step(model.apply, {})
+        if "_bands" in name:  # the banded block backward with another band count
+            return common.with_env(step, BANDS_ENV, name.rsplit("_bands", 1)[1])
         return common.with_env(step, DENSE_BACKWARD_ENV, "unfused") if name.endswith("_unfused") else step
 
     cases, models, params = {}, {}, None

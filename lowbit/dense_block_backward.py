@@ -11,7 +11,7 @@ x 8192 bf16, kernel 8192 x 32768 f32) that put the step's peak at 5.44 GiB again
     dx = gemm(dy rowwise, kernel rowwise)           XLA then frees both copies (placing the
                                                     rowwise copy inside dk's buffer, which is
                                                     not yet written)
-    for each band [m0, m1) of dy's M rows (BANDS, multiples of 128):
+    for each band [m0, m1) of dy's M rows (BANDS, edges multiples of 128):
         dy[m0:m1] -> colwise copy (N, m1 - m0)      read in place, quantize_block_rows
         dk (+)= gemm(x colwise[:, m0:m1], band)     the first band writes dk, the next add
                                                     into it in place (gemm_accumulate)
@@ -34,6 +34,7 @@ than one device anyway), and LOWBIT_DENSE_BACKWARD not "unfused".
 from __future__ import annotations
 
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -48,18 +49,32 @@ from lowbit.quantize.quantizer import BlockScaleQuantizer
 from lowbit.quantize.scaling_modes import ScalingMode
 from lowbit.quantize.tensor import ScaledTensor1x
 
-# Bands of dy's tokens for the wgrad. Two keep the seed Dense under bf16's peak (one band of
-# dy's colwise copy, 256 MiB, beside x's 128 MiB colwise copy: within the 512 MiB of
-# temporaries bf16's step holds); more would only add wgrad launches.
-BANDS = 2
+# Bands of dy's tokens for the wgrad (LOWBIT_DENSE_BLOCK_BANDS, read at trace time, overrides:
+# a benchmark knob). At a band's wgrad the step holds x's colwise copy, the band's slice of it
+# (a copy: a custom call's operand is a whole buffer), the band of dy's colwise copy and the
+# GEMM's 32 MiB workspace. On the seed Dense (H200, 2026-11-30) two bands left 524 MiB of
+# temporaries, a peak of 5.012 GiB against bf16's 5.000; three leave about 390 MiB.
+BANDS = 3
+BANDS_ENV = "LOWBIT_DENSE_BLOCK_BANDS"
+
+
+def bands() -> int:
+    """BANDS, or LOWBIT_DENSE_BLOCK_BANDS (a positive integer) where set."""
+    text = os.environ.get(BANDS_ENV, "")
+    if not text:
+        return BANDS
+    if not text.isdigit() or int(text) < 1:
+        raise ValueError(f"lowbit.dense: {BANDS_ENV}={text!r}: expected a positive integer")
+    return int(text)
 
 _MODES = {ScalingMode.FP8_BLOCK_1x128: GemmScaleMode.BLOCK_1x128,
           ScalingMode.FP8_BLOCK_128x128: GemmScaleMode.BLOCK_128x128}
 
 
-def band_edges(m: int, bands: int = BANDS) -> list[int]:
-    """Band edges 0 = e0 < e1 < ... = m, inner edges multiples of FP8_BLOCK_LEN, as equal as
-    that allows; [0, m] when m has fewer than two blocks."""
+def band_edges(m: int, bands: int | None = None) -> list[int]:
+    """Band edges 0 = e0 < e1 < ... = m (bands(), or `bands`), inner edges multiples of
+    FP8_BLOCK_LEN, as equal as that allows; [0, m] when m has fewer than two blocks."""
+    bands = globals()["bands"]() if bands is None else bands
     blocks = -(-m // FP8_BLOCK_LEN)
     bands = max(1, min(bands, blocks))
     inner = [round(blocks * i / bands) * FP8_BLOCK_LEN for i in range(1, bands)]

@@ -104,16 +104,24 @@ def test_where_it_applies(case, applies, rng, monkeypatch):
     assert ("lowbit_gemm_accumulate" in text) == applies
     assert ("lowbit_quantize_fp8_block_colwise_rows" in text) == applies
     if applies:
-        assert text.count("@lowbit_quantize_fp8_block_colwise_rows(") == 2
-        assert text.count("@lowbit_gemm_accumulate(") == 1
+        bands = len(band_edges(m)) - 1
+        assert text.count("@lowbit_quantize_fp8_block_colwise_rows(") == bands
+        assert text.count("@lowbit_gemm_accumulate(") == bands - 1
 
 
-def test_band_edges():
-    assert band_edges(600) == [0, 256, 600]
-    assert band_edges(16384) == [0, 8192, 16384]
-    assert band_edges(130) == [0, 128, 130]
-    assert band_edges(128) == [0, 128]
+def test_band_edges(monkeypatch):
+    assert band_edges(600, 2) == [0, 256, 600]
+    assert band_edges(16384, 2) == [0, 8192, 16384]
+    assert band_edges(16384, 3) == [0, 5504, 10880, 16384]
+    assert band_edges(130, 3) == [0, 128, 130]
+    assert band_edges(128, 3) == [0, 128]
     assert band_edges(1000, 3) == [0, 384, 640, 1000]
+    assert band_edges(1000) == band_edges(1000, dense_block_backward.BANDS)
+    monkeypatch.setenv("LOWBIT_DENSE_BLOCK_BANDS", "4")
+    assert band_edges(1024) == [0, 256, 512, 768, 1024]
+    monkeypatch.setenv("LOWBIT_DENSE_BLOCK_BANDS", "0")
+    with pytest.raises(ValueError, match="LOWBIT_DENSE_BLOCK_BANDS='0': expected a positive integer"):
+        band_edges(1024)
 
 
 @pytest.mark.parametrize("tile_2d,mode", [(False, GemmScaleMode.BLOCK_1x128), (True, GemmScaleMode.BLOCK_128x128)],
@@ -132,6 +140,7 @@ def test_band_scale_is_the_quantizers_scale_of_the_band(tile_2d, mode, rng):
 @pytest.mark.parametrize("m,band_k", [(512, 256), (600, 352)], ids=str)  # 600: the band of 344 padded to 352
 def test_cuda_program_accumulates_the_second_band_in_place(m, band_k, rng, monkeypatch):
     from cuda_lowering import cuda_gemm_calls
+    monkeypatch.setenv("LOWBIT_DENSE_BLOCK_BANDS", "2")
     x, w, bias, dy = _inputs(rng, m=m, k=256, n=128)
     qs = QuantizerFactory.create_set(Float8BlockScaling())
     f = lambda x, w, b, dy: jax.vjp(lambda x, w, b: lowbit.dense(  # noqa: E731
