@@ -58,7 +58,7 @@ CASES = [
 ]
 
 
-@pytest.mark.filterwarnings("ignore:`with mesh:` context manager has been deprecated:DeprecationWarning")
+@pytest.mark.filterwarnings("ignore:.*context manager has been deprecated:DeprecationWarning")
 @pytest.mark.parametrize("mesh_shape, resource, want", CASES)
 def test_te_table_under_a_mesh(mesh_shape, resource, want):
     mesh = mesh_of(*mesh_shape)
