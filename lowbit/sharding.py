@@ -214,10 +214,11 @@ def _named_axis_enabled(axis) -> bool:
 def logical_axis_rules(resource: MeshResource | None = None) -> tuple[tuple[str, AxisName], ...]:
     """(logical name, mesh axes) pairs for `flax.linen.logical_axis_rules`, from `resource`
     (default: the global one): Flax / T5X names, then TE's names as TE's table maps them
-    (get_sharding_map_logic_axis_to_mesh_axis; without a mesh, every named axis counts as
-    having more than one device). Flax gives each tensor dim the first rule whose mesh axes
-    are still free in that tensor, so a weight's "embed" takes fsdp while an activation
-    whose "batch" already uses the fsdp axis keeps its hidden dim whole."""
+    (get_sharding_map_logic_axis_to_mesh_axis; a named axis the current mesh lacks, or any
+    named axis without a mesh, counts as having more than one device). Flax gives each tensor
+    dim the first rule whose mesh axes are still free in that tensor, so a weight's "embed"
+    takes fsdp while an activation whose "batch" already uses the fsdp axis keeps its hidden
+    dim whole."""
     r = global_mesh_resource() if resource is None else resource
     tp = r.tp_resource
     flax_rules = (
