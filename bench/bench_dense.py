@@ -6,7 +6,7 @@ Dense (`lowbit_*`) and as lowbit's own Dense module (`module_*`, same params; `*
 module with LOWBIT_DENSE_BACKWARD=unfused, dy's FP8 copies in buffers of their own instead of
 inside dk's, lowbit.ops.dense_backward, or for `module_block_unfused` dy's colwise block copy
 made whole instead of in bands of tokens, lowbit.dense_block_backward; `module_block_bands2` /
-`_bands4`: that backward with 2 or 4 bands (LOWBIT_DENSE_BLOCK_BANDS) instead of its default; `*_fast_bwd`: the module with the recipe's dgrad and
+`_bands3` / `_bands4`: that backward with 2, 3 or 4 bands (LOWBIT_DENSE_BLOCK_BANDS); `*_fast_bwd`: the module with the recipe's dgrad and
 wgrad at fast accumulation, fp8_gemm_dgrad / fp8_gemm_wgrad = MMParams(False), TE JAX 2.12's
 numerics, not the default; `module_delayed_fast_dgrad`: the dgrad alone fast, the wgrad, whose
 contraction runs over the tokens, split). Prints time
@@ -96,6 +96,7 @@ def variants():
         "module_current_unfused": lambda features: LowbitDenseBlock(features, Float8CurrentScaling()),
         "module_block_unfused": lambda features: LowbitDenseBlock(features, Float8BlockScaling()),
         "module_block_bands2": lambda features: LowbitDenseBlock(features, Float8BlockScaling()),
+        "module_block_bands3": lambda features: LowbitDenseBlock(features, Float8BlockScaling()),
         "module_block_bands4": lambda features: LowbitDenseBlock(features, Float8BlockScaling()),
         "module_delayed_fast_bwd": lambda features: LowbitDenseBlock(features, DelayedScaling(**common.FAST_BWD)),
         "module_current_fast_bwd": lambda features: LowbitDenseBlock(features, Float8CurrentScaling(**common.FAST_BWD)),

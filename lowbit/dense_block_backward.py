@@ -52,9 +52,12 @@ from lowbit.quantize.tensor import ScaledTensor1x
 # Bands of dy's tokens for the wgrad (LOWBIT_DENSE_BLOCK_BANDS, read at trace time, overrides:
 # a benchmark knob). At a band's wgrad the step holds x's colwise copy, the band's slice of it
 # (a copy: a custom call's operand is a whole buffer), the band of dy's colwise copy and the
-# GEMM's 32 MiB workspace. On the seed Dense (H200, 2026-11-30) two bands left 524 MiB of
-# temporaries, a peak of 5.012 GiB against bf16's 5.000; three leave about 390 MiB.
-BANDS = 3
+# GEMM's 32 MiB workspace. On the seed Dense (H200, 2026-11-30) two bands first left 524 MiB
+# of temporaries, a peak of 5.012 GiB against bf16's 5.000, because XLA cut both bands' slices
+# of x's copy up front; with the slices ordered too (below) two bands need ~460 MiB. Each more
+# band costs a wgrad launch that reads and rewrites dk (three bands: 1.436x over bf16 against
+# 1.456x for two, before that fix).
+BANDS = 2
 BANDS_ENV = "LOWBIT_DENSE_BLOCK_BANDS"
 
 
@@ -120,14 +123,16 @@ def banded_block_backward(dy, x_col: ScaledTensor1x, k_row: ScaledTensor1x, dgra
               contracting_ndim=n_out, a_scale_mode=_MODES[dy_row.scaling_mode],
               b_scale_mode=_MODES[k_row.scaling_mode])
     dx = checkpoint_name(dx, checkpoint)
-    dy2, dx = jax.lax.optimization_barrier((dy.reshape(m, n), dx))  # the bands wait for the dgrad
-    x2 = x_col.data.reshape(k, m)
+    # The bands wait for the dgrad, and each band (its quantize and its slice of x's colwise
+    # copy) for the previous band's GEMM: x2 goes through the barriers too, or XLA cuts every
+    # band's slice of it in one fusion up front, all alive at once.
+    dy2, x2, dx = jax.lax.optimization_barrier((dy.reshape(m, n), x_col.data.reshape(k, m), dx))
     x_mode = _MODES[x_col.scaling_mode]
     edges = band_edges(m)
     dw = None
     for m0, m1 in zip(edges[:-1], edges[1:]):
-        if dw is not None:  # this band's quantize waits for the previous band's GEMM
-            dy2, dw = jax.lax.optimization_barrier((dy2, dw))
+        if dw is not None:
+            dy2, x2, dw = jax.lax.optimization_barrier((dy2, x2, dw))
         band, band_scale = quantize_fp8_block_colwise_rows(
             dy2, m0, m1 - m0, out_dtype=q.q_dtype, tile_2d=q.mode == ScalingMode.FP8_BLOCK_128x128,
             pow2_scales=q.use_power_2_scales)

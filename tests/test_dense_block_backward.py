@@ -158,6 +158,7 @@ def test_cuda_program_accumulates_the_second_band_in_place(m, band_k, rng, monke
     assert operands.endswith("tensor<256x128xf32>")
 
 
+@pytest.mark.cpu_reference  # the CPU's buffer assignment: on a GPU the GEMM workspace dominates at this size
 def test_step_temporaries_shrink_by_at_least_half_of_dys_colwise_copy(rng, monkeypatch):
     m, k, n = 2048, 512, 1024
     x, w, bias, dy = _inputs(rng, m=m, k=k, n=n)
