@@ -74,13 +74,12 @@ _MODES = {ScalingMode.FP8_BLOCK_1x128: GemmScaleMode.BLOCK_1x128,
           ScalingMode.FP8_BLOCK_128x128: GemmScaleMode.BLOCK_128x128}
 
 
-def band_edges(m: int, bands: int | None = None) -> list[int]:
-    """Band edges 0 = e0 < e1 < ... = m (bands(), or `bands`), inner edges multiples of
-    FP8_BLOCK_LEN, as equal as that allows; [0, m] when m has fewer than two blocks."""
-    bands = globals()["bands"]() if bands is None else bands
+def band_edges(m: int, count: int | None = None) -> list[int]:
+    """Edges 0 = e0 < e1 < ... = m of `count` bands (default bands()), inner edges multiples
+    of FP8_BLOCK_LEN, as equal as that allows; [0, m] when m has fewer than two blocks."""
     blocks = -(-m // FP8_BLOCK_LEN)
-    bands = max(1, min(bands, blocks))
-    inner = [round(blocks * i / bands) * FP8_BLOCK_LEN for i in range(1, bands)]
+    count = max(1, min(bands() if count is None else count, blocks))
+    inner = [round(blocks * i / count) * FP8_BLOCK_LEN for i in range(1, count)]
     return [0, *sorted(set(e for e in inner if 0 < e < m)), m]
 
 
