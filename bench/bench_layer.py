@@ -3,7 +3,8 @@ examples/te_integration_layer.py) forward+backward, side by side in one run: bf1
 Flax's FP8 (`Fp8DirectDotGeneralOp` in every Dense), lowbit per recipe through the seed's
 `dot_general` drop-in (`lowbit_*`), and the same layer built from lowbit's fused modules
 (`fused_*`: examples/fused_layer.py, the same params mapped over; `fused_delayed_fast_bwd` with
-the backward GEMMs at fast accumulation, not the default numerics). `*_block` is
+the backward GEMMs at fast accumulation, not the default numerics; `fused_block_unfused` with
+LOWBIT_DENSE_BACKWARD=unfused: its output projection's block backward without token bands). `*_block` is
 Float8BlockScaling (1x128 activations and gradients, 128x128 weights) beside the per-tensor
 recipes in the same run. Prints time, ratio to bf16
 and to Flax's FP8, and the compiled step's peak memory. The variants are timed round-robin
@@ -34,6 +35,7 @@ from fused_layer import FusedTransformerLayer, from_flax_params  # noqa: E402
 from te_integration_layer import FlaxTransformerLayer  # noqa: E402
 
 import lowbit  # noqa: E402
+from lowbit.dense import DENSE_BACKWARD_ENV  # noqa: E402
 from lowbit.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling  # noqa: E402
 
 VARIANTS = {
@@ -44,7 +46,7 @@ VARIANTS = {
     "lowbit_block": lowbit.flax.make_dot_general_cls(Float8BlockScaling()),
 }
 FUSED_VARIANTS = {"fused_delayed": DelayedScaling, "fused_current": Float8CurrentScaling,
-                  "fused_block": Float8BlockScaling,
+                  "fused_block": Float8BlockScaling, "fused_block_unfused": Float8BlockScaling,
                   "fused_delayed_fast_bwd": lambda: DelayedScaling(**common.FAST_BWD)}
 
 
@@ -89,7 +91,10 @@ def main(argv=None):
         variables = layer.init(key, x, attention_mask=None, deterministic=False)
         variables = {**variables, "params": from_flax_params(params)}
         layers[name] = layer
-        cases[name] = (make_step(layer.apply, kwargs, rngs={"dropout": dropout_key}), variables, x, dy)
+        step = make_step(layer.apply, kwargs, rngs={"dropout": dropout_key})
+        if name.endswith("_unfused"):
+            step = common.with_env(step, DENSE_BACKWARD_ENV, "unfused")
+        cases[name] = (step, variables, x, dy)
     cases = common.add_algo_twins(
         cases, args.algo, lambda name: make_step(layers[name].apply, kwargs, rngs={"dropout": dropout_key}))
     results = common.time_steps(cases, iters, rounds=1 if args.small else args.rounds)
