@@ -26,9 +26,11 @@ rowwise pass, then the bands), and the wgrad runs as BANDS launches.
 Where it applies (`applies`; elsewhere dense runs the plain backward): FP8 block quantizers
 (Float8BlockScaling, any tile choice), an f32 kernel (dk's partial sums then stay fp32; a
 16-bit dk would round each band), at least two bands of 128 tokens, a process with one device
-(`single_device`: one of its default platform and one CPU device; its two ops have no sharding rules, so under a sharded jit XLA would gather
-their operands, where the plain backward's ops partition; a MeshResource with axes needs more
-than one device anyway), and LOWBIT_DENSE_BACKWARD not "unfused".
+(`single_device`: one of its default platform and one CPU device. Its two ops have no
+sharding rules, so under a sharded jit XLA would gather their operands, where the plain
+backward's ops partition; a MeshResource with axes needs more than one device anyway), and
+LOWBIT_DENSE_BACKWARD not "unfused". Seed Dense on an H200: peak 4.981 GiB (plain 5.442, bf16
+5.000), 1.447x over bf16 (plain 1.473x in the same run).
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ from lowbit.quantize.tensor import ScaledTensor1x
 # of temporaries, a peak of 5.012 GiB against bf16's 5.000, because XLA cut both bands' slices
 # of x's copy up front; with the slices ordered too (below) two bands need ~460 MiB. Each more
 # band costs a wgrad launch that reads and rewrites dk (three bands: 1.436x over bf16 against
-# 1.456x for two, before that fix).
+# 1.456x for two, before that fix; after it two bands peak at 4.981 GiB, 1.447x).
 BANDS = 2
 BANDS_ENV = "LOWBIT_DENSE_BLOCK_BANDS"
 
@@ -69,6 +71,7 @@ def bands() -> int:
     if not text.isdigit() or int(text) < 1:
         raise ValueError(f"lowbit.dense: {BANDS_ENV}={text!r}: expected a positive integer")
     return int(text)
+
 
 _MODES = {ScalingMode.FP8_BLOCK_1x128: GemmScaleMode.BLOCK_1x128,
           ScalingMode.FP8_BLOCK_128x128: GemmScaleMode.BLOCK_128x128}
