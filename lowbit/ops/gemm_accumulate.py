@@ -1,9 +1,9 @@
 """lowbit.ops.gemm_accumulate: c + (a_scale_inv * a) @ (b_scale_inv * b)^T written over c,
 through lowbit_gemm_accumulate (csrc/gemm/gemm.h, "Accumulation into out"; cuBLASLt's beta = 1).
 
-It is how a GEMM split along K adds its parts without a second (M, N) buffer: the custom call's
-c operand is aliased to its output, so XLA runs it in c's buffer (lowbit.dense's Float8BlockScaling
-backward runs its wgrad as two such launches, one per band of tokens).
+It is how a GEMM split along K adds its parts without a second (M, N) buffer: the custom
+call's c operand is aliased to its output, so XLA runs it in c's buffer (lowbit.dense's
+Float8BlockScaling backward runs its wgrad so, one launch per band of tokens).
 
 Operands as lowbit.ops.gemm's 2-D form: a (M, K) and b (N, K) FP8 (not both E5M2), per-tensor
 ((1,) f32 scale_invs) or FP8 block / MXFP8 scale modes (the 2-D arrays of gemm's docstring); c
@@ -13,8 +13,8 @@ out = fl(y + c) rounded to c's dtype: on the CPU exactly that (the reference's s
 cuBLASLt's epilogue where the custom call applies (FP8 operands, N a multiple of 16, and for
 block modes also M, with a cuBLASLt path for the mode pair on this device; K is zero-padded to
 16 where needed), else the same formula through lowbit.ops.gemm with an f32 output and an f32
-add (a separate (M, N) f32 buffer then). Single device: no sharding rule (under jit with sharded operands XLA replicates
-the call); vmap maps it with lax.map.
+add (a separate (M, N) f32 buffer then). Single device: no sharding rule (under jit with
+sharded operands XLA replicates the call); vmap maps it with lax.map.
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ from lowbit import _ffi
 from lowbit.ops._primitive import ffi_primitive
 from lowbit.ops.gemm import _check_scale_modes, gemm_p
 from lowbit.ops.gemm_args import _scale_arg
-from lowbit.ops.gemm_config import (FP8, FP8_DIM_MULTIPLE, MXFP8_K_MULTIPLE, OUT, GemmScaleMode, _checked_algo, _cublaslt_block_ready,
-                                    block_on_cublaslt, kind_algo, algo_kind)
+from lowbit.ops.gemm_config import (FP8, FP8_DIM_MULTIPLE, MXFP8_K_MULTIPLE, OUT, GemmScaleMode, _checked_algo,
+                                    _cublaslt_block_ready, algo_kind, block_on_cublaslt, kind_algo)
 from lowbit.ops.gemm_scales import gemm_workspace_bytes
 
 __all__ = ["gemm_accumulate"]
