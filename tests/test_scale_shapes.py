@@ -130,3 +130,75 @@ def test_lowbit_scale_arrays_are_te_shapes_flattened(mode, shape, axis):
     n = len(shape)
     colwise_axis = (n - axis % n) if mode.get_data_layout()[1] == "T" else axis
     assert have == (_flat(rowwise, axis), _flat(colwise, colwise_axis))
+
+
+# get_grouped_scale_shape(_2x), by hand from TE's formula: nx = F / bx, ny = L / by (blocks
+# swapped for colwise, no transpose); padded: nx = (G - 1) * ax + roundup(nx - G + 1, ax),
+# ny = roundup(ny, ay), (ax, ay) = (128, 4) rowwise, (4, 128) colwise; the shape is (nx * ny,).
+# (mode, data_shape, n_groups, flatten_axis, is_padded, rowwise, colwise):
+GROUPED_CASES = [
+    # MXFP8 (256, 512), G 4: rows 256 -> 3*128 + roundup(253, 128) = 640; 16 -> 16: 10240 |
+    # 256/32 = 8 -> 3*4 + roundup(5, 4) = 20; 512 -> 512: 10240. Unpadded 256*16, 8*512.
+    (MX, (256, 512), 4, -1, True, (10240,), (10240,)),
+    (MX, (256, 512), 4, -1, False, (4096,), (4096,)),
+    # MXFP8 (3, 64, 96), G 3: F 192 -> 2*128 + roundup(190, 128) = 512; 96/32 = 3 -> 4: 2048 |
+    # 192/32 = 6 -> 2*4 + roundup(4, 4) = 12; 96 -> 128: 1536. Unpadded 192*3, 6*96.
+    (MX, (3, 64, 96), 3, -1, True, (2048,), (1536,)),
+    (MX, (3, 64, 96), 3, -1, False, (576,), (576,)),
+    # MXFP8 (32, 4, 64) at 1 (and -2), G 2: F 32 -> 128 + roundup(31, 128) = 256; 256/32 = 8: 2048 |
+    # 32/32 = 1 -> 4 + roundup(0, 4) = 4; 256 -> 256: 1024. Unpadded 32*8, 1*256.
+    (MX, (32, 4, 64), 2, 1, True, (2048,), (1024,)),
+    (MX, (32, 4, 64), 2, -2, True, (2048,), (1024,)),
+    (MX, (32, 4, 64), 2, 1, False, (256,), (256,)),
+    # One group is the ungrouped padded size: (160, 96) -> (256, 4) and (8, 128).
+    (MX, (160, 96), 1, -1, True, (1024,), (1024,)),
+    # NVFP4 1D (128, 48), G 2: 128 -> 128 + roundup(127, 128) = 256; 48/16 = 3 -> 4: 1024 |
+    # 128/16 = 8 -> 4 + roundup(7, 4) = 12; 48 -> 128: 1536. Unpadded 128*3, 8*48.
+    (NV1, (128, 48), 2, -1, True, (1024,), (1536,)),
+    (NV1, (128, 48), 2, -1, False, (384,), (384,)),
+    # NVFP4 2D (64, 32), G 2: 64/16 = 4 -> 128 + roundup(3, 128) = 256; 2 -> 4: 1024 |
+    # 4 -> 4 + roundup(3, 4) = 8; 2 -> 128: 1024. Unpadded 4*2 both.
+    (NV2, (64, 32), 2, -1, True, (1024,), (1024,)),
+    (NV2, (64, 32), 2, -1, False, (8,), (8,)),
+    # More groups than block rows: NVFP4 2D (32, 16), G 4: 2 -> 3*128 + roundup(-1, 128) = 384;
+    # 1 -> 4: 1536 | 2 -> 3*4 + roundup(-1, 4) = 12; 1 -> 128: 1536.
+    (NV2, (32, 16), 4, -1, True, (1536,), (1536,)),
+    # One scale per group for tensor scaling, as for NO_SCALING.
+    (ScalingMode.DELAYED_TENSOR_SCALING, (3, 5, 7), 5, -1, True, (5,), (5,)),
+    (ScalingMode.CURRENT_TENSOR_SCALING, (64, 64), 2, -1, False, (2,), (2,)),
+    (ScalingMode.NO_SCALING, (64, 64), 3, -1, True, (3,), (3,)),
+]
+
+
+@pytest.mark.parametrize("mode, shape, groups, axis, padded, rowwise, colwise", GROUPED_CASES,
+                         ids=lambda v: getattr(v, "name", str(v)))
+def test_grouped_scale_shape(mode, shape, groups, axis, padded, rowwise, colwise):
+    got = mode.get_grouped_scale_shape_2x(shape, groups, 0, is_padded=padded, flatten_axis=axis)
+    assert got == (rowwise, colwise)
+    assert mode.get_grouped_scale_shape_2x(shape, groups, 0, padded, axis) == got  # TE's order
+    assert mode.get_grouped_scale_shape(shape, groups, 0, False, padded, axis) == rowwise
+    assert mode.get_grouped_scale_shape(shape, groups, group_axis=1, is_colwise=True, is_padded=padded,
+                                        flatten_axis=axis) == colwise
+
+
+@pytest.mark.parametrize("mode, shape, kwargs, what", [
+    # TE asserts in each of these; lowbit says which argument.
+    (MX, (64, 48), {}, "data_shape: .*not a multiple of the 1 x 32 blocks"),  # 48 % 32
+    (MX, (16, 64), dict(is_colwise=True), "data_shape: .*not a multiple of the 32 x 1 blocks"),
+    (NV2, (64, 24), {}, "data_shape: .*not a multiple of the 16 x 16 blocks"),
+    (MX, (32, 4, 64), dict(flatten_axis=3), "flatten_axis: 3 is out of bounds"),  # not modulo ndim
+    (MX, (32, 4, 64), dict(flatten_axis=-4), "flatten_axis: -4 is out of bounds"),
+    (MX, (32, 64), dict(flatten_axis=0), "flatten_axis: 0 is out of bounds"),
+    (MX, (32, 64), dict(n_groups=2.0), "n_groups: expected a Python int"),
+    (ScalingMode.DELAYED_TENSOR_SCALING, (32, 64), dict(n_groups=(1, 2)), "n_groups: expected"),
+])
+def test_grouped_scale_shape_refusals(mode, shape, kwargs, what):
+    args = dict(n_groups=2, group_axis=0, is_colwise=False) | kwargs
+    with pytest.raises(ValueError, match=f"get_grouped_scale_shape: {what}"):
+        mode.get_grouped_scale_shape(shape, **args)
+
+
+@pytest.mark.parametrize("mode", [B1, B2], ids=lambda m: m.name)
+def test_grouped_scale_shape_fp8_block_modes_refused(mode):
+    with pytest.raises(NotImplementedError, match=f"{mode.name} is lowbit's mode"):
+        mode.get_grouped_scale_shape_2x((256, 256), 2, 0)

@@ -22,6 +22,19 @@ multiples of the block (partial edge blocks), where TE's formula refuses. FP8_BL
 128x128 are lowbit's (TE JAX has no such mode): their shapes are lowbit's own 2-D arrays,
 fp8_block_scale_shape of the stored copy (colwise: the transpose, layout "T"), unpadded
 without the padding to 4; 128x128 broadcast to 1-D is the 1x128 layout.
+
+TE's grouped queries, get_grouped_scale_shape / get_grouped_scale_shape_2x, size one flat
+buffer for the scales of G groups split along F (group_axis is not read, as in TE):
+  NO_SCALING and tensor scaling: (G,). n_groups must be a Python int.
+  MXFP8 / NVFP4: blocks (bx, by) = the mode's block (swapped for the colwise copy, with no
+  "T" transpose and no 2-D-to-1-D broadcast); flatten_axis in [-ndim, ndim) and > 0 once
+  made non-negative (not taken modulo ndim, unlike get_scale_shape); nx = F / bx, ny = L / by;
+  when is_padded, nx = (G - 1) * ax + roundup(nx - G + 1, ax) (the worst case: G - 1 groups of
+  one block row, each padded to a whole tile) and ny = roundup(ny, ay), (ax, ay) = (128, 4)
+  (swapped for the colwise copy); the result is (nx * ny,).
+lowbit keeps no such buffers: its grouped quantizers (lowbit.ops.quantize_grouped*) return one
+scale array per group, so these shapes only size buffers in ported TE code. FP8_BLOCK_* (not
+in TE) have no grouped shape here (NotImplementedError).
 """
 
 from __future__ import annotations
@@ -39,8 +52,8 @@ def _round_up(a: int, b: int) -> int:
     return _cdiv(a, b) * b
 
 
-def _fail(what: str):
-    raise ValueError(f"lowbit.quantize.ScalingMode.get_scale_shape: {what}")
+def _fail(what: str, method: str = "get_scale_shape"):
+    raise ValueError(f"lowbit.quantize.ScalingMode.{method}: {what}")
 
 
 def _normalized_axis(data_shape: tuple[int, ...], flatten_axis: int) -> int:
@@ -146,3 +159,41 @@ def scale_shape_2x(mode, data_shape, is_padded=True, flatten_axis=-1, broadcast_
     colwise = scale_shape(mode, colwise_shape, colwise_layout, True, is_padded, flatten_axis,
                           broadcast_2d_scale_shape_to_1d)
     return rowwise, colwise
+
+
+def grouped_scale_shape(mode, data_shape, n_groups, group_axis, is_colwise, is_padded=True,
+                        flatten_axis=-1) -> tuple[int]:
+    """ScalingMode.get_grouped_scale_shape (the module docstring has the formula)."""
+    del group_axis  # TE does not read it either
+    method = "get_grouped_scale_shape"
+    if not isinstance(n_groups, int):
+        _fail(f"n_groups: expected a Python int (TE asserts one), got {n_groups!r}", method)
+    if mode.scale_dtype is None or mode.is_tensor_scaling():
+        return (n_groups,)
+    if not (mode.is_nvfp4 or mode.is_mxfp8_scaling):
+        raise NotImplementedError(f"lowbit.quantize.ScalingMode.{method}: {mode.name} is lowbit's "
+                                  f"mode (not TE's) and has no grouped scale buffer")
+    data_shape = tuple(int(d) for d in data_shape)
+    ndim = len(data_shape)
+    axis = flatten_axis + ndim if flatten_axis < 0 else flatten_axis
+    if not 0 < axis < ndim:
+        _fail(f"flatten_axis: {flatten_axis} is out of bounds for data_shape {data_shape}", method)
+    block_x, block_y = mode.block_shape
+    align_x, align_y = _TE_ALIGNMENT if is_padded else (1, 1)
+    if is_colwise:
+        block_x, block_y, align_x, align_y = block_y, block_x, align_y, align_x
+    if data_shape[axis - 1] % block_x or data_shape[-1] % block_y:
+        _fail(f"data_shape: {data_shape} (flatten_axis {axis}) is not a multiple of the "
+              f"{block_x} x {block_y} blocks", method)
+    n_x = math.prod(data_shape[:axis]) // block_x
+    n_y = math.prod(data_shape[axis:]) // block_y
+    if is_padded:
+        n_x = (n_groups - 1) * align_x + _round_up(n_x - n_groups + 1, align_x)
+        n_y = _round_up(n_y, align_y)
+    return (n_x * n_y,)
+
+
+def grouped_scale_shape_2x(mode, data_shape, n_groups, group_axis, is_padded=True, flatten_axis=-1):
+    """ScalingMode.get_grouped_scale_shape_2x: (rowwise, colwise) grouped scale shapes."""
+    return (grouped_scale_shape(mode, data_shape, n_groups, group_axis, False, is_padded, flatten_axis),
+            grouped_scale_shape(mode, data_shape, n_groups, group_axis, True, is_padded, flatten_axis))

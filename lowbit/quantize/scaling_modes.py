@@ -125,6 +125,21 @@ class ScalingMode(enum.Enum):
         return scale_shapes.scale_shape_2x(self, data_shape, is_padded, flatten_axis,
                                            broadcast_2d_scale_shape_to_1d)
 
+    def get_grouped_scale_shape(self, data_shape, n_groups, group_axis, is_colwise, is_padded=True,
+                                flatten_axis=-1) -> tuple[int]:
+        """TE's query: the 1-D shape of one buffer holding the scales of n_groups groups split
+        along the rows (padded: the most any split can need). lowbit's grouped quantizers keep
+        one scale array per group instead; FP8_BLOCK_* (not in TE) raise NotImplementedError.
+        TE's asserts are ValueErrors. lowbit/quantize/scale_shapes.py has the formulas."""
+        return scale_shapes.grouped_scale_shape(self, data_shape, n_groups, group_axis, is_colwise,
+                                                is_padded, flatten_axis)
+
+    def get_grouped_scale_shape_2x(self, data_shape, n_groups, group_axis, is_padded=True,
+                                   flatten_axis=-1) -> tuple[tuple[int], tuple[int]]:
+        """TE's query: (rowwise, colwise) get_grouped_scale_shape."""
+        return scale_shapes.grouped_scale_shape_2x(self, data_shape, n_groups, group_axis, is_padded,
+                                                   flatten_axis)
+
     def get_quantize_layout(self, usage) -> "QuantizeLayout":
         """TE's query: the copy a GEMM takes for a lowbit.quantize.TensorUsage. lowbit's GEMMs
         are K-major on every device, so LHS / RHS_TRANS take the rowwise copy, LHS_TRANS / RHS
