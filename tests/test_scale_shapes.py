@@ -18,7 +18,7 @@ import math
 import jax.numpy as jnp
 import pytest
 
-from lowbit.quantize import NVFP4Quantizer, QuantizerFactory, ScalingMode
+from lowbit.quantize import NVFP4Quantizer, QuantizeLayout, QuantizerFactory, ScalingMode
 
 MX, NV1, NV2 = ScalingMode.MXFP8_1D_SCALING, ScalingMode.NVFP4_1D_SCALING, ScalingMode.NVFP4_2D_SCALING
 B1, B2 = ScalingMode.FP8_BLOCK_1x128, ScalingMode.FP8_BLOCK_128x128
@@ -202,3 +202,33 @@ def test_grouped_scale_shape_refusals(mode, shape, kwargs, what):
 def test_grouped_scale_shape_fp8_block_modes_refused(mode):
     with pytest.raises(NotImplementedError, match=f"{mode.name} is lowbit's mode"):
         mode.get_grouped_scale_shape_2x((256, 256), 2, 0)
+
+
+@pytest.mark.parametrize("quantizer, shape, kwargs, rowwise, colwise", [
+    # TE's Quantizer.get_scale_shapes is scaling_mode.get_scale_shape_2x(shape, is_padded,
+    # flatten_axis): the shapes worked out in CASES_2X above, both whatever q_layout is.
+    (QuantizerFactory.create(MX, jnp.float8_e4m3fn), (160, 96), {}, (256, 4), (8, 128)),
+    (QuantizerFactory.create(MX, jnp.float8_e4m3fn, q_layout=QuantizeLayout.ROWWISE), (160, 96),
+     dict(is_padded=False), (160, 3), (5, 96)),
+    (QuantizerFactory.create(MX, jnp.float8_e4m3fn), (2, 64, 96), dict(flatten_axis=2),
+     (2, 64, 4), (2, 2, 128)),
+    # NVFP4 2D: the 16x16 tiles, not broadcast to 1x16 (TE passes no broadcast flag).
+    (NVFP4Quantizer(mode=NV2), (256, 128), {}, (128, 8), (128, 16)),
+    (NVFP4Quantizer(mode=NV1), (32, 4, 16), dict(flatten_axis=1), (128, 4, 1), (8, 16, 4)),
+    # Other keywords (TE's grouped quantizer's group_sizes) are dropped, as TE's base class does.
+    (NVFP4Quantizer(mode=NV1), (4, 32, 64), dict(is_padded=False, group_sizes=4), (4, 32, 4), (64, 4, 2)),
+    (QuantizerFactory.create(ScalingMode.DELAYED_TENSOR_SCALING, jnp.float8_e4m3fn,
+                             q_layout=QuantizeLayout.COLWISE), (3, 5, 7), {}, (1,), (1,)),
+    (QuantizerFactory.create(ScalingMode.CURRENT_TENSOR_SCALING, jnp.float8_e5m2), (0, 16), {}, (0,), (0,)),
+    # lowbit's FP8 block modes: their arrays' shapes (CASES_2X).
+    (QuantizerFactory.create(B1, jnp.float8_e4m3fn), (301, 200), {}, (2, 304), (3, 200)),
+], ids=lambda v: type(v).__name__ if hasattr(v, "quantize") else str(v))
+def test_quantizer_get_scale_shapes(quantizer, shape, kwargs, rowwise, colwise):
+    assert quantizer.get_scale_shapes(shape, **kwargs) == (rowwise, colwise)
+
+
+def test_quantizer_get_scale_shapes_positional_and_refusal():
+    quantizer = QuantizerFactory.create(MX, jnp.float8_e4m3fn)
+    assert quantizer.get_scale_shapes((160, 96), False, -1) == ((160, 3), (5, 96))  # TE's order
+    with pytest.raises(ValueError, match="get_scale_shape: .*flatten_axis: 0 is out of bounds"):
+        quantizer.get_scale_shapes((64, 64), flatten_axis=0)

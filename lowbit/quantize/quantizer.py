@@ -129,6 +129,15 @@ class Quantizer:
     def is_2x2x(self) -> bool:
         return self.q_layout == QuantizeLayout.ROWWISE_COLWISE
 
+    def get_scale_shapes(self, data_shape, is_padded=True, flatten_axis=-1, **kwargs):
+        """TE's query: (rowwise, colwise) scale shapes of data_shape,
+        scaling_mode.get_scale_shape_2x(data_shape, is_padded, flatten_axis). As in TE both
+        are given whatever q_layout is, NVFP4_2D's as 16x16 tiles (not the 1x16 rows its scale
+        arrays hold) and other keywords (a grouped quantizer's group_sizes) are ignored; how
+        lowbit's own scale arrays relate to these shapes is in lowbit/quantize/scale_shapes.py."""
+        del kwargs
+        return self.scaling_mode.get_scale_shape_2x(data_shape, is_padded, flatten_axis)
+
     def update(self, new_amax) -> Quantizer:
         """The quantizer for the next step; stateless quantizers return themselves."""
         del new_amax
