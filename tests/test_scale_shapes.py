@@ -1,5 +1,6 @@
-"""ScalingMode.get_scale_shape / get_scale_shape_2x: TE 2.12's scale shapes, each expected
-value worked out by hand from TE's formulas (lowbit/quantize/scale_shapes.py states them):
+"""ScalingMode.get_scale_shape / get_scale_shape_2x, their grouped forms and
+Quantizer.get_scale_shapes: TE 2.12's scale shapes, each expected value worked out by hand
+from TE's formulas (lowbit/quantize/scale_shapes.py states them):
 
   block modes: nx = F / bx, ny = L / by for data viewed as F x L at flatten_axis, padded to
   multiples of (128, 4) when is_padded; each group of dims keeps its inner dims (its last
