@@ -9,6 +9,7 @@ on cuBLASLt)."""
 
 from __future__ import annotations
 
+import importlib
 import re
 
 import jax
@@ -76,6 +77,36 @@ def test_block_modes_equal_reference_plus_c(a_mode, b_mode, m, n, k, c_dtype, rn
     got = gemm_accumulate(c, a, b, sa, sb, a_scale_mode=a_mode, b_scale_mode=b_mode)
     want = _plus_c(block_sequential_ref(a, b, a_mode, sa, b_mode, sb, None, np.float32), c)
     np.testing.assert_array_equal(_bits(got), _bits(want))
+
+
+@pytest.mark.cpu_reference
+def test_empty_k_gives_c_plus_zero(rng):
+    """K = 0: the GEMM is +0, so out = fl(+0 + c) (a -0 in c comes back +0)."""
+    c = _c(rng, (5, 3), F32)
+    c[0, 0] = -0.0
+    got = np.asarray(gemm_accumulate(c, np.zeros((5, 0), E4M3), np.zeros((3, 0), E4M3)))
+    np.testing.assert_array_equal(_bits(got), _bits(_plus_c(np.zeros((5, 3), np.float32), c)))
+    assert _bits(got)[0, 0] == 0
+
+
+def test_cuda_lowering_pads_k_or_adds_separately(rng, monkeypatch):
+    """Lowered for CUDA (no GPU needed): K off 16 is zero-padded into the accumulating call;
+    N off 16 takes lowbit_gemm and an add; K = 0 no GEMM at all."""
+    monkeypatch.setattr(importlib.import_module("lowbit.ops.gemm"), "_cuda_capability", lambda: "9.0")
+    monkeypatch.setattr(importlib.import_module("lowbit._ffi"), "require_platform", lambda op, platform: None)
+    f = lambda c, a, b: gemm_accumulate(c, a, b)  # noqa: E731
+
+    def calls(m, n, k):
+        a, b, _, _ = _tensor_operands(rng, m, n, k, E4M3, E4M3)
+        text = jax.jit(f).trace(_c(rng, (m, n), F32), a, b).lower(lowering_platforms=("cuda",)).as_text()
+        acc = [line for line in text.splitlines() if "@lowbit_gemm_accumulate(" in line]
+        return acc, text.count("@lowbit_gemm(")
+    acc, plain = calls(32, 48, 40)
+    assert plain == 0 and len(acc) == 1 and "tensor<32x48xf8E4M3FN>, tensor<48x48xf8E4M3FN>" in acc[0]
+    acc, plain = calls(32, 40, 64)
+    assert plain == 1 and not acc
+    acc, plain = calls(32, 48, 0)
+    assert plain == 0 and not acc
 
 
 def test_c_is_aliased_to_the_output_and_reused_under_donation(rng):

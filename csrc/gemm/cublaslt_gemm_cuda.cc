@@ -203,9 +203,9 @@ Status GemmCuda(const GemmArgs& args, int device_ordinal, void* workspace, GpuSt
   const bool fp8 = IsFp8(args.a_type);
   const bool block = IsBlockScaleMode(args.a_scale_mode);
   if (fp8) LOWBIT_RETURN_IF_ERROR(CheckFp8Problem(args, device_ordinal, device->capability));
-  // FP8 block scaling on Hopper: lowbit's own wgmma kernel where LOWBIT_BLOCK_GEMM asks for it.
   LOWBIT_RETURN_IF_ERROR(CheckGemmAccumulate(args));
-  // (An accumulating GEMM stays on cuBLASLt: the wgmma kernel writes out without reading it.)
+  // FP8 block scaling on Hopper: lowbit's own wgmma kernel where LOWBIT_BLOCK_GEMM asks for it
+  // (not for an accumulating GEMM: the wgmma kernel writes out without reading it).
   if (block && !args.accumulate && BlockGemmSm90Requested() && BlockGemmSm90Applies(args, device->capability)) {
     return BlockGemmSm90Cuda(args, device_ordinal, stream);
   }

@@ -72,7 +72,10 @@ def _cpu_lowering(ctx, *args, **params):
 
 def _separate(a, b, sa, sb, c, **params):
     """The op's formula through lowbit_gemm (an f32 output; its CUDA lowering pads or emulates
-    what cuBLASLt does not take as it is) and an f32 add."""
+    what cuBLASLt does not take as it is) and an f32 add; with K = 0 the GEMM is +0 (the CUDA
+    handler takes no empty K)."""
+    if a.shape[1] == 0:
+        return (jnp.zeros(c.shape, jnp.float32) + c.astype(jnp.float32)).astype(c.dtype)
     y = gemm_p.bind(a, b, sa, sb, jnp.zeros((0,), jnp.float32), out_dtype=jnp.dtype(jnp.float32), **_attrs(params))
     return (y + c.astype(jnp.float32)).astype(c.dtype)
 
