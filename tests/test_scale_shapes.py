@@ -233,3 +233,16 @@ def test_quantizer_get_scale_shapes_positional_and_refusal():
     assert quantizer.get_scale_shapes((160, 96), False, -1) == ((160, 3), (5, 96))  # TE's order
     with pytest.raises(ValueError, match="get_scale_shape: .*flatten_axis: 0 is out of bounds"):
         quantizer.get_scale_shapes((64, 64), flatten_axis=0)
+
+
+@pytest.mark.parametrize("quantizer, dtype", [
+    # TE's Quantizer.get_scale_dtype is scaling_mode.get_scale_dtype(): e8m0 for MXFP8, e4m3 for
+    # NVFP4's block scales, fp32 for the tensor and FP8 block modes.
+    (QuantizerFactory.create(MX, jnp.float8_e4m3fn), jnp.float8_e8m0fnu),
+    (NVFP4Quantizer(mode=NV1), jnp.float8_e4m3fn),
+    (QuantizerFactory.create(ScalingMode.DELAYED_TENSOR_SCALING, jnp.float8_e4m3fn), jnp.float32),
+    (QuantizerFactory.create(ScalingMode.CURRENT_TENSOR_SCALING, jnp.float8_e5m2), jnp.float32),
+    (QuantizerFactory.create(B2, jnp.float8_e4m3fn), jnp.float32),
+], ids=lambda v: getattr(v, "__name__", type(v).__name__))
+def test_quantizer_get_scale_dtype(quantizer, dtype):
+    assert jnp.dtype(quantizer.get_scale_dtype()) == jnp.dtype(dtype)

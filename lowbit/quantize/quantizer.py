@@ -129,6 +129,10 @@ class Quantizer:
     def is_2x2x(self) -> bool:
         return self.q_layout == QuantizeLayout.ROWWISE_COLWISE
 
+    def get_scale_dtype(self):
+        """TE's query: the dtype of this quantizer's scale arrays, scaling_mode.get_scale_dtype()."""
+        return self.scaling_mode.get_scale_dtype()
+
     def get_scale_shapes(self, data_shape, is_padded=True, flatten_axis=-1, **kwargs):
         """TE's query: (rowwise, colwise) scale shapes of data_shape,
         scaling_mode.get_scale_shape_2x(data_shape, is_padded, flatten_axis). As in TE both
