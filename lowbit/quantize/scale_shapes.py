@@ -87,6 +87,21 @@ def _group_shape(dims: tuple[int, ...], n_blocks: int, block: int) -> tuple[int,
     return (n_blocks // math.prod(inner),) + inner
 
 
+def _blocks_and_alignment(mode, data_shape, axis: int, is_colwise: bool, is_padded: bool,
+                          method: str = "get_scale_shape") -> tuple[int, int, int, int]:
+    """(block_x, block_y, align_x, align_y) of TE's block-scaled formulas: the mode's block
+    and TE's scale alignment (1, 1 unpadded), swapped for a colwise copy; the data's dims on
+    each side of `axis` must be multiples of the block."""
+    block_x, block_y = mode.block_shape
+    align_x, align_y = _TE_ALIGNMENT if is_padded else (1, 1)
+    if is_colwise:
+        block_x, block_y, align_x, align_y = block_y, block_x, align_y, align_x
+    if data_shape[axis - 1] % block_x or data_shape[-1] % block_y:
+        _fail(f"data_shape: {data_shape} (flatten_axis {axis}) is not a multiple of the "
+              f"{block_x} x {block_y} blocks", method)
+    return block_x, block_y, align_x, align_y
+
+
 def te_block_scale_shape(mode, data_shape, data_layout, is_colwise, is_padded, flatten_axis,
                          broadcast_2d_scale_shape_to_1d) -> tuple[int, ...]:
     """TE's BlockScalingModeMetadataImpl.get_scale_shape for MXFP8 / NVFP4 modes."""
@@ -95,13 +110,7 @@ def te_block_scale_shape(mode, data_shape, data_layout, is_colwise, is_padded, f
     if is_colwise and data_layout == "T":
         is_colwise = False  # the stored transpose is scaled rowwise
         axis = len(data_shape) - axis
-    block_x, block_y = mode.block_shape
-    align_x, align_y = _TE_ALIGNMENT if is_padded else (1, 1)
-    if is_colwise:
-        block_x, block_y, align_x, align_y = block_y, block_x, align_y, align_x
-    if data_shape[axis - 1] % block_x or data_shape[-1] % block_y:
-        _fail(f"data_shape: {data_shape} (flatten_axis {axis}) is not a multiple of the "
-              f"{block_x} x {block_y} blocks")
+    block_x, block_y, align_x, align_y = _blocks_and_alignment(mode, data_shape, axis, is_colwise, is_padded)
     if broadcast_2d_scale_shape_to_1d and block_x > 1 and block_y > 1:
         block_x = 1
     first, last = math.prod(data_shape[:axis]), math.prod(data_shape[axis:])
@@ -178,13 +187,8 @@ def grouped_scale_shape(mode, data_shape, n_groups, group_axis, is_colwise, is_p
     axis = flatten_axis + ndim if flatten_axis < 0 else flatten_axis
     if not 0 < axis < ndim:
         _fail(f"flatten_axis: {flatten_axis} is out of bounds for data_shape {data_shape}", method)
-    block_x, block_y = mode.block_shape
-    align_x, align_y = _TE_ALIGNMENT if is_padded else (1, 1)
-    if is_colwise:
-        block_x, block_y, align_x, align_y = block_y, block_x, align_y, align_x
-    if data_shape[axis - 1] % block_x or data_shape[-1] % block_y:
-        _fail(f"data_shape: {data_shape} (flatten_axis {axis}) is not a multiple of the "
-              f"{block_x} x {block_y} blocks", method)
+    block_x, block_y, align_x, align_y = _blocks_and_alignment(mode, data_shape, axis, is_colwise, is_padded,
+                                                               method)
     n_x = math.prod(data_shape[:axis]) // block_x
     n_y = math.prod(data_shape[axis:]) // block_y
     if is_padded:
