@@ -52,6 +52,7 @@ TARGETS: dict[str, str] = {
     "lowbit_update_delayed_scaling": "LowbitUpdateDelayedScaling",
     "lowbit_quantize_grouped_fp8": "LowbitQuantizeGroupedFp8",
     "lowbit_quantize_grouped_block": "LowbitQuantizeGroupedBlock",
+    "lowbit_quantize_grouped_nvfp4": "LowbitQuantizeGroupedNvfp4",
     "lowbit_dense_backward_fp8": "LowbitDenseBackwardFp8",
 }
 
