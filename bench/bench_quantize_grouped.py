@@ -13,8 +13,13 @@ for bf16 with both copies (6 instead of 4 bytes per element moved).
     python bench/bench_quantize_grouped.py --small   # CPU smoke run at tiny sizes
     python bench/bench_quantize_grouped.py --shapes 16384x8192 --groups 8 32 --split skewed
     python bench/bench_quantize_grouped.py --formats mxfp8 fp8_block   # block formats only
+    python bench/bench_quantize_grouped.py --formats nvfp4 --split even skewed   # grouped NVFP4
 
 Block formats: bytes counted as above (the scales, < 1% for 16384x8192, are not counted).
+NVFP4 (`--formats nvfp4`: lowbit.ops.quantize_grouped_nvfp4, every copy group-bound, beside the
+ungrouped quantize_nvfp4 of the same x and copies; "both" and "both sr rht"): bytes counted are
+x read once + rows * cols / 2 per copy (packed E2M1; scales and the SR words not counted); both
+NVFP4 ops read x twice (an amax pass first), so their ceiling here is below 100%.
 "skewed" sizes are not multiples of 8, so most FP8-block colwise writes (the transposed
 copy, whose group columns then start unaligned) fall back from 8-byte to byte stores.
 Group sizes (int32, passed as device data, as a MoE router would produce them): "even"
@@ -36,7 +41,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 
 from lowbit.ops import (quantize_fp8, quantize_fp8_block, quantize_grouped_block, quantize_grouped_fp8,  # noqa: E402
-                        quantize_mxfp8)
+                        quantize_grouped_nvfp4, quantize_mxfp8, quantize_nvfp4)
+from lowbit.ops.quantize_nvfp4 import rht_sign_bits, sr_random_bits  # noqa: E402
 
 LAYOUTS = {"both": (True, True), "rowwise": (True, False), "colwise": (False, True)}
 # Block formats: (scaling_mode, tile_2d) and the ungrouped op of the same layout.
@@ -45,6 +51,7 @@ BLOCK_FORMATS = {
     "fp8_block": ("fp8_block", False, lambda x, r, c: quantize_fp8_block(x, rowwise=r, colwise=c)),
     "fp8_block_2d": ("fp8_block", True, lambda x, r, c: quantize_fp8_block(x, tile_2d=True, rowwise=r, colwise=c)),
 }
+NVFP4_CONFIGS = {"both": False, "both sr rht": True}  # name -> stochastic rounding and RHT
 
 
 def group_sizes(rows: int, groups: int, split: str) -> np.ndarray:
@@ -67,8 +74,8 @@ def main() -> None:
     parser.add_argument("--layouts", nargs="*", choices=list(LAYOUTS), default=["both", "rowwise"])
     parser.add_argument("--scaling", nargs="*", choices=["delayed", "current"], default=["delayed", "current"])
     parser.add_argument("--sets", type=int, default=2, help="input sets = calls per timed program")
-    parser.add_argument("--formats", nargs="*", choices=["fp8"] + list(BLOCK_FORMATS),
-                        default=["fp8"] + list(BLOCK_FORMATS))
+    parser.add_argument("--formats", nargs="*", choices=["fp8"] + list(BLOCK_FORMATS) + ["nvfp4"],
+                        default=["fp8"] + list(BLOCK_FORMATS) + ["nvfp4"])
     parser.add_argument("--block-layouts", nargs="*", choices=["both", "colwise"], default=["both", "colwise"],
                         help="layouts of the block formats (rowwise alone is the ungrouped op itself)")
     args = parser.parse_args()
@@ -132,6 +139,24 @@ def main() -> None:
                             x, g, scaling_mode=m, tile_2d=t, rowwise=r, colwise=True)
                         row = timed(fn, [(x, sizes) for x in xs], nbytes)
                         rows_out.append(grouped_row(row, base, layout, f"{name} grouped G={groups} {split}"))
+        if "nvfp4" in args.formats:
+            nbytes = rows * cols * 2 + 2 * rows * (-(-cols // 2))
+            for config, sr_rht in NVFP4_CONFIGS.items():
+                # (x, random, sign bits) per input set; None where not used (RNE, no RHT).
+                extra = [(sr_random_bits(k, x.shape), rht_sign_bits(k)) if sr_rht else (None, None)
+                         for x, k in zip(xs, keys)]
+                plain = lambda x, r=None, b=None: quantize_nvfp4(x, random=r, rht_sign_bits=b, colwise=True)  # noqa: E731
+                base = timed(plain, [(x, *e) if sr_rht else (x,) for x, e in zip(xs, extra)], nbytes)
+                rows_out.append({"shape": f"{rows}x{cols}", "layout": config, "op": "nvfp4", **base})
+                for groups in group_counts:
+                    for split in args.split:
+                        sizes = jnp.asarray(group_sizes(rows, groups, split))
+                        fn = lambda x, g, r=None, b=None: quantize_grouped_nvfp4(  # noqa: E731
+                            x, g, random=r, rht_sign_bits=b, colwise=True)
+                        sets = [(x, sizes, *e) if sr_rht else (x, sizes) for x, e in zip(xs, extra)]
+                        row = timed(fn, sets, nbytes)
+                        rows_out.append(grouped_row(row, base, config, f"nvfp4 grouped G={groups} {split}"))
+                del extra
         del xs
     columns = ["shape", "layout", "op", "us", "GB/s", "%copy", "x ungrouped"]
     if bandwidth_dev:
