@@ -21,7 +21,8 @@
 // CUDA: the per-tensor tiled kernel (quantize_tiled.cuh) with a per-group scale table;
 // LOWBIT_QUANTIZE_TILE_VARIANT (quantize.h) picks its tile variant here too. Current
 // scaling runs an amax pass over x first (x is read twice).
-// Block formats (MXFP8, FP8 block): quantize_grouped_block.h (its tile walk reuses FindGroup).
+// Block formats (MXFP8, FP8 block): quantize_grouped_block.h; NVFP4: quantize_grouped_nvfp4.h
+// (their tile walks reuse FindGroup).
 #pragma once
 
 #include <cstdint>

@@ -142,8 +142,8 @@ __device__ __forceinline__ int TileGroup(const GroupTable& t, int groups, int64_
   return e;
 }
 
-// CTA b: tile row b / chunks, columns [(b % chunks) * 256, +256). want_plain: the rowwise copy,
-// or the colwise one without RHT, takes max |x|; col_rht: the colwise copy takes the RHT amax.
+// CTA b: tile row b / chunks, columns [(b % chunks) * 256, +256). row: the rowwise copy's slot
+// takes max |x|; col: the colwise copy's takes max |x|, or with rht the transformed amax.
 template <typename Tag>
 __global__ void __launch_bounds__(kAmaxThreads)
     GroupAmaxKernel(const typename Tag::Storage* __restrict__ x, int64_t cols, GroupTable t, int groups,

@@ -24,7 +24,8 @@ Works under jit and vmap (each batch element gets its own groups; done as a loop
 batch). Under a sharded jit the op is not partitioned: XLA gathers x to each device.
 
 The block formats (MXFP8, FP8 block) are grouped by lowbit.ops.quantize_grouped_block
-(lowbit/ops/quantize_grouped_block.py).
+(lowbit/ops/quantize_grouped_block.py), NVFP4 by lowbit.ops.quantize_grouped_nvfp4
+(lowbit/ops/quantize_grouped_nvfp4.py).
 """
 
 from __future__ import annotations
