@@ -166,6 +166,34 @@ def test_bad_input_names_the_argument(args, kwargs, err, text):
         gemm_accumulate(*args, **kwargs)
 
 
+@pytest.mark.parametrize("case", ["scale_shape", "scale_type", "e5m2_pair", "control"])
+def test_handler_checks_name_the_op(case):
+    """The handler's own checks (the primitive bound directly, past the Python wrapper's) are
+    the GEMM's, with messages naming lowbit_gemm_accumulate, not lowbit_gemm."""
+    p = importlib.import_module("lowbit.ops.gemm_accumulate").gemm_accumulate_p
+    a, b = jnp.ones((16, 128), E4M3), jnp.ones((32, 128), E4M3)
+    one, c = jnp.ones((1,), F32), jnp.zeros((16, 32), F32)
+    modes = dict(a_scale_mode=0, b_scale_mode=0)
+    want = {"scale_shape": "a_scale_inv: expected shape (1, 16) for scale mode block_1x128",
+            "scale_type": "b_scale_inv: expected f32 for scale mode tensor",
+            "e5m2_pair": "b: f8e5m2 x f8e5m2 has no FP8 GEMM", "control": None}[case]
+    args = [a, b, one, one, c]
+    if case == "scale_shape":
+        args[2], args[3] = jnp.ones((16, 1), F32), jnp.ones((1, 32), F32)
+        modes = dict(a_scale_mode=1, b_scale_mode=1)
+    elif case == "scale_type":
+        args[3] = jnp.ones((1,), BF16)
+    elif case == "e5m2_pair":
+        args[0], args[1] = a.astype(E5M2), b.astype(E5M2)
+    f = jax.jit(lambda *xs: p.bind(*xs, use_split_accumulator=True, algo=0, algo_or_first=False, **modes))
+    if case == "control":  # the same call with good arguments runs: 16 x 128 ones . ones
+        np.testing.assert_array_equal(np.asarray(run_on(jax.devices("cpu")[0], f, *args)),
+                                      np.full((16, 32), 128.0, np.float32))
+        return
+    with pytest.raises(Exception, match=re.escape("lowbit_gemm_accumulate: " + want)):
+        run_on(jax.devices("cpu")[0], f, *args)
+
+
 def _gpu_vs_cpu(gpu, cpu, f, *args):
     return np.asarray(run_on(gpu, f, *args), np.float64), np.asarray(run_on(cpu, f, *args), np.float64)
 

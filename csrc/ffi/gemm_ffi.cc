@@ -50,13 +50,10 @@ std::string Shape(ffi::Span<const int64_t> dims) {
   return ShapeString(lowbit::Dims(dims.begin(), dims.end()));
 }
 
-Status Invalid(const char* arg, const std::string& what) {
-  return lowbit::Invalid("lowbit_gemm", arg, what);
-}
-
 // Checks one operand's scale buffer against its mode and the operand's rows x k.
-Status CheckScale(const char* arg, const ffi::AnyBuffer& scale, GemmScaleMode mode, int64_t rows,
-                  int64_t k) {
+Status CheckScale(const char* op, const char* arg, const ffi::AnyBuffer& scale, GemmScaleMode mode,
+                  int64_t rows, int64_t k) {
+  auto Invalid = [op](const char* a, const std::string& what) { return lowbit::Invalid(op, a, what); };
   const DType want_type = mode == GemmScaleMode::kMxfp8 ? DType::kE8M0 : DType::kF32;
   const DType got_type = ToDType(scale.element_type());
   if (got_type != want_type) {
@@ -81,12 +78,14 @@ Status CheckScale(const char* arg, const ffi::AnyBuffer& scale, GemmScaleMode mo
 }
 
 // Checks every buffer against the others and fills `args` (pointers, types, sizes); bias is
-// null for lowbit_gemm_accumulate, which has none.
+// null for lowbit_gemm_accumulate, which has none. Errors name `op`.
 Status GemmArgsFromBuffers(const ffi::AnyBuffer& a, const ffi::AnyBuffer& b,
                            const ffi::AnyBuffer& a_scale_inv, const ffi::AnyBuffer& b_scale_inv,
                            const ffi::AnyBuffer* bias, ffi::AnyBuffer& out,
                            bool use_split_accumulator, int32_t a_scale_mode,
-                           int32_t b_scale_mode, int32_t algo, bool algo_or_first, GemmArgs* args) {
+                           int32_t b_scale_mode, int32_t algo, bool algo_or_first, GemmArgs* args,
+                           const char* op = "lowbit_gemm") {
+  auto Invalid = [op](const char* arg, const std::string& what) { return lowbit::Invalid(op, arg, what); };
   const auto ad = a.dimensions(), bd = b.dimensions(), od = out.dimensions();
   if (ad.size() != 2) return Invalid("a", "expected rank 2 (M, K), got shape " + Shape(ad));
   if (bd.size() != 2) return Invalid("b", "expected rank 2 (N, K), got shape " + Shape(bd));
@@ -101,12 +100,12 @@ Status GemmArgsFromBuffers(const ffi::AnyBuffer& a, const ffi::AnyBuffer& b,
   args->a_type = ToDType(a.element_type());
   args->b_type = ToDType(b.element_type());
   args->out_type = ToDType(out.element_type());
-  LOWBIT_RETURN_IF_ERROR(CheckGemmTypes(args->a_type, args->b_type, args->out_type));
+  LOWBIT_RETURN_IF_ERROR(CheckGemmTypes(args->a_type, args->b_type, args->out_type, op));
   args->a_scale_mode = static_cast<GemmScaleMode>(a_scale_mode);
   args->b_scale_mode = static_cast<GemmScaleMode>(b_scale_mode);
-  LOWBIT_RETURN_IF_ERROR(CheckGemmScaleModes(args->a_scale_mode, args->b_scale_mode, args->a_type));
-  LOWBIT_RETURN_IF_ERROR(CheckScale("a_scale_inv", a_scale_inv, args->a_scale_mode, ad[0], ad[1]));
-  LOWBIT_RETURN_IF_ERROR(CheckScale("b_scale_inv", b_scale_inv, args->b_scale_mode, bd[0], bd[1]));
+  LOWBIT_RETURN_IF_ERROR(CheckGemmScaleModes(args->a_scale_mode, args->b_scale_mode, args->a_type, op));
+  LOWBIT_RETURN_IF_ERROR(CheckScale(op, "a_scale_inv", a_scale_inv, args->a_scale_mode, ad[0], ad[1]));
+  LOWBIT_RETURN_IF_ERROR(CheckScale(op, "b_scale_inv", b_scale_inv, args->b_scale_mode, bd[0], bd[1]));
   const int64_t bias_count = bias ? int64_t(bias->element_count()) : 0;
   if (bias && (bias->dimensions().size() != 1 || (bias_count != 0 && bias_count != bd[0]))) {
     return Invalid("bias", "expected shape (" + std::to_string(bd[0]) + ",) or (0,), got " +
@@ -144,14 +143,9 @@ Status GemmAccumulateArgsFromBuffers(const ffi::AnyBuffer& a, const ffi::AnyBuff
                                      ffi::AnyBuffer& out, bool use_split_accumulator,
                                      int32_t a_scale_mode, int32_t b_scale_mode, int32_t algo,
                                      bool algo_or_first, GemmArgs* args) {
-  Status s = GemmArgsFromBuffers(a, b, a_scale_inv, b_scale_inv, nullptr, out, use_split_accumulator,
-                                 a_scale_mode, b_scale_mode, algo, algo_or_first, args);
-  if (!s.ok()) {  // the same checks, named after this op
-    std::string text = s.message();
-    const std::string from = "lowbit_gemm:";
-    if (text.rfind(from, 0) == 0) text = "lowbit_gemm_accumulate:" + text.substr(from.size());
-    return Status::InvalidArgument(text);
-  }
+  LOWBIT_RETURN_IF_ERROR(GemmArgsFromBuffers(a, b, a_scale_inv, b_scale_inv, nullptr, out,
+                                             use_split_accumulator, a_scale_mode, b_scale_mode, algo,
+                                             algo_or_first, args, "lowbit_gemm_accumulate"));
   if (c.element_type() != out.element_type() || c.dimensions().size() != 2 ||
       c.dimensions()[0] != args->m || c.dimensions()[1] != args->n) {
     return lowbit::Invalid("lowbit_gemm_accumulate", "c",
@@ -308,6 +302,23 @@ ffi::Error SwizzleScalesCpu(ffi::AnyBuffer in, ffi::Result<ffi::AnyBuffer> out, 
 
 #else
 
+// The workspace checks of the CUDA GEMM handlers (XLA places the buffer; it is live only for
+// the call, so work enqueued later may reuse it: stream order keeps that safe).
+Status CheckWorkspace(const GemmArgs& args, ffi::AnyBuffer& workspace, const char* op) {
+  if (workspace.size_bytes() < GemmWorkspaceBytes(args)) {
+    return lowbit::Invalid(op, "workspace", "expected at least " +
+                                                std::to_string(GemmWorkspaceBytes(args)) +
+                                                " bytes (u8), got " +
+                                                std::to_string(workspace.size_bytes()));
+  }
+  if (reinterpret_cast<uintptr_t>(workspace.untyped_data()) % kGemmWorkspaceAlignment != 0) {
+    return Status::Internal(std::string(op) + ": workspace: expected a " +
+                            std::to_string(kGemmWorkspaceAlignment) + "-byte aligned buffer from XLA, got address " +
+                            std::to_string(reinterpret_cast<uintptr_t>(workspace.untyped_data())));
+  }
+  return Status::Ok();
+}
+
 ffi::Error GemmGpu(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuffer a,
                    ffi::AnyBuffer b, ffi::AnyBuffer a_scale_inv, ffi::AnyBuffer b_scale_inv,
                    ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> out,
@@ -319,37 +330,9 @@ ffi::Error GemmGpu(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuffer a
                                  algo_or_first, &args);
   if (!s.ok()) return ToFfiError(s);
   if (args.m == 0 || args.n == 0) return ffi::Error::Success();
-  // XLA places the buffer; it is live only for this call, so work enqueued later may reuse
-  // it (stream order keeps that safe).
-  if (workspace->size_bytes() < GemmWorkspaceBytes(args)) {
-    return ToFfiError(Invalid("workspace", "expected at least " +
-                                               std::to_string(GemmWorkspaceBytes(args)) +
-                                               " bytes (u8), got " +
-                                               std::to_string(workspace->size_bytes())));
-  }
-  void* ws = workspace->untyped_data();
-  if (reinterpret_cast<uintptr_t>(ws) % kGemmWorkspaceAlignment != 0) {
-    return ToFfiError(Status::Internal(
-        "lowbit_gemm: workspace: expected a " + std::to_string(kGemmWorkspaceAlignment) +
-        "-byte aligned buffer from XLA, got address " +
-        std::to_string(reinterpret_cast<uintptr_t>(ws))));
-  }
-  return ToFfiError(GemmCuda(args, device_ordinal, ws, stream));
-}
-
-// The workspace checks of both CUDA GEMM handlers.
-Status CheckWorkspace(const GemmArgs& args, ffi::AnyBuffer& workspace, const char* op) {
-  if (workspace.size_bytes() < GemmWorkspaceBytes(args)) {
-    return lowbit::Invalid(op, "workspace", "expected at least " +
-                                                std::to_string(GemmWorkspaceBytes(args)) +
-                                                " bytes (u8), got " +
-                                                std::to_string(workspace.size_bytes()));
-  }
-  if (reinterpret_cast<uintptr_t>(workspace.untyped_data()) % kGemmWorkspaceAlignment != 0) {
-    return Status::Internal(std::string(op) + ": workspace: expected a " +
-                            std::to_string(kGemmWorkspaceAlignment) + "-byte aligned buffer from XLA");
-  }
-  return Status::Ok();
+  s = CheckWorkspace(args, *workspace, "lowbit_gemm");
+  if (s.ok()) s = GemmCuda(args, device_ordinal, workspace->untyped_data(), stream);
+  return ToFfiError(s);
 }
 
 ffi::Error GemmAccumulateGpu(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuffer a,

@@ -147,9 +147,11 @@ inline int32_t PickHeuristicIndex(int32_t usable, int32_t algo, bool or_first) {
   return or_first && usable > 0 ? 0 : -1;
 }
 
-// The scale-mode rules above, shared by both handlers.
-inline Status CheckGemmScaleModes(GemmScaleMode a_mode, GemmScaleMode b_mode, DType a_type) {
-  const std::string op = "lowbit_gemm: ";
+// The scale-mode rules above, shared by both handlers (`op_name` prefixes the messages:
+// lowbit_gemm_accumulate runs the same checks under its own name).
+inline Status CheckGemmScaleModes(GemmScaleMode a_mode, GemmScaleMode b_mode, DType a_type,
+                                  const char* op_name = "lowbit_gemm") {
+  const std::string op = std::string(op_name) + ": ";
   for (GemmScaleMode m : {a_mode, b_mode}) {
     if (int32_t(m) < 0 || int32_t(m) > int32_t(GemmScaleMode::kMxfp8)) {
       return Status::InvalidArgument(op + "scale_mode: expected 0 (tensor), 1 (block_1x128), "
@@ -195,9 +197,10 @@ inline Status CheckNvfp4Gemm(const GemmArgs& args) {
   return Status::Ok();
 }
 
-// The type rules above, shared by both handlers so that CPU and GPU reject the same inputs.
-inline Status CheckGemmTypes(DType a, DType b, DType out) {
-  const std::string op = "lowbit_gemm: ";
+// The type rules above, shared by both handlers so that CPU and GPU reject the same inputs
+// (`op_name` as for CheckGemmScaleModes).
+inline Status CheckGemmTypes(DType a, DType b, DType out, const char* op_name = "lowbit_gemm") {
+  const std::string op = std::string(op_name) + ": ";
   if (IsFp8(a) || IsFp8(b)) {
     if (!IsFp8(a) || !IsFp8(b)) {
       return Status::InvalidArgument(op + "b: expected both operands FP8 or neither, got a " +
