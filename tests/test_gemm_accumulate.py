@@ -167,9 +167,21 @@ def test_bad_input_names_the_argument(args, kwargs, err, text):
 
 
 @pytest.mark.parametrize("case", ["scale_shape", "scale_type", "e5m2_pair", "control"])
-def test_handler_checks_name_the_op(case):
+def test_handler_checks_name_the_op(case, cpu):
     """The handler's own checks (the primitive bound directly, past the Python wrapper's) are
     the GEMM's, with messages naming lowbit_gemm_accumulate, not lowbit_gemm."""
+    _check_handler_messages(case, cpu)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["scale_type", "e5m2_pair", "control"])
+def test_cuda_handler_checks_name_the_op(case, gpu):
+    """The same on the CUDA handler (tensor scales: the lowering keeps the custom call for
+    these shapes; bad block scales would go to its separate GEMM and add instead)."""
+    _check_handler_messages(case, gpu)
+
+
+def _check_handler_messages(case, device):
     p = importlib.import_module("lowbit.ops.gemm_accumulate").gemm_accumulate_p
     a, b = jnp.ones((16, 128), E4M3), jnp.ones((32, 128), E4M3)
     one, c = jnp.ones((1,), F32), jnp.zeros((16, 32), F32)
@@ -187,11 +199,11 @@ def test_handler_checks_name_the_op(case):
         args[0], args[1] = a.astype(E5M2), b.astype(E5M2)
     f = jax.jit(lambda *xs: p.bind(*xs, use_split_accumulator=True, algo=0, algo_or_first=False, **modes))
     if case == "control":  # the same call with good arguments runs: 16 x 128 ones . ones
-        np.testing.assert_array_equal(np.asarray(run_on(jax.devices("cpu")[0], f, *args)),
+        np.testing.assert_array_equal(np.asarray(run_on(device, f, *args)),
                                       np.full((16, 32), 128.0, np.float32))
         return
     with pytest.raises(Exception, match=re.escape("lowbit_gemm_accumulate: " + want)):
-        run_on(jax.devices("cpu")[0], f, *args)
+        run_on(device, f, *args)
 
 
 def _gpu_vs_cpu(gpu, cpu, f, *args):
