@@ -269,6 +269,14 @@ def test_vmap(rng):
     for b in range(2):
         got = [np.asarray(a)[b] for a in out]
         _assert_same(got, _ref(x[b], list(sizes[b]), tile_2d=True), f"batch {b}")
+    # Batched random words with shared sign bits and sizes.
+    rnd = sr_random_bits(jax.random.PRNGKey(9), x.shape)
+    bits = rht_sign_bits(jax.random.PRNGKey(10))
+    f = jax.vmap(lambda v, r: quantize_grouped_nvfp4(v, sizes[0], random=r, rht_sign_bits=bits, colwise=True))
+    out = f(x, rnd)
+    for b in range(2):
+        got = [np.asarray(a)[b] for a in out]
+        _assert_same(got, _ref(x[b], list(sizes[0]), random=rnd[b], rht_sign_bits=bits), f"sr-rht batch {b}")
 
 
 @pytest.mark.parametrize("shape", [(0, 16), (4, 0)])

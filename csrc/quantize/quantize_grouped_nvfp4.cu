@@ -36,6 +36,7 @@ namespace {
 constexpr const char* kOp = "lowbit_quantize_grouped_nvfp4";
 constexpr int kTableThreads = 1024;  // one group per thread
 static_assert(kTableThreads >= kMaxQuantizeGroups, "GroupTableKernel: one thread per group");
+static_assert(nvfp4_tile::kTile == kGroupedNvfp4TileRows, "the tile walk's tile height is the tile kernel's");
 constexpr int kAmaxThreads = 256;    // one column per thread
 using nvfp4_tile::kThreads;
 using nvfp4_tile::kTile;
@@ -136,10 +137,7 @@ __global__ void ZeroTailKernel(GroupTable t, int groups, int64_t rows, int64_t c
 
 // The group and first row (relative to the group) of tile row t, or -1 past the last tile.
 __device__ __forceinline__ int TileGroup(const GroupTable& t, int groups, int64_t tile_row, int64_t* r0) {
-  RowRange cursor;
-  const int e = FindGroup(t.tile_end, groups, cursor, int(tile_row));
-  if (e >= 0) *r0 = (tile_row - (e > 0 ? t.tile_end[e - 1] : 0)) * kTile;
-  return e;
+  return GroupedNvfp4TileGroup(t.tile_end, groups, tile_row, r0);
 }
 
 // CTA b: tile row b / chunks, columns [(b % chunks) * 256, +256). row: the rowwise copy's slot

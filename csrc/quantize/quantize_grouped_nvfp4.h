@@ -58,6 +58,19 @@ LOWBIT_HD int64_t GroupedNvfp4ColScaleBytes(int64_t rows, int64_t cols, int64_t 
   return RoundUpI64(cols, 128) * 4 * GroupedNvfp4Bound(rows, groups, 64);
 }
 
+// The CUDA kernels' tile walk (host + device, so GoogleTest checks it): tile row t of the grid
+// belongs to the group whose range of 64-row tiles holds it, given the inclusive prefix sums
+// tile_end[g] of ceil(n_g / 64); returns that group and sets *first_row (relative to the
+// group's start), or returns -1 past the last tile. The grid walks floor(rows / 64) + G tile
+// rows (>= sum_g ceil(n_g / 64), the bound above with b = 64 and K <= G).
+constexpr int64_t kGroupedNvfp4TileRows = 64;
+LOWBIT_HD int GroupedNvfp4TileGroup(const int32_t* tile_end, int groups, int64_t tile_row, int64_t* first_row) {
+  RowRange cursor;
+  const int e = FindGroup(tile_end, groups, cursor, int(tile_row));
+  if (e >= 0) *first_row = (tile_row - (e > 0 ? tile_end[e - 1] : 0)) * kGroupedNvfp4TileRows;
+  return e;
+}
+
 struct QuantizeGroupedNvfp4Args {
   const void* x = nullptr;
   DType x_dtype = DType::kInvalid;       // f32, f16 or bf16

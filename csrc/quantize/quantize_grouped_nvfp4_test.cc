@@ -185,7 +185,7 @@ TEST(QuantizeGroupedNvfp4Ref, SizeBoundsHoldForEverySplit) {
   for (int64_t rows = 0; rows <= 200; rows += 7) {
     for (int64_t G = 1; G <= 3; ++G) {
       const int64_t step = std::max<int64_t>(1, rows / 10);
-      std::vector<int64_t> n(size_t(G), 0);
+      std::vector<int64_t> n(static_cast<size_t>(G), 0);
       while (true) {
         int64_t sum = 0, P = 0, B = 0, Q = 0;
         for (int64_t v : n) sum += v;
@@ -208,6 +208,44 @@ TEST(QuantizeGroupedNvfp4Ref, SizeBoundsHoldForEverySplit) {
     EXPECT_EQ(GroupedNvfp4RowScaleDims(rows, 40, 1).dim0, Nvfp4ScaleDims(rows, 40).dim0);
     EXPECT_EQ(GroupedNvfp4ColBytes(rows, 40, 1), 40 * CeilDivI64(rows, 2));
     EXPECT_EQ(GroupedNvfp4ColScaleBytes(rows, 40, 1), Nvfp4ScaleDims(40, rows).size());
+  }
+}
+
+// The CUDA grid's tile walk covers every group's rows exactly once in 64-row tiles starting at
+// the group's first row, within floor(rows / 64) + G tile rows, and skips the rest.
+TEST(QuantizeGroupedNvfp4Ref, TileWalkCoversEachGroupOnce) {
+  std::mt19937 gen(5);
+  for (int trial = 0; trial < 300; ++trial) {
+    const int64_t rows = int64_t(gen() % 700);
+    const int G = 1 + int(gen() % (trial < 150 ? 8 : 200));
+    std::vector<int64_t> n(static_cast<size_t>(G));
+    std::vector<int32_t> tile_end(static_cast<size_t>(G));
+    int64_t left = rows, tiles = 0;
+    for (int g = 0; g < G; ++g) {
+      n[size_t(g)] = gen() % 4 == 0 ? 0 : int64_t(gen() % uint32_t(left + 1));
+      if (gen() % 8 == 0) n[size_t(g)] = left;  // a group to the end
+      left -= n[size_t(g)];
+      tiles += CeilDivI64(n[size_t(g)], kGroupedNvfp4TileRows);
+      tile_end[size_t(g)] = int32_t(tiles);
+    }
+    const int64_t grid_rows = rows / kGroupedNvfp4TileRows + G;
+    ASSERT_LE(tiles, grid_rows) << rows << " rows, " << G << " groups";
+    std::vector<std::vector<int64_t>> seen(static_cast<size_t>(G));
+    for (int64_t t = 0; t < grid_rows; ++t) {
+      int64_t r0 = -1;
+      const int e = GroupedNvfp4TileGroup(tile_end.data(), G, t, &r0);
+      if (t >= tiles) {
+        ASSERT_EQ(e, -1) << t;
+        continue;
+      }
+      ASSERT_GE(e, 0);
+      ASSERT_LT(r0, n[size_t(e)]);
+      seen[size_t(e)].push_back(r0);
+    }
+    for (int g = 0; g < G; ++g) {
+      ASSERT_EQ(int64_t(seen[size_t(g)].size()), CeilDivI64(n[size_t(g)], kGroupedNvfp4TileRows)) << g;
+      for (size_t k = 0; k < seen[size_t(g)].size(); ++k) ASSERT_EQ(seen[size_t(g)][k], int64_t(k) * 64) << g;
+    }
   }
 }
 
