@@ -16,15 +16,15 @@ for bf16 with both copies (6 instead of 4 bytes per element moved).
     python bench/bench_quantize_grouped.py --formats nvfp4 --split even skewed   # grouped NVFP4
 
 Block formats: bytes counted as above (the scales, < 1% for 16384x8192, are not counted).
-NVFP4 (`--formats nvfp4`: lowbit.ops.quantize_grouped_nvfp4, every copy group-bound, beside the
-ungrouped quantize_nvfp4 of the same x and copies; "both" and "both sr rht"): bytes counted are
-x read once + rows * cols / 2 per copy (packed E2M1; scales and the SR words not counted); both
-NVFP4 ops read x twice (an amax pass first), so their ceiling here is below 100%.
 "skewed" sizes are not multiples of 8, so most FP8-block colwise writes (the transposed
 copy, whose group columns then start unaligned) fall back from 8-byte to byte stores.
 Group sizes (int32, passed as device data, as a MoE router would produce them): "even"
 splits all rows equally; "skewed" splits 95% of the rows at random (seeded) uneven sizes,
 some groups empty, the last 5% padding.
+NVFP4 (`--formats nvfp4`: lowbit.ops.quantize_grouped_nvfp4, every copy group-bound, beside the
+ungrouped quantize_nvfp4 of the same x and copies; "both" and "both sr rht"): bytes counted are
+x read once + rows * cols / 2 per copy (packed E2M1; scales and the SR words not counted); both
+NVFP4 ops read x twice (an amax pass first), so their ceiling here is below 100%.
 """
 
 from __future__ import annotations
