@@ -244,6 +244,18 @@ def test_size_bounds_hold_for_every_split():
             assert 128 * 4 * (o["Q"][last] // 4 + -(-n[last] // 64)) <= shapes[3][0]
 
 
+def test_slot_alignment(rng):
+    """Every scale slot starts at a 16-byte multiple; data slots do for sizes that are multiples
+    of 32 rows (the module doc's rule for reading a group in place)."""
+    for cols in (40, 33, 256):
+        pitch, c128 = -(-(-(-cols // 16)) // 4) * 4, -(-cols // 128) * 128
+        sizes = _random_sizes(rng, 1000, 12)
+        o = grouped_nvfp4_offsets(sizes, (1000, cols))
+        assert (o["P"] * pitch % 16 == 0).all() and (c128 * o["Q"] % 16 == 0).all()
+        o = grouped_nvfp4_offsets([32 * (s // 32) for s in sizes], (1000, cols))
+        assert (o["start"] * -(-cols // 2) % 16 == 0).all() and (cols * o["B"] % 16 == 0).all()
+
+
 def test_jit_sizes_change_without_recompiling_and_clip(rng):
     """Traced sizes: one compile; negative and oversized sizes clip as quantize_grouped_fp8's."""
     x = _data(rng, (96, 48), ml_dtypes.bfloat16)

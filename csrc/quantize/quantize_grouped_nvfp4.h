@@ -28,6 +28,11 @@
 //     roundup(ceil(n_g/16), 4) matrix at byte roundup(cols, 128) * Q_g,
 //     Q_g = sum_{h<g} roundup(ceil(n_h/16), 4).
 //   rowwise / colwise_global_scale_inv: f32 (G,).
+// Alignment for a GEMM reading a group in place (gemm.h's kNvfp4 operands, 16-byte pointers):
+// the scale slots always are (byte offsets P_g * roundup(ceil(cols/16), 4) and
+// roundup(cols, 128) * Q_g with P_g a multiple of 128, Q_g of 4); the data slots are when
+// start_g * ceil(cols/2) and cols * B_g are multiples of 16 (e.g. cols % 32 == 0, or group
+// sizes that are multiples of 32 rows).
 // Size bounds (hold for any sizes): with b a block length and K <= min(G, rows) the number of
 // non-empty groups, sum_g ceil(n_g/b) = sum_g floor((n_g + b - 1)/b) <= floor((sum_g n_g +
 // (b - 1) K)/b) <= floor((rows + (b - 1) M)/b), M = min(G, rows) (floor(a) + floor(c) <=

@@ -32,7 +32,9 @@ multiple cuBLASLt's FP4 operands need):
     Q_g = sum_{h<g} roundup(ceil(n_h/16), 4).
   rowwise / colwise_global_scale_inv: f32 (G,).
 The sizes bound the sums for any group sizes (sum_g ceil(n_g/b) <= floor((R + (b-1) M)/b));
-for G = 1 they are quantize_nvfp4's. `grouped_nvfp4_offsets` gives start, end, P, B, Q.
+for G = 1 they are quantize_nvfp4's. `grouped_nvfp4_offsets` gives start, end, P, B, Q. Every
+scale slot starts 16-byte aligned; a data slot does when its byte offset (start_g * ceil(C/2),
+C * B_g) is a multiple of 16, e.g. for C % 32 == 0 or sizes that are multiples of 32 rows.
 
 Backends: the C++ reference (QuantizeNvfp4Ref per group) on the CPU, CUDA kernels on a GPU
 (quantize_grouped_nvfp4.cu: a per-group amax pass, then quantize_nvfp4's tile code per group),
