@@ -249,6 +249,7 @@ def test_bad_inputs():
         dequantize_mxfp8(m.rowwise, m.rowwise_scale, out_dtype=jnp.int8)
 
 
+@pytest.mark.cpu_reference  # the CPU handlers' results (the CUDA ones take a workspace too: test_quantize_workspace.py)
 def test_handler_validation():
     lowbit._ffi.load()
     x = jnp.ones((4, 300), jnp.bfloat16)

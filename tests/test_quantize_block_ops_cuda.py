@@ -200,17 +200,19 @@ def test_cuda_dbias_f32_and_misaligned_equal_cpu(dtype, rng, cpu, gpu):
     # unvectorized paths (a slice starting one element in, odd cols).
     lowbit._ffi.load()
     x = with_block_specials(rng, (1537, 1033), dtype)  # holds the 1535 x 1033 slice one element in
-    sd, e4, f32 = jax.ShapeDtypeStruct, jnp.float8_e4m3fn, jnp.float32
+    e4, f32 = jnp.float8_e4m3fn, jnp.float32
     r, c = x.shape
 
     def f(v):
         w = v.reshape(-1)[1 : 1 + 1535 * 1033].reshape(1535, 1033)
-        block = jax.ffi.ffi_call("lowbit_quantize_fp8_block", [sd((r, c), e4), sd((9, r + 3), f32), sd((0,), e4),
-                                                               sd((0,), f32), sd((c,), f32)])(
-            v, flatten_axis=np.int32(1), tile_2d=np.bool_(False), pow2_scales=np.bool_(False))
-        mx = jax.ffi.ffi_call("lowbit_quantize_mxfp8", [sd((0,), e4), sd((0,), jnp.float8_e8m0fnu), sd((r, c), e4),
-                                                        sd((52, 1152), jnp.float8_e8m0fnu), sd((c,), f32)])(
-            v, flatten_axis=np.int32(1))
+        # the primitives (their CUDA lowering adds the handler's workspace result)
+        block = quantize_fp8_block_p.bind(v, flatten_axis=np.int32(1), tile_2d=np.bool_(False),
+                                          pow2_scales=np.bool_(False), out_dtype=jnp.dtype(e4), rowwise=True,
+                                          colwise=False, dbias_dtype=jnp.dtype(f32))
+        mx = quantize_mxfp8_p.bind(v, flatten_axis=np.int32(1), out_dtype=jnp.dtype(e4), rowwise=False, colwise=True,
+                                   dbias_dtype=jnp.dtype(f32))
+        assert [o.shape for o in block] == [(r, c), (9, r + 3), (0,), (0,), (c,)]
+        assert [o.shape for o in mx] == [(0,), (0,), (r, c), (52, 1152), (c,)]
         return (block, mx, _quantize_with_dbias("1x128", True, True, -1)(w),
                 _quantize_with_dbias("mxfp8", True, True, -1)(w))
 

@@ -223,6 +223,7 @@ def _ffi_quantize(x, scale, results, flatten_axis=1):
     return jax.ffi.ffi_call("lowbit_quantize_fp8", results)(x, scale, flatten_axis=np.int32(flatten_axis))
 
 
+@pytest.mark.cpu_reference  # the CPU handler's results (the CUDA one takes a workspace too: test_quantize_workspace.py)
 def test_handler_validation():
     lowbit._ffi.load()
     x = jnp.ones((4, 8), jnp.bfloat16)

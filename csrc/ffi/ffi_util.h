@@ -90,6 +90,26 @@ inline Status Invalid(const char* op, const char* arg, const std::string& what) 
   return Status::InvalidArgument(std::string(op) + ": " + arg + ": " + what);
 }
 
+// *out = the device workspace a CUDA handler takes as its last result: u8 (n,), n >= `need`,
+// 16-byte aligned (nullptr when need is 0). The Python lowering declares that result and
+// drops it (lowbit/ops/_primitive.py, cuda_workspace), so XLA plans it with the program's
+// memory, where XLA's FFI ScratchAllocator would allocate at run time, outside the compiled
+// program's peak. Errors name "<op>: workspace".
+inline Status WorkspaceFromResult(const char* op, ffi::AnyBuffer& workspace, int64_t need, void** out) {
+  *out = nullptr;
+  const auto d = workspace.dimensions();
+  if (workspace.element_type() != ffi::DataType::U8 || d.size() != 1 || d[0] < need) {
+    return Invalid(op, "workspace", "expected u8 of shape (n,) with n >= " + std::to_string(need) + ", got " +
+                                        std::to_string(workspace.size_bytes()) + " bytes");
+  }
+  if (need <= 0) return Status::Ok();
+  if (reinterpret_cast<uintptr_t>(workspace.untyped_data()) % 16 != 0) {
+    return Status::Internal(std::string(op) + ": workspace: expected a 16-byte aligned buffer from XLA");
+  }
+  *out = workspace.untyped_data();
+  return Status::Ok();
+}
+
 inline Status ExpectHighPrecision(const char* op, const char* arg, const ffi::AnyBuffer& b) {
   DType t = ToDType(b.element_type());
   if (IsHighPrecision(t)) return Status::Ok();

@@ -4,10 +4,10 @@
 // reference) and, with LOWBIT_CUDA_HANDLERS, into liblowbit_cuda.so as LowbitGemmCuda
 // (cuBLASLt). Both validate identically.
 //
-// Workspace: XLA's FFI ScratchAllocator serves the quantize handlers' 16-byte aligned dbias
-// partials, but every 256-byte aligned request this handler first made for cuBLASLt failed
-// ("cannot allocate ... bytes"), and it allocates at run time, outside the memory XLA plans
-// at compile time. So the device workspace is a second result buffer
+// Workspace: every 256-byte aligned request this handler first made of XLA's FFI
+// ScratchAllocator for cuBLASLt failed ("cannot allocate ... bytes"), and that allocator
+// allocates at run time, outside the memory XLA plans at compile time. So the device
+// workspace is a second result buffer
 // that lowbit/ops/gemm.py declares in the lowering and drops (as XLA's own cuBLAS custom
 // calls and TransformerEngine do); buffer assignment plans it like any temp. The CUDA
 // lowering makes it u8[kGemmWorkspaceBytes], the CPU lowering u8[0]; both handlers bind

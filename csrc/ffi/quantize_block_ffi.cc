@@ -8,7 +8,8 @@
 // are 2-D in the layouts of the headers. A data result with 0 elements is "not requested"
 // (its scale result must then be empty too); for an empty x every result is empty. dbias
 // (the column sums, quantize/block_dbias.h) is f32 or x's dtype of shape shape[fa:], or (0,)
-// when not requested; the CUDA handlers take its per-tile-row workspace from XLA's scratch.
+// when not requested; the CUDA handlers take its per-tile-row partial sums in a last u8
+// result, the workspace (ffi_util.h: WorkspaceFromResult), which the Python lowering drops.
 //
 // lowbit_quantize_fp8_block_colwise_rows: the colwise copy (and its scale_inv) of rows
 // [row_begin, row_begin + row_count) of a 2-D x, read in place (no slice of x is made), equal
@@ -266,20 +267,20 @@ ffi::Error DequantizeMxCpu(ffi::AnyBuffer data, ffi::AnyBuffer scale, ffi::Resul
 
 #else
 
-ffi::Error QuantizeBlockGpu(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer x,
-                            ffi::Result<ffi::AnyBuffer> rowwise, ffi::Result<ffi::AnyBuffer> rowwise_scale_inv,
-                            ffi::Result<ffi::AnyBuffer> colwise,
+ffi::Error QuantizeBlockGpu(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> rowwise,
+                            ffi::Result<ffi::AnyBuffer> rowwise_scale_inv, ffi::Result<ffi::AnyBuffer> colwise,
                             ffi::Result<ffi::AnyBuffer> colwise_scale_inv, ffi::Result<ffi::AnyBuffer> dbias,
-                            int32_t flatten_axis, bool tile_2d, bool pow2_scales) {
+                            ffi::Result<ffi::AnyBuffer> workspace, int32_t flatten_axis, bool tile_2d,
+                            bool pow2_scales) {
   QuantizeFp8BlockArgs a;
   Status s = QuantizeBlockArgs(x, {rowwise, rowwise_scale_inv, colwise, colwise_scale_inv, dbias},
                                flatten_axis, tile_2d, pow2_scales, &a);
-  void* workspace = nullptr;
+  void* ws = nullptr;
   if (s.ok()) {
-    s = AllocateScratch(scratch, BlockDbiasWorkspaceBytes(a.rows, a.cols, kFp8BlockDbiasTileRows, a.dbias != nullptr),
-                        std::string(kQuantizeBlockOp) + ": dbias", &workspace);
+    s = WorkspaceFromResult(kQuantizeBlockOp, *workspace,
+                            BlockDbiasWorkspaceBytes(a.rows, a.cols, kFp8BlockDbiasTileRows, a.dbias != nullptr), &ws);
   }
-  if (s.ok()) s = QuantizeFp8BlockCuda(a, workspace, stream);
+  if (s.ok()) s = QuantizeFp8BlockCuda(a, ws, stream);
   return ToFfiError(s);
 }
 
@@ -305,18 +306,18 @@ ffi::Error DequantizeBlockGpu(cudaStream_t stream, ffi::AnyBuffer data, ffi::Any
   return ToFfiError(s);
 }
 
-ffi::Error QuantizeMxGpu(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer x,
-                         ffi::Result<ffi::AnyBuffer> rowwise, ffi::Result<ffi::AnyBuffer> rowwise_scale,
-                         ffi::Result<ffi::AnyBuffer> colwise, ffi::Result<ffi::AnyBuffer> colwise_scale,
-                         ffi::Result<ffi::AnyBuffer> dbias, int32_t flatten_axis) {
+ffi::Error QuantizeMxGpu(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> rowwise,
+                         ffi::Result<ffi::AnyBuffer> rowwise_scale, ffi::Result<ffi::AnyBuffer> colwise,
+                         ffi::Result<ffi::AnyBuffer> colwise_scale, ffi::Result<ffi::AnyBuffer> dbias,
+                         ffi::Result<ffi::AnyBuffer> workspace, int32_t flatten_axis) {
   QuantizeMxfp8Args a;
   Status s = QuantizeMxArgs(x, {rowwise, rowwise_scale, colwise, colwise_scale, dbias}, flatten_axis, &a);
-  void* workspace = nullptr;
+  void* ws = nullptr;
   if (s.ok()) {
-    s = AllocateScratch(scratch, BlockDbiasWorkspaceBytes(a.rows, a.cols, kMxfp8DbiasTileRows, a.dbias != nullptr),
-                        std::string(kQuantizeMxOp) + ": dbias", &workspace);
+    s = WorkspaceFromResult(kQuantizeMxOp, *workspace,
+                            BlockDbiasWorkspaceBytes(a.rows, a.cols, kMxfp8DbiasTileRows, a.dbias != nullptr), &ws);
   }
-  if (s.ok()) s = QuantizeMxfp8Cuda(a, workspace, stream);
+  if (s.ok()) s = QuantizeMxfp8Cuda(a, ws, stream);
   return ToFfiError(s);
 }
 
@@ -343,13 +344,13 @@ namespace xffi = ::xla::ffi;
 LOWBIT_FFI_BACKEND_HANDLER(LowbitQuantizeFp8Block, lowbit::QuantizeBlock,
                            xffi::Ffi::Bind()
                                LOWBIT_FFI_CUDA_ONLY(.Ctx<xffi::PlatformStream<cudaStream_t>>())  // stream
-                               LOWBIT_FFI_CUDA_ONLY(.Ctx<xffi::ScratchAllocator>())  // dbias workspace
                                .Arg<xffi::AnyBuffer>()  // x: f32/f16/bf16, rank >= 1
                                .Ret<xffi::AnyBuffer>()  // rowwise: fp8, x's shape, or (0,)
                                .Ret<xffi::AnyBuffer>()  // rowwise_scale_inv: f32 Fp8BlockScaleDims(rows, cols), or (0,)
                                .Ret<xffi::AnyBuffer>()  // colwise: fp8, shape[fa:] + shape[:fa], or (0,)
                                .Ret<xffi::AnyBuffer>()  // colwise_scale_inv: f32 Fp8BlockScaleDims(cols, rows), or (0,)
                                .Ret<xffi::AnyBuffer>()  // dbias: f32 or x's dtype, shape[fa:], or (0,)
+                               LOWBIT_FFI_CUDA_ONLY(.Ret<xffi::AnyBuffer>())  // workspace: u8, the dbias partials
                                .Attr<int32_t>("flatten_axis")
                                .Attr<bool>("tile_2d")  // 128x128 tiles, else 1x128
                                .Attr<bool>("pow2_scales"));
@@ -374,13 +375,13 @@ LOWBIT_FFI_BACKEND_HANDLER(LowbitDequantizeFp8Block, lowbit::DequantizeBlock,
 LOWBIT_FFI_BACKEND_HANDLER(LowbitQuantizeMxfp8, lowbit::QuantizeMx,
                            xffi::Ffi::Bind()
                                LOWBIT_FFI_CUDA_ONLY(.Ctx<xffi::PlatformStream<cudaStream_t>>())  // stream
-                               LOWBIT_FFI_CUDA_ONLY(.Ctx<xffi::ScratchAllocator>())  // dbias workspace
                                .Arg<xffi::AnyBuffer>()  // x: f32/f16/bf16, rank >= 1
                                .Ret<xffi::AnyBuffer>()  // rowwise: fp8, x's shape, or (0,)
                                .Ret<xffi::AnyBuffer>()  // rowwise_scale: e8m0 Mxfp8ScaleDims(rows, cols, false), or (0,)
                                .Ret<xffi::AnyBuffer>()  // colwise: fp8, x's shape, or (0,)
                                .Ret<xffi::AnyBuffer>()  // colwise_scale: e8m0 Mxfp8ScaleDims(rows, cols, true), or (0,)
                                .Ret<xffi::AnyBuffer>()  // dbias: f32 or x's dtype, shape[fa:], or (0,)
+                               LOWBIT_FFI_CUDA_ONLY(.Ret<xffi::AnyBuffer>())  // workspace: u8, the dbias partials
                                .Attr<int32_t>("flatten_axis"));
 LOWBIT_FFI_BACKEND_HANDLER(LowbitDequantizeMxfp8, lowbit::DequantizeMx,
                            xffi::Ffi::Bind()

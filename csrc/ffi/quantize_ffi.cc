@@ -6,6 +6,9 @@
 // Quantize: x (any rank >= 1) is viewed as rows x cols with rows = prod(shape[:flatten_axis]).
 // A result with 0 elements is "not requested" (rowwise, colwise, dbias); amax is always
 // written.
+// The CUDA handler takes one more result, the workspace of dbias's per-tile-row partial sums
+// (u8, QuantizeFp8WorkspaceBytes; ffi_util.h: WorkspaceFromResult), which the Python lowering
+// declares and drops.
 #include <string>
 #include <vector>
 
@@ -98,18 +101,18 @@ ffi::Error DequantizeCpu(ffi::AnyBuffer data, ffi::AnyBuffer scale_inv, ffi::Res
 
 #else
 
-ffi::Error QuantizeGpu(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer x,
-                       ffi::AnyBuffer scale, ffi::Result<ffi::AnyBuffer> rowwise,
-                       ffi::Result<ffi::AnyBuffer> colwise, ffi::Result<ffi::AnyBuffer> amax,
-                       ffi::Result<ffi::AnyBuffer> dbias, int32_t flatten_axis) {
+ffi::Error QuantizeGpu(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer scale,
+                       ffi::Result<ffi::AnyBuffer> rowwise, ffi::Result<ffi::AnyBuffer> colwise,
+                       ffi::Result<ffi::AnyBuffer> amax, ffi::Result<ffi::AnyBuffer> dbias,
+                       ffi::Result<ffi::AnyBuffer> workspace, int32_t flatten_axis) {
   QuantizeFp8Args a;
   Status s = QuantizeArgs(x, scale, rowwise, colwise, amax, dbias, flatten_axis, &a);
-  void* workspace = nullptr;
+  void* ws = nullptr;
   if (s.ok()) {
-    s = AllocateScratch(scratch, QuantizeFp8WorkspaceBytes(a.rows, a.cols, a.dbias != nullptr),
-                        std::string(kQuantizeOp) + ": dbias", &workspace);
+    s = WorkspaceFromResult(kQuantizeOp, *workspace, QuantizeFp8WorkspaceBytes(a.rows, a.cols, a.dbias != nullptr),
+                            &ws);
   }
-  if (s.ok()) s = QuantizeFp8Cuda(a, workspace, stream);
+  if (s.ok()) s = QuantizeFp8Cuda(a, ws, stream);
   return ToFfiError(s);
 }
 
@@ -135,13 +138,13 @@ namespace xffi = ::xla::ffi;
 LOWBIT_FFI_BACKEND_HANDLER(LowbitQuantizeFp8, lowbit::Quantize,
                            xffi::Ffi::Bind()
                                LOWBIT_FFI_CUDA_ONLY(.Ctx<xffi::PlatformStream<cudaStream_t>>())  // stream
-                               LOWBIT_FFI_CUDA_ONLY(.Ctx<xffi::ScratchAllocator>())  // dbias workspace
                                .Arg<xffi::AnyBuffer>()  // x: f32/f16/bf16, rank >= 1
                                .Arg<xffi::AnyBuffer>()  // scale: f32 (1,)
                                .Ret<xffi::AnyBuffer>()  // rowwise: fp8, x's shape, or (0,)
                                .Ret<xffi::AnyBuffer>()  // colwise: fp8, shape[fa:] + shape[:fa], or (0,)
                                .Ret<xffi::AnyBuffer>()  // amax: f32 (1,), max |x|
                                .Ret<xffi::AnyBuffer>()  // dbias: x's dtype or f32, shape[fa:], or (0,)
+                               LOWBIT_FFI_CUDA_ONLY(.Ret<xffi::AnyBuffer>())  // workspace: u8, the dbias partials
                                .Attr<int32_t>("flatten_axis"));
 LOWBIT_FFI_BACKEND_HANDLER(LowbitDequantizeFp8, lowbit::Dequantize,
                            xffi::Ffi::Bind()

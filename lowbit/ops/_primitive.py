@@ -4,7 +4,9 @@ Each op family in lowbit/ops/ defines its primitives with `ffi_primitive`: abstr
 evaluation and batching are the family's; lowering goes through `jax.ffi.ffi_lowering`
 for "cpu" and "cuda", after `_ffi.require_platform` has made sure a handler exists (a
 clear error instead of XLA's "No registered implementation for custom call").
-`vmap_body` is the batching rule of the families' custom_vmap ops.
+`cuda_workspace` gives a CUDA handler its device workspace as one more result, declared in
+the lowering and dropped (XLA plans it with the program's memory; csrc/ffi/ffi_util.h,
+WorkspaceFromResult). `vmap_body` is the batching rule of the families' custom_vmap ops.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
 import jax
+import jax.numpy as jnp
 
 from lowbit import _ffi
 
@@ -27,9 +30,13 @@ def ffi_primitive(
     *,
     multiple_results: bool = False,
     attrs: tuple[str, ...] = (),
+    cuda_workspace=None,
 ):
     """`attrs` names the primitive params passed to the handler as FFI attributes (with
-    their numpy types); every other param only shapes the abstract evaluation."""
+    their numpy types); every other param only shapes the abstract evaluation.
+    `cuda_workspace(avals_in, **params) -> bytes`: the CUDA custom call gets one more result,
+    u8 of that many bytes, its workspace, which the op's outputs leave out (the CPU handler
+    has no such result)."""
     prim = Primitive(name)
     prim.multiple_results = multiple_results
     prim.def_impl(partial(dispatch.apply_primitive, prim))
@@ -38,7 +45,12 @@ def ffi_primitive(
 
     def lowering(ctx, *args, platform, **params):
         _ffi.require_platform(target, platform)
-        return lower(ctx, *args, **{k: v for k, v in params.items() if k in attrs})
+        ffi_attrs = {k: v for k, v in params.items() if k in attrs}
+        if platform != "cuda" or cuda_workspace is None:
+            return lower(ctx, *args, **ffi_attrs)
+        workspace = jax.core.ShapedArray((int(cuda_workspace(ctx.avals_in, **params)),), jnp.uint8)
+        outs = lower(ctx.replace(avals_out=[*ctx.avals_out, workspace]), *args, **ffi_attrs)
+        return outs[:-1]
 
     for platform in ("cpu", "cuda"):
         mlir.register_lowering(prim, partial(lowering, platform=platform), platform=platform)

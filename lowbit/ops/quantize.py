@@ -20,6 +20,7 @@ the unsharded one only by fp32 summation order.
 
 from __future__ import annotations
 
+import math
 from functools import lru_cache
 from typing import NamedTuple
 
@@ -84,13 +85,33 @@ def _quantize_abstract(x, scale, *, flatten_axis, out_dtype, rowwise, colwise, d
     )
 
 
-# (x, scale (1,)) -> (rowwise | (0,), colwise | (0,), amax (1,), dbias | (0,)).
+def dbias_workspace_bytes(shape, flatten_axis: int, dbias: bool, tile_rows: int) -> int:
+    """The CUDA quantizers' dbias workspace (csrc: QuantizeFp8WorkspaceBytes,
+    BlockDbiasWorkspaceBytes): one fp32 row of column sums per `tile_rows` rows of x's
+    rows x cols view, when dbias is computed (the handler checks the size)."""
+    rows, cols = math.prod(shape[:flatten_axis]), math.prod(shape[flatten_axis:])
+    if not dbias or rows == 0 or cols == 0:
+        return 0
+    return -(-rows // tile_rows) * cols * 4
+
+
+# csrc/quantize/quantize.h: kQuantizeTileRows, the per-tensor kernel's tile height.
+_TILE_ROWS = 64
+
+
+def _quantize_workspace(avals_in, *, flatten_axis, dbias_dtype, **_):
+    return dbias_workspace_bytes(avals_in[0].shape, int(flatten_axis), dbias_dtype is not None, _TILE_ROWS)
+
+
+# (x, scale (1,)) -> (rowwise | (0,), colwise | (0,), amax (1,), dbias | (0,)); on CUDA the
+# custom call's workspace result too (dropped).
 quantize_fp8_p = ffi_primitive(
     "lowbit_quantize_fp8",
     "lowbit_quantize_fp8",
     _quantize_abstract,
     multiple_results=True,
     attrs=("flatten_axis",),
+    cuda_workspace=_quantize_workspace,
 )
 
 # (data fp8, scale_inv (1,)) -> out, data's shape.

@@ -54,7 +54,7 @@ from lowbit.ops._primitive import ffi_primitive, vmap_body
 from lowbit.ops._sharding import (SCALE_DIMS, clean_split, compound_sizes, fit_scale, mesh_axes, named_shardings,
                                   spec_entries, tiled_group_rule, transposed_layout)
 from lowbit.ops.amax import check_high_precision
-from lowbit.ops.quantize import FP8_DTYPES, check_quantize_args
+from lowbit.ops.quantize import FP8_DTYPES, check_quantize_args, dbias_workspace_bytes
 E8M0 = jnp.dtype(jnp.float8_e8m0fnu)
 FP8_BLOCK_LEN = 128
 MXFP8_BLOCK_LEN = 32
@@ -132,11 +132,23 @@ def _mx_abstract(x, *, flatten_axis, out_dtype, rowwise, colwise, dbias_dtype=No
     )
 
 
+# csrc/quantize/block_dbias.h: kFp8BlockDbiasTileRows, kMxfp8DbiasTileRows.
+_FP8_BLOCK_DBIAS_TILE_ROWS, _MXFP8_DBIAS_TILE_ROWS = 128, 64
+
+
+def _workspace(tile_rows):
+    def bytes_(avals_in, *, flatten_axis, dbias_dtype=None, **_):
+        return dbias_workspace_bytes(avals_in[0].shape, int(flatten_axis), dbias_dtype is not None, tile_rows)
+    return bytes_
+
+
 # x -> (rowwise | (0,), rowwise_scale_inv | (0,), colwise | (0,), colwise_scale_inv | (0,),
-#       dbias (shape[f:], dbias_dtype) | (0,)).
+#       dbias (shape[f:], dbias_dtype) | (0,)); on CUDA the custom call's workspace result
+#       too (dropped).
 quantize_fp8_block_p = ffi_primitive(
     "lowbit_quantize_fp8_block", "lowbit_quantize_fp8_block", _block_abstract,
     multiple_results=True, attrs=("flatten_axis", "tile_2d", "pow2_scales"),
+    cuda_workspace=_workspace(_FP8_BLOCK_DBIAS_TILE_ROWS),
 )
 # (data, scale_inv) -> out, data's shape.
 dequantize_fp8_block_p = ffi_primitive(
@@ -147,7 +159,7 @@ dequantize_fp8_block_p = ffi_primitive(
 # x -> (rowwise | (0,), rowwise_scale | (0,), colwise | (0,), colwise_scale | (0,), dbias | (0,)).
 quantize_mxfp8_p = ffi_primitive(
     "lowbit_quantize_mxfp8", "lowbit_quantize_mxfp8", _mx_abstract,
-    multiple_results=True, attrs=("flatten_axis",),
+    multiple_results=True, attrs=("flatten_axis",), cuda_workspace=_workspace(_MXFP8_DBIAS_TILE_ROWS),
 )
 # (data, scale) -> out, data's shape.
 dequantize_mxfp8_p = ffi_primitive(
