@@ -193,6 +193,7 @@ def test_bad_inputs():
         quantize_grouped_fp8(x, g, out_dtype=jnp.bfloat16)
 
 
+@pytest.mark.cpu_reference  # the CPU handler's results (the CUDA one takes a workspace too: test_quantize_workspace.py)
 def test_handler_validation():
     """The FFI handler's own checks (what the Python wrapper cannot catch)."""
     lowbit._ffi.load()

@@ -235,6 +235,7 @@ def test_block_bad_inputs():
         quantize_grouped_block(jnp.ones((8, 16), jnp.int32), np.int32([4]), colwise=True)
 
 
+@pytest.mark.cpu_reference  # the CPU handler's results (the CUDA one takes a workspace too: test_quantize_workspace.py)
 def test_block_handler_validation():
     lowbit._ffi.load()
     x, u8, f32, sd = jnp.ones((40, 8), jnp.bfloat16), jnp.float8_e4m3fn, jnp.float32, jax.ShapeDtypeStruct

@@ -330,9 +330,10 @@ def test_bad_inputs():
             quantize_grouped_nvfp4(*args, **kw)
 
 
+@pytest.mark.cpu_reference  # the CPU handler's results (the CUDA one takes a workspace too: test_quantize_workspace.py)
 def test_handler_validation():
-    """The FFI handler (the CPU one here, the CUDA one on a GPU backend) rejects malformed calls
-    with the op and argument named."""
+    """The CPU FFI handler rejects malformed calls with the op and argument named (the CUDA one
+    runs the same checks, ParseArgs)."""
     lowbit._ffi.load()
     x = jnp.ones((40, 8), jnp.bfloat16)
     sd, u8, e4, f32, u32 = jax.ShapeDtypeStruct, jnp.uint8, jnp.float8_e4m3fn, jnp.float32, jnp.uint32

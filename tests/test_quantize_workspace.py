@@ -18,6 +18,9 @@ import pytest
 import lowbit
 from lowbit.ops.quantize import quantize_fp8
 from lowbit.ops.quantize_block import quantize_fp8_block, quantize_mxfp8
+from lowbit.ops.quantize_grouped import quantize_grouped_fp8
+from lowbit.ops.quantize_grouped_block import quantize_grouped_block
+from lowbit.ops.quantize_grouped_nvfp4 import quantize_grouped_nvfp4
 
 BF16, F32 = jnp.bfloat16, jnp.float32
 # op -> (custom call target, the CUDA kernel's tile rows: quantize.h kQuantizeTileRows,
@@ -56,6 +59,29 @@ def test_cuda_lowering_declares_the_workspace(monkeypatch, op, dbias, shape):
     cpu_results = re.search(rf"stablehlo\.custom_call @{target}\(.*\) -> \((.*)\)", cpu_text).group(1)
     assert len(re.findall(r"tensor<", cpu_results)) == len(results) - 1
     assert "xui8" not in cpu_results
+
+
+# grouped op -> (target, CUDA workspace bytes for G groups: the group tables of
+# csrc/quantize/quantize_grouped*.h, *WorkspaceBytes)
+GROUPED = {
+    "grouped_fp8": ("lowbit_quantize_grouped_fp8", lambda g: 4 * g,
+                    lambda x, sizes: quantize_grouped_fp8(x, sizes, jnp.ones(sizes.shape, F32), colwise=True)),
+    "grouped_block": ("lowbit_quantize_grouped_block", lambda g: (g + 1) * 20,
+                      lambda x, sizes: quantize_grouped_block(x, sizes, colwise=True)),
+    "grouped_nvfp4": ("lowbit_quantize_grouped_nvfp4", lambda g: (g + 1) * 24 + 8 * g,
+                      lambda x, sizes: quantize_grouped_nvfp4(x, sizes, colwise=True)),
+}
+
+
+@pytest.mark.parametrize("op", GROUPED)
+@pytest.mark.parametrize("groups", [1, 7])
+def test_grouped_cuda_lowering_declares_the_workspace(monkeypatch, op, groups):
+    target, want, fn = GROUPED[op]
+    x, sizes = jnp.zeros((96, 256), BF16), jnp.ones((groups,), jnp.int32)
+    (results,) = _cuda_results(monkeypatch, target, fn, x, sizes)
+    assert results[-1] == f"{want(groups)}xui8"
+    cpu_text = jax.jit(fn).lower(x, sizes).as_text()
+    assert "xui8>)" not in re.search(rf"stablehlo\.custom_call @{target}\(.*", cpu_text).group(0).split("->")[1]
 
 
 @pytest.mark.gpu

@@ -72,20 +72,6 @@ inline std::string Describe(ffi::DataType t, const Dims& d) {
 }
 
 // "<op>: <arg>: <what>" as an invalid-argument Status.
-// *out = `bytes` of XLA's scratch memory (16-byte aligned; nullptr when bytes <= 0), or an
-// Internal error "<what>: cannot allocate N bytes of workspace" when XLA cannot give them.
-inline Status AllocateScratch(ffi::ScratchAllocator& scratch, int64_t bytes, const std::string& what,
-                              void** out) {
-  *out = nullptr;
-  if (bytes <= 0) return Status::Ok();
-  auto allocation = scratch.Allocate(size_t(bytes), 16);
-  if (!allocation.has_value()) {
-    return Status::Internal(what + ": cannot allocate " + std::to_string(bytes) + " bytes of workspace");
-  }
-  *out = *allocation;
-  return Status::Ok();
-}
-
 inline Status Invalid(const char* op, const char* arg, const std::string& what) {
   return Status::InvalidArgument(std::string(op) + ": " + arg + ": " + what);
 }

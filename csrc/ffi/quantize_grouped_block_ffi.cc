@@ -112,17 +112,17 @@ ffi::Error GroupedBlockCpu(ffi::AnyBuffer x, ffi::AnyBuffer group_sizes, ffi::Re
 
 #else
 
-ffi::Error GroupedBlockGpu(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer x,
-                           ffi::AnyBuffer group_sizes, ffi::Result<ffi::AnyBuffer> rowwise,
-                           ffi::Result<ffi::AnyBuffer> rowwise_scale, ffi::Result<ffi::AnyBuffer> colwise,
-                           ffi::Result<ffi::AnyBuffer> colwise_scale, int32_t flatten_axis, int32_t kind,
+ffi::Error GroupedBlockGpu(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer group_sizes,
+                           ffi::Result<ffi::AnyBuffer> rowwise, ffi::Result<ffi::AnyBuffer> rowwise_scale,
+                           ffi::Result<ffi::AnyBuffer> colwise, ffi::Result<ffi::AnyBuffer> colwise_scale,
+                           ffi::Result<ffi::AnyBuffer> workspace, int32_t flatten_axis, int32_t kind,
                            bool pow2_scales) {
   QuantizeGroupedBlockArgs a;
   Status s = GroupedBlockArgs(x, group_sizes, rowwise, rowwise_scale, colwise, colwise_scale, flatten_axis, kind,
                               pow2_scales, &a);
-  void* workspace = nullptr;
-  if (s.ok()) s = AllocateScratch(scratch, QuantizeGroupedBlockWorkspaceBytes(a.groups), kOp, &workspace);
-  if (s.ok()) s = QuantizeGroupedBlockCuda(a, workspace, stream);
+  void* ws = nullptr;
+  if (s.ok()) s = WorkspaceFromResult(kOp, *workspace, QuantizeGroupedBlockWorkspaceBytes(a.groups), &ws);
+  if (s.ok()) s = QuantizeGroupedBlockCuda(a, ws, stream);
   return ToFfiError(s);
 }
 
@@ -136,13 +136,13 @@ namespace xffi = ::xla::ffi;
 LOWBIT_FFI_BACKEND_HANDLER(LowbitQuantizeGroupedBlock, lowbit::GroupedBlock,
                            xffi::Ffi::Bind()
                                LOWBIT_FFI_CUDA_ONLY(.Ctx<xffi::PlatformStream<cudaStream_t>>())  // stream
-                               LOWBIT_FFI_CUDA_ONLY(.Ctx<xffi::ScratchAllocator>())  // the group table (G + 1 entries)
                                .Arg<xffi::AnyBuffer>()  // x: f32/f16/bf16, rank >= 2, groups along dim 0
                                .Arg<xffi::AnyBuffer>()  // group_sizes: s32 (G,), entries of dim 0 per group
                                .Ret<xffi::AnyBuffer>()  // rowwise: fp8, x's shape, or (0,)
                                .Ret<xffi::AnyBuffer>()  // rowwise_scale: e8m0 / f32, see quantize_grouped_block.h, or (0,)
                                .Ret<xffi::AnyBuffer>()  // colwise: fp8, x's shape (MXFP8) or shape[fa:] + shape[:fa], or (0,)
                                .Ret<xffi::AnyBuffer>()  // colwise_scale: e8m0 / f32, grouped layout, or (0,)
+                               LOWBIT_FFI_CUDA_ONLY(.Ret<xffi::AnyBuffer>())  // workspace: u8, the group table (G + 1 entries)
                                .Attr<int32_t>("flatten_axis")
                                .Attr<int32_t>("kind")  // GroupedBlockKind
                                .Attr<bool>("pow2_scales"));

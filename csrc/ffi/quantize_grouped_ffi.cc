@@ -93,17 +93,17 @@ ffi::Error GroupedCpu(ffi::AnyBuffer x, ffi::AnyBuffer group_sizes, ffi::AnyBuff
 
 #else
 
-ffi::Error GroupedGpu(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer x,
-                      ffi::AnyBuffer group_sizes, ffi::AnyBuffer scale, ffi::Result<ffi::AnyBuffer> rowwise,
-                      ffi::Result<ffi::AnyBuffer> colwise, ffi::Result<ffi::AnyBuffer> amax,
-                      ffi::Result<ffi::AnyBuffer> scale_out, ffi::Result<ffi::AnyBuffer> scale_inv,
+ffi::Error GroupedGpu(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer group_sizes, ffi::AnyBuffer scale,
+                      ffi::Result<ffi::AnyBuffer> rowwise, ffi::Result<ffi::AnyBuffer> colwise,
+                      ffi::Result<ffi::AnyBuffer> amax, ffi::Result<ffi::AnyBuffer> scale_out,
+                      ffi::Result<ffi::AnyBuffer> scale_inv, ffi::Result<ffi::AnyBuffer> workspace,
                       int32_t flatten_axis, bool current_scaling, bool use_power_2_scales) {
   QuantizeGroupedFp8Args a;
   Status s = GroupedArgs(x, group_sizes, scale, rowwise, colwise, amax, scale_out, scale_inv, flatten_axis,
                          current_scaling, use_power_2_scales, &a);
-  void* workspace = nullptr;
-  if (s.ok()) s = AllocateScratch(scratch, QuantizeGroupedFp8WorkspaceBytes(a.groups), kOp, &workspace);
-  if (s.ok()) s = QuantizeGroupedFp8Cuda(a, workspace, stream);
+  void* ws = nullptr;
+  if (s.ok()) s = WorkspaceFromResult(kOp, *workspace, QuantizeGroupedFp8WorkspaceBytes(a.groups), &ws);
+  if (s.ok()) s = QuantizeGroupedFp8Cuda(a, ws, stream);
   return ToFfiError(s);
 }
 
@@ -117,7 +117,6 @@ namespace xffi = ::xla::ffi;
 LOWBIT_FFI_BACKEND_HANDLER(LowbitQuantizeGroupedFp8, lowbit::Grouped,
                            xffi::Ffi::Bind()
                                LOWBIT_FFI_CUDA_ONLY(.Ctx<xffi::PlatformStream<cudaStream_t>>())  // stream
-                               LOWBIT_FFI_CUDA_ONLY(.Ctx<xffi::ScratchAllocator>())  // group end rows (int32 per group)
                                .Arg<xffi::AnyBuffer>()  // x: f32/f16/bf16, rank >= 2, groups along dim 0
                                .Arg<xffi::AnyBuffer>()  // group_sizes: s32 (G,), entries of dim 0 per group
                                .Arg<xffi::AnyBuffer>()  // scale: f32 (G,) (delayed) or (0,) (current)
@@ -126,6 +125,7 @@ LOWBIT_FFI_BACKEND_HANDLER(LowbitQuantizeGroupedFp8, lowbit::Grouped,
                                .Ret<xffi::AnyBuffer>()  // amax: f32 (G,), max |x| per group
                                .Ret<xffi::AnyBuffer>()  // scale_out: f32 (G,), the scale each group used
                                .Ret<xffi::AnyBuffer>()  // scale_inv: f32 (G,), 1 / scale_out
+                               LOWBIT_FFI_CUDA_ONLY(.Ret<xffi::AnyBuffer>())  // workspace: u8, group end rows (int32 per group)
                                .Attr<int32_t>("flatten_axis")
                                .Attr<bool>("current_scaling")
                                .Attr<bool>("use_power_2_scales"));

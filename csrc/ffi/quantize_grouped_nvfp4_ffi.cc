@@ -126,19 +126,19 @@ ffi::Error GroupedNvfp4Cpu(ffi::AnyBuffer x, ffi::AnyBuffer group_sizes, ffi::An
 
 #else
 
-ffi::Error GroupedNvfp4Gpu(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer x,
-                           ffi::AnyBuffer group_sizes, ffi::AnyBuffer random, ffi::AnyBuffer rht_sign_bits,
+ffi::Error GroupedNvfp4Gpu(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer group_sizes,
+                           ffi::AnyBuffer random, ffi::AnyBuffer rht_sign_bits,
                            ffi::Result<ffi::AnyBuffer> rowwise, ffi::Result<ffi::AnyBuffer> rowwise_scale,
                            ffi::Result<ffi::AnyBuffer> rowwise_global_scale_inv,
                            ffi::Result<ffi::AnyBuffer> colwise, ffi::Result<ffi::AnyBuffer> colwise_scale,
-                           ffi::Result<ffi::AnyBuffer> colwise_global_scale_inv, int32_t flatten_axis,
-                           bool tile_2d, bool rht) {
+                           ffi::Result<ffi::AnyBuffer> colwise_global_scale_inv,
+                           ffi::Result<ffi::AnyBuffer> workspace, int32_t flatten_axis, bool tile_2d, bool rht) {
   QuantizeGroupedNvfp4Args a;
   Status s = ParseArgs(x, group_sizes, random, rht_sign_bits, rowwise, rowwise_scale, rowwise_global_scale_inv,
                        colwise, colwise_scale, colwise_global_scale_inv, flatten_axis, tile_2d, rht, &a);
-  void* workspace = nullptr;
-  if (s.ok()) s = AllocateScratch(scratch, QuantizeGroupedNvfp4WorkspaceBytes(a.groups), kOp, &workspace);
-  if (s.ok()) s = QuantizeGroupedNvfp4Cuda(a, workspace, stream);
+  void* ws = nullptr;
+  if (s.ok()) s = WorkspaceFromResult(kOp, *workspace, QuantizeGroupedNvfp4WorkspaceBytes(a.groups), &ws);
+  if (s.ok()) s = QuantizeGroupedNvfp4Cuda(a, ws, stream);
   return ToFfiError(s);
 }
 
@@ -152,7 +152,6 @@ namespace xffi = ::xla::ffi;
 LOWBIT_FFI_BACKEND_HANDLER(LowbitQuantizeGroupedNvfp4, lowbit::GroupedNvfp4,
                            xffi::Ffi::Bind()
                                LOWBIT_FFI_CUDA_ONLY(.Ctx<xffi::PlatformStream<cudaStream_t>>())  // stream
-                               LOWBIT_FFI_CUDA_ONLY(.Ctx<xffi::ScratchAllocator>())  // group table + amax slots
                                .Arg<xffi::AnyBuffer>()  // x: f32/f16/bf16, rank >= 2, groups along dim 0
                                .Arg<xffi::AnyBuffer>()  // group_sizes: s32 (G,), entries of dim 0 per group
                                .Arg<xffi::AnyBuffer>()  // random: u32, x's shape, or (0,) for RNE
@@ -163,6 +162,7 @@ LOWBIT_FFI_BACKEND_HANDLER(LowbitQuantizeGroupedNvfp4, lowbit::GroupedNvfp4,
                                .Ret<xffi::AnyBuffer>()  // colwise: u8 (GroupedNvfp4ColBytes,), or (0,)
                                .Ret<xffi::AnyBuffer>()  // colwise_scale: e4m3 (GroupedNvfp4ColScaleBytes,), or (0,)
                                .Ret<xffi::AnyBuffer>()  // colwise_global_scale_inv: f32 (G,), or (0,)
+                               LOWBIT_FFI_CUDA_ONLY(.Ret<xffi::AnyBuffer>())  // workspace: u8, group table + amax slots
                                .Attr<int32_t>("flatten_axis")
                                .Attr<bool>("tile_2d")  // 16x16 tiles, else 1x16
                                .Attr<bool>("rht"));  // random Hadamard transform on the colwise copy

@@ -75,6 +75,8 @@ quantize_grouped_fp8_p = ffi_primitive(
     _abstract,
     multiple_results=True,
     attrs=("flatten_axis", "current_scaling", "use_power_2_scales"),
+    # csrc: QuantizeGroupedFp8WorkspaceBytes, the CUDA handler's group end rows (int32 each)
+    cuda_workspace=lambda avals_in, **_: 4 * avals_in[1].shape[0],
 )
 
 

@@ -95,6 +95,8 @@ def _abstract(x, group_sizes, *, flatten_axis, kind, pow2_scales, out_dtype, row
 quantize_grouped_block_p = ffi_primitive(
     "lowbit_quantize_grouped_block", "lowbit_quantize_grouped_block", _abstract,
     multiple_results=True, attrs=("flatten_axis", "kind", "pow2_scales"),
+    # csrc: QuantizeGroupedBlockWorkspaceBytes, the CUDA handler's group table (G + 1 entries)
+    cuda_workspace=lambda avals_in, **_: (avals_in[1].shape[0] + 1) * 5 * 4,
 )
 
 

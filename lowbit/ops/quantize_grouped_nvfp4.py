@@ -96,6 +96,9 @@ def _abstract(x, group_sizes, random, rht_sign_bits, *, flatten_axis, tile_2d, r
 quantize_grouped_nvfp4_p = ffi_primitive(
     "lowbit_quantize_grouped_nvfp4", "lowbit_quantize_grouped_nvfp4", _abstract,
     multiple_results=True, attrs=("flatten_axis", "tile_2d", "rht"),
+    # csrc: QuantizeGroupedNvfp4WorkspaceBytes, the CUDA handler's group table (G + 1 entries
+    # of six int32) and two u32 amax slots per group
+    cuda_workspace=lambda avals_in, **_: (avals_in[1].shape[0] + 1) * 6 * 4 + 2 * avals_in[1].shape[0] * 4,
 )
 
 # One primitive call per batch element: every element has its own groups.
