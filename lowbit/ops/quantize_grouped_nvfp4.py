@@ -55,7 +55,7 @@ from lowbit.ops.amax import check_high_precision
 from lowbit.ops.quantize import check_copies_and_axis
 from lowbit.ops.quantize_block import _looped_batcher
 from lowbit.ops.quantize_grouped_block import _check_group_sizes
-from lowbit.ops.quantize_nvfp4 import E4M3, Nvfp4Quantized, flat_view, scale_shape
+from lowbit.ops.quantize_nvfp4 import E4M3, Nvfp4Quantized, check_sr_rht_args, flat_view, scale_shape
 
 __all__ = ["quantize_grouped_nvfp4", "grouped_nvfp4_offsets", "grouped_nvfp4_slice", "grouped_nvfp4_shapes"]
 
@@ -129,16 +129,7 @@ def quantize_grouped_nvfp4(x, group_sizes, *, random=None, rht_sign_bits=None, t
         raise ValueError(f"{OP}: x, flatten_axis: expected rank >= 2 and flatten_axis >= 1 (groups are "
                          f"stacked along the first dim), got shape {x.shape} and flatten_axis {flatten_axis}")
     group_sizes = _check_group_sizes(OP, group_sizes, x.shape[0])
-    if random is None:
-        random = jnp.zeros((0,), jnp.uint32)
-    else:
-        random = jnp.asarray(random)
-        if random.dtype != jnp.uint32 or random.shape != x.shape:
-            raise ValueError(f"{OP}: random: expected uint32 of shape {x.shape}, got {random.dtype}{random.shape}")
-    rht = rht_sign_bits is not None
-    sign_bits = jnp.zeros((1,), jnp.uint32) if not rht else jnp.asarray(rht_sign_bits)
-    if sign_bits.dtype != jnp.uint32 or sign_bits.shape != (1,):
-        raise ValueError(f"{OP}: rht_sign_bits: expected uint32 of shape (1,), got {sign_bits.dtype}{sign_bits.shape}")
+    random, sign_bits, rht = check_sr_rht_args(OP, x, random, rht_sign_bits)
     outs = _grouped_fn(axis, bool(tile_2d), rht, bool(rowwise), bool(colwise))(x, group_sizes, random, sign_bits)
     row = list(outs[:3]) if rowwise else [None] * 3
     col = list(outs[3:]) if colwise else [None] * 3

@@ -298,6 +298,23 @@ quantize_nvfp4_p = ffi_primitive("lowbit_quantize_nvfp4", "lowbit_quantize_nvfp4
                                  multiple_results=True, attrs=("flatten_axis", "tile_2d", "rht"))
 _looped_batcher(quantize_nvfp4_p)
 
+
+def check_sr_rht_args(op: str, x, random, rht_sign_bits):
+    """(random, sign_bits, rht) as the NVFP4 handlers take them: `random` uint32 of x's shape or
+    None (RNE: an empty array), `rht_sign_bits` uint32 (1,) or None (no RHT: zeros); a
+    ValueError naming `op` and the argument otherwise."""
+    if random is None:
+        random = jnp.zeros((0,), jnp.uint32)
+    else:
+        random = jnp.asarray(random)
+        if random.dtype != jnp.uint32 or random.shape != x.shape:
+            raise ValueError(f"{op}: random: expected uint32 of shape {x.shape}, got {random.dtype}{random.shape}")
+    rht = rht_sign_bits is not None
+    sign_bits = jnp.zeros((1,), jnp.uint32) if not rht else jnp.asarray(rht_sign_bits)
+    if sign_bits.dtype != jnp.uint32 or sign_bits.shape != (1,):
+        raise ValueError(f"{op}: rht_sign_bits: expected uint32 of shape (1,), got {sign_bits.dtype}{sign_bits.shape}")
+    return random, sign_bits, rht
+
 def quantize_nvfp4(x, *, random=None, rht_sign_bits=None, tile_2d: bool = False, rowwise: bool = True,
                    colwise: bool = False, flatten_axis: int = -1, use_jnp: bool = False) -> Nvfp4Quantized:
     """NVFP4-quantizes x (see the module doc). `random`: uint32 of x's shape for stochastic
@@ -306,16 +323,7 @@ def quantize_nvfp4(x, *, random=None, rht_sign_bits=None, tile_2d: bool = False,
     x = jnp.asarray(x)
     check_high_precision(OP, "x", x)
     axis = check_copies_and_axis(OP, x, rowwise, colwise, flatten_axis)
-    if random is None:
-        random = jnp.zeros((0,), jnp.uint32)
-    else:
-        random = jnp.asarray(random)
-        if random.dtype != jnp.uint32 or random.shape != x.shape:
-            raise ValueError(f"{OP}: random: expected uint32 of shape {x.shape}, got {random.dtype}{random.shape}")
-    rht = rht_sign_bits is not None
-    sign_bits = jnp.zeros((1,), jnp.uint32) if not rht else jnp.asarray(rht_sign_bits)
-    if sign_bits.dtype != jnp.uint32 or sign_bits.shape != (1,):
-        raise ValueError(f"{OP}: rht_sign_bits: expected uint32 of shape (1,), got {sign_bits.dtype}{sign_bits.shape}")
+    random, sign_bits, rht = check_sr_rht_args(OP, x, random, rht_sign_bits)
     params = dict(flatten_axis=np.int32(axis), tile_2d=np.bool_(tile_2d), rht=np.bool_(rht),
                   rowwise=bool(rowwise), colwise=bool(colwise))
     if use_jnp:
