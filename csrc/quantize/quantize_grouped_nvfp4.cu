@@ -11,6 +11,8 @@
 //   GroupAmaxKernel   CTA = 64 rows of one group x 256 columns (the tile walk below): 16-row
 //                     groups down each column (Amax16: plain, and RHT-transformed when the
 //                     colwise copy has the RHT), a block max, one atomicMax per CTA and slot.
+//   GroupAmaxVecKernel  the same without the colwise RHT (plain max only), 16-byte loads of
+//                     V consecutive columns per thread, where cols and x's alignment allow.
 //   GroupTileKernel   CTA = one 64 x 64 tile of one group: QuantizeTile on the group's rows,
 //                     the outputs pointing at the group's slots, S from its amax slots.
 //   FinalizeKernel    global_scale_inv[g] = 1 / S of each group's stored amaxes.
@@ -22,6 +24,8 @@
 #include <cub/block/block_scan.cuh>
 #include <cuda_runtime.h>
 
+#include <cstdint>
+#include <cstring>
 #include <string>
 
 #include "common/cuda_check.h"
@@ -169,6 +173,41 @@ __global__ void __launch_bounds__(kAmaxThreads)
   }
 }
 
+// Without the colwise RHT both slots take max |x|: the same walk with 16-byte loads, CTA b
+// covering columns [(b % chunks) * 256 V, +256 V), V = 16 / sizeof(element), each thread V
+// consecutive columns of every row. Needs cols % V == 0 and x 16-byte aligned (the launcher
+// checks; else GroupAmaxKernel runs). A max of |x| bits does not depend on the order.
+template <typename Tag>
+__global__ void __launch_bounds__(kAmaxThreads)
+    GroupAmaxVecKernel(const typename Tag::Storage* __restrict__ x, int64_t cols, GroupTable t, int groups,
+                       int64_t chunks, bool row, bool col) {
+  using T = typename Tag::Storage;
+  constexpr int V = 16 / int(sizeof(T));
+  int64_t r0 = 0;
+  const int e = TileGroup(t, groups, int64_t(blockIdx.x) / chunks, &r0);
+  if (e < 0) return;  // uniform across the CTA
+  const int64_t start = t.start[e], n = t.end[e] - start;
+  const int64_t c = (int64_t(blockIdx.x) % chunks * kAmaxThreads + threadIdx.x) * V;
+  uint32_t amax = 0;
+  if (c < cols) {
+    const T* xg = x + (start + r0) * cols + c;
+    const int64_t count = min(int64_t(kTile), n - r0);
+#pragma unroll 4
+    for (int64_t r = 0; r < count; ++r) {
+      const uint4 raw = __ldg(reinterpret_cast<const uint4*>(xg + r * cols));
+      T v[V];
+      memcpy(v, &raw, sizeof(raw));
+#pragma unroll
+      for (int i = 0; i < V; ++i) amax = max(amax, FloatBits(LoadAsFloat(Tag{}, v[i])) & 0x7FFFFFFFu);
+    }
+  }
+  amax = BlockMaxU32(amax);
+  if (threadIdx.x == 0 && amax != 0) {
+    if (row) atomicMax(t.row_amax + e, amax);
+    if (col) atomicMax(t.col_amax + e, amax);
+  }
+}
+
 struct GroupedOut {
   uint8_t* rowwise = nullptr;  // null: not requested
   uint8_t* rowwise_scale = nullptr;
@@ -232,10 +271,18 @@ Status Launch(const QuantizeGroupedNvfp4Args& a, const GroupTable& t, GpuStream 
   const auto* x = static_cast<const T*>(a.x);
   const int64_t tile_rows = a.rows / kTile + G;  // >= sum_g ceil(n_g / 64)
 
-  const int64_t chunks = CeilDivI64(a.cols, kAmaxThreads);
-  if (tile_rows * chunks > 2147483647) return TooManyTiles(a);
-  GroupAmaxKernel<Tag><<<unsigned(tile_rows * chunks), kAmaxThreads, 0, stream>>>(
-      x, a.cols, t, G, chunks, row, col, a.rht, a.rht_sign_bits_device);
+  constexpr int64_t kVec = 16 / int64_t(sizeof(T));
+  if ((!a.rht || !col) && a.cols % kVec == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0) {
+    const int64_t chunks = CeilDivI64(a.cols, kAmaxThreads * kVec);
+    if (tile_rows * chunks > 2147483647) return TooManyTiles(a);
+    GroupAmaxVecKernel<Tag><<<unsigned(tile_rows * chunks), kAmaxThreads, 0, stream>>>(x, a.cols, t, G, chunks,
+                                                                                        row, col);
+  } else {
+    const int64_t chunks = CeilDivI64(a.cols, kAmaxThreads);
+    if (tile_rows * chunks > 2147483647) return TooManyTiles(a);
+    GroupAmaxKernel<Tag><<<unsigned(tile_rows * chunks), kAmaxThreads, 0, stream>>>(
+        x, a.cols, t, G, chunks, row, col, a.rht, a.rht_sign_bits_device);
+  }
   LOWBIT_RETURN_IF_ERROR(LaunchStatus(kOp));
 
   GroupedOut out;
