@@ -39,6 +39,26 @@ namespace lowbit {
 // shared memory next to its tiles (r256s2: 208 KB of the 227 KB an H100 block may have).
 constexpr int64_t kMaxQuantizeGroups = 1024;
 
+// The checks every grouped quantizer starts with (`op` is "<name>: "): 1 to kMaxQuantizeGroups
+// groups, 0 <= rows <= max_rows (what the launcher's int32 tables hold), cols >= 0,
+// rows_per_unit >= 1, a group_sizes buffer.
+inline Status CheckGroupedShape(const std::string& op, int64_t groups, int64_t rows, int64_t cols,
+                                int64_t rows_per_unit, const int32_t* group_sizes, int64_t max_rows = 0x7FFFFFFF) {
+  if (groups < 1 || groups > kMaxQuantizeGroups) {
+    return Status::InvalidArgument(op + "group_sizes: expected 1 to " + std::to_string(kMaxQuantizeGroups) +
+                                   " groups, got " + std::to_string(groups));
+  }
+  if (rows < 0 || cols < 0 || rows > max_rows) {
+    return Status::InvalidArgument(op + "x: expected 0 <= rows <= " + std::to_string(max_rows) + " and cols >= 0, got " +
+                                   std::to_string(rows) + " x " + std::to_string(cols));
+  }
+  if (rows_per_unit < 1) {
+    return Status::InvalidArgument(op + "rows_per_unit: expected >= 1, got " + std::to_string(rows_per_unit));
+  }
+  if (group_sizes == nullptr) return Status::InvalidArgument(op + "group_sizes: expected a buffer");
+  return Status::Ok();
+}
+
 struct QuantizeGroupedFp8Args {
   const void* x = nullptr;
   DType x_dtype = DType::kInvalid;      // f32, f16 or bf16
@@ -61,15 +81,9 @@ struct QuantizeGroupedFp8Args {
 // The argument checks shared by the reference and the launcher (sizes, pointers, dtypes).
 inline Status CheckQuantizeGroupedFp8Args(const QuantizeGroupedFp8Args& a) {
   const std::string op = "lowbit_quantize_grouped_fp8: ";
-  if (a.groups < 1 || a.groups > kMaxQuantizeGroups) {
-    return Status::InvalidArgument(op + "group_sizes: expected 1 to " + std::to_string(kMaxQuantizeGroups) +
-                                   " groups, got " + std::to_string(a.groups));
-  }
-  if (a.rows < 0 || a.cols < 0 || a.rows > 0x7FFFFFFF || a.rows_per_unit < 1) {
-    return Status::InvalidArgument(op + "x: expected 0 <= rows < 2^31, got " + std::to_string(a.rows));
-  }
-  if (a.group_sizes == nullptr || a.amax == nullptr || a.scale_out == nullptr || a.scale_inv == nullptr) {
-    return Status::InvalidArgument(op + "group_sizes, amax, scale, scale_inv: expected buffers");
+  LOWBIT_RETURN_IF_ERROR(CheckGroupedShape(op, a.groups, a.rows, a.cols, a.rows_per_unit, a.group_sizes));
+  if (a.amax == nullptr || a.scale_out == nullptr || a.scale_inv == nullptr) {
+    return Status::InvalidArgument(op + "amax, scale, scale_inv: expected buffers");
   }
   if (!a.current_scaling && a.scale == nullptr) {
     return Status::InvalidArgument(op + "scale: expected one scale per group for delayed scaling");

@@ -86,14 +86,7 @@ struct QuantizeGroupedBlockArgs {
 
 inline Status CheckQuantizeGroupedBlockArgs(const QuantizeGroupedBlockArgs& a) {
   const std::string op = "lowbit_quantize_grouped_block: ";
-  if (a.groups < 1 || a.groups > kMaxQuantizeGroups) {
-    return Status::InvalidArgument(op + "group_sizes: expected 1 to " + std::to_string(kMaxQuantizeGroups) +
-                                   " groups, got " + std::to_string(a.groups));
-  }
-  if (a.rows < 0 || a.cols < 0 || a.rows > 0x7FFFFFFF || a.rows_per_unit < 1) {
-    return Status::InvalidArgument(op + "x: expected 0 <= rows < 2^31, got " + std::to_string(a.rows));
-  }
-  if (a.group_sizes == nullptr) return Status::InvalidArgument(op + "group_sizes: expected a buffer");
+  LOWBIT_RETURN_IF_ERROR(CheckGroupedShape(op, a.groups, a.rows, a.cols, a.rows_per_unit, a.group_sizes));
   if (a.kind != GroupedBlockKind::kMxfp8 && a.kind != GroupedBlockKind::kFp8Block1x128 &&
       a.kind != GroupedBlockKind::kFp8Block128x128) {
     return Status::InvalidArgument(op + "kind: expected 0 (MXFP8), 1 (FP8 1x128) or 2 (FP8 128x128), got " +

@@ -101,16 +101,9 @@ struct QuantizeGroupedNvfp4Args {
 
 inline Status CheckQuantizeGroupedNvfp4Args(const QuantizeGroupedNvfp4Args& a) {
   const std::string op = "lowbit_quantize_grouped_nvfp4: ";
-  if (a.groups < 1 || a.groups > kMaxQuantizeGroups) {
-    return Status::InvalidArgument(op + "group_sizes: expected 1 to " + std::to_string(kMaxQuantizeGroups) +
-                                   " groups, got " + std::to_string(a.groups));
-  }
   // The CUDA group table holds row and scale-row offsets as int32 (P_g < rows + 128 G).
-  if (a.rows < 0 || a.cols < 0 || a.rows > 0x7FFFFFFF - 128 * kMaxQuantizeGroups || a.rows_per_unit < 1) {
-    return Status::InvalidArgument(op + "x: expected 0 <= rows <= 2^31 - 1 - 128 * " +
-                                   std::to_string(kMaxQuantizeGroups) + ", got " + std::to_string(a.rows));
-  }
-  if (a.group_sizes == nullptr) return Status::InvalidArgument(op + "group_sizes: expected a buffer");
+  LOWBIT_RETURN_IF_ERROR(CheckGroupedShape(op, a.groups, a.rows, a.cols, a.rows_per_unit, a.group_sizes,
+                                           0x7FFFFFFF - 128 * kMaxQuantizeGroups));
   if (a.rowwise_global_scale_inv == nullptr && a.colwise_global_scale_inv == nullptr) {
     return Status::InvalidArgument(op + "rowwise: neither rowwise nor colwise output requested");
   }

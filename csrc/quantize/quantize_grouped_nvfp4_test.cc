@@ -301,7 +301,7 @@ TEST(QuantizeGroupedNvfp4Ref, BadArguments) {
   expect_error(b, "x");
   b = a;
   b.rows_per_unit = 0;
-  expect_error(b, "x");
+  expect_error(b, "rows_per_unit");
   b = a;
   b.x_dtype = DType::kE4M3;
   expect_error(b, "x: expected f32, f16 or bf16");
