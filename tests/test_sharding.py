@@ -30,6 +30,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import lowbit
 from lowbit.flax import OVERWRITE_WITH_GRADIENT, DenseGeneral, LayerNormMLP
+from lowbit.ops import quantize_grouped_block, quantize_grouped_fp8, quantize_grouped_nvfp4
 from lowbit.ops.gemm import PSUM_ENV
 from lowbit.quantize import QuantizerFactory, get_global_mesh_resource, get_global_recipe
 from lowbit.recipe import DelayedScaling, Float8CurrentScaling
@@ -501,3 +502,28 @@ def test_modules_sharded_by_logical_axes(layout, psum, rng, monkeypatch):
                 np.testing.assert_allclose(shards[0][-1:], want[-1:], rtol=STEP2_STATE_RTOL, err_msg=name)
             else:
                 np.testing.assert_allclose(shards[0], want, rtol=STEP2_STATE_RTOL, err_msg=name)
+
+
+# ---------------------------------------------------------------- grouped quantizers
+@pytest.mark.parametrize("op", ["fp8", "block_1x128", "mxfp8", "nvfp4_sr_rht"])
+def test_grouped_quantizers_under_a_sharded_jit_equal_one_device(op, rng):
+    """The grouped quantizers have no partitioning rule (their groups span the rows): under a
+    sharded jit XLA gathers x, and every output equals the one-device call bit for bit."""
+    x = jnp.asarray(rng.standard_normal((256, 192)) * 3, jnp.bfloat16)
+    sizes = jnp.int32([100, 28, 0, 120])  # a tail of 8 rows
+    random = jax.random.bits(jax.random.PRNGKey(int(rng.integers(1 << 30))), x.shape, jnp.uint32)
+    fns = {
+        "fp8": lambda x, r: quantize_grouped_fp8(x, sizes, jnp.float32([1, 2, 4, 8])),
+        "block_1x128": lambda x, r: quantize_grouped_block(x, sizes, scaling_mode="fp8_block", colwise=True),
+        "mxfp8": lambda x, r: quantize_grouped_block(x, sizes, colwise=True),
+        "nvfp4_sr_rht": lambda x, r: quantize_grouped_nvfp4(x, sizes, random=r, rht_sign_bits=jnp.uint32([0xA5C3]),
+                                                          colwise=True),
+    }
+    want = jax.jit(fns[op])(x, random)
+    mesh = cpu_mesh()
+    got = jax.jit(fns[op])(jax.device_put(x, NamedSharding(mesh, P("dp", "tp"))),
+                           jax.device_put(random, NamedSharding(mesh, P("tp", "dp"))))
+    leaves_want, leaves_got = jax.tree.leaves(want), jax.tree.leaves(got)
+    assert len(leaves_want) == len(leaves_got) >= 4
+    for a, b in zip(leaves_want, leaves_got):
+        np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
