@@ -14,7 +14,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 from conftest import random_with_specials, run_on
-from quantize_grouped_common import DTYPES, FP8, _assert_same, dtype_ids
+from quantize_grouped_common import DTYPES, FP8, _assert_same, cuda_cases, dtype_ids
 
 import lowbit
 from lowbit.ops import grouped_block_slice, quantize_fp8_block, quantize_grouped_block, quantize_mxfp8
@@ -277,21 +277,6 @@ def test_block_cuda_lowering(monkeypatch):
 
 # ---------------------------------------------------------------- grouped block: CUDA == CPU
 
-def _block_cuda_cases(rng):
-    """(x shape, flatten_axis, sizes): groups ending mid-tile and mid-block, 1024 groups,
-    rows % 8 != 0 (the colwise byte stores), odd cols (element loads), a tail, rank 3."""
-    many = rng.integers(0, 5, 1024).astype(np.int32)
-    return [
-        ((1000, 264), -1, [1, 0, 300, 5, 129, 255, 0, 1]),
-        ((517, 131), -1, [7, 1, 1, 200, 0, 17]),
-        ((256, 128), -1, [256]),
-        ((300, 8), -1, [100, 0, 150]),
-        ((2048, 96), -1, list(many)),
-        ((40, 6, 72), 2, [3, 0, 1, 30]),
-        ((8, 2048), -1, [0, 3, 0, 4]),
-    ]
-
-
 def _block_both(cpu, gpu, x, sizes, mode, tile_2d, fp8, axis, **kw):
     f = lambda v, g: tuple(_grouped_block(v, g, mode, tile_2d, fp8, axis, **kw))  # noqa: E731
     return run_on(gpu, f, x, np.int32(sizes)), run_on(cpu, f, x, np.int32(sizes))
@@ -303,7 +288,7 @@ def _block_both(cpu, gpu, x, sizes, mode, tile_2d, fp8, axis, **kw):
 @pytest.mark.parametrize("kind", BLOCK_KINDS, ids=kind_ids)
 def test_block_cuda_equals_cpu(kind, dtype, fp8, rng, cpu, gpu):
     mode, tile_2d = kind
-    for shape, axis, sizes in _block_cuda_cases(rng):
+    for shape, axis, sizes in cuda_cases(rng):
         x = block_input(rng, shape, dtype, scale=50.0)
         a, b = _block_both(cpu, gpu, x, sizes, mode, tile_2d, fp8, axis, colwise=True)
         _assert_same(a, b)

@@ -17,6 +17,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 from conftest import run_on
+from nvfp4_bits import NAMES, assert_same as _assert_same, bits as _bits
+from quantize_grouped_common import cuda_cases
 
 import lowbit
 from lowbit.ops import grouped_nvfp4_offsets, grouped_nvfp4_slice, quantize_grouped_nvfp4, quantize_nvfp4
@@ -29,8 +31,6 @@ VARIANTS = {  # name -> (tile_2d, sr, rht)
     "rne": (False, False, False), "2d": (True, False, False), "sr": (False, True, False),
     "rht": (False, False, True), "sr-rht": (False, True, True), "2d-sr-rht": (True, True, True),
 }
-NAMES = ("rowwise", "rowwise_scale", "rowwise_global_scale_inv", "colwise", "colwise_scale",
-         "colwise_global_scale_inv")
 
 
 def _data(rng, shape, dtype=np.float32, subnormals=True):
@@ -46,21 +46,6 @@ def _data(rng, shape, dtype=np.float32, subnormals=True):
     for value, count in planted:
         x[rng.integers(0, n, count)] = F32(value)
     return x.reshape(shape).astype(dtype)
-
-
-def _bits(a):
-    return np.ascontiguousarray(np.asarray(a)).view(np.uint8)
-
-
-def _assert_same(got, want, what=""):
-    for name, g, w in zip(NAMES, got, want):
-        if w is None:
-            assert g is None, f"{what}: {name}"
-            continue
-        g, w = _bits(g), _bits(w)
-        assert g.shape == w.shape, f"{what}: {name} shape {g.shape} vs {w.shape}"
-        bad = np.argwhere(g != w)
-        assert bad.size == 0, f"{what}: {name} differs at {len(bad)} bytes, first {bad[:3].tolist()}"
 
 
 def grouped_ref(x, sizes, *, random=None, bits=None, tile_2d=False, rowwise=True, colwise=True, axis=-1,
@@ -387,19 +372,8 @@ def test_cuda_lowering(monkeypatch):
 
 
 def _cuda_cases(rng):
-    """(x shape, flatten_axis, sizes): groups ending mid-tile and mid-block, odd sizes, 1024
-    groups, odd cols (element loads), cols % 64 != 0, a tail, rank 3, more than one CTA column."""
-    many = rng.integers(0, 5, 1024).astype(np.int32)
-    return [
-        ((1000, 264), -1, [1, 0, 300, 5, 129, 255, 0, 1]),
-        ((517, 131), -1, [7, 1, 1, 200, 0, 17]),
-        ((256, 128), -1, [256]),
-        ((300, 8), -1, [100, 0, 150]),
-        ((2048, 96), -1, list(many)),
-        ((40, 6, 72), 2, [3, 0, 1, 30]),
-        ((8, 2048), -1, [0, 3, 0, 4]),
-        ((333, 600), -1, _random_sizes(rng, 333, 9)),
-    ]
+    """The grouped kernels' CUDA cases (quantize_grouped_common.cuda_cases) and random sizes."""
+    return cuda_cases(rng) + [((333, 600), -1, _random_sizes(rng, 333, 9))]
 
 
 def _both(cpu, gpu, x, sizes, axis, variant, key, **kw):

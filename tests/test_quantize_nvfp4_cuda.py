@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from conftest import run_on
+from nvfp4_bits import assert_same as _assert_same, bits as _bits
 from lowbit.ops.quantize_nvfp4 import quantize_nvfp4, rht_sign_bits, sr_random_bits
 
 F32 = np.float32
@@ -60,25 +61,6 @@ def _fn(sr, rht, use_jnp=False, **kw):
         return tuple(quantize_nvfp4(x, random=rnd if sr else None, rht_sign_bits=bits if rht else None,
                                     use_jnp=use_jnp, **kw))
     return f
-
-
-def _bits(a):
-    return None if a is None else np.ascontiguousarray(np.asarray(a)).view(np.uint8)
-
-
-NAMES = ("rowwise", "rowwise_scale", "rowwise_global_scale_inv", "colwise", "colwise_scale",
-         "colwise_global_scale_inv")
-
-
-def _assert_same(got, want, what):
-    for name, g, w in zip(NAMES, got, want):
-        if w is None:
-            assert g is None, f"{what}: {name}"
-            continue
-        g, w = _bits(g), _bits(w)
-        assert g.shape == w.shape, f"{what}: {name} shape {g.shape} vs {w.shape}"
-        bad = np.argwhere(g != w)
-        assert bad.size == 0, f"{what}: {name} differs at {len(bad)} bytes, first {bad[:3].tolist()}"
 
 
 def _check(rng, cpu, gpu, shape, dtype, kind="mixed", sr=False, rht=False, twin=False, **kw):
