@@ -52,6 +52,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from lowbit.ops._primitive import ffi_primitive, vmap_body
 from lowbit.ops._sharding import mesh_axes, named_shardings, pmax_nonnegative, spec_entries
 from lowbit.ops.amax import check_high_precision
+from lowbit.ops.quantize import dbias_workspace_bytes
 
 ACT_TYPES = {"linear": 0, "gelu": 1, "silu": 2, "relu": 3, "quick_gelu": 4, "squared_relu": 5,
              "clamped_silu": 6}
@@ -132,11 +133,8 @@ _TILE_ROWS = 64
 
 
 def _workspace_bytes(rows, cols, dbias):
-    """activation.h: ActBackwardWorkspaceBytes: one fp32 row of partial column sums per
-    64-row tile, when dbias is computed (the handler checks the size)."""
-    if not dbias or rows == 0 or cols == 0:
-        return 0
-    return -(-rows // _TILE_ROWS) * cols * 4
+    """activation.h: ActBackwardWorkspaceBytes, the 64-row tiles' partial column sums."""
+    return dbias_workspace_bytes(rows, cols, dbias, _TILE_ROWS)
 
 
 def _bwd_abstract(dz, x, bias, scale, *, act_type, gated, limit, alpha, compute_dbias, cfg):

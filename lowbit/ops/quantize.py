@@ -85,14 +85,18 @@ def _quantize_abstract(x, scale, *, flatten_axis, out_dtype, rowwise, colwise, d
     )
 
 
-def dbias_workspace_bytes(shape, flatten_axis: int, dbias: bool, tile_rows: int) -> int:
-    """The CUDA quantizers' dbias workspace (csrc: QuantizeFp8WorkspaceBytes,
-    BlockDbiasWorkspaceBytes): one fp32 row of column sums per `tile_rows` rows of x's
-    rows x cols view, when dbias is computed (the handler checks the size)."""
-    rows, cols = math.prod(shape[:flatten_axis]), math.prod(shape[flatten_axis:])
+def dbias_workspace_bytes(rows: int, cols: int, dbias: bool, tile_rows: int) -> int:
+    """The CUDA dbias workspace of a rows x cols pass (csrc: QuantizeFp8WorkspaceBytes,
+    BlockDbiasWorkspaceBytes, ActBackwardWorkspaceBytes): one fp32 row of column sums per
+    `tile_rows` rows, when dbias is computed (the handlers check the size)."""
     if not dbias or rows == 0 or cols == 0:
         return 0
     return -(-rows // tile_rows) * cols * 4
+
+
+def flat_dbias_workspace_bytes(shape, flatten_axis: int, dbias: bool, tile_rows: int) -> int:
+    """dbias_workspace_bytes of x's rows x cols view at flatten_axis."""
+    return dbias_workspace_bytes(math.prod(shape[:flatten_axis]), math.prod(shape[flatten_axis:]), dbias, tile_rows)
 
 
 # csrc/quantize/quantize.h: kQuantizeTileRows, the per-tensor kernel's tile height.
@@ -100,7 +104,7 @@ _TILE_ROWS = 64
 
 
 def _quantize_workspace(avals_in, *, flatten_axis, dbias_dtype, **_):
-    return dbias_workspace_bytes(avals_in[0].shape, int(flatten_axis), dbias_dtype is not None, _TILE_ROWS)
+    return flat_dbias_workspace_bytes(avals_in[0].shape, int(flatten_axis), dbias_dtype is not None, _TILE_ROWS)
 
 
 # (x, scale (1,)) -> (rowwise | (0,), colwise | (0,), amax (1,), dbias | (0,)); on CUDA the

@@ -54,7 +54,7 @@ from lowbit.ops._primitive import ffi_primitive, vmap_body
 from lowbit.ops._sharding import (SCALE_DIMS, clean_split, compound_sizes, fit_scale, mesh_axes, named_shardings,
                                   spec_entries, tiled_group_rule, transposed_layout)
 from lowbit.ops.amax import check_high_precision
-from lowbit.ops.quantize import FP8_DTYPES, check_quantize_args, dbias_workspace_bytes
+from lowbit.ops.quantize import FP8_DTYPES, check_quantize_args, flat_dbias_workspace_bytes
 E8M0 = jnp.dtype(jnp.float8_e8m0fnu)
 FP8_BLOCK_LEN = 128
 MXFP8_BLOCK_LEN = 32
@@ -138,7 +138,7 @@ _FP8_BLOCK_DBIAS_TILE_ROWS, _MXFP8_DBIAS_TILE_ROWS = 128, 64
 
 def _workspace(tile_rows):
     def bytes_(avals_in, *, flatten_axis, dbias_dtype=None, **_):
-        return dbias_workspace_bytes(avals_in[0].shape, int(flatten_axis), dbias_dtype is not None, tile_rows)
+        return flat_dbias_workspace_bytes(avals_in[0].shape, int(flatten_axis), dbias_dtype is not None, tile_rows)
     return bytes_
 
 
