@@ -183,15 +183,13 @@ Status BackwardArgs(const ffi::AnyBuffer& dz, const ffi::AnyBuffer& x, const ffi
 
 // workspace: a u8 result (dropped in Python: lowbit/ops/activation.py,
 // _workspace_bytes, the same formula) of at least ActBackwardWorkspaceBytes bytes; the
-// CUDA handler keeps the dbias partial sums there. XLA's own memory, no ScratchAllocator.
+// CUDA handler keeps the dbias partial sums there. Both handlers bind and check it (so the
+// CPU suite keeps the two formulas in step); the checks are WorkspaceFromResult's.
 Status CheckWorkspace(const ffi::Result<ffi::AnyBuffer>& workspace, const ActArgs& a, void** ptr) {
-  const int64_t need = ActBackwardWorkspaceBytes(a.rows, ActOutCols(a, true), a.dbias != nullptr);
-  const Dims d = DimsOf(*workspace);
-  if (workspace->element_type() != ffi::DataType::U8 || d.size() != 1 || d[0] < need) {
-    return Invalid(kBwd, "workspace", "expected u8 of shape (n,) with n >= " + std::to_string(need) +
-                                          ", got " + Describe(workspace->element_type(), d));
-  }
-  if (ptr != nullptr) *ptr = need > 0 ? workspace->untyped_data() : nullptr;
+  void* p = nullptr;
+  LOWBIT_RETURN_IF_ERROR(WorkspaceFromResult(
+      kBwd, *workspace, ActBackwardWorkspaceBytes(a.rows, ActOutCols(a, true), a.dbias != nullptr), &p));
+  if (ptr != nullptr) *ptr = p;
   return Status::Ok();
 }
 

@@ -77,20 +77,23 @@ inline Status Invalid(const char* op, const char* arg, const std::string& what) 
 }
 
 // *out = the device workspace a CUDA handler takes as its last result: u8 (n,), n >= `need`,
-// 16-byte aligned (nullptr when need is 0). The Python lowering declares that result and
+// `alignment`-byte aligned (nullptr when need is 0). The Python lowering declares that result and
 // drops it (lowbit/ops/_primitive.py, cuda_workspace), so XLA plans it with the program's
 // memory, where XLA's FFI ScratchAllocator would allocate at run time, outside the compiled
 // program's peak. Errors name "<op>: workspace".
-inline Status WorkspaceFromResult(const char* op, ffi::AnyBuffer& workspace, int64_t need, void** out) {
+inline Status WorkspaceFromResult(const char* op, const ffi::AnyBuffer& workspace, int64_t need, void** out,
+                                  uint64_t alignment = 16) {
   *out = nullptr;
-  const auto d = workspace.dimensions();
+  const Dims d = DimsOf(workspace);
   if (workspace.element_type() != ffi::DataType::U8 || d.size() != 1 || d[0] < need) {
     return Invalid(op, "workspace", "expected u8 of shape (n,) with n >= " + std::to_string(need) + ", got " +
-                                        std::to_string(workspace.size_bytes()) + " bytes");
+                                        Describe(workspace.element_type(), d));
   }
   if (need <= 0) return Status::Ok();
-  if (reinterpret_cast<uintptr_t>(workspace.untyped_data()) % 16 != 0) {
-    return Status::Internal(std::string(op) + ": workspace: expected a 16-byte aligned buffer from XLA");
+  if (reinterpret_cast<uintptr_t>(workspace.untyped_data()) % alignment != 0) {
+    return Status::Internal(std::string(op) + ": workspace: expected a " + std::to_string(alignment) +
+                            "-byte aligned buffer from XLA, got address " +
+                            std::to_string(reinterpret_cast<uintptr_t>(workspace.untyped_data())));
   }
   *out = workspace.untyped_data();
   return Status::Ok();

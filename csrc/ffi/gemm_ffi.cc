@@ -305,18 +305,8 @@ ffi::Error SwizzleScalesCpu(ffi::AnyBuffer in, ffi::Result<ffi::AnyBuffer> out, 
 // The workspace checks of the CUDA GEMM handlers (XLA places the buffer; it is live only for
 // the call, so work enqueued later may reuse it: stream order keeps that safe).
 Status CheckWorkspace(const GemmArgs& args, ffi::AnyBuffer& workspace, const char* op) {
-  if (workspace.size_bytes() < GemmWorkspaceBytes(args)) {
-    return lowbit::Invalid(op, "workspace", "expected at least " +
-                                                std::to_string(GemmWorkspaceBytes(args)) +
-                                                " bytes (u8), got " +
-                                                std::to_string(workspace.size_bytes()));
-  }
-  if (reinterpret_cast<uintptr_t>(workspace.untyped_data()) % kGemmWorkspaceAlignment != 0) {
-    return Status::Internal(std::string(op) + ": workspace: expected a " +
-                            std::to_string(kGemmWorkspaceAlignment) + "-byte aligned buffer from XLA, got address " +
-                            std::to_string(reinterpret_cast<uintptr_t>(workspace.untyped_data())));
-  }
-  return Status::Ok();
+  void* ws = nullptr;
+  return WorkspaceFromResult(op, workspace, GemmWorkspaceBytes(args), &ws, kGemmWorkspaceAlignment);
 }
 
 ffi::Error GemmGpu(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuffer a,
