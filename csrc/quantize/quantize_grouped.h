@@ -25,6 +25,7 @@
 // (their tile walks reuse FindGroup).
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 
@@ -92,6 +93,14 @@ inline Status CheckQuantizeGroupedFp8Args(const QuantizeGroupedFp8Args& a) {
     return Status::InvalidArgument(op + "rowwise: neither rowwise nor colwise output requested");
   }
   return Status::Ok();
+}
+
+// The end row of group g, which starts at row `start` (the clipping above: a negative size
+// counts as 0, a group past x's end is cut there). The CPU references walk the groups so.
+inline int64_t GroupEndRow(const int32_t* group_sizes, int64_t g, int64_t start, int64_t rows,
+                           int64_t rows_per_unit) {
+  const int64_t size = std::max<int64_t>(group_sizes[g], 0) * rows_per_unit;
+  return std::min(start + std::min(size, rows), rows);
 }
 
 // The CUDA kernels' row -> group lookup (host + device, so GoogleTest checks it).

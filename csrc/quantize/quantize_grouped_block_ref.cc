@@ -65,8 +65,7 @@ Status QuantizeGroupedBlockRef(const QuantizeGroupedBlockArgs& a) {
   std::vector<uint8_t> part;
   std::vector<float> part_scale;
   for (int64_t g = 0; g < G; ++g) {
-    const int64_t size = std::max<int64_t>(a.group_sizes[g], 0) * a.rows_per_unit;
-    const int64_t end = std::min(start + std::min(size, rows), rows);
+    const int64_t end = GroupEndRow(a.group_sizes, g, start, rows, a.rows_per_unit);
     const int64_t n = end - start;
     if (n > 0) {
       const void* xg = x + start * row_bytes;

@@ -32,8 +32,7 @@ Status QuantizeGroupedNvfp4Ref(const QuantizeGroupedNvfp4Args& a) {
   const int64_t row_bytes = cols * (a.x_dtype == DType::kF32 ? 4 : 2);
   int64_t start = 0, P = 0, B = 0, Q = 0;
   for (int64_t g = 0; g < G; ++g) {
-    const int64_t size = std::max<int64_t>(a.group_sizes[g], 0) * a.rows_per_unit;
-    const int64_t end = std::min(start + std::min(size, rows), rows);
+    const int64_t end = GroupEndRow(a.group_sizes, g, start, rows, a.rows_per_unit);
     const int64_t n = end - start;
     QuantizeNvfp4Args u;  // rows [start, end) alone; n * cols == 0 writes only the global scales
     u.x = static_cast<const uint8_t*>(a.x) + start * row_bytes;

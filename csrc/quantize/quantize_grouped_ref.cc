@@ -23,8 +23,7 @@ Status QuantizeGroupedFp8Ref(const QuantizeGroupedFp8Args& a) {
       auto value = [&](int64_t r, int64_t c) { return LoadAsFloat(tag, x[r * a.cols + c]); };
       int64_t start = 0;
       for (int64_t g = 0; g < a.groups; ++g) {
-        const int64_t size = std::max<int64_t>(a.group_sizes[g], 0) * a.rows_per_unit;
-        const int64_t end = std::min(start + size, a.rows);
+        const int64_t end = GroupEndRow(a.group_sizes, g, start, a.rows, a.rows_per_unit);
         uint32_t best = 0;
         for (int64_t r = start; r < end; ++r) {
           for (int64_t c = 0; c < a.cols; ++c) best = std::max(best, AbsBitsOf(value(r, c)));
